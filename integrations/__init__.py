@@ -1,0 +1,1 @@
+"""Host-framework adapters (DeepSpeed, fairseq), installed as moe_plugin.integrations."""

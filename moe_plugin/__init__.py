@@ -1,0 +1,6 @@
+"""moe_plugin: a fast Mixture-of-Experts layer for PyTorch."""
+from .config import MoEConfig
+from .layer import MoELayer, aux_loss
+
+__version__ = "0.1.0"
+__all__ = ["MoEConfig", "MoELayer", "aux_loss", "__version__"]

@@ -1,0 +1,41 @@
+"""The `moe-plugin` command: bench, info."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import sys
+from typing import List, Optional
+
+import torch
+
+from . import __version__, bench
+
+
+def info(_: argparse.Namespace) -> int:
+    print(f"moe_plugin {__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"cuda {'available' if torch.cuda.is_available() else 'not available'}")
+    for name in ("deepspeed", "fairseq", "omegaconf"):
+        print(f"{name}: {'installed' if importlib.util.find_spec(name) else 'not installed'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-plugin", description="A fast Mixture-of-Experts layer for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"moe_plugin {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench_parser = commands.add_parser("bench", help="time one MoE layer against the bare GEMMs and peers")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.main)
+    commands.add_parser("info", help="versions and optional dependencies").set_defaults(func=info)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""MoEConfig: every knob of an MoE layer, once, validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+ROUTERS = ("softmax", "sigmoid", "cosine")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+AUX_LOSSES = ("gshard", "switch", "none")
+GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
+
+
+@dataclass
+class MoEConfig:
+    """Configuration of one MoE layer.
+
+    capacity_factor > 0: fixed capacity per expert, max(ceil(top_k * cf * T / E), min_capacity).
+    capacity_factor == 0: dropless, capacity = the largest real load.
+    capacity_factor < 0: adaptive, the largest real load capped at |cf| times the fixed capacity.
+    normalize_gate: True means "before_drop", False means "none"; only applies when top_k > 1.
+    """
+
+    model_dim: int
+    hidden_size: int
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    eval_capacity_factor: Optional[float] = None
+    min_capacity: int = 4
+    router: str = "softmax"
+    gate_noise: float = 0.0
+    fp32_router: bool = True
+    normalize_gate: Union[bool, str] = True
+    batch_prioritized_routing: bool = False
+    aux_loss: str = "gshard"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    activation: str = "relu"
+    bias: bool = True
+
+    def __new__(cls, *args, **kwargs):
+        _reject_unknown_keys(kwargs)
+        return super().__new__(cls)
+
+    def __post_init__(self):
+        for name in ("model_dim", "hidden_size", "num_experts"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("min_capacity", self.min_capacity, minimum=0)
+        _check_int("top_k", self.top_k, minimum=1)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} is invalid: must be between 1 and "
+                f"num_experts={self.num_experts}")
+        self.capacity_factor = _check_float("capacity_factor", self.capacity_factor)
+        if self.eval_capacity_factor is not None:
+            self.eval_capacity_factor = _check_float("eval_capacity_factor", self.eval_capacity_factor)
+        self.gate_noise = _check_float("gate_noise", self.gate_noise, minimum=0.0)
+        self.aux_loss_coef = _check_float("aux_loss_coef", self.aux_loss_coef, minimum=0.0)
+        self.z_loss_coef = _check_float("z_loss_coef", self.z_loss_coef, minimum=0.0)
+        for name in ("fp32_router", "batch_prioritized_routing", "bias"):
+            _check_bool(name, getattr(self, name))
+        if isinstance(self.normalize_gate, bool):
+            self.normalize_gate = "before_drop" if self.normalize_gate else "none"
+        _check_choice("normalize_gate", self.normalize_gate, GATE_NORMALIZATIONS)
+        _check_choice("router", self.router, ROUTERS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "MoEConfig":
+        if not isinstance(values, Mapping):
+            raise TypeError(f"MoEConfig.from_dict expects a mapping, got {type(values).__name__}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml(cls, path: str, section: Optional[str] = None) -> "MoEConfig":
+        """Read a YAML file (optionally one top-level section of it) with OmegaConf."""
+        try:
+            from omegaconf import OmegaConf
+        except ImportError as error:
+            raise ImportError("MoEConfig.from_yaml needs omegaconf: pip install omegaconf") from error
+        values = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        if section is not None:
+            if section not in values:
+                raise ValueError(f"{path} has no section {section!r}; it has {sorted(values)}")
+            values = values[section]
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "MoEConfig":
+        _reject_unknown_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+
+def field_names() -> list:
+    return [f.name for f in dataclasses.fields(MoEConfig)]
+
+
+def _reject_unknown_keys(values: Mapping[str, Any]) -> None:
+    known = field_names()
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"MoEConfig has no field {key!r}{hint}; known fields: {', '.join(known)}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be an integer >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be an integer >= {minimum}")
+
+
+def _check_float(name: str, value: Any, minimum: Optional[float] = None) -> float:
+    allowed = "a finite number" + ("" if minimum is None else f" >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be {allowed}")
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be {allowed}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be true or false")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be one of {shown}")

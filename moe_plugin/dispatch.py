@@ -1,0 +1,141 @@
+"""Slots, capacity and the index-based encode (tokens -> routed rows) and decode (rows -> tokens).
+
+Legend: T tokens, D model dim, E experts, K top-k, C capacity per expert,
+R routed rows: the kept (token, choice) pairs, grouped by expert, in slot order.
+
+The routed rows are the padded [E, C, D] buffer with its empty slots squeezed out: expert e owns
+rows [row_start[e], row_start[e] + kept[e]), and slot s of expert e is row row_start[e] + s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class Plan:
+    token_R: torch.Tensor       # token of each routed row
+    pos_TK: torch.Tensor        # routed row of each (token, choice); -1 where dropped
+    kept_TK: torch.Tensor       # bool, pos_TK >= 0
+    load_E: torch.Tensor        # choices per expert before dropping
+    rows_per_expert: List[int]  # kept rows per expert (host ints: the expert loop slices with them)
+    capacity: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.token_R.shape[0])
+
+
+def fixed_capacity(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int, min_capacity: int) -> int:
+    return max(math.ceil(top_k * capacity_factor * num_tokens / num_experts), min_capacity)
+
+
+def capacity_for(capacity_factor: float, max_load: int, num_tokens: int, num_experts: int,
+                 top_k: int, min_capacity: int) -> int:
+    """> 0: fixed; == 0: dropless (the largest load); < 0: the largest load capped at |cf| x fixed."""
+    if capacity_factor > 0:
+        return fixed_capacity(capacity_factor, num_tokens, num_experts, top_k, min_capacity)
+    if capacity_factor == 0:
+        return max_load
+    return min(max_load, fixed_capacity(-capacity_factor, num_tokens, num_experts, top_k, min_capacity))
+
+
+def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: float, min_capacity: int,
+                priority_T: Optional[torch.Tensor] = None) -> Plan:
+    """Give every (token, choice) a slot in its expert: cumsum-minus-one over the choices in order.
+
+    Choices are ordered choice-major (every token's first choice before any second choice), and
+    within a choice by token order, or by descending priority_T (batch-prioritized routing).
+    """
+    T, K = expert_TK.shape
+    device = expert_TK.device
+    order_T = torch.arange(T, device=device) if priority_T is None else \
+        torch.sort(priority_T, descending=True, stable=True).indices
+    expert_A = expert_TK.index_select(0, order_T).t().reshape(-1)           # A = K*T choices in order
+    token_A = order_T.repeat(K)
+    choice_A = torch.arange(K, device=device).repeat_interleave(T)
+
+    onehot_AE = torch.nn.functional.one_hot(expert_A, num_experts).to(torch.int32)
+    slot_A = (onehot_AE.cumsum(0) - 1).gather(1, expert_A[:, None]).squeeze(1)
+    load_E = onehot_AE.sum(0)
+    max_load = int(load_E.max()) if T > 0 else 0
+    capacity = capacity_for(capacity_factor, max_load, T, num_experts, K, min_capacity)
+
+    kept_E = load_E.clamp(max=capacity)
+    row_start_E = kept_E.cumsum(0) - kept_E
+    kept_A = slot_A < capacity
+    row_A = torch.where(kept_A, row_start_E[expert_A] + slot_A, -1).long()
+    rows_per_expert = kept_E.tolist()
+
+    token_R = torch.empty(sum(rows_per_expert), dtype=torch.long, device=device)
+    token_R[row_A[kept_A]] = token_A[kept_A]
+    pos_TK = torch.empty(T, K, dtype=torch.long, device=device)
+    pos_TK[token_A, choice_A] = row_A
+    return Plan(token_R, pos_TK, pos_TK >= 0, load_E, rows_per_expert, capacity)
+
+
+def gather_rows(x_TD: torch.Tensor, token_R: torch.Tensor) -> torch.Tensor:
+    return x_TD.index_select(0, token_R)
+
+
+def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """y_TD[t] = sum_k weight_TK[t, k] * y_RD[pos_TK[t, k]]; dropped choices carry weight 0."""
+    T, K = pos_TK.shape
+    if y_RD.shape[0] == 0:
+        return y_RD.new_zeros(T, y_RD.shape[1])
+    safe_pos_TK = pos_TK.clamp(min=0)
+    y_TD = y_RD.index_select(0, safe_pos_TK[:, 0]).mul_(weight_TK[:, :1])
+    for k in range(1, K):
+        y_TD.addcmul_(y_RD.index_select(0, safe_pos_TK[:, k]), weight_TK[:, k:k + 1])
+    return y_TD
+
+
+class Encode(torch.autograd.Function):
+    """x_RD = x_TD[token_R]; backward sums each token's rows back."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_R, pos_TK, kept_TK):
+        ctx.save_for_backward(pos_TK, kept_TK)
+        return gather_rows(x_TD, token_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        pos_TK, kept_TK = ctx.saved_tensors
+        return combine_rows(grad_RD, kept_TK.to(grad_RD.dtype), pos_TK), None, None, None
+
+
+class Decode(torch.autograd.Function):
+    """y_TD = sum_k gate_TK * y_RD[pos_TK]; backward gives the rows and the gates their gradients."""
+
+    @staticmethod
+    def forward(ctx, y_RD, gate_TK, token_R, pos_TK):
+        gate_TK = gate_TK * (pos_TK >= 0).to(gate_TK.dtype)
+        ctx.save_for_backward(y_RD, gate_TK, token_R, pos_TK)
+        return combine_rows(y_RD, gate_TK, pos_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_RD, gate_TK, token_R, pos_TK = ctx.saved_tensors
+        kept_TK = pos_TK >= 0
+        kept_pos = pos_TK[kept_TK]
+        grad_rows_RD = gather_rows(grad_TD.contiguous(), token_R)
+        grad_gate_TK = grad_y_RD = None
+        if ctx.needs_input_grad[1]:
+            grad_gate_TK = torch.zeros_like(gate_TK)
+            grad_gate_TK[kept_TK] = torch.linalg.vecdot(grad_rows_RD, y_RD)[kept_pos]
+        if ctx.needs_input_grad[0]:
+            gate_R = gate_TK.new_empty(token_R.shape[0])
+            gate_R[kept_pos] = gate_TK[kept_TK]
+            grad_y_RD = grad_rows_RD.mul_(gate_R[:, None])
+        return grad_y_RD, grad_gate_TK, None, None
+
+
+def encode(x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
+    return Encode.apply(x_TD, plan.token_R, plan.pos_TK, plan.kept_TK)
+
+
+def decode(y_RD: torch.Tensor, gate_TK: torch.Tensor, plan: Plan) -> torch.Tensor:
+    return Decode.apply(y_RD, gate_TK, plan.token_R, plan.pos_TK)

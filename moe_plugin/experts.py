@@ -1,0 +1,123 @@
+"""Stacked expert FFN weights and their compute on the routed rows only.
+
+Legend: R routed rows (grouped by expert), D model dim, H expert hidden dim, E experts.
+With swiglu the first projection gives 2H columns: [gate | up].
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+
+
+def _swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
+    gate_RH, up_RH = pre_RH2.chunk(2, dim=-1)
+    return F.silu(gate_RH) * up_RH
+
+
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": _swiglu}
+
+
+def _segments(rows_per_expert: List[int]):
+    start = 0
+    for e, n in enumerate(rows_per_expert):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def _linear_into(out_RO, x_RI, weight_EIO, bias_EO, rows_per_expert):
+    for e, rows in _segments(rows_per_expert):
+        torch.mm(x_RI[rows], weight_EIO[e], out=out_RO[rows])
+        if bias_EO is not None:  # a separate add is cheaper than addmm's copy of the bias on CPU
+            out_RO[rows].add_(bias_EO[e])
+    return out_RO
+
+
+def _weight_grads(x_RI, grad_RO, weight_EIO, with_bias, rows_per_expert):
+    """Per expert: grad_W = x^T grad, grad_b = sum of grad rows. Experts with no rows get zeros."""
+    grad_w_EIO = torch.empty_like(weight_EIO)
+    grad_b_EO = weight_EIO.new_empty(weight_EIO.shape[0], weight_EIO.shape[2]) if with_bias else None
+    for e, n in enumerate(rows_per_expert):
+        if n == 0:
+            grad_w_EIO[e].zero_()
+            if with_bias:
+                grad_b_EO[e].zero_()
+    for e, rows in _segments(rows_per_expert):
+        torch.mm(x_RI[rows].t(), grad_RO[rows], out=grad_w_EIO[e])
+        if with_bias:
+            torch.sum(grad_RO[rows], dim=0, out=grad_b_EO[e])
+    return grad_w_EIO, grad_b_EO
+
+
+def _input_grad(grad_RO, weight_EIO, rows_per_expert):
+    grad_RI = grad_RO.new_empty(grad_RO.shape[0], weight_EIO.shape[1])
+    for e, rows in _segments(rows_per_expert):
+        torch.mm(grad_RO[rows], weight_EIO[e].t(), out=grad_RI[rows])
+    return grad_RI
+
+
+class GroupedMLP(torch.autograd.Function):
+    """y = act(x W1[e] + b1[e]) W2[e] + b2[e] for each expert's block of rows."""
+
+    @staticmethod
+    def forward(ctx, x_RD, rows_per_expert, activation, w1_EDH, b1_EH, w2_EHD, b2_ED):
+        x_RD = x_RD.contiguous()
+        pre_RH = _linear_into(x_RD.new_empty(x_RD.shape[0], w1_EDH.shape[2]), x_RD, w1_EDH, b1_EH, rows_per_expert)
+        act_RH = pre_RH.relu_() if activation == "relu" else ACTIVATIONS[activation](pre_RH)
+        y_RD = _linear_into(x_RD.new_empty(x_RD.shape[0], w2_EHD.shape[2]), act_RH, w2_EHD, b2_ED, rows_per_expert)
+        # relu keeps its output (its own backward mask); the others keep the pre-activation
+        ctx.save_for_backward(x_RD, act_RH if activation == "relu" else pre_RH, w1_EDH, w2_EHD)
+        ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
+        ctx.with_bias = b1_EH is not None
+        return y_RD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y_RD):
+        x_RD, saved_RH, w1_EDH, w2_EHD = ctx.saved_tensors
+        rows, with_bias = ctx.rows_per_expert, ctx.with_bias
+        grad_y_RD = grad_y_RD.contiguous()
+        grad_act_RH = _input_grad(grad_y_RD, w2_EHD, rows)
+        if ctx.activation == "relu":
+            act_RH = saved_RH
+            grad_pre_RH = torch.ops.aten.threshold_backward.grad_input(
+                grad_act_RH, act_RH, 0, grad_input=grad_act_RH)
+        else:
+            with torch.enable_grad():
+                pre_RH = saved_RH.detach().requires_grad_()
+                act_RH = ACTIVATIONS[ctx.activation](pre_RH)
+            grad_pre_RH, = torch.autograd.grad(act_RH, pre_RH, grad_act_RH)
+            act_RH = act_RH.detach()
+        grad_w2, grad_b2 = _weight_grads(act_RH, grad_y_RD, w2_EHD, with_bias, rows)
+        grad_w1, grad_b1 = _weight_grads(x_RD, grad_pre_RH, w1_EDH, with_bias, rows)
+        grad_x_RD = _input_grad(grad_pre_RH, w1_EDH, rows) if ctx.needs_input_grad[0] else None
+        return grad_x_RD, None, None, grad_w1, grad_b1, grad_w2, grad_b2
+
+
+class Experts(nn.Module):
+    """E expert FFNs with stacked weights: w1_EDH [E, D, H or 2H], w2_EHD [E, H, D]."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        E, D, H = config.num_experts, config.model_dim, config.hidden_size
+        self.activation = config.activation
+        first_out = 2 * H if config.activation == "swiglu" else H
+        self.w1_EDH = nn.Parameter(_uniform(E, D, first_out, fan_in=D))
+        self.w2_EHD = nn.Parameter(_uniform(E, H, D, fan_in=H))
+        self.b1_EH = nn.Parameter(_uniform(E, first_out, fan_in=D)) if config.bias else None
+        self.b2_ED = nn.Parameter(_uniform(E, D, fan_in=H)) if config.bias else None
+
+    def forward(self, x_RD: torch.Tensor, rows_per_expert: List[int]) -> torch.Tensor:
+        return GroupedMLP.apply(x_RD, rows_per_expert, self.activation,
+                                self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED)
+
+
+def _uniform(*shape: int, fan_in: int) -> torch.Tensor:
+    bound = 1.0 / math.sqrt(fan_in)
+    return torch.empty(*shape).uniform_(-bound, bound)

@@ -1,0 +1,93 @@
+"""MoELayer: router -> encode -> experts -> decode, a drop-in for a transformer FFN block.
+
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from . import dispatch
+from .config import MoEConfig
+from .experts import Experts
+from .router import Router, finalize_gates
+
+
+class MoELayer(nn.Module):
+    """forward(x[..., model_dim]) -> y of the same shape and dtype.
+
+    After each forward: .aux_loss holds aux_loss_coef * balance loss + z_loss_coef * z-loss, and
+    .stats the tokens per expert, the dropped fraction and the capacity used.
+    """
+
+    def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, **kwargs):
+        super().__init__()
+        if config is None:
+            config = MoEConfig(**kwargs)
+        elif isinstance(config, Mapping):
+            config = MoEConfig.from_dict({**config, **kwargs})
+        elif kwargs:
+            config = config.replace(**kwargs)
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoELayer expects an MoEConfig or a dict, got {type(config).__name__}")
+        self.config = config
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.aux_loss = torch.zeros(())
+        self.stats: dict = {}
+
+    def capacity_factor(self) -> float:
+        cfg = self.config
+        if not self.training and cfg.eval_capacity_factor is not None:
+            return cfg.eval_capacity_factor
+        return cfg.capacity_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if x.dim() < 1 or x.shape[-1] != cfg.model_dim:
+            raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
+        x_TD = x.reshape(-1, cfg.model_dim)
+
+        routes = self.router(x_TD)
+        priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
+        plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, self.capacity_factor(),
+                                    cfg.min_capacity, priority_T)
+        gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
+
+        x_RD = dispatch.encode(x_TD, plan)
+        y_RD = self.experts(x_RD, plan.rows_per_expert)
+        y_TD = dispatch.decode(y_RD, gate_TK.to(y_RD.dtype), plan)
+
+        self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
+        self.stats = _stats(plan, cfg.num_experts, x_TD.shape[0], cfg.top_k)
+        return y_TD.view(x.shape)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (f"model_dim={cfg.model_dim}, hidden_size={cfg.hidden_size}, num_experts={cfg.num_experts}, "
+                f"top_k={cfg.top_k}, capacity_factor={cfg.capacity_factor}, router={cfg.router}, "
+                f"activation={cfg.activation}")
+
+
+def _stats(plan: dispatch.Plan, num_experts: int, num_tokens: int, top_k: int) -> dict:
+    choices = num_tokens * top_k
+    slots = plan.capacity * num_experts
+    return {
+        "tokens_per_expert": plan.load_E.tolist(),
+        "dropped_fraction": 1.0 - plan.num_rows / choices if choices else 0.0,
+        "capacity": plan.capacity,
+        "capacity_used": plan.num_rows / slots if slots else 0.0,
+    }
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """The sum of .aux_loss over every MoELayer in model (from each layer's last forward)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoELayer)]
+    total = losses[0] if losses else torch.zeros(())
+    for loss in losses[1:]:
+        total = total + loss.to(total.device)
+    return total

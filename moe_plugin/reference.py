@@ -1,0 +1,115 @@
+"""The plain GShard-style MoE: dense one-hot dispatch and combine with einsum.
+
+The oracle the fast layer is tested against, and the einsum baseline of `moe-plugin bench`. It reads
+an MoELayer's parameters and config but shares none of its routing code. Its cost grows with
+tokens x experts x capacity.
+
+Legend: T tokens, D model dim, H hidden, E experts, K top-k, C capacity per expert.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y shaped like x, weighted aux loss), computed with one-hot masks and einsum."""
+    cfg, router, experts = layer.config, layer.router, layer.experts
+    if layer.training and cfg.gate_noise > 0:
+        raise ValueError("reference_moe has no gate noise: use gate_noise=0 or eval mode")
+    E, K = cfg.num_experts, cfg.top_k
+    x_TD = x.reshape(-1, cfg.model_dim)
+    T = x_TD.shape[0]
+
+    w_ED = router.weight_ED
+    router_dtype = torch.promote_types(x.dtype, torch.float32) if cfg.fp32_router else x.dtype
+    xr_TD, wr_ED = x_TD.to(router_dtype), w_ED.to(router_dtype)
+    if cfg.router == "cosine":
+        scale = torch.exp(torch.clamp(router.log_scale, max=math.log(100.0))).to(xr_TD.dtype)
+        unit_x = xr_TD / xr_TD.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        unit_w = wr_ED / wr_ED.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        logits_TE = torch.einsum("td,ed->te", unit_x, unit_w) * scale
+    else:
+        logits_TE = torch.einsum("td,ed->te", xr_TD, wr_ED)
+    if cfg.router == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+        probs_TE = scores_TE / scores_TE.sum(1, keepdim=True)
+    else:
+        scores_TE = probs_TE = torch.softmax(logits_TE, dim=1)
+
+    expert_TK = torch.topk(logits_TE.detach(), K, dim=1).indices
+    masks = [F.one_hot(expert_TK[:, k], E).to(scores_TE.dtype) for k in range(K)]    # K x [T, E]
+    gates = [(scores_TE * m).sum(1) for m in masks]                                  # K x [T]
+    if cfg.normalize_gate == "before_drop" and K > 1:
+        total = sum(gates)
+        gates = [g / total for g in gates]
+
+    # slot = number of earlier choices for the same expert: choice-major, then token (or priority) order
+    if cfg.batch_prioritized_routing:
+        order_T = torch.sort(scores_TE.detach().max(1).values, descending=True, stable=True).indices
+    else:
+        order_T = torch.arange(T, device=x.device)
+    inverse_T = torch.argsort(order_T)
+    locations, before_E = [], torch.zeros(E, dtype=scores_TE.dtype, device=x.device)
+    for m in masks:
+        m_sorted = m[order_T]
+        locations.append(((torch.cumsum(m_sorted, 0) - 1 + before_E) * m_sorted)[inverse_T])
+        before_E = before_E + m.sum(0)
+    load_E = before_E
+    capacity = _capacity(layer, load_E, T)
+
+    keeps = [m * (loc < capacity).to(m.dtype) for m, loc in zip(masks, locations)]   # K x [T, E]
+    kept_gates = [g * k.sum(1) for g, k in zip(gates, keeps)]
+    if cfg.normalize_gate == "after_drop" and K > 1:
+        total = torch.clamp(sum(kept_gates), min=torch.finfo(scores_TE.dtype).eps)
+        kept_gates = [g / total for g in kept_gates]
+
+    dispatch_TEC = torch.zeros(T, E, capacity, dtype=x.dtype, device=x.device)
+    combine_TEC = torch.zeros(T, E, capacity, dtype=scores_TE.dtype, device=x.device)
+    for keep, loc, g in zip(keeps, locations, kept_gates):
+        slot_TC = F.one_hot((loc * keep).sum(1).long(), max(capacity, 1))[:, :capacity].to(scores_TE.dtype)
+        place_TEC = keep[:, :, None] * slot_TC[:, None, :]
+        dispatch_TEC = dispatch_TEC + place_TEC.to(x.dtype)
+        combine_TEC = combine_TEC + g[:, None, None] * place_TEC
+
+    x_ECD = torch.einsum("tec,td->ecd", dispatch_TEC, x_TD)
+    h_ECH = torch.einsum("ecd,edh->ech", x_ECD, experts.w1_EDH)
+    if experts.b1_EH is not None:
+        h_ECH = h_ECH + experts.b1_EH[:, None, :]
+    if cfg.activation == "swiglu":
+        gate_ECH, up_ECH = h_ECH.chunk(2, dim=-1)
+        h_ECH = F.silu(gate_ECH) * up_ECH
+    else:
+        h_ECH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[cfg.activation](h_ECH)
+    y_ECD = torch.einsum("ech,ehd->ecd", h_ECH, experts.w2_EHD)
+    if experts.b2_ED is not None:
+        y_ECD = y_ECD + experts.b2_ED[:, None, :]
+    y_TD = torch.einsum("tec,ecd->td", combine_TEC.to(x.dtype), y_ECD)
+
+    aux = _balance(cfg.aux_loss, probs_TE, masks, E) if T else probs_TE.new_zeros(())
+    z = torch.logsumexp(logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)), 1).pow(2).mean() if (T and cfg.z_loss_coef > 0) else 0.0
+    return y_TD.reshape(x.shape), cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+
+
+def _capacity(layer, load_E: torch.Tensor, T: int) -> int:
+    cfg = layer.config
+    cf = cfg.eval_capacity_factor if (not layer.training and cfg.eval_capacity_factor is not None) \
+        else cfg.capacity_factor
+    largest = int(load_E.max().item()) if T else 0
+    fixed = max(math.ceil(cfg.top_k * abs(cf) * T / cfg.num_experts), cfg.min_capacity)
+    if cf > 0:
+        return fixed
+    if cf == 0:
+        return largest
+    return min(largest, fixed)
+
+
+def _balance(kind, probs_TE, masks, E):
+    if kind == "none":
+        return probs_TE.new_zeros(())
+    counted = masks[:1] if kind == "gshard" else masks
+    fraction_E = sum(m.mean(0) for m in counted) / len(counted)
+    return E * (probs_TE.mean(0) * fraction_E).sum()

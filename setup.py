@@ -1,0 +1,19 @@
+from setuptools import setup
+
+DEEPSPEED = ["deepspeed==0.19.8"]
+FAIRSEQ = ["fairseq-fixed==0.12.3.1"]
+DEV = ["pytest>=7", "pytest-timeout>=2"]
+
+setup(
+    name="moe_plugin",
+    version="0.1.0",
+    description="A fast Mixture-of-Experts layer for PyTorch, for DeepSpeed and fairseq",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["moe_plugin", "moe_plugin.baselines", "moe_plugin.integrations"],
+    package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
+    install_requires=["torch>=2.1", "omegaconf>=2.1"],
+    extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "dev": DEV, "all": DEEPSPEED + FAIRSEQ + DEV},
+    entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
+)
