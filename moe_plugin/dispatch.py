@@ -58,22 +58,23 @@ def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: floa
     token_A = order_T.repeat(K)
     choice_A = torch.arange(K, device=device).repeat_interleave(T)
 
-    onehot_AE = torch.nn.functional.one_hot(expert_A, num_experts).to(torch.int32)
-    slot_A = (onehot_AE.cumsum(0) - 1).gather(1, expert_A[:, None]).squeeze(1)
-    load_E = onehot_AE.sum(0)
+    # slot = (cumsum of earlier choices of the same expert) - 1; a stable sort groups the choices by
+    # expert in order, so the slot is the position in the sorted list minus the expert's start
+    load_E = torch.bincount(expert_A, minlength=num_experts)
+    expert_S, sorted_A = torch.sort(expert_A, stable=True)
+    start_E = load_E.cumsum(0) - load_E
+    slot_S = torch.arange(expert_S.shape[0], device=device) - start_E[expert_S]
     max_load = int(load_E.max()) if T > 0 else 0
     capacity = capacity_for(capacity_factor, max_load, T, num_experts, K, min_capacity)
 
     kept_E = load_E.clamp(max=capacity)
-    row_start_E = kept_E.cumsum(0) - kept_E
-    kept_A = slot_A < capacity
-    row_A = torch.where(kept_A, row_start_E[expert_A] + slot_A, -1).long()
     rows_per_expert = kept_E.tolist()
-
-    token_R = torch.empty(sum(rows_per_expert), dtype=torch.long, device=device)
-    token_R[row_A[kept_A]] = token_A[kept_A]
+    kept_S = slot_S < capacity
+    token_R = token_A[sorted_A[kept_S]]                    # sorted order is (expert, slot) order
+    row_S = torch.full_like(slot_S, -1)
+    row_S[kept_S] = torch.arange(token_R.shape[0], device=device)
     pos_TK = torch.empty(T, K, dtype=torch.long, device=device)
-    pos_TK[token_A, choice_A] = row_A
+    pos_TK[token_A[sorted_A], choice_A[sorted_A]] = row_S
     return Plan(token_R, pos_TK, pos_TK >= 0, load_E, rows_per_expert, capacity)
 
 
@@ -97,14 +98,16 @@ class Encode(torch.autograd.Function):
     """x_RD = x_TD[token_R]; backward sums each token's rows back."""
 
     @staticmethod
-    def forward(ctx, x_TD, token_R, pos_TK, kept_TK):
-        ctx.save_for_backward(pos_TK, kept_TK)
+    def forward(ctx, x_TD, token_R):
+        ctx.save_for_backward(token_R)
+        ctx.num_tokens = x_TD.shape[0]
         return gather_rows(x_TD, token_R)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        pos_TK, kept_TK = ctx.saved_tensors
-        return combine_rows(grad_RD, kept_TK.to(grad_RD.dtype), pos_TK), None, None, None
+        token_R, = ctx.saved_tensors
+        grad_TD = grad_RD.new_zeros(ctx.num_tokens, grad_RD.shape[1])
+        return grad_TD.index_add_(0, token_R, grad_RD), None
 
 
 class Decode(torch.autograd.Function):
@@ -125,7 +128,7 @@ class Decode(torch.autograd.Function):
         grad_gate_TK = grad_y_RD = None
         if ctx.needs_input_grad[1]:
             grad_gate_TK = torch.zeros_like(gate_TK)
-            grad_gate_TK[kept_TK] = torch.linalg.vecdot(grad_rows_RD, y_RD)[kept_pos]
+            grad_gate_TK[kept_TK] = torch.einsum("rd,rd->r", grad_rows_RD, y_RD)[kept_pos]
         if ctx.needs_input_grad[0]:
             gate_R = gate_TK.new_empty(token_R.shape[0])
             gate_R[kept_pos] = gate_TK[kept_TK]
@@ -134,7 +137,7 @@ class Decode(torch.autograd.Function):
 
 
 def encode(x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
-    return Encode.apply(x_TD, plan.token_R, plan.pos_TK, plan.kept_TK)
+    return Encode.apply(x_TD, plan.token_R)
 
 
 def decode(y_RD: torch.Tensor, gate_TK: torch.Tensor, plan: Plan) -> torch.Tensor:

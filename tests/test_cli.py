@@ -1,0 +1,63 @@
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.bench import _deepspeed_step
+from moe_plugin.cli import main
+
+TINY = ["bench", "--model-dim", "16", "--hidden-size", "32", "--num-experts", "4", "--tokens", "57",
+        "--rounds", "2", "--warmup", "0", "--json"]
+
+
+def test_bench_json_times_every_candidate_and_checks_the_einsum_reference():
+    out = subprocess.run([sys.executable, "-m", "moe_plugin.cli"] + TINY, capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    expected = {"moe_plugin", "bare_gemm", "einsum"}
+    if importlib.util.find_spec("deepspeed"):
+        expected.add("deepspeed")
+    assert set(result["median_ms"]) == expected
+    assert all(ms > 0 for ms in result["median_ms"].values())
+    assert result["ratio_to_bare_gemm"]["bare_gemm"] == 1.0
+    assert result["notes"]["max_abs_diff_vs_einsum"] < 1e-5
+    assert result["config"]["num_experts"] == 4 and result["tokens"] == 57
+
+
+def test_bench_table(capsys):
+    assert main(TINY[:-1] + ["--skip", "einsum,deepspeed"]) == 0
+    table = capsys.readouterr().out
+    assert "moe_plugin" in table and "bare_gemm" in table and "x bare_gemm" in table
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    assert "torch" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_deepspeed_baseline_runs_forward_and_backward():
+    config = MoEConfig(model_dim=16, hidden_size=32, num_experts=4, top_k=2, capacity_factor=1.25)
+    x_TD = torch.randn(21, 16)
+    step = _deepspeed_step(config, x_TD, torch.randn_like(x_TD), torch.float32)
+    assert callable(step) and step() > 0
+
+
+def test_core_imports_only_torch():
+    code = ("import sys, moe_plugin, moe_plugin.bench, moe_plugin.reference; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'omegaconf', 'deepspeed', 'fairseq', 'yaml'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+def test_layer_is_a_drop_in_ffn():
+    block = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    moe = MoELayer(model_dim=16, hidden_size=32, num_experts=4, top_k=2)
+    x = torch.randn(3, 7, 16)
+    y = x + moe(block.norm2(x))
+    (y.sum() + moe.aux_loss).backward()
+    assert y.shape == x.shape and moe.experts.w1_EDH.grad is not None
