@@ -82,6 +82,11 @@ def gather_rows(x_TD: torch.Tensor, token_R: torch.Tensor) -> torch.Tensor:
     return x_TD.index_select(0, token_R)
 
 
+def _chunk_rows(tensor: torch.Tensor) -> int:
+    """Rows per chunk so that a [chunk, D] scratch stays in cache (about 512 KiB)."""
+    return max(16, (1 << 19) // max(1, tensor.shape[1] * tensor.element_size()))
+
+
 def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     """y_TD[t] = sum_k weight_TK[t, k] * y_RD[pos_TK[t, k]]; dropped choices carry weight 0."""
     T, K = pos_TK.shape
@@ -89,9 +94,30 @@ def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tens
         return y_RD.new_zeros(T, y_RD.shape[1])
     safe_pos_TK = pos_TK.clamp(min=0)
     y_TD = y_RD.index_select(0, safe_pos_TK[:, 0]).mul_(weight_TK[:, :1])
-    for k in range(1, K):
-        y_TD.addcmul_(y_RD.index_select(0, safe_pos_TK[:, k]), weight_TK[:, k:k + 1])
+    if K == 1:
+        return y_TD
+    # choices after the first go through a small reused scratch: no second [T, D] buffer
+    chunk = _chunk_rows(y_RD)
+    scratch_CD = y_RD.new_empty(chunk, y_RD.shape[1])
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        rows_CD = scratch_CD[:end - start]
+        for k in range(1, K):
+            torch.index_select(y_RD, 0, safe_pos_TK[start:end, k], out=rows_CD)
+            y_TD[start:end].addcmul_(rows_CD, weight_TK[start:end, k:k + 1])
     return y_TD
+
+
+def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor) -> torch.Tensor:
+    """dot_R[r] = <a_RD[r], b_RD[r]>, in cache-sized chunks."""
+    dot_R = a_RD.new_empty(a_RD.shape[0])
+    chunk = _chunk_rows(a_RD)
+    scratch_CD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1])
+    for start in range(0, a_RD.shape[0], chunk):
+        end = min(start + chunk, a_RD.shape[0])
+        product_CD = torch.mul(a_RD[start:end], b_RD[start:end], out=scratch_CD[:end - start])
+        torch.sum(product_CD, dim=1, out=dot_R[start:end])
+    return dot_R
 
 
 class Encode(torch.autograd.Function):
@@ -128,7 +154,7 @@ class Decode(torch.autograd.Function):
         grad_gate_TK = grad_y_RD = None
         if ctx.needs_input_grad[1]:
             grad_gate_TK = torch.zeros_like(gate_TK)
-            grad_gate_TK[kept_TK] = torch.einsum("rd,rd->r", grad_rows_RD, y_RD)[kept_pos]
+            grad_gate_TK[kept_TK] = row_dot(grad_rows_RD, y_RD)[kept_pos]
         if ctx.needs_input_grad[0]:
             gate_R = gate_TK.new_empty(token_R.shape[0])
             gate_R[kept_pos] = gate_TK[kept_TK]

@@ -23,19 +23,13 @@ def _swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": _swiglu}
 
 
-def _segments(rows_per_expert: List[int]):
-    start = 0
-    for e, n in enumerate(rows_per_expert):
-        if n:
-            yield e, slice(start, start + n)
-        start += n
-
-
 def _linear_into(out_RO, x_RI, weight_EIO, bias_EO, rows_per_expert):
-    for e, rows in _segments(rows_per_expert):
-        torch.mm(x_RI[rows], weight_EIO[e], out=out_RO[rows])
-        if bias_EO is not None:  # a separate add is cheaper than addmm's copy of the bias on CPU
-            out_RO[rows].add_(bias_EO[e])
+    blocks = zip(out_RO.split(rows_per_expert), x_RI.split(rows_per_expert), weight_EIO.unbind(0))
+    for e, (out_NO, x_NI, weight_IO) in enumerate(blocks):
+        if x_NI.shape[0]:
+            torch.mm(x_NI, weight_IO, out=out_NO)
+            if bias_EO is not None:  # a separate add is cheaper than addmm's copy of the bias on CPU
+                out_NO.add_(bias_EO[e])
     return out_RO
 
 
@@ -43,22 +37,23 @@ def _weight_grads(x_RI, grad_RO, weight_EIO, with_bias, rows_per_expert):
     """Per expert: grad_W = x^T grad, grad_b = sum of grad rows. Experts with no rows get zeros."""
     grad_w_EIO = torch.empty_like(weight_EIO)
     grad_b_EO = weight_EIO.new_empty(weight_EIO.shape[0], weight_EIO.shape[2]) if with_bias else None
-    for e, n in enumerate(rows_per_expert):
-        if n == 0:
-            grad_w_EIO[e].zero_()
-            if with_bias:
-                grad_b_EO[e].zero_()
-    for e, rows in _segments(rows_per_expert):
-        torch.mm(x_RI[rows].t(), grad_RO[rows], out=grad_w_EIO[e])
+    blocks = zip(x_RI.split(rows_per_expert), grad_RO.split(rows_per_expert), grad_w_EIO.unbind(0))
+    for e, (x_NI, grad_NO, grad_w_IO) in enumerate(blocks):
+        if x_NI.shape[0]:
+            torch.mm(x_NI.t(), grad_NO, out=grad_w_IO)
+        else:
+            grad_w_IO.zero_()
         if with_bias:
-            torch.sum(grad_RO[rows], dim=0, out=grad_b_EO[e])
+            torch.sum(grad_NO, dim=0, out=grad_b_EO[e])
     return grad_w_EIO, grad_b_EO
 
 
 def _input_grad(grad_RO, weight_EIO, rows_per_expert):
     grad_RI = grad_RO.new_empty(grad_RO.shape[0], weight_EIO.shape[1])
-    for e, rows in _segments(rows_per_expert):
-        torch.mm(grad_RO[rows], weight_EIO[e].t(), out=grad_RI[rows])
+    blocks = zip(grad_RI.split(rows_per_expert), grad_RO.split(rows_per_expert), weight_EIO.unbind(0))
+    for grad_NI, grad_NO, weight_IO in blocks:
+        if grad_NO.shape[0]:
+            torch.mm(grad_NO, weight_IO.t(), out=grad_NI)
     return grad_RI
 
 
