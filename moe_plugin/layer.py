@@ -12,6 +12,7 @@ from torch import nn
 from . import dispatch
 from .config import MoEConfig
 from .experts import Experts
+from .fused import fused_moe
 from .router import Router, finalize_gates
 
 
@@ -58,9 +59,7 @@ class MoELayer(nn.Module):
                                     cfg.min_capacity, priority_T)
         gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
 
-        x_RD = dispatch.encode(x_TD, plan)
-        y_RD = self.experts(x_RD, plan.rows_per_expert)
-        y_TD = dispatch.decode(y_RD, gate_TK.to(y_RD.dtype), plan)
+        y_TD = fused_moe(x_TD, gate_TK.to(x_TD.dtype), plan, self.experts)
 
         self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
         self.stats = _stats(plan, cfg.num_experts, x_TD.shape[0], cfg.top_k)

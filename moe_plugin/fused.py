@@ -1,0 +1,128 @@
+"""The single-process fast path: encode, expert FFN and decode fused, one expert block at a time.
+
+Each expert's tokens are gathered into a small reused buffer, run through the expert, scaled by
+their gates and added straight into the output, so neither the routed inputs [R, D] nor the
+routed outputs [R, D] are ever materialized. The backward pass gathers the same way and needs
+only the hidden activations. Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
+
+Legend: T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed rows,
+N rows of one expert.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .dispatch import row_dot
+from .experts import ACTIVATIONS
+
+
+class FusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, gate_TK, token_R, pos_TK, rows_per_expert: List[int], activation: str,
+                w1_EDH, b1_EH, w2_EHD, b2_ED):
+        x_TD = x_TD.contiguous()
+        T, D = x_TD.shape
+        kept_TK = pos_TK >= 0
+        gate_R = gate_TK.new_empty(token_R.shape[0])
+        gate_R[pos_TK[kept_TK]] = gate_TK[kept_TK]
+        scratch_ND = x_TD.new_empty(max(rows_per_expert, default=0), D)
+
+        pre_RH = x_TD.new_empty(token_R.shape[0], w1_EDH.shape[2])
+        for e, (token_N, pre_NH) in enumerate(zip(token_R.split(rows_per_expert), pre_RH.split(rows_per_expert))):
+            if token_N.shape[0]:
+                x_ND = torch.index_select(x_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
+                torch.mm(x_ND, w1_EDH[e], out=pre_NH)
+                if b1_EH is not None:
+                    pre_NH.add_(b1_EH[e])
+        act_RH = pre_RH.relu_() if activation == "relu" else ACTIVATIONS[activation](pre_RH)
+
+        y_TD = x_TD.new_zeros(T, D)
+        blocks = zip(token_R.split(rows_per_expert), act_RH.split(rows_per_expert), gate_R.split(rows_per_expert))
+        for e, (token_N, act_NH, gate_N) in enumerate(blocks):
+            if token_N.shape[0]:
+                y_ND = torch.mm(act_NH, w2_EHD[e], out=scratch_ND[:token_N.shape[0]])
+                if b2_ED is not None:
+                    y_ND.add_(b2_ED[e])
+                y_TD.index_add_(0, token_N, y_ND.mul_(gate_N[:, None]))
+
+        # relu keeps its output (its own backward mask); the others keep the pre-activation
+        ctx.save_for_backward(x_TD, act_RH if activation == "relu" else pre_RH, gate_R, token_R, pos_TK,
+                              w1_EDH, w2_EHD, b2_ED)
+        ctx.rows_per_expert, ctx.activation, ctx.with_bias = rows_per_expert, activation, b1_EH is not None
+        return y_TD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y_TD):
+        x_TD, saved_RH, gate_R, token_R, pos_TK, w1_EDH, w2_EHD, b2_ED = ctx.saved_tensors
+        rows, with_bias = ctx.rows_per_expert, ctx.with_bias
+        grad_y_TD = grad_y_TD.contiguous()
+        T, D = x_TD.shape
+        scratch_ND = x_TD.new_empty(max(rows, default=0), D)
+        token_blocks = token_R.split(rows)
+
+        if ctx.activation == "relu":
+            act_RH = saved_RH
+        else:
+            with torch.enable_grad():
+                pre_RH = saved_RH.detach().requires_grad_()
+                act_with_graph_RH = ACTIVATIONS[ctx.activation](pre_RH)
+            act_RH = act_with_graph_RH.detach()
+
+        # second projection: per block, u = g W2^T gives the gate gradient <u, act> + <g, b2>,
+        # and gate * u is the gradient of the activations
+        grad_act_RH = x_TD.new_empty(act_RH.shape)
+        grad_gate_R = gate_R.new_empty(gate_R.shape)
+        grad_w2_EHD = torch.empty_like(w2_EHD)
+        grad_b2_ED = torch.zeros_like(b2_ED) if with_bias else None
+        blocks = zip(token_blocks, act_RH.split(rows), grad_act_RH.split(rows), gate_R.split(rows),
+                     grad_gate_R.split(rows))
+        for e, (token_N, act_NH, grad_act_NH, gate_N, grad_gate_N) in enumerate(blocks):
+            if not token_N.shape[0]:
+                grad_w2_EHD[e].zero_()
+                continue
+            grad_y_ND = torch.index_select(grad_y_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
+            torch.mm(grad_y_ND, w2_EHD[e].t(), out=grad_act_NH)
+            if ctx.needs_input_grad[1]:
+                grad_gate_N.copy_(row_dot(grad_act_NH, act_NH))
+                if with_bias:
+                    grad_gate_N.add_(grad_y_ND @ b2_ED[e])
+            grad_act_NH.mul_(gate_N[:, None])
+            grad_y_ND.mul_(gate_N[:, None])
+            torch.mm(act_NH.t(), grad_y_ND, out=grad_w2_EHD[e])
+            if with_bias:
+                torch.sum(grad_y_ND, dim=0, out=grad_b2_ED[e])
+
+        if ctx.activation == "relu":
+            grad_pre_RH = torch.ops.aten.threshold_backward.grad_input(grad_act_RH, act_RH, 0, grad_input=grad_act_RH)
+        else:
+            grad_pre_RH, = torch.autograd.grad(act_with_graph_RH, pre_RH, grad_act_RH)
+
+        # first projection: weight gradients from re-gathered inputs, input gradients added per token
+        grad_w1_EDH = torch.empty_like(w1_EDH)
+        grad_b1_EH = w1_EDH.new_zeros(w1_EDH.shape[0], w1_EDH.shape[2]) if with_bias else None
+        grad_x_TD = x_TD.new_zeros(T, D) if ctx.needs_input_grad[0] else None
+        for e, (token_N, grad_pre_NH) in enumerate(zip(token_blocks, grad_pre_RH.split(rows))):
+            if not token_N.shape[0]:
+                grad_w1_EDH[e].zero_()
+                continue
+            x_ND = torch.index_select(x_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
+            torch.mm(x_ND.t(), grad_pre_NH, out=grad_w1_EDH[e])
+            if with_bias:
+                torch.sum(grad_pre_NH, dim=0, out=grad_b1_EH[e])
+            if grad_x_TD is not None:
+                grad_x_TD.index_add_(0, token_N, torch.mm(grad_pre_NH, w1_EDH[e].t(), out=x_ND))
+
+        grad_gate_TK = None
+        if ctx.needs_input_grad[1]:
+            kept_TK = pos_TK >= 0
+            grad_gate_TK = gate_R.new_zeros(pos_TK.shape)
+            grad_gate_TK[kept_TK] = grad_gate_R[pos_TK[kept_TK]]
+        return grad_x_TD, grad_gate_TK, None, None, None, None, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED
+
+
+def fused_moe(x_TD, gate_TK, plan, experts) -> torch.Tensor:
+    return FusedMoE.apply(x_TD, gate_TK, plan.token_R, plan.pos_TK, plan.rows_per_expert, experts.activation,
+                          experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED)
