@@ -1,4 +1,4 @@
-"""The `moe-plugin` command: bench, info."""
+"""The `moe-plugin` command: train, bench, info."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import torch
 
-from . import __version__, bench
+from . import __version__, bench, train
 
 
 def info(_: argparse.Namespace) -> int:
@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-plugin", description="A fast Mixture-of-Experts layer for PyTorch.")
     parser.add_argument("--version", action="version", version=f"moe_plugin {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    train_parser = commands.add_parser("train", help="train a small MoE transformer LM from a YAML experiment config")
+    train.add_arguments(train_parser)
+    train_parser.set_defaults(func=train.main)
     bench_parser = commands.add_parser("bench", help="time one MoE layer against the bare GEMMs and peers")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)

@@ -1,0 +1,72 @@
+"""What a finished `moe-plugin train` run leaves for people: loss.png, expert_load.png and the summary text.
+
+Records are the metrics.jsonl objects: {"step", "loss", "aux_loss", "dropped_fraction",
+"tokens_per_s", "tokens_per_expert": [[per expert] per MoE layer], "val_loss" (at eval steps)}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def save_plots(records: List[dict], out_dir: Path) -> None:
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+
+    figure = _figure(10, 3.6)
+    loss_ax, drop_ax = figure.subplots(1, 2)
+    loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    loss_ax.set(title="LM loss (nats per byte)", xlabel="step")
+    loss_ax.legend()
+    drop_ax.plot([r["step"] for r in train], [100 * r["dropped_fraction"] for r in train])
+    drop_ax.set(title="dropped tokens (% of routed choices)", xlabel="step", ylim=(0, None))
+    figure.savefig(out_dir / "loss.png")
+
+    num_layers = len(train[0]["tokens_per_expert"]) if train else 0
+    if not num_layers:
+        return
+    figure = _figure(5 * num_layers, 3.6)
+    axes = figure.subplots(1, num_layers, squeeze=False)[0]
+    steps = [r["step"] for r in train]
+    for layer, ax in enumerate(axes):
+        loads = [r["tokens_per_expert"][layer] for r in train]
+        shares_ES = [[100 * load[e] / max(1, sum(load)) for load in loads] for e in range(len(loads[0]))]
+        ax.stackplot(steps, shares_ES, labels=[f"expert {e}" for e in range(len(shares_ES))])
+        ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step",
+               xlim=(steps[0], steps[-1]), ylim=(0, 100))
+    axes[-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
+    figure.savefig(out_dir / "expert_load.png")
+
+
+def summary(name: str, result: dict, records: List[dict], routing: Dict[str, List[List[int]]]) -> str:
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    last = train[-1]
+    lines = [
+        f"run {name}: {result['steps']} steps, {result['world_size']} process(es), "
+        f"{result['tokens']:,} tokens, {result['seconds']:.0f} s ({last['tokens_per_s']:,.0f} tokens/s at the end)",
+        f"validation loss {val[0]['val_loss']:.3f} (step {val[0]['step']}) -> {val[-1]['val_loss']:.3f} "
+        f"(step {val[-1]['step']}); train loss {train[0]['loss']:.3f} -> {last['loss']:.3f}",
+        f"dropped tokens {100 * last['dropped_fraction']:.1f}%, aux loss {last['aux_loss']:.4f} (last record)",
+    ]
+    for layer, load in enumerate(last["tokens_per_expert"]):
+        shares = " ".join(f"{100 * n / max(1, sum(load)):.0f}" for n in load)
+        lines.append(f"MoE layer {layer + 1}: share of tokens per expert (%, last record): {shares}")
+    if routing:
+        lines.append("share of each topic's tokens per expert (%, validation text):")
+        num_experts = len(next(iter(routing.values()))[0])
+        width = max(len(topic) for topic in routing)
+        for layer in range(len(next(iter(routing.values())))):
+            lines.append(f"  {'MoE layer ' + str(layer + 1):<{width}} " +
+                         " ".join(f"{'e' + str(e):>3}" for e in range(num_experts)))
+            for topic, loads in routing.items():
+                load = loads[layer]
+                lines.append(f"  {topic:<{width}} " + " ".join(f"{100 * n / max(1, sum(load)):3.0f}" for n in load))
+    lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, loss.png, expert_load.png, checkpoints/")
+    return "\n".join(lines) + "\n"

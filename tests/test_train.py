@@ -1,0 +1,175 @@
+"""`moe-plugin train`: config loading and errors, learning, outputs, exact resume, two processes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_plugin import train
+from moe_plugin.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_YAML = ROOT / "configs" / "experiments" / "default.yaml"
+TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
+        "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4", "train.eval_batches=2",
+        "train.warmup_steps=2", "log.progress=false"]
+
+
+def run(tmp_path, *overrides, name="run"):
+    cfg = train.load_config(None, [f"log.out_dir={tmp_path / name}", *overrides])
+    result = train.train(cfg)
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return result, records
+
+
+def test_default_yaml_is_the_builtin_default():
+    assert train.load_config(str(DEFAULT_YAML)) == train.load_config()
+
+
+def test_overrides_take_effect(tmp_path, fresh_seed):
+    cfg = train.load_config(str(DEFAULT_YAML), ["moe.num_experts=16", "train.steps=200", "data.path=null"])
+    assert cfg.moe["num_experts"] == 16 and cfg.train.steps == 200 and cfg.model.dim == 128
+    assert train.moe_config(cfg).num_experts == 16 and train.moe_config(cfg).model_dim == 128
+
+    _, records = run(tmp_path, *TINY, "moe.num_experts=3", "moe.top_k=1", "train.steps=4", "log.every=2",
+                     f"train.seed={fresh_seed}")
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert all(len(load) == 3 for r in records[1:] for load in r["tokens_per_expert"])
+    assert all(sum(load) == 2 * 4 * 32 for r in records[1:] for load in r["tokens_per_expert"])  # top-1, 2 steps
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.stepz=3", "unknown key 'train.stepz' (did you mean 'steps'?); valid keys of section train: steps, stop_at,"),
+    ("modle.dim=64", "unknown key 'modle' (did you mean 'model'?); valid keys of the config: model, moe, data, train,"),
+    ("moe.num_expert=4", "unknown key 'moe.num_expert' (did you mean 'num_experts'?); valid keys of section moe: "
+                         "hidden_size, num_experts,"),
+    ("moe.model_dim=64", "moe.model_dim is set by model.dim"),
+])
+def test_unknown_key_lists_the_valid_keys(override, expected):
+    with pytest.raises(ValueError) as error:
+        train.load_config(str(DEFAULT_YAML), [override])
+    assert expected in str(error.value)
+    assert "model_dim," not in str(error.value)
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 5\n  learning_rate: 0.1\n")
+    with pytest.raises(ValueError, match="unknown key 'train.learning_rate'.*valid keys of section train: steps"):
+        train.load_config(str(path))
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps=-5", "train.steps=-5 is invalid: must be >= 1"),
+    ("train.steps=abc", "train.steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' is invalid: no such file"),
+    ("model.heads=3", "model.heads=3 is invalid: must be a divisor of model.dim=128"),
+    ("train.stop_at=301", "train.stop_at=301 is invalid"),
+    ("parallel.ep_size=2", "parallel.ep_size=2 is invalid: must be 1: ep_size > 1 needs expert parallelism"),
+    ("moe.top_k=9", "moe section: MoEConfig.top_k=9 is invalid"),
+    ("moe.activation=tanh", "moe section: MoEConfig.activation='tanh' is invalid"),
+])
+def test_bad_values_name_the_key_and_value(override, expected):
+    with pytest.raises(ValueError) as error:
+        train.load_config(None, [override])
+    assert expected in str(error.value)
+
+
+def test_command_line_reports_config_errors(capsys):
+    assert main(["train", "train.stepz=3"]) == 2
+    assert "unknown key 'train.stepz'" in capsys.readouterr().err
+    assert main(["train", "a.yaml", "b.yaml"]) == 2
+    assert main(["train", str(DEFAULT_YAML), "moe.num_experts=16", "--print-config"]) == 0
+    assert "num_experts: 16" in capsys.readouterr().out
+
+
+def test_default_config_learns_and_writes_its_outputs(tmp_path, fresh_seed):
+    """The default model and corpus for a few steps: validation loss falls well below its start."""
+    result, records = run(tmp_path, "train.steps=24", "train.warmup_steps=4", "train.eval_every=12",
+                          "log.every=4", "log.progress=false", f"train.seed={fresh_seed}", f"data.seed={fresh_seed}")
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < val[0] - 1.0, val
+    first, last = records[1], records[-1]
+    assert last["loss"] < first["loss"] - 0.5
+    assert set(last) >= {"step", "lr", "loss", "aux_loss", "tokens_per_s", "dropped_fraction", "tokens_per_expert"}
+    assert len(last["tokens_per_expert"]) == 2 and all(len(load) == 8 for load in last["tokens_per_expert"])
+    out = tmp_path / "run"
+    for name in ("loss.png", "expert_load.png", "summary.txt", "result.json", "config.yaml"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    summary = (out / "summary.txt").read_text()
+    assert "validation loss" in summary and "arithmetic" in summary and "upper_words" in summary
+    assert result["val_loss_last"] == val[-1] and result["world_size"] == 1
+    assert [p.name for p in train.checkpoints(out)] == ["step_000024.pt"]
+
+
+def write_text_file(path):
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+    path.write_text("".join(f"{words[i % 6]} {words[(i * 7) % 6]} {i % 10}.\n" for i in range(2000)))
+    return path
+
+
+@pytest.mark.parametrize("data", ["synthetic", "text file"])
+def test_resume_continues_bit_exactly(tmp_path, fresh_seed, data):
+    common = [*TINY, "train.steps=12", "train.eval_every=3", "train.checkpoint_every=4", "log.every=1",
+              "moe.gate_noise=0.5", f"train.seed={fresh_seed}", f"data.seed={fresh_seed}"]
+    if data == "text file":
+        common.append(f"data.path={write_text_file(tmp_path / 'corpus.txt')}")
+    full, full_records = run(tmp_path, *common, name="full")
+    run(tmp_path, *common, "train.stop_at=6", name="split")
+    assert [p.name for p in train.checkpoints(tmp_path / "split")] == ["step_000004.pt", "step_000006.pt"]
+    resumed, split_records = run(tmp_path, *common, "train.resume=latest", name="split")
+
+    assert len(full_records) == 13
+    for key in ("loss", "aux_loss", "val_loss", "dropped_fraction", "tokens_per_expert", "lr"):
+        assert [r.get(key) for r in split_records] == [r.get(key) for r in full_records], key
+    assert resumed["param_sha256_per_rank"] == full["param_sha256_per_rank"]
+    assert not list((tmp_path / "split" / "checkpoints").glob("*.tmp"))
+
+
+def test_resume_errors(tmp_path):
+    cfg = train.load_config(None, [*TINY, f"log.out_dir={tmp_path}", "train.resume=latest"])
+    with pytest.raises(ValueError, match="train.resume='latest' is invalid: no checkpoints in"):
+        train.train(cfg)
+    cfg = train.load_config(None, [*TINY, "train.resume=/no/such.pt"])
+    with pytest.raises(ValueError, match="train.resume='/no/such.pt' is invalid: no such file"):
+        train.train(cfg)
+
+
+def test_text_file_data_learns(tmp_path, fresh_seed):
+    path = write_text_file(tmp_path / "corpus.txt")
+    _, records = run(tmp_path, *TINY, f"data.path={path}", "train.steps=30", "train.eval_every=30", "train.lr=0.01",
+                     f"train.seed={fresh_seed}")
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert val[-1] < val[0] - 1.0, val
+
+
+def test_tensorboard_writer_is_skipped_when_tensorboard_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    assert train.tensorboard_writer(tmp_path) is None
+    run(tmp_path, *TINY, "train.steps=2", "log.plots=false")
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+@pytest.mark.timeout(240)
+def test_two_processes_train_identical_replicas(tmp_path, fresh_seed):
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "moe_plugin.cli", "train", *TINY, "train.steps=16", "train.eval_every=16", "train.lr=0.01",
+               "log.plots=false", f"train.seed={fresh_seed}", f"data.seed={fresh_seed}", f"log.out_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["world_size"] == 2 and result["steps"] == 16
+    hashes = result["param_sha256_per_rank"]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert result["val_loss_last"] < result["val_loss_first"] - 0.5
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 10, 16]
+    assert sum(records[-1]["tokens_per_expert"][0]) == 6 * 2 * (4 * 32) * 2  # steps x ranks x tokens x top-k
+    ranks = torch.load(out / "checkpoints" / "step_000016.pt", weights_only=True)["ranks"]
+    assert ranks[0]["data"]["rng"] != ranks[1]["data"]["rng"]  # each rank reads its own stream
