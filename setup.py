@@ -11,7 +11,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["moe_plugin", "moe_plugin.baselines", "moe_plugin.integrations"],
+    packages=["moe_plugin", "moe_plugin.baselines", "moe_plugin.parallel", "moe_plugin.integrations"],
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.1", "omegaconf>=2.1"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "dev": DEV, "all": DEEPSPEED + FAIRSEQ + DEV},

@@ -11,6 +11,7 @@ ROUTERS = ("softmax", "sigmoid", "cosine")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 AUX_LOSSES = ("gshard", "switch", "none")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
+A2A_KINDS = ("flat", "2dh")
 
 
 @dataclass
@@ -21,6 +22,13 @@ class MoEConfig:
     capacity_factor == 0: dropless, capacity = the largest real load.
     capacity_factor < 0: adaptive, the largest real load capped at |cf| times the fixed capacity.
     normalize_gate: True means "before_drop", False means "none"; only applies when top_k > 1.
+    ep_size: processes the experts are spread over (1: every process holds all experts).
+    parallel: 0 = experts gathered (data parallel), 1 = expert parallel, r > 1 = each expert sliced
+      over r processes (needs ep_size > num_experts); "auto" times the candidates and keeps the fastest.
+    overlap_degree: the exchange is cut into this many chunks so one chunk's all-to-all overlaps
+      another's expert compute; "auto" times the candidates.
+    a2a: "flat" or "2dh" (exchange inside a node, then across nodes; node_size from the config or
+      LOCAL_WORLD_SIZE).
     """
 
     model_dim: int
@@ -40,6 +48,11 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     activation: str = "relu"
     bias: bool = True
+    ep_size: int = 1
+    parallel: Union[int, str] = 1
+    overlap_degree: Union[int, str] = 1
+    a2a: str = "flat"
+    node_size: Optional[int] = None
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -68,6 +81,12 @@ class MoEConfig:
         _check_choice("router", self.router, ROUTERS)
         _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)
+        _check_int("ep_size", self.ep_size, minimum=1)
+        _check_int_or_auto("parallel", self.parallel, minimum=0)
+        _check_int_or_auto("overlap_degree", self.overlap_degree, minimum=1)
+        _check_choice("a2a", self.a2a, A2A_KINDS)
+        if self.node_size is not None:
+            _check_int("node_size", self.node_size, minimum=1)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "MoEConfig":
@@ -115,6 +134,13 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be an integer >= {minimum}")
     if value < minimum:
         raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be an integer >= {minimum}")
+
+
+def _check_int_or_auto(name: str, value: Any, minimum: int) -> None:
+    if value == "auto" and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be \"auto\" or an integer >= {minimum}")
 
 
 def _check_float(name: str, value: Any, minimum: Optional[float] = None) -> float:

@@ -96,23 +96,54 @@ class GroupedMLP(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """E expert FFNs with stacked weights: w1_EDH [E, D, H or 2H], w2_EHD [E, H, D]."""
+    """This rank's experts, stacked: w1_EDH [E_local, D, H_local (x2 for swiglu)], w2_EHD [E_local, H_local, D].
 
-    def __init__(self, config: MoEConfig):
+    Each expert is drawn from its own generator (seeded from the global RNG and the expert's index), so
+    the same seed gives the same experts whatever the ep_size; a rank keeps only its share.
+    """
+
+    def __init__(self, config: MoEConfig, first_expert: int = 0, local_experts: Optional[int] = None,
+                 slices: int = 1, slice_index: int = 0):
         super().__init__()
-        E, D, H = config.num_experts, config.model_dim, config.hidden_size
+        D, H = config.model_dim, config.hidden_size
+        local_experts = config.num_experts if local_experts is None else local_experts
         self.activation = config.activation
+        self.slices, self.slice_index = slices, slice_index
+        base_seed = int(torch.randint(0, 2**62, ()))
+        weights = [self.full_expert(config, base_seed + first_expert + i) for i in range(local_experts)]
+        shards = [self.take_slice(w, slices, slice_index) for w in weights]
+        self.w1_EDH = nn.Parameter(torch.stack([w["w1"] for w in shards]))
+        self.w2_EHD = nn.Parameter(torch.stack([w["w2"] for w in shards]))
+        self.b1_EH = nn.Parameter(torch.stack([w["b1"] for w in shards])) if config.bias else None
+        self.b2_ED = nn.Parameter(torch.stack([w["b2"] for w in shards])) if config.bias else None
+
+    @staticmethod
+    def full_expert(config: MoEConfig, seed: int) -> dict:
+        D, H = config.model_dim, config.hidden_size
         first_out = 2 * H if config.activation == "swiglu" else H
-        self.w1_EDH = nn.Parameter(_uniform(E, D, first_out, fan_in=D))
-        self.w2_EHD = nn.Parameter(_uniform(E, H, D, fan_in=H))
-        self.b1_EH = nn.Parameter(_uniform(E, first_out, fan_in=D)) if config.bias else None
-        self.b2_ED = nn.Parameter(_uniform(E, D, fan_in=H)) if config.bias else None
+        generator = torch.Generator().manual_seed(seed)
+        return {"w1": _uniform(D, first_out, fan_in=D, generator=generator),
+                "b1": _uniform(first_out, fan_in=D, generator=generator),
+                "w2": _uniform(H, D, fan_in=H, generator=generator),
+                "b2": _uniform(D, fan_in=H, generator=generator)}
+
+    @staticmethod
+    def take_slice(expert: dict, slices: int, index: int) -> dict:
+        """Hidden slice `index` of `slices` of one expert's tensors (swiglu's [gate | up] sliced alike)."""
+        if slices == 1:
+            return expert
+
+        def hidden_cols(t):
+            halves = t.chunk(2, dim=-1) if t.shape[-1] != expert["w2"].shape[0] else (t,)
+            return torch.cat([h.chunk(slices, dim=-1)[index] for h in halves], dim=-1)
+        return {"w1": hidden_cols(expert["w1"]), "b1": hidden_cols(expert["b1"]),
+                "w2": expert["w2"].chunk(slices, dim=0)[index], "b2": expert["b2"]}
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert: List[int]) -> torch.Tensor:
         return GroupedMLP.apply(x_RD, rows_per_expert, self.activation,
                                 self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED)
 
 
-def _uniform(*shape: int, fan_in: int) -> torch.Tensor:
+def _uniform(*shape: int, fan_in: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     bound = 1.0 / math.sqrt(fan_in)
-    return torch.empty(*shape).uniform_(-bound, bound)
+    return torch.empty(*shape).uniform_(-bound, bound, generator=generator)

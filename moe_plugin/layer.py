@@ -13,6 +13,9 @@ from . import dispatch
 from .config import MoEConfig
 from .experts import Experts
 from .fused import fused_moe
+from .parallel.expert_parallel import expert_parallel_moe
+from .parallel.groups import build_groups
+from .parallel.tuner import Tuner
 from .router import Router, finalize_gates
 
 
@@ -23,7 +26,8 @@ class MoELayer(nn.Module):
     .stats the tokens per expert, the dropped fraction and the capacity used.
     """
 
-    def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, **kwargs):
+    def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, ep_group=None, **kwargs):
+        """ep_group: a host framework's expert-parallel process group (default: built from the world)."""
         super().__init__()
         if config is None:
             config = MoEConfig(**kwargs)
@@ -35,9 +39,25 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects an MoEConfig or a dict, got {type(config).__name__}")
         self.config = config
         self.router = Router(config)
-        self.experts = Experts(config)
+        self.groups = build_groups(config.num_experts, config.hidden_size, config.ep_size, config.node_size,
+                                   ep_group)
+        layout = self.groups.layout
+        self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
+        self.tuner = Tuner(self._candidates(), group=self.groups.ep_group) if self.is_parallel else None
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.groups.ep_group is not None
+
+    def _candidates(self):
+        cfg, layout = self.config, self.groups.layout
+        degrees = layout.degrees() if cfg.parallel == "auto" else [cfg.parallel]
+        for r in degrees:
+            layout.check_degree(r)
+        overlaps = [1, 2, 4] if cfg.overlap_degree == "auto" else [cfg.overlap_degree]
+        return [(r, d) for r in degrees for d in overlaps if r != 0 or d == 1]
 
     def capacity_factor(self) -> float:
         cfg = self.config
@@ -45,7 +65,9 @@ class MoELayer(nn.Module):
             return cfg.eval_capacity_factor
         return cfg.capacity_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parallel: Optional[int] = None,
+                overlap_degree: Optional[int] = None) -> torch.Tensor:
+        """parallel / overlap_degree override the configured (or tuned) degrees for this call."""
         cfg = self.config
         if x.dim() < 1 or x.shape[-1] != cfg.model_dim:
             raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
@@ -59,11 +81,29 @@ class MoELayer(nn.Module):
                                     cfg.min_capacity, priority_T)
         gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
 
-        y_TD = fused_moe(x_TD, gate_TK.to(x_TD.dtype), plan, self.experts)
+        gate_TK = gate_TK.to(x_TD.dtype)
+        if self.is_parallel:
+            y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, parallel, overlap_degree)
+        else:
+            y_TD, degrees = fused_moe(x_TD, gate_TK, plan, self.experts), None
 
         self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
         self.stats = _stats(plan, cfg.num_experts, x_TD.shape[0], cfg.top_k)
+        if degrees is not None:
+            self.stats.update(parallel=degrees[0], overlap_degree=degrees[1],
+                              tuned=None if self.tuner.chosen is None else list(self.tuner.chosen))
         return y_TD.view(x.shape)
+
+    def _parallel_forward(self, x_TD, gate_TK, plan, parallel, overlap_degree):
+        tuning = parallel is None and overlap_degree is None and self.training and torch.is_grad_enabled()
+        r, d = self.tuner.current()
+        r = r if parallel is None else parallel
+        d = d if overlap_degree is None else overlap_degree
+        with self.tuner.timed() as timer:
+            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, self.experts, self.groups, r, d, self.config.a2a)
+        if tuning:
+            self.tuner.record((r, d), timer.seconds)
+        return y_TD, (r, d)
 
     def extra_repr(self) -> str:
         cfg = self.config

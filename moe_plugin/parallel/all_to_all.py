@@ -1,0 +1,133 @@
+"""Differentiable collectives for expert parallelism: variable-size all-to-all (flat and
+2D-hierarchical, blocking or started/waited for overlap) and an all-gather whose backward sums.
+
+Legend: W ranks in the group, L ranks per node, N = W / L nodes, D row width,
+C[src, dst] rows that rank src sends to rank dst.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def segment_permutation(sizes_AB: torch.Tensor) -> torch.Tensor:
+    """Rows laid out as segments in a-major order; the index that lists them in b-major order."""
+    flat_sizes = sizes_AB.reshape(-1)
+    starts_AB = (flat_sizes.cumsum(0) - flat_sizes).view(sizes_AB.shape)
+    sizes_BA, starts_BA = sizes_AB.t().reshape(-1), starts_AB.t().reshape(-1)
+    total = int(flat_sizes.sum())
+    segment_R = torch.repeat_interleave(torch.arange(sizes_BA.numel()), sizes_BA)
+    offset_R = torch.arange(total) - (sizes_BA.cumsum(0) - sizes_BA)[segment_R]
+    return starts_BA[segment_R] + offset_R
+
+
+class _Exchange:
+    """One started all-to-all: its handle and, in backward, the reverse exchange's handle."""
+
+    def __init__(self, send_counts: List[int], recv_counts: List[int], group):
+        self.send_counts, self.recv_counts, self.group = send_counts, recv_counts, group
+        self.handle = self.grad_handle = self.grad_input = None
+
+    def start(self, input_RD: torch.Tensor) -> torch.Tensor:
+        output_RD = input_RD.new_empty(sum(self.recv_counts), input_RD.shape[1])
+        self.handle = dist.all_to_all_single(output_RD, input_RD.contiguous(), self.recv_counts,
+                                             self.send_counts, group=self.group, async_op=True)
+        return output_RD
+
+    def start_reverse(self, grad_output_RD: torch.Tensor) -> None:
+        self.grad_input = grad_output_RD.new_empty(sum(self.send_counts), grad_output_RD.shape[1])
+        self.grad_handle = dist.all_to_all_single(self.grad_input, grad_output_RD.contiguous(), self.send_counts,
+                                                  self.recv_counts, group=self.group, async_op=True)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_RD, exchange):
+        ctx.exchange = exchange
+        return exchange.start(input_RD)
+
+    @staticmethod
+    def backward(ctx, _grad_ignored):
+        exchange = ctx.exchange
+        exchange.grad_handle.wait()
+        return exchange.grad_input, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output_RD, exchange):
+        exchange.handle.wait()
+        ctx.exchange = exchange
+        return output_RD.view_as(output_RD)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        ctx.exchange.start_reverse(grad_RD)
+        return grad_RD, None
+
+
+class PendingAllToAll:
+    """all_to_all_single started now, waited for later; autograd runs the reverse exchange."""
+
+    def __init__(self, input_RD: torch.Tensor, send_counts: List[int], recv_counts: List[int], group):
+        self.exchange = _Exchange(list(send_counts), list(recv_counts), group)
+        self.output_RD = _Start.apply(input_RD, self.exchange)
+
+    def wait(self) -> torch.Tensor:
+        return _Wait.apply(self.output_RD, self.exchange)
+
+
+def all_to_all(input_RD: torch.Tensor, send_counts: List[int], recv_counts: List[int], group) -> torch.Tensor:
+    return PendingAllToAll(input_RD, send_counts, recv_counts, group).wait()
+
+
+def all_to_all_2dh(input_RD: torch.Tensor, counts_WW: torch.Tensor, rank: int, node_size: int,
+                   intra_group, inter_group) -> torch.Tensor:
+    """The flat exchange done in two steps: inside the node (grouped by destination's local index),
+    then across nodes. Input rows are ordered by destination rank, output rows by source rank,
+    exactly as the flat all-to-all orders them."""
+    W, L = counts_WW.shape[0], node_size
+    N = W // L
+    node, local = divmod(rank, L)
+    counts_NLNL = counts_WW.view(N, L, N, L)
+
+    # step 1: my rows, (dst node, dst local) order -> (dst local, dst node), sent to local peers
+    mine_NL = counts_NLNL[node, local]                                   # [dst node, dst local]
+    step1_in = input_RD.index_select(0, segment_permutation(mine_NL))
+    step1_send = mine_NL.sum(0).tolist()                                 # per dst local
+    arriving_LN = counts_NLNL[node, :, :, local]                         # [src local, dst node]
+    step1_out = all_to_all(step1_in, step1_send, arriving_LN.sum(1).tolist(), intra_group)
+
+    # step 2: (src local, dst node) -> (dst node, src local), sent across nodes
+    step2_in = step1_out.index_select(0, segment_permutation(arriving_LN))
+    step2_send = arriving_LN.sum(0).tolist()                             # per dst node
+    step2_recv = counts_NLNL[:, :, node, local].sum(1).tolist()          # per src node
+    return all_to_all(step2_in, step2_send, step2_recv, inter_group)
+
+
+class _GatherSum(torch.autograd.Function):
+    """forward: all-gather into [G, *shape]; backward: sum the gradients over the group, keep mine."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = tensor.new_empty((size,) + tuple(tensor.shape))
+        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_G):
+        grad_G = grad_G.contiguous()
+        dist.all_reduce(grad_G, group=ctx.group)
+        return grad_G[dist.get_rank(ctx.group)].clone(), None
+
+
+def gather_sum(tensor: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
+    if tensor is None:
+        return None
+    if group is None:
+        return tensor.unsqueeze(0)
+    return _GatherSum.apply(tensor, group)

@@ -1,0 +1,165 @@
+"""The MoE data path across an expert-parallel group, for a parallel degree r and overlap degree d.
+
+r = 0: every rank gathers all experts' weights and computes its own tokens (no token exchange).
+r >= 1: rows go by all-to-all to the ranks computing their expert (each of the r hidden slices of
+it, partial outputs summed on return); weights are first gathered over the G = S / r ranks
+whose slices make one compute slice. The rows are cut into d chunks: chunk c + 1 is in flight
+while chunk c is computed, and chunk c's results travel back while chunk c + 1 is computed.
+
+Legend: T tokens, D model dim, E experts, W ranks, R routed rows on this rank, C[w, e] rows that
+rank w routes to expert e (kept ones), S slices per expert, G ranks gathered per compute slice.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+import torch
+import torch.distributed as dist
+
+from .. import dispatch
+from ..experts import GroupedMLP
+from ..fused import fused_moe
+from .all_to_all import PendingAllToAll, all_to_all_2dh, gather_sum, segment_permutation
+from .groups import ExpertGroups
+
+
+def route_counts(plan: dispatch.Plan, group, device) -> torch.Tensor:
+    """C[w, e]: kept rows of every rank for every expert (one small all-gather)."""
+    mine_E = torch.tensor(plan.rows_per_expert, dtype=torch.long, device=device)
+    all_WE = mine_E.new_empty((dist.get_world_size(group),) + tuple(mine_E.shape))
+    dist.all_gather(list(all_WE.unbind(0)), mine_E, group=group)
+    return all_WE.cpu()
+
+
+def chunk_of(counts: torch.Tensor, d: int, c: int):
+    """Sizes and offsets of chunk c when each count is cut into d near-equal parts."""
+    base, extra = counts // d, counts % d
+    size = base + (c < extra).long()
+    offset = c * base + torch.clamp(extra, max=c)
+    return size, offset
+
+
+def gathered_experts(experts, groups: ExpertGroups, r: int):
+    """The weights this rank computes with under degree r (gathered where needed; differentiable)."""
+    layout = groups.layout
+    group = groups.gather_groups[r]
+    use_b2 = layout.computes_first_slice(r) if r else True
+    if r == layout.slices:
+        return SimpleNamespace(activation=experts.activation, w1_EDH=experts.w1_EDH, b1_EH=experts.b1_EH,
+                               w2_EHD=experts.w2_EHD, b2_ED=experts.b2_ED if use_b2 else None)
+    G = dist.get_world_size(group)
+    experts_in = max(1, G // layout.slices) if layout.slices > 1 else G * layout.local_experts
+    slices_in = G // experts_in if layout.slices > 1 else 1
+    swiglu = experts.activation == "swiglu"
+
+    def join(tensor, hidden_dim):
+        """[G, E_local, ...] gathered -> [experts_in, ...] with the hidden slices concatenated."""
+        if tensor is None:
+            return None
+        gathered = gather_sum(tensor, group)
+        if layout.slices == 1:
+            return gathered.flatten(0, 1)
+        gathered = gathered.view((experts_in, slices_in) + tuple(tensor.shape[1:]))
+        if hidden_dim is None:            # b2: the first slice owns it
+            return gathered[:, 0]
+        parts = gathered.unbind(1)
+        if swiglu and hidden_dim == -1:
+            gates, ups = zip(*(p.chunk(2, dim=-1) for p in parts))
+            return torch.cat(list(gates) + list(ups), dim=-1)
+        return torch.cat(parts, dim=hidden_dim)
+
+    return SimpleNamespace(activation=experts.activation, w1_EDH=join(experts.w1_EDH, -1),
+                           b1_EH=join(experts.b1_EH, -1), w2_EHD=join(experts.w2_EHD, 1),
+                           b2_ED=join(experts.b2_ED, None) if use_b2 else None)
+
+
+def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,
+                        groups: ExpertGroups, r: int, d: int, a2a: str) -> torch.Tensor:
+    layout = groups.layout
+    layout.check_degree(r)
+    weights = gathered_experts(experts, groups, r)
+    if r == 0:
+        return fused_moe(x_TD, gate_TK, plan, weights)   # all experts are here: no token exchange
+
+    counts_WE = route_counts(plan, groups.ep_group, x_TD.device)
+    x_RD = dispatch.encode(x_TD, plan)
+    row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
+    chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
+
+    def send(chunk):
+        rows_RD = x_RD if chunk.sends_all_in_order else x_RD.index_select(0, chunk.send_index)
+        return _start(rows_RD, chunk, groups, a2a)
+
+    pending, returns = [send(chunks[0])], []
+    for c, chunk in enumerate(chunks):
+        if c + 1 < d:
+            pending.append(send(chunks[c + 1]))
+        x_in_RD = pending[c].wait()
+        if chunk.group_by_expert is not None:
+            x_in_RD = x_in_RD.index_select(0, chunk.group_by_expert)
+        y_in_RD = GroupedMLP.apply(x_in_RD, chunk.rows_per_local_expert, weights.activation,
+                                   weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED)
+        if chunk.group_by_expert is not None:
+            y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
+        returns.append(_start(y_in_RD, chunk.reversed(), groups, a2a))
+
+    if len(chunks) == 1 and chunks[0].sends_all_in_order:
+        y_RD = returns[0].wait()
+    else:   # replicated rows (sliced experts) come back once per slice: their partial outputs add up
+        y_RD = x_RD.new_zeros(x_RD.shape)
+        for chunk, back in zip(chunks, returns):
+            y_RD = y_RD.index_add(0, chunk.send_index, back.wait())
+    return dispatch.decode(y_RD, gate_TK, plan)
+
+
+class _ChunkExchange(SimpleNamespace):
+    def reversed(self):
+        return _ChunkExchange(send_counts=self.recv_counts, recv_counts=self.send_counts,
+                              counts_WW=None if self.counts_WW is None else self.counts_WW.t().contiguous())
+
+
+def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
+    """Which of my rows go where in chunk c, and how the rows arriving here group by expert."""
+    W, E = counts_WE.shape
+    me = layout.ep_rank
+    size_WE, offset_WE = chunk_of(counts_WE, d, c)
+    # rows each rank sends each rank: C_chunk[src, dst]
+    counts_WW = torch.zeros(W, W, dtype=torch.long)
+    for src in range(W):
+        for e in range(E):
+            for dst in layout.destinations(e, src, r):
+                counts_WW[src, dst] += size_WE[src, e]
+    send_index = []
+    for dst in range(W):
+        for e in range(E):
+            if dst in layout.destinations(e, me, r):
+                start = int(row_start_E[e] + offset_WE[me, e])
+                send_index.append(torch.arange(start, start + int(size_WE[me, e])))
+    send_index = torch.cat(send_index) if send_index else torch.zeros(0, dtype=torch.long)
+
+    mine = slice(layout.first_expert, layout.first_expert + layout.local_experts)
+    arriving_WX = size_WE[:, mine] if layout.slices == 1 else counts_WW[:, me:me + 1]   # [src, local expert]
+    group_by_expert = ungroup = None
+    if layout.local_experts > 1:
+        group_by_expert = segment_permutation(arriving_WX)
+        ungroup = torch.empty_like(group_by_expert)
+        ungroup[group_by_expert] = torch.arange(group_by_expert.numel())
+    return _ChunkExchange(send_index=send_index, send_counts=counts_WW[me].tolist(),
+                          recv_counts=counts_WW[:, me].tolist(), counts_WW=counts_WW,
+                          rows_per_local_expert=arriving_WX.sum(0).tolist(),
+                          group_by_expert=group_by_expert, ungroup=ungroup,
+                          sends_all_in_order=(d == 1 and layout.slices == 1))
+
+
+def _start(rows_RD, chunk, groups: ExpertGroups, a2a: str):
+    if a2a == "2dh" and groups.node_size not in (1, groups.layout.ep_size):
+        return _Done(all_to_all_2dh(rows_RD, chunk.counts_WW, groups.layout.ep_rank, groups.node_size,
+                                    groups.intra_node_group, groups.inter_node_group))
+    return PendingAllToAll(rows_RD, chunk.send_counts, chunk.recv_counts, groups.ep_group)
+
+
+class _Done:
+    def __init__(self, rows_RD):
+        self.rows_RD = rows_RD
+
+    def wait(self):
+        return self.rows_RD

@@ -1,0 +1,189 @@
+"""Who holds which experts, and the process groups the exchanges run on.
+
+Legend: W ranks in the expert-parallel (ep) group, E experts, S = W / E slices per expert when
+E < W, G ranks that gather their slices into one compute slice, r the parallel degree.
+
+Parameters never move: with E >= W a rank owns E / W whole experts; with E < W it owns hidden
+slice (rank % S) of expert rank // S. A degree r only changes what is gathered for one call.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_sizes(num_experts: int, hidden_size: int, ep_size: int) -> None:
+    """ValueError for an ep_size that cannot hold num_experts experts of hidden_size."""
+    E, H, W = num_experts, hidden_size, ep_size
+    if E >= W and E % W == 0:
+        return
+    if E < W and W % E == 0 and H % (W // E) == 0:
+        return
+    working = [w for w in range(1, 4 * max(E, 1) + 1)
+               if (E >= w and E % w == 0) or (E < w and w % E == 0 and H % (w // E) == 0)]
+    raise ValueError(
+        f"ep_size={W} cannot hold num_experts={E} with hidden_size={H}: ep_size must divide num_experts, "
+        f"or be a multiple of it that divides each expert's hidden_size into equal slices; "
+        f"sizes that work: {working[:12]}{' ...' if len(working) > 12 else ''}")
+
+
+@dataclass
+class ExpertLayout:
+    num_experts: int
+    hidden_size: int
+    ep_size: int
+    ep_rank: int
+
+    def __post_init__(self):
+        check_sizes(self.num_experts, self.hidden_size, self.ep_size)
+
+    @property
+    def slices(self) -> int:
+        return max(1, self.ep_size // self.num_experts)
+
+    @property
+    def local_experts(self) -> int:
+        return max(1, self.num_experts // self.ep_size)
+
+    @property
+    def local_hidden(self) -> int:
+        return self.hidden_size // self.slices
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.local_experts if self.slices == 1 else self.ep_rank // self.slices
+
+    @property
+    def slice_index(self) -> int:
+        return self.ep_rank % self.slices
+
+    def degrees(self) -> List[int]:
+        """The parallel degrees r this layout can run: 0 (gathered) and the divisors of S."""
+        return [0] + _divisors(self.slices)
+
+    def check_degree(self, r: int) -> None:
+        if r not in self.degrees():
+            raise ValueError(f"parallel degree r={r} is not possible with num_experts={self.num_experts} on "
+                             f"ep_size={self.ep_size}; possible: {self.degrees()}")
+
+    def gather_size(self, r: int) -> int:
+        """G: ranks whose slices make one compute slice under degree r >= 1."""
+        return self.slices // r
+
+    def destinations(self, expert: int, source_rank: int, r: int) -> List[int]:
+        """Ranks that compute (a slice of) `expert` for tokens from source_rank under degree r >= 1."""
+        if self.slices == 1:
+            return [expert // self.local_experts]
+        G = self.gather_size(r)
+        replica = source_rank % G
+        return [expert * self.slices + m * G + replica for m in range(r)]
+
+    def computes_first_slice(self, r: int) -> bool:
+        return self.slices == 1 or self.slice_index // self.gather_size(r) == 0
+
+
+@dataclass
+class ExpertGroups:
+    """The ep group this rank belongs to and its sub-groups (built collectively by every rank)."""
+    ep_group: Optional[object]
+    layout: ExpertLayout
+    node_size: int
+    intra_node_group: Optional[object] = None
+    inter_node_group: Optional[object] = None
+    gather_groups: Dict[int, object] = field(default_factory=dict)   # degree r -> group of G ranks
+    expert_data_group: Optional[object] = None                         # same experts across ep groups
+
+
+def node_size_from(config_node_size: Optional[int], ep_size: int) -> int:
+    node = config_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", ep_size))
+    node = min(node, ep_size)
+    if ep_size % node:
+        raise ValueError(f"node_size={node} must divide ep_size={ep_size} (node size comes from "
+                         f"MoEConfig.node_size or LOCAL_WORLD_SIZE)")
+    return node
+
+
+def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Optional[int] = None,
+                 ep_group: Optional[object] = None) -> ExpertGroups:
+    """Split the default world into ep groups of ep_size consecutive ranks (or use the host's ep_group).
+
+    Every rank must call this in the same order: torch.distributed.new_group is collective.
+    """
+    check_sizes(num_experts, hidden_size, ep_size)
+    if ep_size == 1 and ep_group is None:
+        return ExpertGroups(None, ExpertLayout(num_experts, hidden_size, 1, 0), 1)
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"ep_size={ep_size} needs torch.distributed to be initialized "
+                         f"(torchrun, or torch.distributed.init_process_group) before the layer is built")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep_group is None:
+        if world % ep_size:
+            raise ValueError(f"ep_size={ep_size} must divide the world size {world}; "
+                             f"possible: {[d for d in _divisors(world)]}")
+        blocks = [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
+        for block in blocks:
+            group = dist.new_group(block)
+            if rank in block:
+                ep_group = group
+        expert_data_ranks = [[block[i] for block in blocks] for i in range(ep_size)]
+        expert_data_group = None
+        for ranks in expert_data_ranks:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                expert_data_group = group
+    else:
+        expert_data_group = None
+        if dist.get_world_size(ep_group) != ep_size:
+            raise ValueError(f"the ep_group passed in has {dist.get_world_size(ep_group)} ranks, "
+                             f"but ep_size={ep_size}")
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    ep_rank = dist.get_rank(ep_group)
+    layout = ExpertLayout(num_experts, hidden_size, ep_size, ep_rank)
+    node = node_size_from(node_size, ep_size)
+    groups = ExpertGroups(ep_group, layout, node, expert_data_group=expert_data_group)
+
+    # every rank of the world takes part in every new_group call, in the same order
+    all_ep_blocks = _all_ep_blocks(ep_ranks, world, ep_size)
+    for local_ranks in _sub_blocks(all_ep_blocks, lambda i: i // node, ep_size):
+        group = dist.new_group(local_ranks)
+        if dist.get_rank() in local_ranks:
+            groups.intra_node_group = group
+    for cross_ranks in _sub_blocks(all_ep_blocks, lambda i: i % node, ep_size):
+        group = dist.new_group(cross_ranks)
+        if dist.get_rank() in cross_ranks:
+            groups.inter_node_group = group
+    for r in layout.degrees():
+        if r == 0:
+            groups.gather_groups[0] = ep_group
+            continue
+        G = layout.gather_size(r)
+        for members in _sub_blocks(all_ep_blocks, lambda i, G=G: i // G, ep_size):
+            group = dist.new_group(members) if G > 1 else None
+            if dist.get_rank() in members:
+                groups.gather_groups[r] = group
+    return groups
+
+
+def _all_ep_blocks(ep_ranks: List[int], world: int, ep_size: int) -> List[List[int]]:
+    """The ep groups of the whole world; with a host-given group we assume consecutive blocks like it."""
+    if ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + ep_size)) and world % ep_size == 0:
+        return [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
+    return [ep_ranks]
+
+
+def _sub_blocks(blocks: List[List[int]], key, ep_size: int) -> List[List[int]]:
+    """Split each ep block into sub-lists of ranks whose in-block index shares key(index)."""
+    out = []
+    for block in blocks:
+        keys: Dict[int, List[int]] = {}
+        for i, rank in enumerate(block):
+            keys.setdefault(key(i), []).append(rank)
+        out.extend(keys.values())
+    return out
