@@ -11,9 +11,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["moe_plugin", "moe_plugin.baselines", "moe_plugin.parallel", "moe_plugin.integrations"],
+    packages=["moe_plugin", "moe_plugin.baselines", "moe_plugin.parallel", "moe_plugin.models",
+              "moe_plugin.integrations"],
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
-    install_requires=["torch>=2.1", "omegaconf>=2.1"],
+    install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "dev": DEV, "all": DEEPSPEED + FAIRSEQ + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
 )

@@ -38,8 +38,8 @@ def save_plots(records: List[dict], out_dir: Path) -> None:
         loads = [r["tokens_per_expert"][layer] for r in train]
         shares_ES = [[100 * load[e] / max(1, sum(load)) for load in loads] for e in range(len(loads[0]))]
         ax.stackplot(steps, shares_ES, labels=[f"expert {e}" for e in range(len(shares_ES))])
-        ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step",
-               xlim=(steps[0], steps[-1]), ylim=(0, 100))
+        ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step", ylim=(0, 100))
+        ax.margins(x=0)
     axes[-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
     figure.savefig(out_dir / "expert_load.png")
 

@@ -35,6 +35,7 @@ from .data import check_config as check_data_config
 from .layer import aux_loss
 from .models import ModelConfig, TransformerLM
 
+MOE_KEYS_SET_ELSEWHERE = {"model_dim": "model.dim", "ep_size": "parallel.ep_size"}
 DEFAULT_MOE = {"hidden_size": 256, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25,
                "eval_capacity_factor": 2.0, "activation": "gelu", "aux_loss_coef": 0.01}
 
@@ -75,7 +76,7 @@ class LogConfig:
 @dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    moe: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MOE))  # MoEConfig fields but model_dim
+    moe: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MOE))  # MoEConfig fields but those above
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -113,7 +114,7 @@ def _valid_keys(section: Optional[str]) -> List[str]:
     if section is None:
         return [f.name for f in dataclasses.fields(ExperimentConfig)]
     if section == "moe":
-        return [name for name in field_names() if name != "model_dim"]
+        return [name for name in field_names() if name not in MOE_KEYS_SET_ELSEWHERE]
     return [f.name for f in dataclasses.fields(getattr(ExperimentConfig(), section))]
 
 
@@ -127,16 +128,15 @@ def _unknown_key_message(full_key: str) -> str:
 
 
 def moe_config(cfg: ExperimentConfig) -> MoEConfig:
-    """The MoE layers' config: the moe section, with model_dim from model.dim."""
+    """The MoE layers' config: the moe section, with model_dim and ep_size from the model and parallel sections."""
     for key in cfg.moe:
         if key not in _valid_keys("moe"):
             message = _unknown_key_message(f"moe.{key}")
-            if key == "model_dim":
-                message = f"moe.model_dim is set by model.dim; {message}"
+            if key in MOE_KEYS_SET_ELSEWHERE:
+                message = f"moe.{key} is set by {MOE_KEYS_SET_ELSEWHERE[key]}; {message}"
             raise ValueError(message)
     try:
-        # Expert parallelism: add "ep_size": cfg.parallel.ep_size here once MoEConfig has it.
-        return MoEConfig.from_dict({**cfg.moe, "model_dim": cfg.model.dim})
+        return MoEConfig.from_dict({**cfg.moe, "model_dim": cfg.model.dim, "ep_size": cfg.parallel.ep_size})
     except (ValueError, TypeError) as error:
         raise ValueError(f"moe section: {error}") from None
 
@@ -167,7 +167,7 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
     require("parallel.ep_size", cfg.parallel.ep_size == 1,
-            "1: ep_size > 1 needs expert parallelism, which is not yet available")
+            "1 for now: ep_size > 1 needs expert parallelism in moe-plugin train, not yet available")
     check_data_config(cfg.data)
     moe_config(cfg)
 
