@@ -69,14 +69,14 @@ class GroupedMLP(torch.autograd.Function):
         # relu keeps its output (its own backward mask); the others keep the pre-activation
         ctx.save_for_backward(x_RD, act_RH if activation == "relu" else pre_RH, w1_EDH, w2_EHD)
         ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
-        ctx.with_bias = b1_EH is not None
+        ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_RD
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_RD):
         x_RD, saved_RH, w1_EDH, w2_EHD = ctx.saved_tensors
-        rows, with_bias = ctx.rows_per_expert, ctx.with_bias
+        rows = ctx.rows_per_expert
         grad_y_RD = grad_y_RD.contiguous()
         grad_act_RH = _input_grad(grad_y_RD, w2_EHD, rows)
         if ctx.activation == "relu":
@@ -89,8 +89,8 @@ class GroupedMLP(torch.autograd.Function):
                 act_RH = ACTIVATIONS[ctx.activation](pre_RH)
             grad_pre_RH, = torch.autograd.grad(act_RH, pre_RH, grad_act_RH)
             act_RH = act_RH.detach()
-        grad_w2, grad_b2 = _weight_grads(act_RH, grad_y_RD, w2_EHD, with_bias, rows)
-        grad_w1, grad_b1 = _weight_grads(x_RD, grad_pre_RH, w1_EDH, with_bias, rows)
+        grad_w2, grad_b2 = _weight_grads(act_RH, grad_y_RD, w2_EHD, ctx.bias2, rows)
+        grad_w1, grad_b1 = _weight_grads(x_RD, grad_pre_RH, w1_EDH, ctx.bias1, rows)
         grad_x_RD = _input_grad(grad_pre_RH, w1_EDH, rows) if ctx.needs_input_grad[0] else None
         return grad_x_RD, None, None, grad_w1, grad_b1, grad_w2, grad_b2
 
@@ -132,12 +132,15 @@ class Experts(nn.Module):
         """Hidden slice `index` of `slices` of one expert's tensors (swiglu's [gate | up] sliced alike)."""
         if slices == 1:
             return expert
+        hidden = expert["w2"].shape[0]
 
         def hidden_cols(t):
-            halves = t.chunk(2, dim=-1) if t.shape[-1] != expert["w2"].shape[0] else (t,)
+            halves = t.chunk(2, dim=-1) if t.shape[-1] == 2 * hidden else (t,)
             return torch.cat([h.chunk(slices, dim=-1)[index] for h in halves], dim=-1)
-        return {"w1": hidden_cols(expert["w1"]), "b1": hidden_cols(expert["b1"]),
-                "w2": expert["w2"].chunk(slices, dim=0)[index], "b2": expert["b2"]}
+        shard = {"w1": hidden_cols(expert["w1"]), "w2": expert["w2"].chunk(slices, dim=0)[index]}
+        if "b1" in expert:
+            shard.update(b1=hidden_cols(expert["b1"]), b2=expert["b2"])
+        return shard
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert: List[int]) -> torch.Tensor:
         return GroupedMLP.apply(x_RD, rows_per_expert, self.activation,

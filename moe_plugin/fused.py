@@ -50,14 +50,15 @@ class FusedMoE(torch.autograd.Function):
         # relu keeps its output (its own backward mask); the others keep the pre-activation
         ctx.save_for_backward(x_TD, act_RH if activation == "relu" else pre_RH, gate_R, token_R, pos_TK,
                               w1_EDH, w2_EHD, b2_ED)
-        ctx.rows_per_expert, ctx.activation, ctx.with_bias = rows_per_expert, activation, b1_EH is not None
+        ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
+        ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_TD):
         x_TD, saved_RH, gate_R, token_R, pos_TK, w1_EDH, w2_EHD, b2_ED = ctx.saved_tensors
-        rows, with_bias = ctx.rows_per_expert, ctx.with_bias
+        rows = ctx.rows_per_expert
         grad_y_TD = grad_y_TD.contiguous()
         T, D = x_TD.shape
         scratch_ND = x_TD.new_empty(max(rows, default=0), D)
@@ -76,7 +77,7 @@ class FusedMoE(torch.autograd.Function):
         grad_act_RH = x_TD.new_empty(act_RH.shape)
         grad_gate_R = gate_R.new_empty(gate_R.shape)
         grad_w2_EHD = torch.empty_like(w2_EHD)
-        grad_b2_ED = torch.zeros_like(b2_ED) if with_bias else None
+        grad_b2_ED = torch.zeros_like(b2_ED) if ctx.bias2 else None
         blocks = zip(token_blocks, act_RH.split(rows), grad_act_RH.split(rows), gate_R.split(rows),
                      grad_gate_R.split(rows))
         for e, (token_N, act_NH, grad_act_NH, gate_N, grad_gate_N) in enumerate(blocks):
@@ -87,12 +88,12 @@ class FusedMoE(torch.autograd.Function):
             torch.mm(grad_y_ND, w2_EHD[e].t(), out=grad_act_NH)
             if ctx.needs_input_grad[1]:
                 grad_gate_N.copy_(row_dot(grad_act_NH, act_NH))
-                if with_bias:
+                if ctx.bias2:
                     grad_gate_N.add_(grad_y_ND @ b2_ED[e])
             grad_act_NH.mul_(gate_N[:, None])
             grad_y_ND.mul_(gate_N[:, None])
             torch.mm(act_NH.t(), grad_y_ND, out=grad_w2_EHD[e])
-            if with_bias:
+            if ctx.bias2:
                 torch.sum(grad_y_ND, dim=0, out=grad_b2_ED[e])
 
         if ctx.activation == "relu":
@@ -102,7 +103,7 @@ class FusedMoE(torch.autograd.Function):
 
         # first projection: weight gradients from re-gathered inputs, input gradients added per token
         grad_w1_EDH = torch.empty_like(w1_EDH)
-        grad_b1_EH = w1_EDH.new_zeros(w1_EDH.shape[0], w1_EDH.shape[2]) if with_bias else None
+        grad_b1_EH = w1_EDH.new_zeros(w1_EDH.shape[0], w1_EDH.shape[2]) if ctx.bias1 else None
         grad_x_TD = x_TD.new_zeros(T, D) if ctx.needs_input_grad[0] else None
         for e, (token_N, grad_pre_NH) in enumerate(zip(token_blocks, grad_pre_RH.split(rows))):
             if not token_N.shape[0]:
@@ -110,7 +111,7 @@ class FusedMoE(torch.autograd.Function):
                 continue
             x_ND = torch.index_select(x_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
             torch.mm(x_ND.t(), grad_pre_NH, out=grad_w1_EDH[e])
-            if with_bias:
+            if ctx.bias1:
                 torch.sum(grad_pre_NH, dim=0, out=grad_b1_EH[e])
             if grad_x_TD is not None:
                 grad_x_TD.index_add_(0, token_N, torch.mm(grad_pre_NH, w1_EDH[e].t(), out=x_ND))

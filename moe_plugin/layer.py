@@ -59,6 +59,18 @@ class MoELayer(nn.Module):
         overlaps = [1, 2, 4] if cfg.overlap_degree == "auto" else [cfg.overlap_degree]
         return [(r, d) for r in degrees for d in overlaps if r != 0 or d == 1]
 
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share."""
+        layout, local = self.groups.layout, {}
+        experts = range(layout.first_expert, layout.first_expert + layout.local_experts)
+        names = {"w1": "experts.w1_EDH", "b1": "experts.b1_EH", "w2": "experts.w2_EHD", "b2": "experts.b2_ED"}
+        shards = [Experts.take_slice({k: state[n][e] for k, n in names.items() if n in state}, layout.slices,
+                                     layout.slice_index) for e in experts]
+        for key, name in names.items():
+            if name in state:
+                local[name] = torch.stack([shard[key] for shard in shards])
+        self.load_state_dict({**{k: v for k, v in state.items() if not k.startswith("experts.")}, **local})
+
     def capacity_factor(self) -> float:
         cfg = self.config
         if not self.training and cfg.eval_capacity_factor is not None:

@@ -1,0 +1,144 @@
+"""Expert parallelism on 2 and 4 gloo processes against the single-process layer holding all experts."""
+import pytest
+import torch
+
+from launch import run_workers
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.parallel.groups import ExpertLayout, check_sizes
+
+D, H = 6, 8
+
+
+def expected_shard(full, name, layout, swiglu):
+    """The part of a full-layer expert tensor a rank owns, written out independently of the layer."""
+    first, count, S, s = layout.first_expert, layout.local_experts, layout.slices, layout.slice_index
+    part = full[first:first + count]
+    if S == 1 or name == "experts.b2_ED":
+        return part if (S == 1 or s == 0) else torch.zeros_like(part)
+    h = H // S
+    if name == "experts.w2_EHD":
+        return part[:, s * h:(s + 1) * h]
+    if swiglu:
+        return torch.cat([part[..., s * h:(s + 1) * h], part[..., H + s * h:H + (s + 1) * h]], dim=-1)
+    return part[..., s * h:(s + 1) * h]
+
+
+def compare_with_single_process(rank, world, specs):
+    worst = {}
+    for spec in specs:
+        torch.manual_seed(spec["seed"])
+        base = dict(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"], capacity_factor=spec["cf"],
+                    min_capacity=0, activation=spec.get("activation", "relu"), z_loss_coef=0.01)
+        reference = MoELayer(MoEConfig(**base)).double()
+        layer = MoELayer(MoEConfig(**base, ep_size=world, parallel=spec["r"], overlap_degree=spec["d"],
+                                   a2a=spec["a2a"], node_size=spec.get("node"))).double()
+        layer.load_full_state_dict(reference.state_dict())
+        generator = torch.Generator().manual_seed(spec["seed"] + 1)
+        xs = [torch.randn(n, D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
+        upstreams = [torch.randn(n, D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
+
+        names = [n for n, _ in reference.named_parameters()]
+        total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+        for i, (x, upstream) in enumerate(zip(xs, upstreams)):
+            x = x.clone().requires_grad_()
+            y = reference(x)
+            grads = torch.autograd.grad((y * upstream).sum() + reference.aux_loss, [x] + list(reference.parameters()),
+                                        allow_unused=True)
+            for n, g in zip(names, grads[1:]):
+                total[n] += 0 if g is None else g
+            if i == rank:
+                mine = {"y": y.detach(), "x.grad": grads[0], "aux": reference.aux_loss.detach(),
+                        **{n: g for n, g in zip(names, grads[1:]) if n.startswith("router.")}}
+
+        for step in range(spec.get("steps", 1)):
+            x = xs[rank].clone().requires_grad_()
+            layer.zero_grad()
+            y = layer(x)
+            ((y * upstreams[rank]).sum() + layer.aux_loss).backward()
+        got = {"y": y.detach(), "x.grad": x.grad, "aux": layer.aux_loss.detach()}
+        params = dict(layer.named_parameters())
+        errors = {}
+        for name in got:
+            errors[name] = _relative(got[name], mine[name])
+        for name in names:
+            if name.startswith("router."):
+                errors[name] = _relative(params[name].grad, mine[name])
+            else:
+                want = expected_shard(total[name], name, layer.groups.layout, base["activation"] == "swiglu")
+                errors[name] = _relative(params[name].grad, want)
+        worst[spec["name"]] = (max(errors.values()), max(errors, key=errors.get), layer.stats.get("tuned"))
+    return worst
+
+
+def _relative(got, want):
+    got = torch.zeros_like(want) if got is None else got
+    if got.shape != want.shape:
+        return float("inf")
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0.0
+
+
+def _check(results, specs):
+    for spec in specs:
+        for rank, worst in enumerate(results):
+            error, where, _ = worst[spec["name"]]
+            assert error < 1e-10, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
+
+
+SPECS_2 = [
+    dict(name="ep k2 fixed", E=4, k=2, cf=1.25, r=1, d=1, a2a="flat", tokens=[13, 7], seed=1),
+    dict(name="ep dropless overlap3 zero tokens", E=4, k=2, cf=0.0, r=1, d=3, a2a="flat", tokens=[10, 0], seed=2),
+    dict(name="gathered r0 drops", E=4, k=1, cf=0.5, r=0, d=1, a2a="flat", tokens=[9, 11], seed=3),
+    dict(name="ep 2dh degenerate swiglu", E=2, k=2, cf=-1.0, r=1, d=2, a2a="2dh", tokens=[5, 8], seed=4,
+         activation="swiglu"),
+    dict(name="sliced experts r1", E=1, k=1, cf=0.0, r=1, d=1, a2a="flat", tokens=[6, 3], seed=5),
+    dict(name="sliced experts r2 gelu", E=1, k=1, cf=1.0, r=2, d=2, a2a="flat", tokens=[0, 7], seed=6,
+         activation="gelu"),
+]
+
+SPECS_4 = [
+    dict(name="ep4 flat", E=8, k=2, cf=1.0, r=1, d=1, a2a="flat", tokens=[12, 12, 12, 12], seed=11),
+    dict(name="ep4 2dh uneven", E=8, k=2, cf=-1.0, r=1, d=2, a2a="2dh", node=2, tokens=[5, 0, 17, 8], seed=12),
+    dict(name="ep4 k4 2dh", E=4, k=4, cf=0.0, r=1, d=1, a2a="2dh", node=2, tokens=[3, 9, 1, 6], seed=13),
+    dict(name="slice2 r2 swiglu", E=2, k=1, cf=0.0, r=2, d=1, a2a="flat", tokens=[6, 9, 0, 4], seed=14,
+         activation="swiglu"),
+    dict(name="slice2 r1 overlap", E=2, k=2, cf=1.25, r=1, d=2, a2a="flat", tokens=[7, 7, 3, 5], seed=15),
+    dict(name="slice2 r0 gelu", E=2, k=2, cf=0.7, r=0, d=1, a2a="flat", tokens=[4, 10, 2, 0], seed=16,
+         activation="gelu"),
+    dict(name="slice2 2dh overlap", E=2, k=1, cf=0.0, r=2, d=3, a2a="2dh", node=2, tokens=[8, 1, 5, 5], seed=17),
+    dict(name="auto", E=4, k=2, cf=0.0, r="auto", d="auto", a2a="flat", tokens=[9, 4, 6, 2], seed=18, steps=12),
+]
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_match_single_process():
+    _check(run_workers(compare_with_single_process, 2, SPECS_2, timeout=240), SPECS_2)
+
+
+@pytest.mark.timeout(300)
+def test_four_processes_match_single_process():
+    results = run_workers(compare_with_single_process, 4, SPECS_4, timeout=240)
+    _check(results, SPECS_4)
+    tuned = [worst["auto"][2] for worst in results]
+    assert tuned[0] is not None and all(t == tuned[0] for t in tuned), f"ranks chose differently: {tuned}"
+
+
+def test_impossible_sizes_say_what_works():
+    with pytest.raises(ValueError, match=r"ep_size=4 cannot hold num_experts=6 .* sizes that work: \[1, 2, 3, 6, 12"):
+        check_sizes(6, 8, 4)
+    with pytest.raises(ValueError, match="sizes that work"):
+        check_sizes(2, 9, 4)      # 9 hidden units cannot be cut in 2 slices
+    with pytest.raises(ValueError, match=r"r=3 is not possible .* possible: \[0, 1, 2, 4\]"):
+        ExpertLayout(2, 8, 8, 0).check_degree(3)
+
+
+def test_parallel_layer_needs_torch_distributed():
+    with pytest.raises(ValueError, match="ep_size=2 needs torch.distributed"):
+        MoELayer(MoEConfig(model_dim=4, hidden_size=4, num_experts=2, ep_size=2))
+
+
+def test_slot_layout_helpers():
+    layout = ExpertLayout(num_experts=2, hidden_size=8, ep_size=8, ep_rank=5)
+    assert (layout.slices, layout.first_expert, layout.slice_index, layout.local_hidden) == (4, 1, 1, 2)
+    assert layout.destinations(expert=1, source_rank=3, r=2) == [5, 7]
+    assert layout.destinations(expert=0, source_rank=3, r=4) == [0, 1, 2, 3]
+    assert ExpertLayout(8, 8, 4, 3).destinations(expert=7, source_rank=0, r=1) == [3]
