@@ -42,7 +42,7 @@ DEFAULT_MOE = {"hidden_size": 256, "num_experts": 8, "top_k": 2, "capacity_facto
 
 @dataclass
 class TrainConfig:
-    steps: int = 300                 # optimizer steps; the LR schedule spans them
+    steps: int = 600                 # optimizer steps; the LR schedule spans them
     stop_at: Optional[int] = None    # end the run after this step as if interrupted (resume it later)
     batch_size: int = 16             # rows per rank and step
     lr: float = 3e-3                 # peak LR: linear warmup, then cosine decay to lr * min_lr_ratio
@@ -51,9 +51,9 @@ class TrainConfig:
     weight_decay: float = 0.1        # on matrices only
     grad_clip: float = 1.0           # max global gradient norm; 0: off
     seed: int = 0                    # model init and router noise
-    eval_every: int = 50             # validation loss every n steps, and at step 0 and the last step
+    eval_every: int = 100            # validation loss every n steps, and at step 0 and the last step
     eval_batches: int = 4
-    checkpoint_every: int = 100      # 0: only at the end of the run
+    checkpoint_every: int = 200      # 0: only at the end of the run
     keep_checkpoints: int = 2        # keep the newest n; 0: all
     resume: Optional[str] = None     # a checkpoint file, or "latest" (the newest in log.out_dir)
     device: str = "auto"             # auto (cuda when available), cpu or cuda
