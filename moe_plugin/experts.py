@@ -23,6 +23,26 @@ def _swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": _swiglu}
 
 
+def activate(pre_RH: torch.Tensor, activation: str):
+    """(activations, what backward needs): relu works in place and keeps its output as its own
+    mask; the others keep the pre-activation and recompute in backward."""
+    if activation == "relu":
+        act_RH = pre_RH.relu_()
+        return act_RH, act_RH
+    return ACTIVATIONS[activation](pre_RH), pre_RH
+
+
+def activation_backward(saved_RH: torch.Tensor, activation: str):
+    """From what activate() kept: the activations, and grad(activations) -> grad(pre-activation)."""
+    if activation == "relu":
+        return saved_RH, lambda grad_RH: torch.ops.aten.threshold_backward.grad_input(
+            grad_RH, saved_RH, 0, grad_input=grad_RH)
+    with torch.enable_grad():
+        pre_RH = saved_RH.detach().requires_grad_()
+        act_RH = ACTIVATIONS[activation](pre_RH)
+    return act_RH.detach(), lambda grad_RH: torch.autograd.grad(act_RH, pre_RH, grad_RH)[0]
+
+
 def _linear_into(out_RO, x_RI, weight_EIO, bias_EO, rows_per_expert):
     blocks = zip(out_RO.split(rows_per_expert), x_RI.split(rows_per_expert), weight_EIO.unbind(0))
     for e, (out_NO, x_NI, weight_IO) in enumerate(blocks):
@@ -64,10 +84,9 @@ class GroupedMLP(torch.autograd.Function):
     def forward(ctx, x_RD, rows_per_expert, activation, w1_EDH, b1_EH, w2_EHD, b2_ED):
         x_RD = x_RD.contiguous()
         pre_RH = _linear_into(x_RD.new_empty(x_RD.shape[0], w1_EDH.shape[2]), x_RD, w1_EDH, b1_EH, rows_per_expert)
-        act_RH = pre_RH.relu_() if activation == "relu" else ACTIVATIONS[activation](pre_RH)
+        act_RH, saved_RH = activate(pre_RH, activation)
         y_RD = _linear_into(x_RD.new_empty(x_RD.shape[0], w2_EHD.shape[2]), act_RH, w2_EHD, b2_ED, rows_per_expert)
-        # relu keeps its output (its own backward mask); the others keep the pre-activation
-        ctx.save_for_backward(x_RD, act_RH if activation == "relu" else pre_RH, w1_EDH, w2_EHD)
+        ctx.save_for_backward(x_RD, saved_RH, w1_EDH, w2_EHD)
         ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_RD
@@ -78,17 +97,8 @@ class GroupedMLP(torch.autograd.Function):
         x_RD, saved_RH, w1_EDH, w2_EHD = ctx.saved_tensors
         rows = ctx.rows_per_expert
         grad_y_RD = grad_y_RD.contiguous()
-        grad_act_RH = _input_grad(grad_y_RD, w2_EHD, rows)
-        if ctx.activation == "relu":
-            act_RH = saved_RH
-            grad_pre_RH = torch.ops.aten.threshold_backward.grad_input(
-                grad_act_RH, act_RH, 0, grad_input=grad_act_RH)
-        else:
-            with torch.enable_grad():
-                pre_RH = saved_RH.detach().requires_grad_()
-                act_RH = ACTIVATIONS[ctx.activation](pre_RH)
-            grad_pre_RH, = torch.autograd.grad(act_RH, pre_RH, grad_act_RH)
-            act_RH = act_RH.detach()
+        act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
+        grad_pre_RH = pre_grad(_input_grad(grad_y_RD, w2_EHD, rows))
         grad_w2, grad_b2 = _weight_grads(act_RH, grad_y_RD, w2_EHD, ctx.bias2, rows)
         grad_w1, grad_b1 = _weight_grads(x_RD, grad_pre_RH, w1_EDH, ctx.bias1, rows)
         grad_x_RD = _input_grad(grad_pre_RH, w1_EDH, rows) if ctx.needs_input_grad[0] else None

@@ -15,7 +15,7 @@ from typing import List
 import torch
 
 from .dispatch import row_dot
-from .experts import ACTIVATIONS
+from .experts import activate, activation_backward
 
 
 class FusedMoE(torch.autograd.Function):
@@ -36,7 +36,7 @@ class FusedMoE(torch.autograd.Function):
                 torch.mm(x_ND, w1_EDH[e], out=pre_NH)
                 if b1_EH is not None:
                     pre_NH.add_(b1_EH[e])
-        act_RH = pre_RH.relu_() if activation == "relu" else ACTIVATIONS[activation](pre_RH)
+        act_RH, saved_RH = activate(pre_RH, activation)
 
         y_TD = x_TD.new_zeros(T, D)
         blocks = zip(token_R.split(rows_per_expert), act_RH.split(rows_per_expert), gate_R.split(rows_per_expert))
@@ -47,9 +47,7 @@ class FusedMoE(torch.autograd.Function):
                     y_ND.add_(b2_ED[e])
                 y_TD.index_add_(0, token_N, y_ND.mul_(gate_N[:, None]))
 
-        # relu keeps its output (its own backward mask); the others keep the pre-activation
-        ctx.save_for_backward(x_TD, act_RH if activation == "relu" else pre_RH, gate_R, token_R, pos_TK,
-                              w1_EDH, w2_EHD, b2_ED)
+        ctx.save_for_backward(x_TD, saved_RH, gate_R, token_R, pos_TK, w1_EDH, w2_EHD, b2_ED)
         ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
@@ -64,13 +62,7 @@ class FusedMoE(torch.autograd.Function):
         scratch_ND = x_TD.new_empty(max(rows, default=0), D)
         token_blocks = token_R.split(rows)
 
-        if ctx.activation == "relu":
-            act_RH = saved_RH
-        else:
-            with torch.enable_grad():
-                pre_RH = saved_RH.detach().requires_grad_()
-                act_with_graph_RH = ACTIVATIONS[ctx.activation](pre_RH)
-            act_RH = act_with_graph_RH.detach()
+        act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
 
         # second projection: per block, u = g W2^T gives the gate gradient <u, act> + <g, b2>,
         # and gate * u is the gradient of the activations
@@ -96,10 +88,7 @@ class FusedMoE(torch.autograd.Function):
             if ctx.bias2:
                 torch.sum(grad_y_ND, dim=0, out=grad_b2_ED[e])
 
-        if ctx.activation == "relu":
-            grad_pre_RH = torch.ops.aten.threshold_backward.grad_input(grad_act_RH, act_RH, 0, grad_input=grad_act_RH)
-        else:
-            grad_pre_RH, = torch.autograd.grad(act_with_graph_RH, pre_RH, grad_act_RH)
+        grad_pre_RH = pre_grad(grad_act_RH)
 
         # first projection: weight gradients from re-gathered inputs, input gradients added per token
         grad_w1_EDH = torch.empty_like(w1_EDH)
