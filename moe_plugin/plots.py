@@ -14,7 +14,9 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def save_plots(records: List[dict], out_dir: Path) -> None:
+def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[int]]]) -> None:
+    """loss.png: train and validation loss, dropped tokens. expert_load.png: per MoE layer, the share of
+    tokens per expert over the steps, and (synthetic corpus) the share of each topic's tokens per expert."""
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
 
@@ -31,17 +33,30 @@ def save_plots(records: List[dict], out_dir: Path) -> None:
     num_layers = len(train[0]["tokens_per_expert"]) if train else 0
     if not num_layers:
         return
-    figure = _figure(5 * num_layers, 3.6)
-    axes = figure.subplots(1, num_layers, squeeze=False)[0]
+    rows = 2 if routing else 1
+    figure = _figure(5 * num_layers, 3.6 * rows)
+    axes = figure.subplots(rows, num_layers, squeeze=False)
     steps = [r["step"] for r in train]
-    for layer, ax in enumerate(axes):
+    for layer, ax in enumerate(axes[0]):
         loads = [r["tokens_per_expert"][layer] for r in train]
-        shares_ES = [[100 * load[e] / max(1, sum(load)) for load in loads] for e in range(len(loads[0]))]
+        shares_ES = [[_percent(load[e], load) for load in loads] for e in range(len(loads[0]))]
         ax.stackplot(steps, shares_ES, labels=[f"expert {e}" for e in range(len(shares_ES))])
         ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step", ylim=(0, 100))
         ax.margins(x=0)
-    axes[-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
+    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
+    for layer, ax in enumerate(axes[1] if routing else []):
+        shares_TE = [[_percent(n, loads[layer]) for n in loads[layer]] for loads in routing.values()]
+        ax.imshow(shares_TE, cmap="Blues", vmin=0, vmax=100, aspect="auto")
+        for t, shares_E in enumerate(shares_TE):
+            for e, share in enumerate(shares_E):
+                ax.text(e, t, f"{share:.0f}", ha="center", va="center", color="white" if share > 40 else "black")
+        ax.set(title=f"MoE layer {layer + 1}: each topic's tokens per expert (%)", xlabel="expert",
+               xticks=range(len(shares_TE[0])), yticks=range(len(routing)), yticklabels=list(routing))
     figure.savefig(out_dir / "expert_load.png")
+
+
+def _percent(n: int, load: List[int]) -> float:
+    return 100 * n / max(1, sum(load))
 
 
 def summary(name: str, result: dict, records: List[dict], routing: Dict[str, List[List[int]]]) -> str:
@@ -56,7 +71,7 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
         f"dropped tokens {100 * last['dropped_fraction']:.1f}%, aux loss {last['aux_loss']:.4f} (last record)",
     ]
     for layer, load in enumerate(last["tokens_per_expert"]):
-        shares = " ".join(f"{100 * n / max(1, sum(load)):.0f}" for n in load)
+        shares = " ".join(f"{_percent(n, load):.0f}" for n in load)
         lines.append(f"MoE layer {layer + 1}: share of tokens per expert (%, last record): {shares}")
     if routing:
         lines.append("share of each topic's tokens per expert (%, validation text):")
@@ -67,6 +82,6 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
                          " ".join(f"{'e' + str(e):>3}" for e in range(num_experts)))
             for topic, loads in routing.items():
                 load = loads[layer]
-                lines.append(f"  {topic:<{width}} " + " ".join(f"{100 * n / max(1, sum(load)):3.0f}" for n in load))
+                lines.append(f"  {topic:<{width}} " + " ".join(f"{_percent(n, load):3.0f}" for n in load))
     lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, loss.png, expert_load.png, checkpoints/")
     return "\n".join(lines) + "\n"
