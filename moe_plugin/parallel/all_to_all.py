@@ -12,15 +12,18 @@ import torch
 import torch.distributed as dist
 
 
+def ranges(start_S: torch.Tensor, size_S: torch.Tensor) -> torch.Tensor:
+    """cat(arange(start, start + size) for each segment), without a Python loop."""
+    segment_R = torch.repeat_interleave(torch.arange(size_S.numel()), size_S)
+    first_R = (size_S.cumsum(0) - size_S)[segment_R]
+    return start_S[segment_R] + torch.arange(segment_R.numel()) - first_R
+
+
 def segment_permutation(sizes_AB: torch.Tensor) -> torch.Tensor:
     """Rows laid out as segments in a-major order; the index that lists them in b-major order."""
     flat_sizes = sizes_AB.reshape(-1)
     starts_AB = (flat_sizes.cumsum(0) - flat_sizes).view(sizes_AB.shape)
-    sizes_BA, starts_BA = sizes_AB.t().reshape(-1), starts_AB.t().reshape(-1)
-    total = int(flat_sizes.sum())
-    segment_R = torch.repeat_interleave(torch.arange(sizes_BA.numel()), sizes_BA)
-    offset_R = torch.arange(total) - (sizes_BA.cumsum(0) - sizes_BA)[segment_R]
-    return starts_BA[segment_R] + offset_R
+    return ranges(starts_AB.t().reshape(-1), sizes_AB.t().reshape(-1))
 
 
 class _Exchange:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import dispatch
 from ..experts import GroupedMLP
 from ..fused import fused_moe
-from .all_to_all import PendingAllToAll, all_to_all_2dh, gather_sum, segment_permutation
+from .all_to_all import PendingAllToAll, all_to_all_2dh, gather_sum, ranges, segment_permutation
 from .groups import ExpertGroups
 
 
@@ -122,19 +122,19 @@ def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
     W, E = counts_WE.shape
     me = layout.ep_rank
     size_WE, offset_WE = chunk_of(counts_WE, d, c)
-    # rows each rank sends each rank: C_chunk[src, dst]
-    counts_WW = torch.zeros(W, W, dtype=torch.long)
-    for src in range(W):
-        for e in range(E):
-            for dst in layout.destinations(e, src, r):
-                counts_WW[src, dst] += size_WE[src, e]
-    send_index = []
-    for dst in range(W):
-        for e in range(E):
-            if dst in layout.destinations(e, me, r):
-                start = int(row_start_E[e] + offset_WE[me, e])
-                send_index.append(torch.arange(start, start + int(size_WE[me, e])))
-    send_index = torch.cat(send_index) if send_index else torch.zeros(0, dtype=torch.long)
+    S, r_ = layout.slices, max(r, 1)
+    if S == 1:      # dst owns experts [dst * E_local, (dst + 1) * E_local): rows go in expert order
+        counts_WW = size_WE.view(W, W, layout.local_experts).sum(2)
+        seg_start, seg_size = row_start_E + offset_WE[me], size_WE[me]
+    else:           # expert e's rows go to replica (src % G) of each of its r compute slices
+        G = layout.gather_size(r_)
+        counts_WW = torch.zeros(W, W, dtype=torch.long)
+        replica_W1 = (torch.arange(W) % G)[:, None]
+        for m in range(r_):
+            counts_WW.scatter_add_(1, torch.arange(E) * S + m * G + replica_W1, size_WE)
+        seg_start = (row_start_E + offset_WE[me]).repeat_interleave(r_)     # (expert, m) = destination order
+        seg_size = size_WE[me].repeat_interleave(r_)
+    send_index = ranges(seg_start, seg_size)
 
     mine = slice(layout.first_expert, layout.first_expert + layout.local_experts)
     arriving_WX = size_WE[:, mine] if layout.slices == 1 else counts_WW[:, me:me + 1]   # [src, local expert]
