@@ -142,3 +142,15 @@ def test_slot_layout_helpers():
     assert layout.destinations(expert=1, source_rank=3, r=2) == [5, 7]
     assert layout.destinations(expert=0, source_rank=3, r=4) == [0, 1, 2, 3]
     assert ExpertLayout(8, 8, 4, 3).destinations(expert=7, source_rank=0, r=1) == [3]
+
+
+def test_segment_permutation_against_a_loop():
+    from moe_plugin.parallel.all_to_all import segment_permutation
+    sizes_AB = torch.randint(0, 4, (3, 5))
+    rows, start = {}, 0
+    for a in range(3):
+        for b in range(5):
+            rows[a, b] = list(range(start, start + int(sizes_AB[a, b])))
+            start += int(sizes_AB[a, b])
+    expected = [i for b in range(5) for a in range(3) for i in rows[a, b]]
+    assert segment_permutation(sizes_AB).tolist() == expected
