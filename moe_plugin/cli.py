@@ -21,6 +21,16 @@ def info(_: argparse.Namespace) -> int:
     return 0
 
 
+def fairseq_user_dir(_: argparse.Namespace) -> int:
+    """Print the folder to pass to fairseq's --user-dir (found without importing fairseq)."""
+    spec = importlib.util.find_spec("moe_plugin.integrations.fairseq_moe")
+    if spec is None or not spec.submodule_search_locations:
+        print("moe_plugin.integrations.fairseq_moe is not installed", file=sys.stderr)
+        return 1
+    print(list(spec.submodule_search_locations)[0])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-plugin", description="A fast Mixture-of-Experts layer for PyTorch.")
     parser.add_argument("--version", action="version", version=f"moe_plugin {__version__}")
@@ -32,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
     commands.add_parser("info", help="versions and optional dependencies").set_defaults(func=info)
+    commands.add_parser("fairseq-user-dir", help="print the path to pass to fairseq's --user-dir").set_defaults(
+        func=fairseq_user_dir)
     return parser
 
 

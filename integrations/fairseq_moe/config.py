@@ -1,0 +1,158 @@
+"""fairseq arguments -> one MoEConfig.
+
+The flags keep the names of fairseq's MoE branch where it has one (--moe-expert-count, --moe-freq,
+--moe-gating-use-fp32, --moe-second-expert-policy, --moe-normalize-gate-prob-before-dropping,
+--moe-batch-prioritized-routing, --moe-expert-ffn-dim, --moe-eval-capacity-token-fraction) and with
+their semantics there; the rest map one to one onto MoEConfig fields. All checking of values is the
+core's (MoEConfig, check_sizes); this module only renames, and names the flag in the error.
+"""
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.utils import safe_getattr
+
+from moe_plugin import MoEConfig
+from moe_plugin.parallel.groups import check_sizes
+
+
+@dataclass
+class MoEArgs(FairseqDataclass):
+    moe_expert_count: int = field(default=8, metadata={"help": "experts per MoE layer (in total, over all ranks)"})
+    moe_freq: int = field(default=2, metadata={
+        "help": "every N-th transformer layer (N, 2N, ...) has an MoE FFN; 1: every layer"})
+    moe_top_k: int = field(default=2, metadata={"help": "experts per token"})
+    moe_capacity_factor: float = field(default=1.0, metadata={
+        "help": "> 0: capacity per expert max(ceil(k * cf * tokens / experts), 4); 0: dropless; "
+                "< 0: the largest real load, capped at |cf| times the fixed capacity"})
+    moe_eval_capacity_token_fraction: float = field(default=0.25, metadata={
+        "help": "in eval mode each expert takes up to this fraction of the tokens; <= 0: as in training"})
+    moe_expert_ffn_dim: Optional[int] = field(default=None, metadata={
+        "help": "hidden size of each expert (default: the layer's --encoder/decoder-ffn-embed-dim)"})
+    moe_gating_use_fp32: bool = field(default=False, metadata={"help": "compute the router in fp32"})
+    moe_second_expert_policy: str = field(default="all", metadata={
+        "help": "only 'all' (every token goes to its k best experts); fairseq's 'sampling' and 'random' "
+                "are not supported"})
+    moe_normalize_gate_prob_before_dropping: bool = field(default=False, metadata={
+        "help": "renormalize the k gates before dropping tokens over capacity (default: after)"})
+    moe_batch_prioritized_routing: bool = field(default=False, metadata={
+        "help": "tokens with the highest router score claim expert slots first"})
+    moe_router: str = field(default="softmax", metadata={"help": "softmax, sigmoid or cosine"})
+    moe_ep_size: int = field(default=1, metadata={
+        "help": "ranks the experts are spread over (consecutive blocks of the world); 1: every rank "
+                "holds every expert"})
+    moe_parallel: str = field(default="1", metadata={
+        "help": "0: gather the experts, 1: expert parallel, r > 1: each expert sliced over r ranks, "
+                "or auto"})
+    moe_overlap_degree: str = field(default="1", metadata={
+        "help": "chunks the all-to-all is cut into to overlap it with expert compute, or auto"})
+    moe_a2a: str = field(default="flat", metadata={"help": "flat or 2dh (2D-hierarchical all-to-all)"})
+
+
+SECOND_EXPERT_POLICIES = ("all",)
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu"}   # fairseq --activation-fn -> MoEConfig
+FLAG_OF_FIELD = {
+    "num_experts": "--moe-expert-count", "top_k": "--moe-top-k", "capacity_factor": "--moe-capacity-factor",
+    "eval_capacity_factor": "--moe-eval-capacity-token-fraction", "hidden_size": "--moe-expert-ffn-dim",
+    "router": "--moe-router", "ep_size": "--moe-ep-size", "parallel": "--moe-parallel",
+    "overlap_degree": "--moe-overlap-degree", "a2a": "--moe-a2a", "activation": "--activation-fn",
+}
+
+
+def add_moe_args(parser) -> None:
+    """Add the --moe-* flags (no defaults: the arch functions fill them in, see set_moe_defaults)."""
+    gen_parser_from_dataclass(parser, MoEArgs(), delete_default=True)
+
+
+def set_moe_defaults(args) -> None:
+    """Give every --moe-* flag the user did not set its default (args: Namespace or DictConfig)."""
+    for f in fields(MoEArgs):
+        if safe_getattr(args, f.name, None) is None:
+            setattr(args, f.name, f.default)
+
+
+def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
+    """The MoEConfig of one MoE layer of width model_dim whose dense FFN would be ffn_dim wide.
+
+    ValueError names the flag, the value given and what is allowed.
+    """
+    policy = safe_getattr(args, "moe_second_expert_policy", "all")
+    if policy not in SECOND_EXPERT_POLICIES:
+        raise ValueError(
+            f"--moe-second-expert-policy {policy!r} is not supported: moe_plugin sends every token to its "
+            f"--moe-top-k best experts, which is fairseq's policy 'all'; allowed: 'all' "
+            f"('sampling' and 'random' are not supported)")
+    activation = safe_getattr(args, "activation_fn", "relu")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"--activation-fn {activation!r} is not supported in MoE layers; "
+                         f"allowed: {', '.join(repr(a) for a in ACTIVATIONS)}")
+    num_experts, top_k = args.moe_expert_count, args.moe_top_k
+    fraction = args.moe_eval_capacity_token_fraction
+    values = dict(
+        model_dim=model_dim,
+        hidden_size=args.moe_expert_ffn_dim or ffn_dim,
+        num_experts=num_experts,
+        top_k=top_k,
+        capacity_factor=args.moe_capacity_factor,
+        # fairseq: eval capacity = fraction * tokens; here capacity = k * cf * tokens / experts
+        eval_capacity_factor=None if _number(fraction) and fraction <= 0 else _ratio(fraction, num_experts, top_k),
+        router=args.moe_router,
+        fp32_router=bool(args.moe_gating_use_fp32),
+        normalize_gate="before_drop" if args.moe_normalize_gate_prob_before_dropping else "after_drop",
+        batch_prioritized_routing=bool(args.moe_batch_prioritized_routing),
+        aux_loss="gshard",
+        aux_loss_coef=1.0,   # the criterion weighs it (--moe-gate-loss-wt)
+        activation=ACTIVATIONS[activation],
+        ep_size=args.moe_ep_size,
+        parallel=_int_or_auto("--moe-parallel", args.moe_parallel),
+        overlap_degree=_int_or_auto("--moe-overlap-degree", args.moe_overlap_degree),
+        a2a=args.moe_a2a,
+    )
+    try:
+        config = MoEConfig(**values)
+        check_sizes(config.num_experts, config.hidden_size, config.ep_size)
+    except ValueError as error:
+        raise ValueError(f"{_flag_of(str(error))}: {error}") from error
+    return config
+
+
+def moe_layer_indices(args, num_layers: int, where: str) -> list:
+    """Indices of the layers (of num_layers) that get an MoE FFN: every --moe-freq-th one."""
+    freq = args.moe_freq
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"--moe-freq {freq!r} is invalid: must be an integer >= 1 (1: every layer is MoE)")
+    indices = list(range(freq - 1, num_layers, freq))
+    if not indices:
+        raise ValueError(f"--moe-freq {freq} with --{where}-layers {num_layers} gives no MoE layer; "
+                         f"use --moe-freq between 1 and {num_layers}")
+    return indices
+
+
+def _flag_of(message: str) -> str:
+    match = re.search(r"MoEConfig\.(\w+)=", message) or re.match(r"(ep_size)=", message)
+    name = match.group(1) if match else None
+    return FLAG_OF_FIELD.get(name, "invalid --moe-* flags")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _ratio(fraction: Any, num_experts: Any, top_k: Any) -> Any:
+    """fraction * E / k when all are numbers, else the fraction itself (MoEConfig then says what is wrong)."""
+    if _number(fraction) and _number(num_experts) and _number(top_k) and top_k > 0:
+        return fraction * num_experts / top_k
+    return fraction
+
+
+def _int_or_auto(flag: str, value: Union[int, str]) -> Union[int, str]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ValueError(f"{flag} {value!r} is invalid: must be an integer >= 0 or 'auto'")

@@ -1,0 +1,120 @@
+"""MoE models and archs: transformer_lm_moe (decoder-only LM) and transformer_moe (translation).
+
+Each is fairseq's own model, built as usual, with the FFN of every --moe-freq-th layer swapped for
+an MoE layer (layers.py). An arch function applies fairseq's arch defaults, then the --moe-*
+defaults, and checks the flags, so a bad value fails before any data is read.
+
+With --moe-ep-size > 1 each rank holds different experts, so each rank must save and load its
+own checkpoint. fairseq-fixed does exactly that for models with cfg.model.base_layers > 0 (its own
+expert-parallel BASE layers): checkpoint_last-rank-<R>.pt per rank, loaded on every rank. The
+archs set base_layers to 1 with --moe-ep-size > 1 (0 otherwise) as that switch, and the models
+build no BASE layer. consolidate.py merges such per-rank checkpoints into one for single-process
+evaluation.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models.transformer import TransformerModel, base_architecture, transformer_iwslt_de_en
+from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
+                                           base_lm_architecture, transformer_lm_gpt)
+from fairseq.utils import safe_getattr
+
+from .config import add_moe_args, moe_config_from_args, moe_layer_indices, set_moe_defaults
+from .distributed import prepare_expert_parameters
+from .layers import use_moe_layers
+from .registration import architecture, model
+
+
+@model("transformer_lm_moe")
+class TransformerLanguageModelMoE(TransformerLanguageModel):
+    @classmethod
+    def add_args(cls, parser):
+        gen_parser_from_dataclass(parser, TransformerLanguageModelConfig(), delete_default=True)
+        add_moe_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        set_moe_defaults(args)
+        with _without_base_layers(args):
+            lm = super().build_model(args, task)
+        use_moe_layers(lm.decoder, args, "decoder", no_encoder_attn=True)
+        prepare_expert_parameters(lm, args)
+        return lm
+
+
+@model("transformer_moe")
+class TransformerModelMoE(TransformerModel):
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        add_moe_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        set_moe_defaults(args)
+        with _without_base_layers(args):
+            seq2seq = super().build_model(args, task)
+        use_moe_layers(seq2seq.encoder, args, "encoder")
+        use_moe_layers(seq2seq.decoder, args, "decoder")
+        prepare_expert_parameters(seq2seq, args)
+        return seq2seq
+
+
+@contextlib.contextmanager
+def _without_base_layers(args):
+    """fairseq's builders read base_layers as a count of BASE layers to insert: none here."""
+    per_rank_checkpoints = safe_getattr(args, "base_layers", 0)
+    args.base_layers = 0
+    try:
+        yield
+    finally:
+        args.base_layers = per_rank_checkpoints
+
+
+def _moe_defaults_and_checks(args, parts) -> None:
+    """parts: "encoder" and/or "decoder", the stacks whose layers get MoE FFNs."""
+    set_moe_defaults(args)
+    args.base_layers = 1 if args.moe_ep_size > 1 else 0   # per-rank checkpoints, see the module docstring
+    for part in parts:
+        moe_config_from_args(args, getattr(args, f"{part}_embed_dim"), getattr(args, f"{part}_ffn_embed_dim"))
+        moe_layer_indices(args, getattr(args, f"{part}_layers"), part)
+
+
+@architecture("transformer_lm_moe", "transformer_lm_moe")
+def transformer_lm_moe(args):
+    """fairseq's transformer_lm sizes: 512 wide, FFN 2048, 6 layers, 8 heads."""
+    base_lm_architecture(args)
+    _moe_defaults_and_checks(args, ["decoder"])
+
+
+@architecture("transformer_lm_moe", "transformer_lm_moe_small")
+def transformer_lm_moe_small(args):
+    """256 wide, FFN 1024, 4 layers, 4 heads."""
+    args.decoder_embed_dim = safe_getattr(args, "decoder_embed_dim", 256)
+    args.decoder_ffn_embed_dim = safe_getattr(args, "decoder_ffn_embed_dim", 1024)
+    args.decoder_layers = safe_getattr(args, "decoder_layers", 4)
+    args.decoder_attention_heads = safe_getattr(args, "decoder_attention_heads", 4)
+    transformer_lm_moe(args)
+
+
+@architecture("transformer_lm_moe", "transformer_lm_moe_base")
+def transformer_lm_moe_base(args):
+    """GPT base sizes (fairseq's transformer_lm_gpt): 768 wide, FFN 3072, 12 layers, 12 heads, gelu."""
+    transformer_lm_gpt(args)
+    _moe_defaults_and_checks(args, ["decoder"])
+
+
+@architecture("transformer_moe", "transformer_moe")
+def transformer_moe(args):
+    """fairseq's transformer (base) sizes: 512 wide, FFN 2048, 6 + 6 layers, 8 heads."""
+    base_architecture(args)
+    _moe_defaults_and_checks(args, ["encoder", "decoder"])
+
+
+@architecture("transformer_moe", "transformer_iwslt_de_en_moe")
+def transformer_iwslt_de_en_moe(args):
+    """fairseq's transformer_iwslt_de_en sizes: 512 wide, FFN 1024, 6 + 6 layers, 4 heads."""
+    transformer_iwslt_de_en(args)
+    _moe_defaults_and_checks(args, ["encoder", "decoder"])
