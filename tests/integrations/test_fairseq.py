@@ -1,0 +1,138 @@
+"""The fairseq adapter end to end on CPU: binarize a generated corpus, fairseq-train the MoE LM and
+translation model for 30 updates, resume, fairseq-eval-lm, fairseq-generate, fairseq-hydra-train,
+and clear errors for bad flags. fairseq runs in subprocesses (python -m fairseq_cli.*)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fairseq_helpers import CPU, TINY_LM, TINY_MT, binarize, fairseq, needs_fairseq, train_losses, user_dir
+
+pytestmark = needs_fairseq
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+UPDATES = 30
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fairseq")
+    lm, mt = binarize(str(root))
+    return {"root": str(root), "lm": lm, "mt": mt}
+
+
+def lm_args(data, save_dir, max_update):
+    return [data["lm"], "--user-dir", user_dir(), "--task", "language_modeling", *TINY_LM,
+            "--criterion", "moe_cross_entropy", "--optimizer", "adam", "--lr", "0.005", "--dropout", "0",
+            "--tokens-per-sample", "64", "--sample-break-mode", "complete", "--batch-size", "8",
+            "--max-update", max_update, "--save-dir", save_dir, "--no-epoch-checkpoints", *CPU]
+
+
+def mt_args(data, save_dir, max_update):
+    return [data["mt"], "--user-dir", user_dir(), "--task", "translation", *TINY_MT,
+            "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--optimizer", "adam",
+            "--lr", "0.005", "--dropout", "0", "--max-tokens", "400", "--max-update", max_update,
+            "--save-dir", save_dir, "--no-epoch-checkpoints", *CPU]
+
+
+@pytest.fixture(scope="module")
+def lm_run(data):
+    save_dir = os.path.join(data["root"], "lm")
+    return save_dir, fairseq("train", lm_args(data, save_dir, UPDATES), cwd=data["root"]).stdout
+
+
+@pytest.fixture(scope="module")
+def mt_run(data):
+    save_dir = os.path.join(data["root"], "mt")
+    return save_dir, fairseq("train", mt_args(data, save_dir, UPDATES), cwd=data["root"]).stdout
+
+
+def test_user_dir_is_printed_and_registers_once_under_both_names(tmp_path):
+    path = user_dir()
+    assert os.path.isfile(os.path.join(path, "__init__.py"))
+    assert os.path.basename(path) == "fairseq_moe"
+    # the installed package first, then fairseq's --user-dir import of the same folder by its base name
+    script = (f"import argparse, sys\n"
+              f"import moe_plugin.integrations.fairseq_moe\n"
+              f"from fairseq import utils\n"
+              f"utils.import_user_module(argparse.Namespace(user_dir={path!r}))\n"
+              f"assert 'fairseq_moe' in sys.modules\n"
+              f"from fairseq.models import ARCH_MODEL_REGISTRY\n"
+              f"from fairseq.criterions import CRITERION_REGISTRY\n"
+              f"print(sorted(a for a in ARCH_MODEL_REGISTRY if 'moe' in a), sorted(c for c in CRITERION_REGISTRY "
+              f"if 'moe' in c))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("['transformer_iwslt_de_en_moe', 'transformer_lm_moe', 'transformer_lm_moe_base', "
+            "'transformer_lm_moe_small', 'transformer_moe'] ['moe_cross_entropy', "
+            "'moe_label_smoothed_cross_entropy']") in out.stdout
+
+
+def test_lm_loss_falls_and_gate_statistics_are_logged(lm_run):
+    save_dir, log = lm_run
+    losses = train_losses(log)
+    assert max(losses) == UPDATES
+    assert losses[UPDATES] < 0.6 * losses[1], losses
+    last = [line for line in log.splitlines() if "| train_inner |" in line][-1]
+    for key in ("moe_gate_loss=", "moe_dropped=", "moe_share_e0=", "moe_share_e3="):
+        assert key in last
+    assert os.path.isfile(os.path.join(save_dir, "checkpoint_last.pt"))
+
+
+def test_lm_resumes_from_checkpoint_last(data, lm_run):
+    save_dir, _ = lm_run
+    log = fairseq("train", lm_args(data, save_dir, UPDATES + 3), cwd=data["root"]).stdout
+    assert f"@ {UPDATES} updates" in log and "Loaded checkpoint" in log
+    assert sorted(train_losses(log)) == [UPDATES + 1, UPDATES + 2, UPDATES + 3]
+
+
+def test_eval_lm_on_the_trained_lm(data, lm_run):
+    save_dir, _ = lm_run
+    log = fairseq("eval_lm", [data["lm"], "--user-dir", user_dir(), "--path",
+                              os.path.join(save_dir, "checkpoint_best.pt"), "--tokens-per-sample", "64",
+                              "--batch-size", "8", "--cpu", "--num-workers", "0"], cwd=data["root"]).stdout
+    perplexity = float(log.split("Perplexity:")[1].split()[0])
+    assert 1.0 < perplexity < 8.0   # 24-word counting corpus: far below the 28 symbols of the dictionary
+
+
+def test_translation_loss_falls(mt_run):
+    save_dir, log = mt_run
+    losses = train_losses(log)
+    assert max(losses) == UPDATES
+    assert losses[UPDATES] < losses[1] - 1.0, losses
+    assert os.path.isfile(os.path.join(save_dir, "checkpoint_last.pt"))
+
+
+def test_generate_with_the_trained_translation_model(data, mt_run):
+    save_dir, _ = mt_run
+    log = fairseq("generate", [data["mt"], "--user-dir", user_dir(), "--path",
+                               os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--batch-size", "16",
+                               "--max-len-b", "20", "--cpu", "--num-workers", "0"], cwd=data["root"]).stdout
+    hypotheses = [line for line in log.splitlines() if line.startswith("H-")]
+    assert len(hypotheses) == 40
+    assert "BLEU4" in log
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-second-expert-policy", "sampling"], "--moe-second-expert-policy 'sampling' is not supported"),
+    (["--moe-top-k", "5"], "--moe-top-k: MoEConfig.top_k=5 is invalid: must be between 1 and num_experts=4"),
+    (["--moe-freq", "3"], "--moe-freq 3 with --decoder-layers 2 gives no MoE layer"),
+])
+def test_bad_flag_fails_before_training_with_a_clear_message(data, tmp_path, flags, message):
+    proc = fairseq("train", lm_args(data, str(tmp_path), 1) + flags, cwd=data["root"], check=False)
+    assert proc.returncode != 0
+    assert message in proc.stdout, proc.stdout[-3000:]
+    assert "Start iterating over samples" not in proc.stdout
+
+
+def test_hydra_train_with_the_lm_config(data, tmp_path):
+    overrides = [f"task.data={data['lm']}", f"common.user_dir={user_dir()}", "common.cpu=true",
+                 "optimization.max_update=3", "+model.decoder_embed_dim=32", "+model.decoder_ffn_embed_dim=64",
+                 "+model.decoder_layers=2", "model.moe_expert_count=4", "task.tokens_per_sample=64",
+                 f"checkpoint.save_dir={tmp_path / 'ckpt'}", "common.log_interval=1", "dataset.num_workers=0", "dataset.required_batch_size_multiple=1",
+                 f"hydra.run.dir={tmp_path / 'hydra'}"]
+    log = fairseq("hydra_train", ["--config-dir", os.path.join(REPO, "configs", "fairseq"),
+                                  "--config-name", "transformer_lm_moe"] + overrides, cwd=str(tmp_path)).stdout
+    assert "model: TransformerLanguageModelMoE" in log and "num_updates=3" in log
+    assert os.path.isfile(tmp_path / "ckpt" / "checkpoint_last.pt")
