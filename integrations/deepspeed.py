@@ -63,7 +63,7 @@ SECTION_KEYS: Dict[str, Tuple[Any, str]] = {
     "a2a": (None, "flat or 2dh"),
     "node_size": (None, "an integer >= 1"),
 }
-TUTEL_ONLY = ("router", "aux_loss_coef", "parallel", "overlap_degree", "a2a", "node_size")
+NATIVE_GATE_KEYS = ("k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens")
 SECTION_TO_ARGUMENT = {"top_k": "k"}   # section key -> MoE constructor argument, where they differ
 
 
@@ -326,7 +326,9 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
 
     backend "tutel": each native layer is rebuilt as MoE with the section's settings, its weights loaded
     through the native names (a layer already ours must agree with the section). backend "deepspeed": the
-    native gates take the section's routing settings. Returns the model (new when the model itself was
+    native gates take the section's top_k, capacity_factor, eval_capacity_factor, min_capacity and
+    drop_tokens (router must be softmax; aux_loss_coef, parallel, overlap_degree, a2a, node_size are
+    moe_plugin's and left out). Returns the model (new when the model itself was
     a layer) and {id(old parameter): its new parameters} for the rebuilt layers.
     """
     overrides = {SECTION_TO_ARGUMENT.get(key, key): value for key, value in section.items()
@@ -346,7 +348,7 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
                                  f"with deepspeed.moe.layer.MoE to run DeepSpeed's native layer")
             gate = module.deepspeed_moe.gate
             for key, value in overrides.items():
-                if key not in TUTEL_ONLY:
+                if key in NATIVE_GATE_KEYS:
                     setattr(gate, key, value)
             continue
         if isinstance(module, MoE):
