@@ -379,13 +379,16 @@ def train(cfg: ExperimentConfig) -> dict:
             dist.destroy_process_group()
 
 
-def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
-    from tqdm import tqdm
+@dataclass
+class Parts:
+    """What a checkpoint restores."""
+    model: TransformerLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Data
 
-    is_main = procs.rank == 0
-    out_dir = Path(cfg.log.out_dir or os.path.join("runs", cfg.log.name))
-    resume_path = resolve_resume(cfg.train.resume, out_dir) if cfg.train.resume else None
 
+def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
     model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -396,28 +399,48 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches,
                      procs.rank, procs.world_size)
     torch.manual_seed(cfg.train.seed + 1_000_003 * (procs.rank + 1))  # router noise differs per rank
-    window, step = Window(), 0
+    return Parts(model, optimizer, scheduler, data)
 
-    if resume_path is not None:
-        state = torch.load(resume_path, map_location="cpu", weights_only=True)
-        if state["world_size"] != procs.world_size:
-            raise ValueError(f"train.resume={str(resume_path)!r} is invalid: it was written by "
-                             f"{state['world_size']} processes, this run has {procs.world_size}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        mine = state["ranks"][procs.rank]
-        data.train.load_state_dict(mine["data"])
-        torch.set_rng_state(mine["torch_rng"])
-        random.setstate(mine["python_rng"])
-        if "cuda_rng" in mine and procs.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda_rng"], procs.device)
-        window = Window(**mine["window"])
-        step = state["step"]
-    elif is_main:
-        for old in checkpoints(out_dir):
+
+def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int, window: Window) -> None:
+    """A collective: every rank hands over its data position, RNG states and metrics window; rank 0 writes."""
+    ranks = gather(procs, rank_state(procs, parts.data, window))
+    if procs.rank == 0:
+        state = {"step": step, "world_size": procs.world_size, "model": parts.model.state_dict(),
+                 "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
+                 "ranks": ranks, "config": dataclasses.asdict(cfg)}
+        save_checkpoint(checkpoint_path(out_dir, step), state, cfg.train.keep_checkpoints)
+
+
+def restore(parts: Parts, procs: Processes, path: Path) -> Tuple[int, Window]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["world_size"] != procs.world_size:
+        raise ValueError(f"train.resume={str(path)!r} is invalid: it was written by {state['world_size']} "
+                         f"processes, this run has {procs.world_size}")
+    parts.model.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.scheduler.load_state_dict(state["scheduler"])
+    mine = state["ranks"][procs.rank]
+    parts.data.train.load_state_dict(mine["data"])
+    torch.set_rng_state(mine["torch_rng"])
+    random.setstate(mine["python_rng"])
+    if "cuda_rng" in mine and procs.device.type == "cuda":
+        torch.cuda.set_rng_state(mine["cuda_rng"], procs.device)
+    return state["step"], Window(**mine["window"])
+
+
+def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
+    from tqdm import tqdm
+
+    is_main = procs.rank == 0
+    out_dir = Path(cfg.log.out_dir or os.path.join("runs", cfg.log.name))
+    resume_path = resolve_resume(cfg.train.resume, out_dir) if cfg.train.resume else None
+    parts = build(cfg, procs)
+    model, optimizer, scheduler, data = parts.model, parts.optimizer, parts.scheduler, parts.data
+    step, window = restore(parts, procs, resume_path) if resume_path else (0, Window())
+    if is_main and resume_path is None:
+        for old in checkpoints(out_dir):  # a fresh run replaces an old run's checkpoints
             old.unlink()
-
     wrapped = model
     if procs.world_size > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -427,13 +450,13 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
-        log = MetricsLog(out_dir, step if resume_path is not None else None)
-    last = cfg.train.stop_at or cfg.train.steps
+        log = MetricsLog(out_dir, step if resume_path else None)
     if step == 0:
         val_loss = evaluate(model, data.val, procs.device)
         if log:
             log.write({"step": 0, "val_loss": val_loss})
 
+    last = cfg.train.stop_at or cfg.train.steps
     bar = tqdm(total=last, initial=step, unit="step", disable=not (is_main and cfg.log.progress),
                dynamic_ncols=True, file=sys.stderr)
     start = time.perf_counter()
@@ -466,12 +489,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
                                 f"drop {record['dropped_fraction']:.1%}", refresh=False)
         bar.update(1)
         if step == last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-            ranks = gather(procs, rank_state(procs, data, window))
-            if is_main:
-                save_checkpoint(checkpoint_path(out_dir, step),
-                                {"step": step, "world_size": procs.world_size, "model": model.state_dict(),
-                                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                 "ranks": ranks, "config": dataclasses.asdict(cfg)}, cfg.train.keep_checkpoints)
+            save(parts, procs, cfg, out_dir, step, window)
     bar.close()
 
     hashes = gather(procs, parameter_hash(model))
