@@ -93,7 +93,7 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
     fraction = args.moe_eval_capacity_token_fraction
     values = dict(
         model_dim=model_dim,
-        hidden_size=args.moe_expert_ffn_dim or ffn_dim,
+        hidden_size=ffn_dim if args.moe_expert_ffn_dim is None else args.moe_expert_ffn_dim,
         num_experts=num_experts,
         top_k=top_k,
         capacity_factor=args.moe_capacity_factor,

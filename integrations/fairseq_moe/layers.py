@@ -14,6 +14,7 @@ import logging
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
@@ -128,6 +129,9 @@ def _wrap(layer: nn.Module, cfg) -> nn.Module:
 
 
 def _check_supported(cfg, args) -> None:
+    if args.moe_ep_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"--moe-ep-size {args.moe_ep_size} needs a distributed run of at least that many "
+                         f"processes (--distributed-world-size); this one is a single process")
     if cfg.quant_noise.pq > 0:
         raise ValueError(f"--quant-noise-pq {cfg.quant_noise.pq} is not supported with MoE layers; use 0")
     if getattr(args, "scale_fc", False):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch.distributed as dist
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models.transformer import TransformerModel, base_architecture, transformer_iwslt_de_en
 from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
@@ -76,7 +77,16 @@ def _without_base_layers(args):
 def _moe_defaults_and_checks(args, parts) -> None:
     """parts: "encoder" and/or "decoder", the stacks whose layers get MoE FFNs."""
     set_moe_defaults(args)
-    args.base_layers = 1 if args.moe_ep_size > 1 else 0   # per-rank checkpoints, see the module docstring
+    per_rank_checkpoints = 1 if args.moe_ep_size > 1 else 0   # see the module docstring
+    if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and safe_getattr(args, "base_layers", 0) != per_rank_checkpoints):
+        # fairseq-train runs this when it parses the flags; fairseq-hydra-train only when it builds the
+        # model, after its distributed init has read base_layers to name the checkpoints
+        raise ValueError(f"moe_ep_size={args.moe_ep_size} with fairseq-hydra-train needs "
+                         f"model.base_layers={per_rank_checkpoints} in the config (fairseq's switch for "
+                         f"per-rank checkpoints, read before the model is built): add "
+                         f"+model.base_layers={per_rank_checkpoints}")
+    args.base_layers = per_rank_checkpoints
     for part in parts:
         moe_config_from_args(args, getattr(args, f"{part}_embed_dim"), getattr(args, f"{part}_ffn_embed_dim"))
         moe_layer_indices(args, getattr(args, f"{part}_layers"), part)

@@ -118,6 +118,7 @@ def test_generate_with_the_trained_translation_model(data, mt_run):
     (["--moe-second-expert-policy", "sampling"], "--moe-second-expert-policy 'sampling' is not supported"),
     (["--moe-top-k", "5"], "--moe-top-k: MoEConfig.top_k=5 is invalid: must be between 1 and num_experts=4"),
     (["--moe-freq", "3"], "--moe-freq 3 with --decoder-layers 2 gives no MoE layer"),
+    (["--moe-ep-size", "2"], "--moe-ep-size 2 needs a distributed run"),
 ])
 def test_bad_flag_fails_before_training_with_a_clear_message(data, tmp_path, flags, message):
     proc = fairseq("train", lm_args(data, str(tmp_path), 1) + flags, cwd=data["root"], check=False)

@@ -9,6 +9,8 @@ process with --update-freq 2 on the same two batches.
 import argparse
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,8 +86,10 @@ def test_two_process_run_resumes_per_rank_and_consolidates_for_eval_lm(runs, tmp
     assert torch.equal(states[0]["model"][shared], states[1]["model"][shared])
 
     merged = str(tmp_path / "merged.pt")
-    from moe_plugin.integrations.fairseq_moe.consolidate import consolidate
-    assert consolidate(os.path.join(save_dir, "checkpoint_last-rank-0.pt"), merged) == 2
+    out = subprocess.run([sys.executable, "-m", "moe_plugin.integrations.fairseq_moe.consolidate",
+                          os.path.join(save_dir, "checkpoint_last-rank-0.pt"), merged],
+                         capture_output=True, text=True, timeout=120, cwd=runs["root"])
+    assert out.returncode == 0 and "merged the experts of 2 ranks" in out.stdout, out.stderr[-3000:]
     log = fairseq("eval_lm", [runs["lm"], "--user-dir", user_dir(), "--path", merged, "--tokens-per-sample", "64",
                               "--batch-size", "8", "--cpu", "--num-workers", "0"], cwd=runs["root"]).stdout
     assert float(log.split("Perplexity:")[1].split()[0]) > 1.0
