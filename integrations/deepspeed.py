@@ -217,10 +217,10 @@ def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: st
     first, second = layer.linear_names
     native = {"w1_EDH": f"{first}.weight", "b1_EH": f"{first}.bias",
               "w2_EHD": f"{second}.weight", "b2_ED": f"{second}.bias"}
-    for name, tensor in stacked.items():
-        for i, tensor_i in enumerate(tensor.unbind(0)):
-            state[f"{prefix}experts.deepspeed_experts.{i}.{native[name]}"] = tensor_i.t() if tensor_i.dim() == 2 \
-                else tensor_i
+    for i in range(layer.groups.layout.local_experts):
+        for name, tensor in stacked.items():
+            state[f"{prefix}experts.deepspeed_experts.{i}.{native[name]}"] = tensor[i].t() if tensor.dim() == 3 \
+                else tensor[i]
 
 
 def _from_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: str, *args) -> None:
@@ -268,13 +268,6 @@ class MoE(NativeMoE):
             raise ValueError(f"num_experts={num_experts} must be a multiple of ep_size={ep_size} (both integers >= 1)")
         if not _is_int(k, 1) or k > num_experts:
             raise ValueError(f"k={k} is invalid: must be an integer between 1 and num_experts={num_experts}")
-        if use_rts and drop_tokens:
-            warnings.warn("backend tutel drops over-capacity tokens by position, not by DeepSpeed's random token "
-                          "selection (use_rts=True); pass use_rts=False to silence this", stacklevel=2)
-        if top2_2nd_expert_sampling and k == 2:
-            warnings.warn("backend tutel picks the plain second-best expert, without DeepSpeed's sampled second "
-                          "expert (top2_2nd_expert_sampling=True); pass top2_2nd_expert_sampling=False to silence "
-                          "this", stacklevel=2)
         self.settings = dict(hidden_size=hidden_size, num_experts=num_experts, ep_size=ep_size, k=k,
                              capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
                              min_capacity=min_capacity, use_residual=use_residual,
@@ -291,6 +284,13 @@ class MoE(NativeMoE):
         self.num_local_experts = num_experts // ep_size
 
         linear_names, expert_hidden, activation, bias = _expert_structure(expert, hidden_size, activation)
+        if use_rts and drop_tokens and k == 1:
+            warnings.warn("backend tutel drops over-capacity tokens by position, not by DeepSpeed's random token "
+                          "selection (use_rts=True); pass use_rts=False to silence this", stacklevel=2)
+        if top2_2nd_expert_sampling and k == 2:
+            warnings.warn("backend tutel picks the plain second-best expert, without DeepSpeed's sampled second "
+                          "expert (top2_2nd_expert_sampling=True); pass top2_2nd_expert_sampling=False to silence "
+                          "this", stacklevel=2)
         config = moe_config(hidden_size, expert_hidden, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                             min_capacity, drop_tokens, activation, bias, router, aux_loss_coef, parallel,
                             overlap_degree, a2a, node_size)

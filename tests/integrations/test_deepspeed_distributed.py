@@ -99,6 +99,16 @@ def stable_topk():
     sharded_moe.torch = TorchWithStableTopk()
 
 
+def native_named_grads(layer):
+    """Parameter gradients under the native layer's names (ours go through the layer's own renaming)."""
+    import moe_plugin.integrations.deepspeed as dsi
+    if not isinstance(layer, dsi.MoE):
+        return {name: p.grad for name, p in layer.named_parameters()}
+    grads = {name: p.grad for name, p in layer.deepspeed_moe.named_parameters()}
+    dsi._to_native_names(layer.deepspeed_moe, grads, "", None)
+    return {f"deepspeed_moe.{name}": grad for name, grad in grads.items()}
+
+
 def equivalence_worker(rank, world, cases):
     setup_worker(rank, world)
     stable_topk()
@@ -130,8 +140,9 @@ def equivalence_worker(rank, world, cases):
             y, l_aux, exp_counts = layer(x)
             ((y * upstream_TD).sum() + 0.1 * l_aux).backward()
             results.append({"y": y.detach(), "l_aux": l_aux.detach(), "exp_counts": exp_counts.float(),
-                            "x.grad": x.grad, **{name: p.grad for name, p in layer.state_dict(keep_vars=True).items()}})
+                            "x.grad": x.grad, **native_named_grads(layer)})
         dropped = ours.deepspeed_moe.stats["dropped_fraction"]
+        assert results[0].keys() == results[1].keys()
         errors = {key: (results[0][key] - results[1][key]).abs().max().item() for key in results[0]}
         worst[case["name"]] = (max(errors.values()), max(errors, key=errors.get), dropped)
     return worst
