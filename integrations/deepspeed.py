@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -46,23 +46,6 @@ BACKENDS = ("tutel", "deepspeed")
 ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu"}
 EXPERT_NAMES = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 
-# "moe" section key -> (default, check). Routing keys override every MoE layer's own setting.
-SECTION_KEYS: Dict[str, Tuple[Any, str]] = {
-    "backend": (None, "tutel or deepspeed"),
-    "num_experts": (None, "an integer >= 1 equal to every MoE layer's num_experts"),
-    "ep_size": (None, "an integer >= 1 equal to every MoE layer's ep_size"),
-    "top_k": (None, "an integer >= 1"),
-    "capacity_factor": (None, "a number > 0"),
-    "eval_capacity_factor": (None, "a number > 0"),
-    "min_capacity": (None, "an integer >= 0"),
-    "drop_tokens": (None, "true or false"),
-    "router": (None, "softmax, sigmoid or cosine (backend tutel; deepspeed has softmax only)"),
-    "aux_loss_coef": (None, "a number >= 0"),
-    "parallel": (None, "\"auto\" or an integer >= 0"),
-    "overlap_degree": (None, "\"auto\" or an integer >= 1"),
-    "a2a": (None, "flat or 2dh"),
-    "node_size": (None, "an integer >= 1"),
-}
 NATIVE_GATE_KEYS = ("k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens")
 SECTION_TO_ARGUMENT = {"top_k": "k"}   # section key -> MoE constructor argument, where they differ
 
@@ -76,21 +59,23 @@ def _is_number(value, positive):
     return ok and (value > 0 if positive else value >= 0)
 
 
-_CHECKS = {
-    "backend": lambda v: v in BACKENDS,
-    "num_experts": lambda v: _is_int(v, 1),
-    "ep_size": lambda v: _is_int(v, 1),
-    "top_k": lambda v: _is_int(v, 1),
-    "capacity_factor": lambda v: _is_number(v, positive=True),
-    "eval_capacity_factor": lambda v: _is_number(v, positive=True),
-    "min_capacity": lambda v: _is_int(v, 0),
-    "drop_tokens": lambda v: isinstance(v, bool),
-    "router": lambda v: v in ("softmax", "sigmoid", "cosine"),
-    "aux_loss_coef": lambda v: _is_number(v, positive=False),
-    "parallel": lambda v: v == "auto" or _is_int(v, 0),
-    "overlap_degree": lambda v: v == "auto" or _is_int(v, 1),
-    "a2a": lambda v: v in ("flat", "2dh"),
-    "node_size": lambda v: _is_int(v, 1),
+# "moe" section key -> (check, what is allowed). Routing keys override every MoE layer's own setting.
+SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "backend": (lambda v: v in BACKENDS, "\"tutel\" or \"deepspeed\""),
+    "num_experts": (lambda v: _is_int(v, 1), "an integer >= 1 equal to every MoE layer's num_experts"),
+    "ep_size": (lambda v: _is_int(v, 1), "an integer >= 1 equal to every MoE layer's ep_size"),
+    "top_k": (lambda v: _is_int(v, 1), "an integer between 1 and num_experts"),
+    "capacity_factor": (lambda v: _is_number(v, positive=True), "a number > 0"),
+    "eval_capacity_factor": (lambda v: _is_number(v, positive=True), "a number > 0"),
+    "min_capacity": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "drop_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "router": (lambda v: v in ("softmax", "sigmoid", "cosine"),
+               "\"softmax\", \"sigmoid\" or \"cosine\" (backend tutel; deepspeed has softmax only)"),
+    "aux_loss_coef": (lambda v: _is_number(v, positive=False), "a number >= 0"),
+    "parallel": (lambda v: v == "auto" or _is_int(v, 0), "\"auto\" or an integer >= 0"),
+    "overlap_degree": (lambda v: v == "auto" or _is_int(v, 1), "\"auto\" or an integer >= 1"),
+    "a2a": (lambda v: v in ("flat", "2dh"), "\"flat\" or \"2dh\""),
+    "node_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
 }
 
 
@@ -114,8 +99,9 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         raise ValueError("DeepSpeed config \"moe.backend\" is required: \"tutel\" (moe_plugin's layer) or "
                          "\"deepspeed\" (DeepSpeed's native layer)")
     for key, value in section.items():
-        if not _CHECKS[key](value):
-            raise ValueError(f"DeepSpeed config \"moe.{key}\"={value!r} is invalid: must be {SECTION_KEYS[key][1]}")
+        check, allowed = SECTION_KEYS[key]
+        if not check(value):
+            raise ValueError(f"DeepSpeed config \"moe.{key}\"={value!r} is invalid: must be {allowed}")
     if section["backend"] == "deepspeed" and section.get("router", "softmax") != "softmax":
         raise ValueError(f"DeepSpeed config \"moe.router\"={section['router']!r} needs \"moe.backend\": \"tutel\"; "
                          f"DeepSpeed's native gate is softmax")
@@ -209,14 +195,19 @@ class DeepSpeedMoELayer(MoELayer):
         return y
 
 
+def _native_expert_names(layer: DeepSpeedMoELayer) -> Dict[str, str]:
+    """Stacked expert tensor -> its name inside one native expert (Linear weights are [out, in])."""
+    first, second = layer.linear_names
+    return {"w1_EDH": f"{first}.weight", "b1_EH": f"{first}.bias", "w2_EHD": f"{second}.weight",
+            "b2_ED": f"{second}.bias"}
+
+
 def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: str, local_metadata) -> None:
     """router.weight_ED -> gate.wg.weight; stacked experts -> experts.deepspeed_experts.<i>.<linear>.*"""
     state[prefix + "gate.wg.weight"] = state.pop(prefix + "router.weight_ED")
     stacked = {name: state.pop(prefix + "experts." + name) for name in EXPERT_NAMES
                if prefix + "experts." + name in state}
-    first, second = layer.linear_names
-    native = {"w1_EDH": f"{first}.weight", "b1_EH": f"{first}.bias",
-              "w2_EHD": f"{second}.weight", "b2_ED": f"{second}.bias"}
+    native = _native_expert_names(layer)
     for i in range(layer.groups.layout.local_experts):
         for name, tensor in stacked.items():
             state[f"{prefix}experts.deepspeed_experts.{i}.{native[name]}"] = tensor[i].t() if tensor.dim() == 3 \
@@ -227,9 +218,7 @@ def _from_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: 
     """The inverse of _to_native_names (a tensor is stacked only when every local expert has it)."""
     if prefix + "gate.wg.weight" in state:
         state[prefix + "router.weight_ED"] = state.pop(prefix + "gate.wg.weight")
-    first, second = layer.linear_names
-    native = {"w1_EDH": f"{first}.weight", "b1_EH": f"{first}.bias",
-              "w2_EHD": f"{second}.weight", "b2_ED": f"{second}.bias"}
+    native = _native_expert_names(layer)
     for name in EXPERT_NAMES:
         keys = [f"{prefix}experts.deepspeed_experts.{i}.{native[name]}"
                 for i in range(layer.groups.layout.local_experts)]
@@ -342,6 +331,9 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
             if key in section and section[key] != getattr(module, key):
                 raise ValueError(f"DeepSpeed config \"moe.{key}\"={section[key]} differs from {where} "
                                  f"({key}={getattr(module, key)}); the section must describe the model's layers")
+        if section.get("top_k", 1) > module.num_experts:
+            raise ValueError(f"DeepSpeed config \"moe.top_k\"={section['top_k']} is invalid for {where}: must be "
+                             f"between 1 and its num_experts={module.num_experts}")
         if section["backend"] == "deepspeed":
             if isinstance(module, MoE):
                 raise ValueError(f"\"moe.backend\": \"deepspeed\" but {where} is moe_plugin's layer; build the model "

@@ -146,6 +146,9 @@ def test_section_must_describe_the_model():
     model = nn.ModuleDict({"moe": native_layer()})
     with pytest.raises(ValueError, match=r"\"moe.num_experts\"=8 differs from MoE layer 'moe' \(num_experts=4\)"):
         dsi.swap_moe_layers(model, {"backend": "tutel", "num_experts": 8})
+    with pytest.raises(ValueError, match=r"\"moe.top_k\"=5 is invalid for MoE layer 'moe': must be between 1 and "
+                                         r"its num_experts=4"):
+        dsi.swap_moe_layers(model, {"backend": "tutel", "top_k": 5})
     with pytest.raises(ValueError, match=r"\"moe.ep_size\"=2 differs"):
         dsi.swap_moe_layers(model, {"backend": "deepspeed", "ep_size": 2})
     ours = nn.ModuleDict({"moe": dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)),
