@@ -34,6 +34,14 @@ def prepare_expert_parameters(model: torch.nn.Module, args) -> int:
     if backend is not None and backend not in LEGACY_BACKENDS:
         raise ValueError(f"--moe-ep-size {args.moe_ep_size} needs --ddp-backend legacy_ddp (or no_c10d), got "
                          f"--ddp-backend {backend}: it keeps expert parameters out of the all-reduce")
+    flat_fp32_copy = (safe_getattr(args, "fp16", False) or safe_getattr(args, "bf16", False)) and not (
+        safe_getattr(args, "memory_efficient_fp16", False) or safe_getattr(args, "memory_efficient_bf16", False)
+        or safe_getattr(args, "fp16_no_flatten_grads", False))
+    if flat_fp32_copy:
+        raise ValueError(f"--fp16/--bf16 with --moe-ep-size {args.moe_ep_size} needs --fp16-no-flatten-grads (or "
+                         f"--memory-efficient-fp16): fairseq's flattened fp32 copy of the parameters loses the "
+                         f"expert marks, and the expert gradients would enter the gradient norm that fairseq "
+                         f"requires to be equal on every rank")
     world_size = distributed_utils.get_data_parallel_world_size()
     count = 0
     for layer in layers:

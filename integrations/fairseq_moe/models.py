@@ -1,7 +1,7 @@
 """MoE models and archs: transformer_lm_moe (decoder-only LM) and transformer_moe (translation).
 
-Each is fairseq's own model, built as usual, with the FFN of every --moe-freq-th layer swapped for
-an MoE layer (layers.py). An arch function applies fairseq's arch defaults, then the --moe-*
+Each is fairseq's own model, built as usual, then every --moe-freq-th layer is replaced by its MoE
+twin (layers.py: the same attention, norms and residuals; the FFN is an MoE layer). An arch function applies fairseq's arch defaults, then the --moe-*
 defaults, and checks the flags, so a bad value fails before any data is read.
 
 With --moe-ep-size > 1 each rank holds different experts, so each rank must save and load its

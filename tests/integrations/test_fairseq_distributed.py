@@ -106,6 +106,10 @@ def _legacy_ddp_step(rank, world_size, seed, tokens):
     full = MoELayer(MoEConfig(**config)).double()
     layer = MoELayer(MoEConfig(**config, ep_size=2)).double()
     layer.load_full_state_dict(full.state_dict())
+    for bad, message in ((dict(ddp_backend="pytorch_ddp"), "needs --ddp-backend legacy_ddp"),
+                         (dict(ddp_backend="legacy_ddp", fp16=True), "needs --fp16-no-flatten-grads")):
+        with pytest.raises(ValueError, match=message):
+            prepare_expert_parameters(layer, argparse.Namespace(moe_ep_size=2, **bad))
     assert prepare_expert_parameters(layer, argparse.Namespace(ddp_backend="legacy_ddp", moe_ep_size=2)) == 4
     ddp = LegacyDistributedDataParallel(layer, process_group=distributed_utils.get_data_parallel_group())
 
