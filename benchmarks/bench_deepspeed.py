@@ -1,9 +1,9 @@
 """Train a small MoE transformer through DeepSpeed with "moe.backend" "deepspeed" and "tutel" in one run.
 
 Every rank builds both engines from the same seed (DeepSpeed's native MoE layers; the "tutel" one is
-swapped by moe_plugin.integrations.deepspeed.initialize) and alternates rounds of training steps
-between them on the same batches. A step is forward + backward + optimizer step, timed on each rank up
-to a barrier (so the slowest rank counts); rank 0 prints the median ms/step of each backend and the
+swapped by moe_plugin.integrations.deepspeed.initialize) and alternates between them step by step
+on the same batches. A step is forward + backward + optimizer step, timed on each rank up to a
+barrier (so the slowest rank counts); rank 0 prints the median ms/step of each backend and the
 ratio deepspeed / tutel (> 1: tutel is faster).
 
     python benchmarks/bench_deepspeed.py --world 2            # spawns 2 gloo ranks on this machine
@@ -37,8 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--ep-size", type=int, default=None, help="default: the world size")
     parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=6, help="alternations between the backends")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per backend and round")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per backend")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first")
     return parser.parse_args(argv)
 
@@ -68,7 +67,7 @@ def bench(args):
         engines[backend] = initialize(model=model, config=config)[0]
     generator = torch.Generator().manual_seed(1000 + rank)
     device = engines["tutel"].device
-    data = [synthetic_batch(generator, args.batch, args.seq_len, args.vocab).to(device) for _ in range(args.steps)]
+    data = [synthetic_batch(generator, args.batch, args.seq_len, args.vocab).to(device) for _ in range(10)]
 
     def step(engine, tokens):
         loss = lm_loss(engine, tokens)
@@ -80,17 +79,16 @@ def bench(args):
     for backend, engine in engines.items():
         for tokens in data[:args.warmup]:
             step(engine, tokens)
-    for round_index in range(args.rounds):
-        order = BACKENDS if round_index % 2 == 0 else BACKENDS[::-1]
-        for backend in order:
-            for tokens in data:
-                dist.barrier()
-                start = time.perf_counter()
-                step(engines[backend], tokens)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                dist.barrier()
-                times[backend].append(time.perf_counter() - start)
+    for index in range(args.steps):   # alternate step by step, so that load from elsewhere hits both alike
+        tokens = data[index % len(data)]
+        for backend in (BACKENDS if index % 2 == 0 else BACKENDS[::-1]):
+            dist.barrier()
+            start = time.perf_counter()
+            step(engines[backend], tokens)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dist.barrier()
+            times[backend].append(time.perf_counter() - start)
     if rank == 0:
         report(args, world, section, device, times)
 
@@ -100,7 +98,7 @@ def report(args, world, section, device, times):
     print(f"world {world} ({device}, {torch.get_num_threads()} threads/rank), D={args.dim} H={args.hidden} "
           f"E={section['num_experts']} ep_size={section['ep_size']} top-{args.top_k} cf={args.capacity_factor}, "
           f"{args.layers} MoE layers, {args.batch}x{args.seq_len} tokens/rank, ZeRO {args.zero_stage}, "
-          f"{args.rounds}x{args.steps} steps/backend")
+          f"{args.steps} steps/backend")
     print(f"{'backend':10} {'median ms/step':>15} {'p10':>8} {'p90':>8} {'tokens/s':>10}")
     medians = {}
     for backend, seconds in times.items():
