@@ -39,6 +39,8 @@ def parse_args(argv=None):
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument("--steps", type=int, default=100, help="timed steps per backend")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first")
+    parser.add_argument("--layer-only", action="store_true",
+                        help="time the first MoE layer alone (forward + backward on batch x seq-len tokens)")
     return parser.parse_args(argv)
 
 
@@ -69,7 +71,13 @@ def bench(args):
     device = engines["tutel"].device
     data = [synthetic_batch(generator, args.batch, args.seq_len, args.vocab).to(device) for _ in range(10)]
 
+    x_TD = torch.randn(args.batch * args.seq_len, args.dim, generator=generator).to(device).requires_grad_()
+
     def step(engine, tokens):
+        if args.layer_only:
+            ffn = engine.module.blocks[0].ffn
+            (ffn(x_TD).square().mean() + ffn.l_aux).backward()
+            return None
         loss = lm_loss(engine, tokens)
         engine.backward(loss + 0.01 * engine.module.l_aux())
         engine.step()
@@ -98,7 +106,7 @@ def report(args, world, section, device, times):
     print(f"world {world} ({device}, {torch.get_num_threads()} threads/rank), D={args.dim} H={args.hidden} "
           f"E={section['num_experts']} ep_size={section['ep_size']} top-{args.top_k} cf={args.capacity_factor}, "
           f"{args.layers} MoE layers, {args.batch}x{args.seq_len} tokens/rank, ZeRO {args.zero_stage}, "
-          f"{args.steps} steps/backend")
+          f"{args.steps} steps/backend{', first MoE layer only (forward + backward)' if args.layer_only else ''}")
     print(f"{'backend':10} {'median ms/step':>15} {'p10':>8} {'p90':>8} {'tokens/s':>10}")
     medians = {}
     for backend, seconds in times.items():
