@@ -190,3 +190,15 @@ def test_zero_stage_3_and_bad_sections_fail_before_anything_starts():
         dsi.initialize(model=model, config={**base, "moe": {"backend": "tutel", "top_k": 0}})
     with pytest.raises(ValueError, match="needs a config"):
         dsi.initialize(model=model)
+
+
+@pytest.mark.parametrize("name", ["moe_tutel.json", "moe_native.json", "moe_tutel_gpu_bf16.json"])
+def test_shipped_configs_are_valid(name):
+    import json
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepspeed", name)
+    with open(path) as file:
+        section = dsi.read_moe_section(json.load(file))
+    assert section["backend"] == ("deepspeed" if "native" in name else "tutel")
+    model = MoETransformerLM({**section, "ep_size": 1})   # one process here: ep_size 1
+    dsi.swap_moe_layers(model, {**section, "ep_size": 1})
