@@ -1,9 +1,9 @@
 """The single-process fast path: encode, expert FFN and decode fused, one expert block at a time.
 
 Each expert's tokens are gathered into a small reused buffer, run through the expert, scaled by
-their gates and added straight into the output, so neither the routed inputs [R, D] nor the
-routed outputs [R, D] are ever materialized. The backward pass gathers the same way and needs
-only the hidden activations. Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
+their gates and added straight into the output, so the routed inputs [R, D] are never
+materialized (the backward pass gathers them again); the expert outputs are kept for the gate
+gradient. Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
 
 Legend: T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed rows,
 N rows of one expert.
@@ -39,15 +39,17 @@ class FusedMoE(torch.autograd.Function):
         act_RH, saved_RH = activate(pre_RH, activation)
 
         y_TD = x_TD.new_zeros(T, D)
-        blocks = zip(token_R.split(rows_per_expert), act_RH.split(rows_per_expert), gate_R.split(rows_per_expert))
-        for e, (token_N, act_NH, gate_N) in enumerate(blocks):
+        expert_y_RD = x_TD.new_empty(token_R.shape[0], D)
+        blocks = zip(token_R.split(rows_per_expert), act_RH.split(rows_per_expert), expert_y_RD.split(rows_per_expert),
+                     gate_R.split(rows_per_expert))
+        for e, (token_N, act_NH, y_ND, gate_N) in enumerate(blocks):
             if token_N.shape[0]:
-                y_ND = torch.mm(act_NH, w2_EHD[e], out=scratch_ND[:token_N.shape[0]])
+                torch.mm(act_NH, w2_EHD[e], out=y_ND)
                 if b2_ED is not None:
                     y_ND.add_(b2_ED[e])
-                y_TD.index_add_(0, token_N, y_ND.mul_(gate_N[:, None]))
+                y_TD.index_add_(0, token_N, torch.mul(y_ND, gate_N[:, None], out=scratch_ND[:token_N.shape[0]]))
 
-        ctx.save_for_backward(x_TD, saved_RH, gate_R, token_R, pos_TK, w1_EDH, w2_EHD, b2_ED)
+        ctx.save_for_backward(x_TD, saved_RH, expert_y_RD, gate_R, token_R, pos_TK, w1_EDH, w2_EHD)
         ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
@@ -55,7 +57,7 @@ class FusedMoE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_TD):
-        x_TD, saved_RH, gate_R, token_R, pos_TK, w1_EDH, w2_EHD, b2_ED = ctx.saved_tensors
+        x_TD, saved_RH, expert_y_RD, gate_R, token_R, pos_TK, w1_EDH, w2_EHD = ctx.saved_tensors
         rows = ctx.rows_per_expert
         grad_y_TD = grad_y_TD.contiguous()
         T, D = x_TD.shape
@@ -64,26 +66,22 @@ class FusedMoE(torch.autograd.Function):
 
         act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
 
-        # second projection: per block, u = g W2^T gives the gate gradient <u, act> + <g, b2>,
-        # and gate * u is the gradient of the activations
+        # second projection: per block, the gate gradient <g, expert output>, then g scaled by the gate
         grad_act_RH = x_TD.new_empty(act_RH.shape)
         grad_gate_R = gate_R.new_empty(gate_R.shape)
         grad_w2_EHD = torch.empty_like(w2_EHD)
-        grad_b2_ED = torch.zeros_like(b2_ED) if ctx.bias2 else None
-        blocks = zip(token_blocks, act_RH.split(rows), grad_act_RH.split(rows), gate_R.split(rows),
-                     grad_gate_R.split(rows))
-        for e, (token_N, act_NH, grad_act_NH, gate_N, grad_gate_N) in enumerate(blocks):
+        grad_b2_ED = w2_EHD.new_zeros(w2_EHD.shape[0], w2_EHD.shape[2]) if ctx.bias2 else None
+        blocks = zip(token_blocks, act_RH.split(rows), grad_act_RH.split(rows), expert_y_RD.split(rows),
+                     gate_R.split(rows), grad_gate_R.split(rows))
+        for e, (token_N, act_NH, grad_act_NH, y_ND, gate_N, grad_gate_N) in enumerate(blocks):
             if not token_N.shape[0]:
                 grad_w2_EHD[e].zero_()
                 continue
             grad_y_ND = torch.index_select(grad_y_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
-            torch.mm(grad_y_ND, w2_EHD[e].t(), out=grad_act_NH)
             if ctx.needs_input_grad[1]:
-                grad_gate_N.copy_(row_dot(grad_act_NH, act_NH))
-                if ctx.bias2:
-                    grad_gate_N.add_(grad_y_ND @ b2_ED[e])
-            grad_act_NH.mul_(gate_N[:, None])
+                grad_gate_N.copy_(row_dot(grad_y_ND, y_ND))
             grad_y_ND.mul_(gate_N[:, None])
+            torch.mm(grad_y_ND, w2_EHD[e].t(), out=grad_act_NH)
             torch.mm(act_NH.t(), grad_y_ND, out=grad_w2_EHD[e])
             if ctx.bias2:
                 torch.sum(grad_y_ND, dim=0, out=grad_b2_ED[e])
