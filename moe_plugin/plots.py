@@ -46,10 +46,12 @@ def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[
     axes[0][-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
     for layer, ax in enumerate(axes[1] if routing else []):
         shares_TE = [[_percent(n, loads[layer]) for n in loads[layer]] for loads in routing.values()]
-        ax.imshow(shares_TE, cmap="Blues", vmin=0, vmax=100, aspect="auto")
+        darkest = max(max(shares_E) for shares_E in shares_TE)
+        ax.imshow(shares_TE, cmap="Blues", vmin=0, vmax=darkest, aspect="auto")
         for t, shares_E in enumerate(shares_TE):
             for e, share in enumerate(shares_E):
-                ax.text(e, t, f"{share:.0f}", ha="center", va="center", color="white" if share > 40 else "black")
+                color = "white" if share > 0.6 * darkest else "black"
+                ax.text(e, t, f"{share:.0f}", ha="center", va="center", color=color)
         ax.set(title=f"MoE layer {layer + 1}: each topic's tokens per expert (%)", xlabel="expert",
                xticks=range(len(shares_TE[0])), yticks=range(len(routing)), yticklabels=list(routing))
     figure.savefig(out_dir / "expert_load.png")

@@ -498,6 +498,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         return {}
     log.close()
     result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
+    result["topic_routing"] = routing
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     from . import plots
     if cfg.log.plots:
