@@ -15,6 +15,7 @@ import os
 import socket
 import statistics
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -76,12 +77,17 @@ def worker(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(args.node_size))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {"a2a_ms": bench_a2a(args, rank, world), "layer_ms": bench_layer(args, rank, world)}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        queue.put(gathered)
-    dist.destroy_process_group()
+    try:
+        result = {"a2a_ms": bench_a2a(args, rank, world), "layer_ms": bench_layer(args, rank, world)}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            queue.put(gathered)
+    except Exception:  # the parent prints it and stops instead of waiting for an answer
+        queue.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def main():
@@ -110,6 +116,8 @@ def main():
     per_rank = queue.get(timeout=1800)
     for proc in procs:
         proc.join(timeout=60)
+    if isinstance(per_rank, str):
+        raise SystemExit(per_rank)
 
     def slowest(key):   # a collective step ends when its slowest rank does
         return {name: max(r[key][name] for r in per_rank) for name in per_rank[0][key]}
