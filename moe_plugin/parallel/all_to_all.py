@@ -55,13 +55,15 @@ class _Start(torch.autograd.Function):
     def backward(ctx, _grad_ignored):
         exchange = ctx.exchange
         exchange.grad_handle.wait()
-        return exchange.grad_input, None
+        grad_input, exchange.grad_handle, exchange.grad_input = exchange.grad_input, None, None
+        return grad_input, None
 
 
 class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output_RD, exchange):
         exchange.handle.wait()
+        exchange.handle = None   # the work holds the output tensor, which holds this graph: no cycle
         ctx.exchange = exchange
         return output_RD.view_as(output_RD)
 
