@@ -167,7 +167,8 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
     require("parallel.ep_size", cfg.parallel.ep_size == 1,
-            "1 for now: ep_size > 1 needs expert parallelism in moe-plugin train, not yet available")
+            "1 for now: moe-plugin train does not yet run expert-parallel (the MoELayer itself "
+            "supports ep_size > 1; the trainer still replicates every expert with DDP)")
     check_data_config(cfg.data)
     moe_config(cfg)
 

@@ -69,7 +69,7 @@ def test_unknown_key_in_a_yaml_file(tmp_path):
     ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' is invalid: no such file"),
     ("model.heads=3", "model.heads=3 is invalid: must be a divisor of model.dim=128"),
     ("train.stop_at=601", "train.stop_at=601 is invalid: must be null or between 1 and train.steps=600"),
-    ("parallel.ep_size=2", "parallel.ep_size=2 is invalid: must be 1 for now: ep_size > 1 needs expert parallelism"),
+    ("parallel.ep_size=2", "parallel.ep_size=2 is invalid: must be 1 for now: moe-plugin train does not yet run"),
     ("moe.top_k=9", "moe section: MoEConfig.top_k=9 is invalid"),
     ("moe.activation=tanh", "moe section: MoEConfig.activation='tanh' is invalid"),
 ])
