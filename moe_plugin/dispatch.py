@@ -82,6 +82,22 @@ def gather_rows(x_TD: torch.Tensor, token_R: torch.Tensor) -> torch.Tensor:
     return x_TD.index_select(0, token_R)
 
 
+def choices_to_rows(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """values_R[pos_TK[t, k]] = values_TK[t, k] for every kept choice."""
+    kept_TK = pos_TK >= 0
+    values_R = values_TK.new_empty(num_rows)
+    values_R[pos_TK[kept_TK]] = values_TK[kept_TK]
+    return values_R
+
+
+def rows_to_choices(values_R: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """values_TK[t, k] = values_R[pos_TK[t, k]] for kept choices, 0 for dropped ones."""
+    kept_TK = pos_TK >= 0
+    values_TK = values_R.new_zeros(pos_TK.shape)
+    values_TK[kept_TK] = values_R[pos_TK[kept_TK]]
+    return values_TK
+
+
 def _chunk_rows(tensor: torch.Tensor) -> int:
     """Rows per chunk so that a [chunk, D] scratch stays in cache (about 512 KiB)."""
     return max(16, (1 << 19) // max(1, tensor.shape[1] * tensor.element_size()))
@@ -148,16 +164,12 @@ class Decode(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         y_RD, gate_TK, token_R, pos_TK = ctx.saved_tensors
-        kept_TK = pos_TK >= 0
-        kept_pos = pos_TK[kept_TK]
         grad_rows_RD = gather_rows(grad_TD.contiguous(), token_R)
         grad_gate_TK = grad_y_RD = None
         if ctx.needs_input_grad[1]:
-            grad_gate_TK = torch.zeros_like(gate_TK)
-            grad_gate_TK[kept_TK] = row_dot(grad_rows_RD, y_RD)[kept_pos]
+            grad_gate_TK = rows_to_choices(row_dot(grad_rows_RD, y_RD), pos_TK)
         if ctx.needs_input_grad[0]:
-            gate_R = gate_TK.new_empty(token_R.shape[0])
-            gate_R[kept_pos] = gate_TK[kept_TK]
+            gate_R = choices_to_rows(gate_TK, pos_TK, token_R.shape[0])
             grad_y_RD = grad_rows_RD.mul_(gate_R[:, None])
         return grad_y_RD, grad_gate_TK, None, None
 

@@ -14,7 +14,7 @@ from typing import List
 
 import torch
 
-from .dispatch import row_dot
+from .dispatch import choices_to_rows, row_dot, rows_to_choices
 from .experts import activate, activation_backward
 
 
@@ -24,9 +24,7 @@ class FusedMoE(torch.autograd.Function):
                 w1_EDH, b1_EH, w2_EHD, b2_ED):
         x_TD = x_TD.contiguous()
         T, D = x_TD.shape
-        kept_TK = pos_TK >= 0
-        gate_R = gate_TK.new_empty(token_R.shape[0])
-        gate_R[pos_TK[kept_TK]] = gate_TK[kept_TK]
+        gate_R = choices_to_rows(gate_TK, pos_TK, token_R.shape[0])
         scratch_ND = x_TD.new_empty(max(rows_per_expert, default=0), D)
 
         pre_RH = x_TD.new_empty(token_R.shape[0], w1_EDH.shape[2])
@@ -103,11 +101,7 @@ class FusedMoE(torch.autograd.Function):
             if grad_x_TD is not None:
                 grad_x_TD.index_add_(0, token_N, torch.mm(grad_pre_NH, w1_EDH[e].t(), out=x_ND))
 
-        grad_gate_TK = None
-        if ctx.needs_input_grad[1]:
-            kept_TK = pos_TK >= 0
-            grad_gate_TK = gate_R.new_zeros(pos_TK.shape)
-            grad_gate_TK[kept_TK] = grad_gate_R[pos_TK[kept_TK]]
+        grad_gate_TK = rows_to_choices(grad_gate_R, pos_TK) if ctx.needs_input_grad[1] else None
         return grad_x_TD, grad_gate_TK, None, None, None, None, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED
 
 
