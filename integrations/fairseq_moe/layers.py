@@ -65,10 +65,10 @@ def _identity(x):
     return x
 
 
-class MoEEncoderLayer(TransformerEncoderLayerBase):
-    def __init__(self, cfg, moe_config: MoEConfig, return_fc: bool = False):
-        self.moe_config = moe_config   # read by build_fc1, which the base __init__ calls
-        super().__init__(cfg, return_fc=return_fc)
+class _MoEFFNLayer:
+    """fc1 becomes the whole MoE FFN; fc2 and the activation between them become identities."""
+
+    def _no_activation(self):
         self.activation_fn = _identity
         self.activation_dropout_module = nn.Identity()
 
@@ -77,24 +77,24 @@ class MoEEncoderLayer(TransformerEncoderLayerBase):
 
     def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
         return nn.Identity()
+
+
+class MoEEncoderLayer(_MoEFFNLayer, TransformerEncoderLayerBase):
+    def __init__(self, cfg, moe_config: MoEConfig, return_fc: bool = False):
+        self.moe_config = moe_config   # read by build_fc1, which the base __init__ calls
+        super().__init__(cfg, return_fc=return_fc)
+        self._no_activation()
 
     def forward(self, x, encoder_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor] = None):
         with _PaddingMask(self.fc1, encoder_padding_mask):
             return super().forward(x, encoder_padding_mask, attn_mask)
 
 
-class MoEDecoderLayer(TransformerDecoderLayerBase):
+class MoEDecoderLayer(_MoEFFNLayer, TransformerDecoderLayerBase):
     def __init__(self, cfg, moe_config: MoEConfig, no_encoder_attn: bool = False):
         self.moe_config = moe_config   # read by build_fc1, which the base __init__ calls
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
-        self.activation_fn = _identity
-        self.activation_dropout_module = nn.Identity()
-
-    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
-        return MoEFFN(self.moe_config)
-
-    def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
-        return nn.Identity()
+        self._no_activation()
 
     def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None,
                 prev_self_attn_state=None, prev_attn_state=None, self_attn_mask=None,
