@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
 import sys
 from typing import List, Optional
@@ -16,8 +17,12 @@ def info(_: argparse.Namespace) -> int:
     print(f"moe_plugin {__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"cuda {'available' if torch.cuda.is_available() else 'not available'}")
-    for name in ("deepspeed", "fairseq", "omegaconf"):
+    for name in ("deepspeed", "fairseq", "omegaconf", "triton"):
         print(f"{name}: {'installed' if importlib.util.find_spec(name) else 'not installed'}")
+    from . import ops
+    print(f"kernels ({ops.ENV}={os.environ.get(ops.ENV, 'auto')}):")
+    for device, active in ops.describe().items():
+        print(f"  {device}: {active}")
     return 0
 
 
@@ -41,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser("bench", help="time one MoE layer against the bare GEMMs and peers")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
-    commands.add_parser("info", help="versions and optional dependencies").set_defaults(func=info)
+    commands.add_parser("info", help="versions, optional dependencies and the active kernels").set_defaults(func=info)
     commands.add_parser("fairseq-user-dir", help="print the path to pass to fairseq's --user-dir").set_defaults(
         func=fairseq_user_dir)
     return parser

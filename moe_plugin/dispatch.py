@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from . import ops
+
 
 @dataclass
 class Plan:
@@ -45,138 +47,27 @@ def capacity_for(capacity_factor: float, max_load: int, num_tokens: int, num_exp
 
 def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: float, min_capacity: int,
                 priority_T: Optional[torch.Tensor] = None) -> Plan:
-    """Give every (token, choice) a slot in its expert: cumsum-minus-one over the choices in order.
+    """Give every (token, choice) a slot in its expert: the count of earlier choices of that expert.
 
     Choices are ordered choice-major (every token's first choice before any second choice), and
     within a choice by token order, or by descending priority_T (batch-prioritized routing).
     """
     T, K = expert_TK.shape
-    device = expert_TK.device
-    order_T = torch.arange(T, device=device) if priority_T is None else \
-        torch.sort(priority_T, descending=True, stable=True).indices
-    expert_A = expert_TK.index_select(0, order_T).t().reshape(-1)           # A = K*T choices in order
-    token_A = order_T.repeat(K)
-    choice_A = torch.arange(K, device=device).repeat_interleave(T)
-
-    # slot = (cumsum of earlier choices of the same expert) - 1; a stable sort groups the choices by
-    # expert in order, so the slot is the position in the sorted list minus the expert's start
-    load_E = torch.bincount(expert_A, minlength=num_experts)
-    expert_S, sorted_A = torch.sort(expert_A, stable=True)
-    start_E = load_E.cumsum(0) - load_E
-    slot_S = torch.arange(expert_S.shape[0], device=device) - start_E[expert_S]
+    order_T = None if priority_T is None else torch.sort(priority_T, descending=True, stable=True).indices
+    load_E = torch.bincount(expert_TK.reshape(-1), minlength=num_experts)
     max_load = int(load_E.max()) if T > 0 else 0
     capacity = capacity_for(capacity_factor, max_load, T, num_experts, K, min_capacity)
-
     kept_E = load_E.clamp(max=capacity)
     rows_per_expert = kept_E.tolist()
-    kept_S = slot_S < capacity
-    token_R = token_A[sorted_A[kept_S]]                    # sorted order is (expert, slot) order
-    row_S = torch.full_like(slot_S, -1)
-    row_S[kept_S] = torch.arange(token_R.shape[0], device=device)
-    pos_TK = torch.empty(T, K, dtype=torch.long, device=device)
-    pos_TK[token_A[sorted_A], choice_A[sorted_A]] = row_S
+    pos_TK, token_R = ops.route_slots(expert_TK, order_T, kept_E.cumsum(0) - kept_E, capacity, sum(rows_per_expert))
     return Plan(token_R, pos_TK, pos_TK >= 0, load_E, rows_per_expert, capacity)
 
 
-def gather_rows(x_TD: torch.Tensor, token_R: torch.Tensor) -> torch.Tensor:
-    return x_TD.index_select(0, token_R)
-
-
-def choices_to_rows(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """values_R[pos_TK[t, k]] = values_TK[t, k] for every kept choice."""
-    kept_TK = pos_TK >= 0
-    values_R = values_TK.new_empty(num_rows)
-    values_R[pos_TK[kept_TK]] = values_TK[kept_TK]
-    return values_R
-
-
-def rows_to_choices(values_R: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
-    """values_TK[t, k] = values_R[pos_TK[t, k]] for kept choices, 0 for dropped ones."""
-    kept_TK = pos_TK >= 0
-    values_TK = values_R.new_zeros(pos_TK.shape)
-    values_TK[kept_TK] = values_R[pos_TK[kept_TK]]
-    return values_TK
-
-
-def _chunk_rows(tensor: torch.Tensor) -> int:
-    """Rows per chunk so that a [chunk, D] scratch stays in cache (about 512 KiB)."""
-    return max(16, (1 << 19) // max(1, tensor.shape[1] * tensor.element_size()))
-
-
-def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
-    """y_TD[t] = sum_k weight_TK[t, k] * y_RD[pos_TK[t, k]]; dropped choices carry weight 0."""
-    T, K = pos_TK.shape
-    if y_RD.shape[0] == 0:
-        return y_RD.new_zeros(T, y_RD.shape[1])
-    safe_pos_TK = pos_TK.clamp(min=0)
-    y_TD = y_RD.index_select(0, safe_pos_TK[:, 0]).mul_(weight_TK[:, :1])
-    if K == 1:
-        return y_TD
-    # choices after the first go through a small reused scratch: no second [T, D] buffer
-    chunk = _chunk_rows(y_RD)
-    scratch_CD = y_RD.new_empty(chunk, y_RD.shape[1])
-    for start in range(0, T, chunk):
-        end = min(start + chunk, T)
-        rows_CD = scratch_CD[:end - start]
-        for k in range(1, K):
-            torch.index_select(y_RD, 0, safe_pos_TK[start:end, k], out=rows_CD)
-            y_TD[start:end].addcmul_(rows_CD, weight_TK[start:end, k:k + 1])
-    return y_TD
-
-
-def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor) -> torch.Tensor:
-    """dot_R[r] = <a_RD[r], b_RD[r]>, in cache-sized chunks."""
-    dot_R = a_RD.new_empty(a_RD.shape[0])
-    chunk = _chunk_rows(a_RD)
-    scratch_CD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1])
-    for start in range(0, a_RD.shape[0], chunk):
-        end = min(start + chunk, a_RD.shape[0])
-        product_CD = torch.mul(a_RD[start:end], b_RD[start:end], out=scratch_CD[:end - start])
-        torch.sum(product_CD, dim=1, out=dot_R[start:end])
-    return dot_R
-
-
-class Encode(torch.autograd.Function):
-    """x_RD = x_TD[token_R]; backward sums each token's rows back."""
-
-    @staticmethod
-    def forward(ctx, x_TD, token_R):
-        ctx.save_for_backward(token_R)
-        ctx.num_tokens = x_TD.shape[0]
-        return gather_rows(x_TD, token_R)
-
-    @staticmethod
-    def backward(ctx, grad_RD):
-        token_R, = ctx.saved_tensors
-        grad_TD = grad_RD.new_zeros(ctx.num_tokens, grad_RD.shape[1])
-        return grad_TD.index_add_(0, token_R, grad_RD), None
-
-
-class Decode(torch.autograd.Function):
-    """y_TD = sum_k gate_TK * y_RD[pos_TK]; backward gives the rows and the gates their gradients."""
-
-    @staticmethod
-    def forward(ctx, y_RD, gate_TK, token_R, pos_TK):
-        gate_TK = gate_TK * (pos_TK >= 0).to(gate_TK.dtype)
-        ctx.save_for_backward(y_RD, gate_TK, token_R, pos_TK)
-        return combine_rows(y_RD, gate_TK, pos_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TD):
-        y_RD, gate_TK, token_R, pos_TK = ctx.saved_tensors
-        grad_rows_RD = gather_rows(grad_TD.contiguous(), token_R)
-        grad_gate_TK = grad_y_RD = None
-        if ctx.needs_input_grad[1]:
-            grad_gate_TK = rows_to_choices(row_dot(grad_rows_RD, y_RD), pos_TK)
-        if ctx.needs_input_grad[0]:
-            gate_R = choices_to_rows(gate_TK, pos_TK, token_R.shape[0])
-            grad_y_RD = grad_rows_RD.mul_(gate_R[:, None])
-        return grad_y_RD, grad_gate_TK, None, None
-
-
 def encode(x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
-    return Encode.apply(x_TD, plan.token_R)
+    """x_RD[r] = x_TD[token_R[r]]: each kept choice's token row, grouped by expert."""
+    return ops.scatter_rows(x_TD, plan.pos_TK, None, None, plan.num_rows)[0]
 
 
 def decode(y_RD: torch.Tensor, gate_TK: torch.Tensor, plan: Plan) -> torch.Tensor:
-    return Decode.apply(y_RD, gate_TK, plan.token_R, plan.pos_TK)
+    """y_TD[t] = sum over kept k of gate_TK[t, k] * y_RD[pos_TK[t, k]]."""
+    return ops.gather_sum(y_RD, plan.pos_TK, gate_TK, None)[0]

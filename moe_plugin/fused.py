@@ -1,9 +1,9 @@
 """The single-process fast path: encode, expert FFN and decode fused, one expert block at a time.
 
-Each expert's tokens are gathered into a small reused buffer, run through the expert, scaled by
-their gates and added straight into the output, so the routed inputs [R, D] are never
-materialized (the backward pass gathers them again); the expert outputs are kept for the gate
-gradient. Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
+Each expert's tokens are gathered into a small reused buffer and run through the expert; the
+expert outputs [R, D] are kept (the gate gradient needs them) and one gather_sum kernel weights
+and adds them into the tokens. The routed inputs [R, D] are never materialized (the backward
+pass gathers them again). Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
 
 Legend: T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed rows,
 N rows of one expert.
@@ -14,7 +14,7 @@ from typing import List
 
 import torch
 
-from .dispatch import choices_to_rows, row_dot, rows_to_choices
+from . import ops
 from .experts import activate, activation_backward
 
 
@@ -23,8 +23,7 @@ class FusedMoE(torch.autograd.Function):
     def forward(ctx, x_TD, gate_TK, token_R, pos_TK, rows_per_expert: List[int], activation: str,
                 w1_EDH, b1_EH, w2_EHD, b2_ED):
         x_TD = x_TD.contiguous()
-        T, D = x_TD.shape
-        gate_R = choices_to_rows(gate_TK, pos_TK, token_R.shape[0])
+        D = x_TD.shape[1]
         scratch_ND = x_TD.new_empty(max(rows_per_expert, default=0), D)
 
         pre_RH = x_TD.new_empty(token_R.shape[0], w1_EDH.shape[2])
@@ -36,18 +35,15 @@ class FusedMoE(torch.autograd.Function):
                     pre_NH.add_(b1_EH[e])
         act_RH, saved_RH = activate(pre_RH, activation)
 
-        y_TD = x_TD.new_zeros(T, D)
         expert_y_RD = x_TD.new_empty(token_R.shape[0], D)
-        blocks = zip(token_R.split(rows_per_expert), act_RH.split(rows_per_expert), expert_y_RD.split(rows_per_expert),
-                     gate_R.split(rows_per_expert))
-        for e, (token_N, act_NH, y_ND, gate_N) in enumerate(blocks):
-            if token_N.shape[0]:
+        for e, (act_NH, y_ND) in enumerate(zip(act_RH.split(rows_per_expert), expert_y_RD.split(rows_per_expert))):
+            if act_NH.shape[0]:
                 torch.mm(act_NH, w2_EHD[e], out=y_ND)
                 if b2_ED is not None:
                     y_ND.add_(b2_ED[e])
-                y_TD.index_add_(0, token_N, torch.mul(y_ND, gate_N[:, None], out=scratch_ND[:token_N.shape[0]]))
+        y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
 
-        ctx.save_for_backward(x_TD, saved_RH, expert_y_RD, gate_R, token_R, pos_TK, w1_EDH, w2_EHD)
+        ctx.save_for_backward(x_TD, saved_RH, expert_y_RD, gate_TK, token_R, pos_TK, w1_EDH, w2_EHD)
         ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
@@ -55,30 +51,24 @@ class FusedMoE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_TD):
-        x_TD, saved_RH, expert_y_RD, gate_R, token_R, pos_TK, w1_EDH, w2_EHD = ctx.saved_tensors
+        x_TD, saved_RH, expert_y_RD, gate_TK, token_R, pos_TK, w1_EDH, w2_EHD = ctx.saved_tensors
         rows = ctx.rows_per_expert
-        grad_y_TD = grad_y_TD.contiguous()
-        T, D = x_TD.shape
-        scratch_ND = x_TD.new_empty(max(rows, default=0), D)
+        scratch_ND = x_TD.new_empty(max(rows, default=0), x_TD.shape[1])
         token_blocks = token_R.split(rows)
 
+        # every routed row's output gradient, scaled by its gate, and the gate gradients <g, expert output>
+        grad_RD, grad_gate_TK = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, gate_TK,
+                                                 expert_y_RD if ctx.needs_input_grad[1] else None, token_R.shape[0])
         act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
 
-        # second projection: per block, the gate gradient <g, expert output>, then g scaled by the gate
         grad_act_RH = x_TD.new_empty(act_RH.shape)
-        grad_gate_R = gate_R.new_empty(gate_R.shape)
         grad_w2_EHD = torch.empty_like(w2_EHD)
         grad_b2_ED = w2_EHD.new_zeros(w2_EHD.shape[0], w2_EHD.shape[2]) if ctx.bias2 else None
-        blocks = zip(token_blocks, act_RH.split(rows), grad_act_RH.split(rows), expert_y_RD.split(rows),
-                     gate_R.split(rows), grad_gate_R.split(rows))
-        for e, (token_N, act_NH, grad_act_NH, y_ND, gate_N, grad_gate_N) in enumerate(blocks):
-            if not token_N.shape[0]:
+        for e, (act_NH, grad_act_NH, grad_y_ND) in enumerate(zip(act_RH.split(rows), grad_act_RH.split(rows),
+                                                                 grad_RD.split(rows))):
+            if not act_NH.shape[0]:
                 grad_w2_EHD[e].zero_()
                 continue
-            grad_y_ND = torch.index_select(grad_y_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
-            if ctx.needs_input_grad[1]:
-                grad_gate_N.copy_(row_dot(grad_y_ND, y_ND))
-            grad_y_ND.mul_(gate_N[:, None])
             torch.mm(grad_y_ND, w2_EHD[e].t(), out=grad_act_NH)
             torch.mm(act_NH.t(), grad_y_ND, out=grad_w2_EHD[e])
             if ctx.bias2:
@@ -86,11 +76,12 @@ class FusedMoE(torch.autograd.Function):
 
         grad_pre_RH = pre_grad(grad_act_RH)
 
-        # first projection: weight gradients from re-gathered inputs, input gradients added per token
+        # first projection: weight gradients from re-gathered inputs; the routed rows' input
+        # gradients reuse grad_RD and one gather_sum adds them into their tokens
         grad_w1_EDH = torch.empty_like(w1_EDH)
         grad_b1_EH = w1_EDH.new_zeros(w1_EDH.shape[0], w1_EDH.shape[2]) if ctx.bias1 else None
-        grad_x_TD = x_TD.new_zeros(T, D) if ctx.needs_input_grad[0] else None
-        for e, (token_N, grad_pre_NH) in enumerate(zip(token_blocks, grad_pre_RH.split(rows))):
+        for e, (token_N, grad_pre_NH, grad_x_ND) in enumerate(zip(token_blocks, grad_pre_RH.split(rows),
+                                                                  grad_RD.split(rows))):
             if not token_N.shape[0]:
                 grad_w1_EDH[e].zero_()
                 continue
@@ -98,10 +89,11 @@ class FusedMoE(torch.autograd.Function):
             torch.mm(x_ND.t(), grad_pre_NH, out=grad_w1_EDH[e])
             if ctx.bias1:
                 torch.sum(grad_pre_NH, dim=0, out=grad_b1_EH[e])
-            if grad_x_TD is not None:
-                grad_x_TD.index_add_(0, token_N, torch.mm(grad_pre_NH, w1_EDH[e].t(), out=x_ND))
+            if ctx.needs_input_grad[0]:
+                torch.mm(grad_pre_NH, w1_EDH[e].t(), out=grad_x_ND)
+        grad_x_TD = ops.gather_sum(grad_RD, pos_TK, None, None)[0] if ctx.needs_input_grad[0] else None
 
-        grad_gate_TK = rows_to_choices(grad_gate_R, pos_TK) if ctx.needs_input_grad[1] else None
+        grad_gate_TK = grad_gate_TK if ctx.needs_input_grad[1] else None
         return grad_x_TD, grad_gate_TK, None, None, None, None, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED
 
 

@@ -1,0 +1,366 @@
+// CPU kernels for the routing data path: slots, scatter of token rows to routed rows, and the
+// weighted gather back. Semantics: moe_plugin/ops/torch_ops.py (the reference they are tested against).
+// Legend: T tokens, D model dim, E experts, K top-k, R routed rows; pos_TK[t, k] = row or -1 (dropped).
+#include <torch/extension.h>
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+namespace {
+
+using at::Tensor;
+
+// Large outputs come from a pool of huge-page-backed blocks that are handed back on free: on CPU a
+// fresh 100 MB buffer costs more in page faults and kernel zeroing than the copy that fills it.
+// Blocks are kept by size, up to MOE_PLUGIN_POOL_MB (default 1024; 0 turns the pool off).
+class BlockPool {
+ public:
+  static constexpr size_t kAlign = size_t{2} << 20;
+  static constexpr size_t kMinBytes = size_t{1} << 20;
+
+  static BlockPool& instance() {
+    static BlockPool* pool = new BlockPool();  // never destroyed: tensors may outlive static teardown
+    return *pool;
+  }
+
+  Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    Tensor out = allocate(sizes, options);
+    if (poison_) {  // tests: an element the kernel forgets to write shows up as NaN / INT64_MIN
+      if (out.is_floating_point()) out.fill_(std::numeric_limits<double>::quiet_NaN());
+      else out.fill_(std::numeric_limits<int64_t>::min());
+    }
+    return out;
+  }
+
+  void set_poison(bool on) { poison_ = on; }
+
+  std::tuple<int64_t, int64_t, int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {static_cast<int64_t>(free_bytes_), static_cast<int64_t>(free_.size()), static_cast<int64_t>(limit_bytes_)};
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [block, ptr] : free_) std::free(ptr);
+    free_.clear();
+    free_bytes_ = 0;
+  }
+
+ private:
+  Tensor allocate(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+    if (limit_bytes_ == 0 || bytes < kMinBytes) return at::empty(sizes, options);
+    const size_t block = (bytes + kAlign - 1) / kAlign * kAlign;
+    void* ptr = take(block);
+    if (ptr == nullptr) {
+      ptr = std::aligned_alloc(kAlign, block);
+      TORCH_CHECK(ptr != nullptr, "moe_plugin: out of memory allocating ", block, " bytes");
+#ifdef __linux__
+      madvise(ptr, block, MADV_HUGEPAGE);
+#endif
+    }
+    return at::from_blob(ptr, sizes, [block](void* p) { BlockPool::instance().give(p, block); }, options);
+  }
+
+  BlockPool() {
+    const char* mb = std::getenv("MOE_PLUGIN_POOL_MB");
+    limit_bytes_ = static_cast<size_t>(mb ? std::max(0L, std::atol(mb)) : 1024L) << 20;
+  }
+
+  void* take(size_t block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = free_.find(block);
+    if (it == free_.end()) return nullptr;
+    void* ptr = it->second;
+    free_.erase(it);
+    free_bytes_ -= block;
+    return ptr;
+  }
+
+  void give(void* ptr, size_t block) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (free_bytes_ + block <= limit_bytes_) {
+        free_.emplace(block, ptr);
+        free_bytes_ += block;
+        return;
+      }
+    }
+    std::free(ptr);
+  }
+
+  std::mutex mutex_;
+  std::unordered_multimap<size_t, void*> free_;
+  size_t free_bytes_ = 0;
+  size_t limit_bytes_ = 0;
+  std::atomic<bool> poison_{false};
+};
+
+Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return BlockPool::instance().empty(sizes, options);
+}
+
+// rows per parallel task: about 64 KiB of row data each, so small inputs stay on one thread
+int64_t grain_for(int64_t row_bytes) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_bytes));
+}
+
+void check_pos(const Tensor& pos_TK) {
+  TORCH_CHECK(pos_TK.dim() == 2 && pos_TK.scalar_type() == at::kLong,
+              "pos_TK must be an int64 [tokens, top_k] tensor, got ", pos_TK.scalar_type(), " ", pos_TK.sizes());
+}
+
+void check_rows(const char* name, const Tensor& t, int64_t rows, int64_t dim, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == dim,
+              name, " must have shape [", rows, ", ", dim, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+}
+
+void check_scale(const std::optional<Tensor>& scale_TK, const Tensor& pos_TK, at::ScalarType dtype) {
+  if (!scale_TK) return;
+  TORCH_CHECK(scale_TK->sizes() == pos_TK.sizes(), "scale_TK must have the shape of pos_TK ", pos_TK.sizes(),
+              ", got ", scale_TK->sizes());
+  TORCH_CHECK(scale_TK->scalar_type() == dtype, "scale_TK must have dtype ", dtype, ", got ",
+              scale_TK->scalar_type());
+}
+
+std::tuple<Tensor, Tensor> route_slots(const Tensor& expert_TK_in, const std::optional<Tensor>& order_T_in,
+                                       const Tensor& row_start_E_in, int64_t capacity, int64_t num_rows) {
+  TORCH_CHECK(expert_TK_in.dim() == 2, "expert_TK must be [tokens, top_k], got ", expert_TK_in.sizes());
+  const Tensor expert_TK = expert_TK_in.to(at::kLong).contiguous();
+  const Tensor row_start_E = row_start_E_in.to(at::kLong).contiguous();
+  const int64_t T = expert_TK.size(0), K = expert_TK.size(1), E = row_start_E.numel(), A = T * K;
+  Tensor order_T;
+  if (order_T_in) {
+    order_T = order_T_in->to(at::kLong).contiguous();
+    TORCH_CHECK(order_T.numel() == T, "order_T must hold ", T, " token indices, got ", order_T.numel());
+  }
+  Tensor pos_TK = pooled_empty({T, K}, expert_TK.options());
+  Tensor token_R = pooled_empty({num_rows}, expert_TK.options());
+  const int64_t* expert = expert_TK.data_ptr<int64_t>();
+  const int64_t* order = order_T.defined() ? order_T.data_ptr<int64_t>() : nullptr;
+  const int64_t* row_start = row_start_E.data_ptr<int64_t>();
+  int64_t* pos = pos_TK.data_ptr<int64_t>();
+  int64_t* token = token_R.data_ptr<int64_t>();
+
+  // choices a = k * T + i in visiting order; each chunk counts its choices per expert, a prefix over
+  // the chunks gives each chunk its first slot per expert, then the chunks assign slots in parallel
+  const int64_t chunk = std::max<int64_t>(4096, (A + 4 * at::get_num_threads() - 1) / std::max(1, 4 * at::get_num_threads()));
+  const int64_t num_chunks = A == 0 ? 0 : (A + chunk - 1) / chunk;
+  std::vector<int64_t> count_PE(num_chunks * E, 0);
+  std::atomic<bool> bad_expert{false};
+  auto expert_of = [&](int64_t a, int64_t* token_out) {
+    const int64_t k = a / T, i = a % T;
+    const int64_t t = order ? order[i] : i;
+    *token_out = t;
+    return std::make_pair(expert[t * K + k], t * K + k);
+  };
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t* count_E = count_PE.data() + p * E;
+      for (int64_t a = p * chunk; a < std::min(A, (p + 1) * chunk); ++a) {
+        int64_t t;
+        const int64_t e = expert_of(a, &t).first;
+        if (e < 0 || e >= E) { bad_expert = true; continue; }
+        ++count_E[e];
+      }
+    }
+  });
+  TORCH_CHECK(!bad_expert, "expert_TK holds an expert index outside [0, ", E, ")");
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t running = 0;
+    for (int64_t p = 0; p < num_chunks; ++p) {
+      const int64_t c = count_PE[p * E + e];
+      count_PE[p * E + e] = running;
+      running += c;
+    }
+  }
+  std::atomic<bool> bad_row{false};
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t* slot_E = count_PE.data() + p * E;
+      for (int64_t a = p * chunk; a < std::min(A, (p + 1) * chunk); ++a) {
+        int64_t t;
+        const auto [e, choice] = expert_of(a, &t);
+        const int64_t slot = slot_E[e]++;
+        if (slot < capacity) {
+          const int64_t row = row_start[e] + slot;
+          if (row < 0 || row >= num_rows) { bad_row = true; pos[choice] = -1; continue; }
+          pos[choice] = row;
+          token[row] = t;
+        } else {
+          pos[choice] = -1;
+        }
+      }
+    }
+  });
+  TORCH_CHECK(!bad_row, "row_start_E and capacity place a row outside [0, num_rows=", num_rows, ")");
+  return {pos_TK, token_R};
+}
+
+template <typename scalar_t>
+bool scatter_rows_kernel(const Tensor& src_TD, const Tensor& pos_TK, const Tensor* scale_TK, const Tensor* other_RD,
+                         Tensor& out_RD, Tensor& dot_TK) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t T = pos_TK.size(0), K = pos_TK.size(1), D = src_TD.size(1), R = out_RD.size(0);
+  const scalar_t* src = src_TD.data_ptr<scalar_t>();
+  const int64_t* pos = pos_TK.data_ptr<int64_t>();
+  const scalar_t* scale = scale_TK ? scale_TK->data_ptr<scalar_t>() : nullptr;  // null only when absent or T == 0
+  const scalar_t* other = other_RD ? other_RD->data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = out_RD.data_ptr<scalar_t>();
+  // decided by the tensor's presence, not its data pointer: an empty tensor may have none
+  scalar_t* dot = other_RD ? dot_TK.data_ptr<scalar_t>() : nullptr;
+  std::atomic<bool> bad_row{false};
+  at::parallel_for(0, T, grain_for(K * D * sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* __restrict__ src_D = src + t * D;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[t * K + k];
+        if (r < 0 || r >= R) {
+          if (r >= R) bad_row = true;
+          if (dot) dot[t * K + k] = scalar_t(0);
+          continue;
+        }
+        scalar_t* __restrict__ out_D = out + r * D;
+        if (scale) {
+          const acc_t s = acc_t(scale[t * K + k]);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) out_D[d] = scalar_t(s * acc_t(src_D[d]));
+        } else {
+          std::copy(src_D, src_D + D, out_D);
+        }
+        if (dot) {
+          const scalar_t* __restrict__ other_D = other + r * D;
+          acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < D; ++d) sum += acc_t(src_D[d]) * acc_t(other_D[d]);
+          dot[t * K + k] = scalar_t(sum);
+        }
+      }
+    }
+  });
+  return !bad_row;
+}
+
+template <typename scalar_t>
+bool gather_sum_kernel(const Tensor& src_RD, const Tensor& pos_TK, const Tensor* scale_TK, const Tensor* other_TD,
+                       Tensor& out_TD, Tensor& dot_TK) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kSameType = std::is_same_v<acc_t, scalar_t>;
+  const int64_t T = pos_TK.size(0), K = pos_TK.size(1), D = src_RD.size(1), R = src_RD.size(0);
+  const scalar_t* src = src_RD.data_ptr<scalar_t>();
+  const int64_t* pos = pos_TK.data_ptr<int64_t>();
+  const scalar_t* scale = scale_TK ? scale_TK->data_ptr<scalar_t>() : nullptr;  // null only when absent or T == 0
+  const scalar_t* other = other_TD ? other_TD->data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = out_TD.data_ptr<scalar_t>();
+  scalar_t* dot = other_TD ? dot_TK.data_ptr<scalar_t>() : nullptr;
+  std::atomic<bool> bad_row{false};
+  at::parallel_for(0, T, grain_for(K * D * sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> scratch_D(kSameType ? 0 : D);
+    for (int64_t t = begin; t < end; ++t) {
+      acc_t* __restrict__ acc_D = kSameType ? reinterpret_cast<acc_t*>(out + t * D) : scratch_D.data();
+      const scalar_t* __restrict__ other_D = other ? other + t * D : nullptr;
+      bool first = true;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[t * K + k];
+        if (r < 0 || r >= R) {
+          if (r >= R) bad_row = true;
+          if (dot) dot[t * K + k] = scalar_t(0);
+          continue;
+        }
+        const scalar_t* __restrict__ src_D = src + r * D;
+        const acc_t s = scale ? acc_t(scale[t * K + k]) : acc_t(1);
+        if (first) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc_D[d] = s * acc_t(src_D[d]);
+        } else {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc_D[d] += s * acc_t(src_D[d]);
+        }
+        first = false;
+        if (dot) {
+          acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < D; ++d) sum += acc_t(other_D[d]) * acc_t(src_D[d]);
+          dot[t * K + k] = scalar_t(sum);
+        }
+      }
+      if (first) std::fill(acc_D, acc_D + D, acc_t(0));
+      if constexpr (!kSameType) {
+        scalar_t* __restrict__ out_D = out + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out_D[d] = scalar_t(acc_D[d]);
+      }
+    }
+  });
+  return !bad_row;
+}
+
+std::tuple<Tensor, Tensor> scatter_rows(const Tensor& src_TD_in, const Tensor& pos_TK_in,
+                                        const std::optional<Tensor>& scale_TK_in,
+                                        const std::optional<Tensor>& other_RD_in, int64_t num_rows) {
+  TORCH_CHECK(src_TD_in.dim() == 2, "src_TD must be [tokens, dim], got ", src_TD_in.sizes());
+  const Tensor src_TD = src_TD_in.contiguous(), pos_TK = pos_TK_in.contiguous();
+  check_pos(pos_TK);
+  TORCH_CHECK(pos_TK.size(0) == src_TD.size(0), "pos_TK has ", pos_TK.size(0), " tokens, src_TD has ", src_TD.size(0));
+  check_scale(scale_TK_in, pos_TK, src_TD.scalar_type());
+  const Tensor scale_TK = scale_TK_in ? scale_TK_in->contiguous() : Tensor();
+  const Tensor other_RD = other_RD_in ? other_RD_in->contiguous() : Tensor();
+  if (other_RD.defined()) check_rows("other_RD", other_RD, num_rows, src_TD.size(1), src_TD.scalar_type());
+  Tensor out_RD = pooled_empty({num_rows, src_TD.size(1)}, src_TD.options());
+  Tensor dot_TK = pooled_empty(other_RD.defined() ? pos_TK.sizes() : at::IntArrayRef{0}, src_TD.options());
+  bool rows_ok = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_TD.scalar_type(), "scatter_rows", [&] {
+    rows_ok = scatter_rows_kernel<scalar_t>(src_TD, pos_TK, scale_TK.defined() ? &scale_TK : nullptr,
+                                  other_RD.defined() ? &other_RD : nullptr, out_RD, dot_TK);
+  });
+  TORCH_CHECK(rows_ok, "pos_TK holds a row outside [0, num_rows=", num_rows, ")");
+  return {out_RD, dot_TK};
+}
+
+std::tuple<Tensor, Tensor> gather_sum(const Tensor& src_RD_in, const Tensor& pos_TK_in,
+                                      const std::optional<Tensor>& scale_TK_in,
+                                      const std::optional<Tensor>& other_TD_in) {
+  TORCH_CHECK(src_RD_in.dim() == 2, "src_RD must be [rows, dim], got ", src_RD_in.sizes());
+  const Tensor src_RD = src_RD_in.contiguous(), pos_TK = pos_TK_in.contiguous();
+  check_pos(pos_TK);
+  check_scale(scale_TK_in, pos_TK, src_RD.scalar_type());
+  const Tensor scale_TK = scale_TK_in ? scale_TK_in->contiguous() : Tensor();
+  const Tensor other_TD = other_TD_in ? other_TD_in->contiguous() : Tensor();
+  if (other_TD.defined()) check_rows("other_TD", other_TD, pos_TK.size(0), src_RD.size(1), src_RD.scalar_type());
+  Tensor out_TD = pooled_empty({pos_TK.size(0), src_RD.size(1)}, src_RD.options());
+  Tensor dot_TK = pooled_empty(other_TD.defined() ? pos_TK.sizes() : at::IntArrayRef{0}, src_RD.options());
+  bool rows_ok = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_RD.scalar_type(), "gather_sum", [&] {
+    rows_ok = gather_sum_kernel<scalar_t>(src_RD, pos_TK, scale_TK.defined() ? &scale_TK : nullptr,
+                                other_TD.defined() ? &other_TD : nullptr, out_TD, dot_TK);
+  });
+  TORCH_CHECK(rows_ok, "pos_TK holds a row outside [0, ", src_RD.size(0), ") of src_RD");
+  return {out_TD, dot_TK};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("route_slots", &route_slots, "slots and routed rows of every choice (see moe_plugin/ops/torch_ops.py)");
+  m.def("scatter_rows", &scatter_rows, "token rows to routed rows, optionally scaled, with optional dots");
+  m.def("pool_stats", [] { return BlockPool::instance().stats(); }, "(free bytes, free blocks, limit bytes)");
+  m.def("poison_outputs", [](bool on) { BlockPool::instance().set_poison(on); },
+        "fill every output with NaN / INT64_MIN before the kernel writes it (for tests)");
+  m.def("pool_clear", [] { BlockPool::instance().clear(); }, "free every pooled block");
+  m.def("gather_sum", &gather_sum, "routed rows to tokens, weighted sum over top-k, with optional dots");
+}

@@ -1,0 +1,151 @@
+"""The routing kernels as torch custom ops (moe_plugin::route_slots, ::scatter_rows, ::gather_sum),
+with autograd and fake (meta) implementations so torch.compile can trace through them.
+
+Each op runs on one of three kernel sets, chosen per device:
+  native   the C++ CPU kernels in csrc/ (built on first use, then cached)
+  triton   the Triton kernels, for CUDA tensors
+  torch    moe_plugin/ops/torch_ops.py, the reference: always there
+MOE_PLUGIN_KERNELS=auto (default) | native | torch picks: auto takes the fastest kernel set that
+loads and says once, as a warning, why it fell back; native fails loudly when it cannot load.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from types import ModuleType
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import native, torch_ops
+
+ENV = "MOE_PLUGIN_KERNELS"
+MODES = ("auto", "native", "torch")
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r} is not a kernel choice; allowed: {', '.join(MODES)}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _triton() -> Tuple[Optional[ModuleType], str]:
+    try:
+        from . import triton_kernels
+    except ImportError as error:
+        return None, str(error)
+    usable, why = triton_kernels.available()
+    return (triton_kernels if usable else None), why
+
+
+def kernels_for(device: torch.device) -> Tuple[ModuleType, str, str]:
+    """(kernel module, its name, why it was chosen) for tensors on device."""
+    chosen = mode()
+    if chosen == "torch":
+        return torch_ops, "torch", f"{ENV}=torch"
+    module, why = _triton() if device.type == "cuda" else native.load() if device.type == "cpu" else \
+        (None, f"no native kernels for device type {device.type}")
+    name = "triton" if device.type == "cuda" else "native"
+    if module is not None:
+        return module, name, why
+    if chosen == "native":
+        raise RuntimeError(f"{ENV}=native but the {name} kernels for {device.type} are unavailable: {why}")
+    _warn_once(device.type, f"moe_plugin: using the torch kernels on {device.type}: {why}")
+    return torch_ops, "torch", why
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(device_type: str, message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def describe() -> Dict[str, str]:
+    """Which kernels run on each device type and why (for `moe-plugin info`)."""
+    report = {}
+    for device in ("cpu", "cuda"):
+        if device == "cuda" and not torch.cuda.is_available():
+            report[device] = "no CUDA device"
+            continue
+        try:
+            _, name, why = kernels_for(torch.device(device))
+            report[device] = f"{name} ({why})"
+        except (RuntimeError, ValueError) as error:
+            report[device] = f"error: {error}"
+    return report
+
+
+# ---- custom ops -------------------------------------------------------------------------------
+
+@torch.library.custom_op("moe_plugin::route_slots", mutates_args=())
+def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_start_E: torch.Tensor,
+                capacity: int, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """pos_TK [T, K] (routed row of each choice, -1 dropped) and token_R [num_rows]: see torch_ops."""
+    kernels = kernels_for(expert_TK.device)[0]
+    return kernels.route_slots(expert_TK, order_T, row_start_E, capacity, num_rows)
+
+
+@route_slots.register_fake
+def _(expert_TK, order_T, row_start_E, capacity, num_rows):
+    return expert_TK.new_empty(expert_TK.shape, dtype=torch.long), expert_TK.new_empty(num_rows, dtype=torch.long)
+
+
+@torch.library.custom_op("moe_plugin::scatter_rows", mutates_args=())
+def scatter_rows(src_TD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
+                 other_RD: Optional[torch.Tensor], num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out_RD[pos[t, k]] = scale[t, k] * src_TD[t]; dot_TK = <src_TD[t], other_RD[pos[t, k]]>: see torch_ops."""
+    kernels = kernels_for(src_TD.device)[0]
+    return kernels.scatter_rows(src_TD, pos_TK, scale_TK, other_RD, num_rows)
+
+
+@scatter_rows.register_fake
+def _(src_TD, pos_TK, scale_TK, other_RD, num_rows):
+    dot_shape = pos_TK.shape if other_RD is not None else (0,)
+    return src_TD.new_empty(num_rows, src_TD.shape[1]), src_TD.new_empty(dot_shape)
+
+
+@torch.library.custom_op("moe_plugin::gather_sum", mutates_args=())
+def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
+               other_TD: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out_TD[t] = sum_k scale[t, k] * src_RD[pos[t, k]]; dot_TK = <other_TD[t], src_RD[pos[t, k]]>: see torch_ops."""
+    kernels = kernels_for(src_RD.device)[0]
+    return kernels.gather_sum(src_RD, pos_TK, scale_TK, other_TD)
+
+
+@gather_sum.register_fake
+def _(src_RD, pos_TK, scale_TK, other_TD):
+    dot_shape = pos_TK.shape if other_TD is not None else (0,)
+    return src_RD.new_empty(pos_TK.shape[0], src_RD.shape[1]), src_RD.new_empty(dot_shape)
+
+
+# The dot outputs feed gate gradients inside backward passes; they are not differentiated themselves.
+
+def _scatter_setup(ctx, inputs, output):
+    src_TD, pos_TK, scale_TK, other_RD, num_rows = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(src_TD if ctx.needs_input_grad[2] else None, pos_TK, scale_TK)
+
+
+def _scatter_backward(ctx, grad_RD, _grad_dot):
+    src_TD, pos_TK, scale_TK = ctx.saved_tensors
+    grad_TD, grad_scale_TK = gather_sum(grad_RD.contiguous(), pos_TK, scale_TK, src_TD)
+    return grad_TD, None, grad_scale_TK if src_TD is not None else None, None, None
+
+
+def _gather_setup(ctx, inputs, output):
+    src_RD, pos_TK, scale_TK, other_TD = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.num_rows = src_RD.shape[0]
+    ctx.save_for_backward(src_RD if ctx.needs_input_grad[2] else None, pos_TK, scale_TK)
+
+
+def _gather_backward(ctx, grad_TD, _grad_dot):
+    src_RD, pos_TK, scale_TK = ctx.saved_tensors
+    grad_RD, grad_scale_TK = scatter_rows(grad_TD.contiguous(), pos_TK, scale_TK, src_RD, ctx.num_rows)
+    return grad_RD, None, grad_scale_TK if src_RD is not None else None, None
+
+
+scatter_rows.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+gather_sum.register_autograd(_gather_backward, setup_context=_gather_setup)

@@ -1,0 +1,128 @@
+"""The routing kernels in plain torch: the reference every native and GPU kernel is tested against,
+and the path taken when no native kernel is available.
+
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept choices, grouped by expert).
+pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped; every
+row 0..R-1 is the position of exactly one kept choice.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+
+def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_start_E: torch.Tensor,
+                capacity: int, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Give each choice its slot in its expert, visiting choices choice-major (all first choices, then
+    all second ones), tokens in order_T order (0..T-1 when None). A choice whose slot is below
+    capacity gets row row_start_E[e] + slot; the rest are dropped (-1).
+
+    Returns pos_TK [T, K] and token_R [num_rows], the token of each row.
+    """
+    T, K = expert_TK.shape
+    device = expert_TK.device
+    order_T = torch.arange(T, device=device) if order_T is None else order_T
+    expert_A = expert_TK.index_select(0, order_T).t().reshape(-1)
+    token_A = order_T.repeat(K)
+    choice_A = torch.arange(K, device=device).repeat_interleave(T)
+    expert_S, sorted_A = torch.sort(expert_A, stable=True)
+    load_E = torch.bincount(expert_A, minlength=row_start_E.shape[0])
+    slot_S = torch.arange(expert_S.shape[0], device=device) - (load_E.cumsum(0) - load_E)[expert_S]
+    kept_S = slot_S < capacity
+    row_S = torch.where(kept_S, row_start_E[expert_S] + slot_S, -1)
+    pos_TK = torch.empty(T, K, dtype=torch.long, device=device)
+    pos_TK[token_A[sorted_A], choice_A[sorted_A]] = row_S
+    token_R = torch.empty(num_rows, dtype=torch.long, device=device)
+    token_R[row_S[kept_S]] = token_A[sorted_A[kept_S]]
+    return pos_TK, token_R
+
+
+def scatter_rows(src_TD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
+                 other_RD: Optional[torch.Tensor], num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out_RD[pos_TK[t, k]] = scale_TK[t, k] * src_TD[t] (scale 1 when None);
+    dot_TK[t, k] = <src_TD[t], other_RD[pos_TK[t, k]]>, 0 for dropped choices ([0] when other_RD is None).
+    """
+    kept_TK = pos_TK >= 0
+    token_R = torch.empty(num_rows, dtype=torch.long, device=pos_TK.device)
+    token_R[pos_TK[kept_TK]] = torch.nonzero(kept_TK)[:, 0]
+    rows_RD = src_TD.index_select(0, token_R)
+    dot_TK = src_TD.new_empty(0)
+    if other_RD is not None:
+        dot_TK = rows_to_choices(row_dot(rows_RD, other_RD), pos_TK)
+    if scale_TK is not None:
+        rows_RD.mul_(choices_to_rows(scale_TK, pos_TK, num_rows)[:, None])
+    return rows_RD, dot_TK
+
+
+def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
+               other_TD: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out_TD[t] = sum over kept k of scale_TK[t, k] * src_RD[pos_TK[t, k]] (scale 1 when None);
+    dot_TK[t, k] = <other_TD[t], src_RD[pos_TK[t, k]]>, 0 for dropped choices ([0] when other_TD is None).
+    """
+    kept_TK = pos_TK >= 0
+    weight_TK = kept_TK.to(src_RD.dtype)
+    if scale_TK is not None:
+        weight_TK = weight_TK * scale_TK
+    out_TD = combine_rows(src_RD, weight_TK, pos_TK)
+    dot_TK = src_RD.new_empty(0)
+    if other_TD is not None:
+        token_R = torch.empty(src_RD.shape[0], dtype=torch.long, device=pos_TK.device)
+        token_R[pos_TK[kept_TK]] = torch.nonzero(kept_TK)[:, 0]
+        dot_TK = rows_to_choices(row_dot(other_TD.index_select(0, token_R), src_RD), pos_TK)
+    return out_TD, dot_TK
+
+
+def choices_to_rows(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """values_R[pos_TK[t, k]] = values_TK[t, k] for every kept choice."""
+    kept_TK = pos_TK >= 0
+    values_R = values_TK.new_empty(num_rows)
+    values_R[pos_TK[kept_TK]] = values_TK[kept_TK]
+    return values_R
+
+
+def rows_to_choices(values_R: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """values_TK[t, k] = values_R[pos_TK[t, k]] for kept choices, 0 for dropped ones."""
+    kept_TK = pos_TK >= 0
+    values_TK = values_R.new_zeros(pos_TK.shape)
+    values_TK[kept_TK] = values_R[pos_TK[kept_TK]]
+    return values_TK
+
+
+def _chunk_rows(tensor: torch.Tensor) -> int:
+    """Rows per chunk so that a [chunk, D] scratch stays in cache (about 512 KiB)."""
+    return max(16, (1 << 19) // max(1, tensor.shape[1] * tensor.element_size()))
+
+
+def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """y_TD[t] = sum_k weight_TK[t, k] * y_RD[pos_TK[t, k]]; dropped choices carry weight 0."""
+    T, K = pos_TK.shape
+    if y_RD.shape[0] == 0:
+        return y_RD.new_zeros(T, y_RD.shape[1])
+    safe_pos_TK = pos_TK.clamp(min=0)
+    y_TD = y_RD.index_select(0, safe_pos_TK[:, 0]).mul_(weight_TK[:, :1])
+    if K == 1:
+        return y_TD
+    # choices after the first go through a small reused scratch: no second [T, D] buffer
+    chunk = _chunk_rows(y_RD)
+    scratch_CD = y_RD.new_empty(chunk, y_RD.shape[1])
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        rows_CD = scratch_CD[:end - start]
+        for k in range(1, K):
+            torch.index_select(y_RD, 0, safe_pos_TK[start:end, k], out=rows_CD)
+            y_TD[start:end].addcmul_(rows_CD, weight_TK[start:end, k:k + 1])
+    return y_TD
+
+
+def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor) -> torch.Tensor:
+    """dot_R[r] = <a_RD[r], b_RD[r]>, in cache-sized chunks."""
+    dot_R = a_RD.new_empty(a_RD.shape[0])
+    chunk = _chunk_rows(a_RD)
+    scratch_CD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1])
+    for start in range(0, a_RD.shape[0], chunk):
+        end = min(start + chunk, a_RD.shape[0])
+        product_CD = torch.mul(a_RD[start:end], b_RD[start:end], out=scratch_CD[:end - start])
+        torch.sum(product_CD, dim=1, out=dot_R[start:end])
+    return dot_R
