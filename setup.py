@@ -2,6 +2,9 @@ from setuptools import setup
 
 DEEPSPEED = ["deepspeed==0.19.8"]
 FAIRSEQ = ["fairseq-fixed==0.12.3.1"]
+# GPU kernels. triton 3.6 and older cannot run the CPU tests: their interpreter fails under numpy 2.4;
+# 3.7.1 is the version torch 2.13's CUDA wheels pin. triton pulls in no torch and no CUDA wheels.
+TRITON = ["triton>=3.7.1"]
 DEV = ["pytest>=7", "pytest-timeout>=2"]
 
 setup(
@@ -16,6 +19,7 @@ setup(
     package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"]},
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5"],
-    extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "dev": DEV, "all": DEEPSPEED + FAIRSEQ + DEV},
+    extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "dev": DEV,
+                    "all": DEEPSPEED + FAIRSEQ + TRITON + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
 )

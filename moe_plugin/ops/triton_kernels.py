@@ -1,0 +1,193 @@
+"""The routing kernels in Triton, for CUDA tensors: same signatures and results as torch_ops.py.
+
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept choices, grouped by expert).
+pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped.
+
+Sums and dot products accumulate in fp32 (fp64 for fp64 inputs) and are cast on store. The module
+imports without triton, so available() can say why it is not used; the ops then raise ImportError.
+On CPU tensors the kernels run only under TRITON_INTERPRET=1, set before triton is imported (the tests
+do so in a child process).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+_MISSING = "triton is not installed (pip install triton, or pip install moe_plugin[triton])"
+_ROUTE_BLOCK = 1024     # choices per step of the per-expert scan
+_MAX_TILE = 4096        # elements of one [BLOCK_K, BLOCK_D] tile in scatter_rows / gather_sum
+
+
+def available() -> Tuple[bool, str]:
+    """(True, "") when triton imports and a CUDA device is present, else (False, why not)."""
+    if triton is None:
+        return False, _MISSING
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    return True, ""
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise ImportError(f"moe_plugin.ops.triton_kernels: {_MISSING}")
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output is allocated here (tests patch it to fill with poison)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_start_E: torch.Tensor,
+                capacity: int, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """See torch_ops.route_slots: one program per expert scans all choices in visiting order."""
+    _require_triton()
+    T, K = expert_TK.shape
+    device = expert_TK.device
+    pos_TK = _empty((T, K), torch.long, device)
+    token_R = _empty((num_rows,), torch.long, device)
+    if T == 0:
+        return pos_TK, token_R
+    E = row_start_E.shape[0]
+    block = min(_ROUTE_BLOCK, triton.next_power_of_2(T * K))
+    _route_slots_kernel[(E,)](expert_TK.contiguous(), _or(order_T, expert_TK), row_start_E.contiguous(),
+                              pos_TK, token_R, T, K, capacity, HAS_ORDER=order_T is not None, BLOCK=block)
+    return pos_TK, token_R
+
+
+def scatter_rows(src_TD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
+                 other_RD: Optional[torch.Tensor], num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """See torch_ops.scatter_rows: one program per token writes its K rows."""
+    _require_triton()
+    T, D = src_TD.shape
+    K = pos_TK.shape[1]
+    out_RD = _empty((num_rows, D), src_TD.dtype, src_TD.device)
+    dot_TK = _empty(pos_TK.shape if other_RD is not None else (0,), src_TD.dtype, src_TD.device)
+    if T == 0:
+        return out_RD, dot_TK
+    src_TD = src_TD.contiguous()
+    block_k, block_d = _blocks(K, D)
+    _scatter_rows_kernel[(T,)](
+        src_TD, pos_TK.contiguous(), _or(scale_TK, src_TD), _or(other_RD, src_TD), out_RD, dot_TK, D, K,
+        HAS_SCALE=scale_TK is not None, HAS_OTHER=other_RD is not None, ACC=_acc_dtype(src_TD),
+        BLOCK_K=block_k, BLOCK_D=block_d)
+    return out_RD, dot_TK
+
+
+def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
+               other_TD: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """See torch_ops.gather_sum: one program per token reads its K rows."""
+    _require_triton()
+    T, K = pos_TK.shape
+    D = src_RD.shape[1]
+    out_TD = _empty((T, D), src_RD.dtype, src_RD.device)
+    dot_dtype = other_TD.dtype if other_TD is not None else src_RD.dtype
+    dot_TK = _empty(pos_TK.shape if other_TD is not None else (0,), dot_dtype, src_RD.device)
+    if T == 0:
+        return out_TD, dot_TK
+    src_RD = src_RD.contiguous()
+    block_k, block_d = _blocks(K, D)
+    _gather_sum_kernel[(T,)](
+        src_RD, pos_TK.contiguous(), _or(scale_TK, src_RD), _or(other_TD, src_RD), out_TD, dot_TK, D, K,
+        HAS_SCALE=scale_TK is not None, HAS_OTHER=other_TD is not None, ACC=_acc_dtype(src_RD),
+        BLOCK_K=block_k, BLOCK_D=block_d)
+    return out_TD, dot_TK
+
+
+def _or(x: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
+    """A missing optional input is passed as a stand-in pointer that the kernel never reads."""
+    return stand_in if x is None else x.contiguous()
+
+
+def _acc_dtype(x: torch.Tensor):
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
+
+
+def _blocks(K: int, D: int) -> Tuple[int, int]:
+    block_k = triton.next_power_of_2(K)
+    return block_k, min(triton.next_power_of_2(max(D, 1)), _MAX_TILE // block_k)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_slots_kernel(expert_ptr, order_ptr, row_start_ptr, pos_ptr, token_ptr, T, K, capacity,
+                            HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        row_start = tl.load(row_start_ptr + e).to(tl.int64)
+        taken = tl.full([], 0, tl.int64)    # choices of expert e seen so far
+        for begin in range(0, T * K, BLOCK):
+            # visit a = k * T + i: choice-major, the i-th token of the order
+            a_A = begin + tl.arange(0, BLOCK)
+            valid_A = a_A < T * K
+            k_A = a_A // T
+            i_A = a_A % T
+            if HAS_ORDER:
+                t_A = tl.load(order_ptr + i_A, mask=valid_A, other=0).to(tl.int64)
+            else:
+                t_A = i_A.to(tl.int64)
+            expert_A = tl.load(expert_ptr + t_A * K + k_A, mask=valid_A, other=-1)
+            mine_A = expert_A == e
+            slot_A = taken + tl.cumsum(mine_A.to(tl.int32), 0).to(tl.int64) - 1
+            kept_A = mine_A & (slot_A < capacity)
+            row_A = tl.where(kept_A, row_start + slot_A, -1)
+            tl.store(pos_ptr + t_A * K + k_A, row_A, mask=mine_A)
+            tl.store(token_ptr + row_A, t_A, mask=kept_A)
+            taken += tl.sum(mine_A.to(tl.int64), 0)
+
+    @triton.jit
+    def _scatter_rows_kernel(src_ptr, pos_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, D, K,
+                             HAS_SCALE: tl.constexpr, HAS_OTHER: tl.constexpr, ACC: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k_K = tl.arange(0, BLOCK_K)
+        pos_K = tl.load(pos_ptr + t * K + k_K, mask=k_K < K, other=-1)
+        kept_K = pos_K >= 0
+        if HAS_SCALE:
+            scale_K = tl.load(scale_ptr + t * K + k_K, mask=kept_K, other=0).to(ACC)
+        else:
+            scale_K = tl.full([BLOCK_K], 1, ACC)
+        dot_K = tl.zeros([BLOCK_K], ACC)
+        for begin in range(0, D, BLOCK_D):
+            d_D = begin + tl.arange(0, BLOCK_D)
+            src_D = tl.load(src_ptr + t * D + d_D, mask=d_D < D, other=0).to(ACC)
+            row_KD = pos_K[:, None] * D + d_D[None, :]
+            mask_KD = kept_K[:, None] & (d_D < D)[None, :]
+            out_KD = scale_K[:, None] * src_D[None, :]
+            tl.store(out_ptr + row_KD, out_KD.to(out_ptr.dtype.element_ty), mask=mask_KD)
+            if HAS_OTHER:
+                other_KD = tl.load(other_ptr + row_KD, mask=mask_KD, other=0).to(ACC)
+                dot_K += tl.sum(other_KD * src_D[None, :], axis=1)
+        if HAS_OTHER:
+            tl.store(dot_ptr + t * K + k_K, dot_K.to(dot_ptr.dtype.element_ty), mask=k_K < K)
+
+    @triton.jit
+    def _gather_sum_kernel(src_ptr, pos_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, D, K,
+                           HAS_SCALE: tl.constexpr, HAS_OTHER: tl.constexpr, ACC: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k_K = tl.arange(0, BLOCK_K)
+        pos_K = tl.load(pos_ptr + t * K + k_K, mask=k_K < K, other=-1)
+        kept_K = pos_K >= 0
+        if HAS_SCALE:
+            scale_K = tl.load(scale_ptr + t * K + k_K, mask=kept_K, other=0).to(ACC)
+        else:
+            scale_K = tl.full([BLOCK_K], 1, ACC)
+        dot_K = tl.zeros([BLOCK_K], ACC)
+        for begin in range(0, D, BLOCK_D):
+            d_D = begin + tl.arange(0, BLOCK_D)
+            mask_KD = kept_K[:, None] & (d_D < D)[None, :]
+            rows_KD = tl.load(src_ptr + pos_K[:, None] * D + d_D[None, :], mask=mask_KD, other=0).to(ACC)
+            out_D = tl.sum(scale_K[:, None] * rows_KD, axis=0)
+            tl.store(out_ptr + t * D + d_D, out_D.to(out_ptr.dtype.element_ty), mask=d_D < D)
+            if HAS_OTHER:
+                other_D = tl.load(other_ptr + t * D + d_D, mask=d_D < D, other=0).to(ACC)
+                dot_K += tl.sum(rows_KD * other_D[None, :], axis=1)
+        if HAS_OTHER:
+            tl.store(dot_ptr + t * K + k_K, dot_K.to(dot_ptr.dtype.element_ty), mask=k_K < K)

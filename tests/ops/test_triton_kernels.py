@@ -1,0 +1,200 @@
+"""The Triton routing kernels against the torch reference (moe_plugin/ops/torch_ops.py): on CPU under
+the Triton interpreter, and compiled on CUDA when a GPU is present.
+
+triton reads TRITON_INTERPRET when it is imported (its own tl.sum and tl.cumsum are @triton.jit
+functions), so one process runs either the interpreter or the compiler. A plain run of this file
+runs the CUDA cases here and the same cases again under the interpreter in a child process.
+
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
+"""
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_plugin.ops import torch_ops
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NO_TRITON = "triton is not installed (pip install triton)"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (T, E, K, capacity): small capacities drop choices; T * K = 1200 takes two steps of the route scan
+ROUTINGS = [(1, 1, 1, 1), (37, 5, 3, 6), (300, 8, 4, 100), (50, 16, 8, 30), (20, 4, 2, 0), (0, 4, 2, 3)]
+# (T, E, K, capacity, D): D = 600 at K = 8 and D = 1300 at K = 3 take two D steps with a ragged end
+SHAPES = [(1, 1, 1, 1, 1), (37, 5, 3, 6, 7), (13, 9, 8, 5, 129), (5, 8, 8, 8, 600), (11, 6, 3, 4, 1300),
+          (20, 4, 2, 0, 5), (0, 4, 2, 3, 7)]
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+# fp16 / bf16 results are compared with the reference run in fp64 on the same values: within 2 ulps
+TOLERANCES = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
+              torch.float16: (2 * torch.finfo(torch.float16).eps, 1e-4),
+              torch.bfloat16: (2 * torch.finfo(torch.bfloat16).eps, 1e-4)}
+
+
+def poisoned_empty(shape, dtype, device):
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
+
+
+@pytest.fixture(params=["interpreter"] if INTERPRET else ["cuda"])
+def kernels(request, monkeypatch):
+    """(kernel module, device), its outputs allocated full of poison so an unwritten element fails."""
+    if triton is None:
+        pytest.skip(NO_TRITON)
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
+    module = importlib.import_module("moe_plugin.ops.triton_kernels")
+    monkeypatch.setattr(module, "_empty", poisoned_empty)
+    return module, "cpu" if INTERPRET else "cuda"
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_interpreter_run():
+    """Every kernel case of this file again, on CPU, in a child process started with TRITON_INTERPRET=1."""
+    if triton is None:
+        pytest.skip(NO_TRITON)
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
+    print(child.stdout.splitlines()[-1])
+
+
+def random_routing(T, E, K, capacity, prioritized, device):
+    """Distinct experts per token, as top-k gives; rows packed by expert as the dispatcher packs them."""
+    expert_TK = torch.rand(T, E).topk(K, dim=1).indices
+    kept_E = torch.bincount(expert_TK.reshape(-1), minlength=E).clamp(max=capacity)
+    row_start_E = kept_E.cumsum(0) - kept_E
+    order_T = torch.randperm(T).to(device) if prioritized else None
+    return expert_TK.to(device), order_T, row_start_E.to(device), int(kept_E.sum())
+
+
+def random_pos(T, E, K, capacity, device):
+    expert_TK, _, row_start_E, num_rows = random_routing(T, E, K, capacity, False, device)
+    pos_TK, _ = torch_ops.route_slots(expert_TK, None, row_start_E, capacity, num_rows)
+    return pos_TK, num_rows
+
+
+def randn(*shape, dtype, device):
+    return torch.randn(*shape).to(dtype=dtype, device=device)
+
+
+def as_dtype(x, dtype):
+    return None if x is None else x.to(dtype)
+
+
+def reference_dtype(dtype):
+    return dtype if dtype in (torch.float64, torch.float32) else torch.float64
+
+
+def assert_matches(got, expected, dtype):
+    assert got.dtype == dtype and got.shape == expected.shape and got.is_contiguous()
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.to(expected.dtype), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("T, E, K, capacity", ROUTINGS)
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_route_slots(kernels, T, E, K, capacity, prioritized):
+    module, device = kernels
+    args = random_routing(T, E, K, capacity, prioritized, device)
+    pos_TK, token_R = module.route_slots(*args[:3], capacity, args[3])
+    expected_pos_TK, expected_token_R = torch_ops.route_slots(*args[:3], capacity, args[3])
+    assert torch.equal(pos_TK, expected_pos_TK) and torch.equal(token_R, expected_token_R)
+
+
+@pytest.mark.parametrize("T, E, K, capacity, D", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_optional", [True, False], ids=["scale_other", "plain"])
+def test_scatter_rows(kernels, T, E, K, capacity, D, dtype, with_optional):
+    module, device = kernels
+    pos_TK, R = random_pos(T, E, K, capacity, device)
+    src_TD = randn(T, D, dtype=dtype, device=device)
+    scale_TK = randn(T, K, dtype=dtype, device=device) if with_optional else None
+    other_RD = randn(R, D, dtype=dtype, device=device) if with_optional else None
+    out_RD, dot_TK = module.scatter_rows(src_TD, pos_TK, scale_TK, other_RD, R)
+    ref = reference_dtype(dtype)
+    expected_RD, expected_dot_TK = torch_ops.scatter_rows(
+        src_TD.to(ref), pos_TK, as_dtype(scale_TK, ref), as_dtype(other_RD, ref), R)
+    assert_matches(out_RD, expected_RD, dtype)
+    assert_matches(dot_TK, expected_dot_TK, dtype)
+
+
+@pytest.mark.parametrize("T, E, K, capacity, D", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_optional", [True, False], ids=["scale_other", "plain"])
+def test_gather_sum(kernels, T, E, K, capacity, D, dtype, with_optional):
+    module, device = kernels
+    pos_TK, R = random_pos(T, E, K, capacity, device)
+    src_RD = randn(R, D, dtype=dtype, device=device)
+    scale_TK = randn(T, K, dtype=dtype, device=device) if with_optional else None
+    other_TD = randn(T, D, dtype=dtype, device=device) if with_optional else None
+    out_TD, dot_TK = module.gather_sum(src_RD, pos_TK, scale_TK, other_TD)
+    ref = reference_dtype(dtype)
+    expected_TD, expected_dot_TK = torch_ops.gather_sum(
+        src_RD.to(ref), pos_TK, as_dtype(scale_TK, ref), as_dtype(other_TD, ref))
+    assert_matches(out_TD, expected_TD, dtype)
+    assert_matches(dot_TK, expected_dot_TK, dtype)
+
+
+def test_dropped_choices_contribute_nothing(kernels):
+    """Scale and rows of dropped choices are never read: NaN there must not reach the outputs."""
+    module, device = kernels
+    T, E, K, capacity, D = 30, 4, 2, 5, 9
+    pos_TK, R = random_pos(T, E, K, capacity, device)
+    dropped_TK = pos_TK < 0
+    assert dropped_TK.any() and not dropped_TK.all()
+    scale_TK = randn(T, K, dtype=torch.float32, device=device).masked_fill(dropped_TK, float("nan"))
+    src_RD = randn(R, D, dtype=torch.float32, device=device)
+    other_TD = randn(T, D, dtype=torch.float32, device=device)
+    out_TD, dot_TK = module.gather_sum(src_RD, pos_TK, scale_TK, other_TD)
+    assert not out_TD.isnan().any() and torch.all(dot_TK[dropped_TK] == 0)
+    out_RD, dot_TK = module.scatter_rows(other_TD, pos_TK, scale_TK, src_RD, R)
+    assert not out_RD.isnan().any() and torch.all(dot_TK[dropped_TK] == 0)
+
+
+def test_zero_tokens_launch_nothing(monkeypatch):
+    if triton is None:
+        pytest.skip(NO_TRITON)
+    module = importlib.import_module("moe_plugin.ops.triton_kernels")
+    for name in ("_route_slots_kernel", "_scatter_rows_kernel", "_gather_sum_kernel"):
+        monkeypatch.setattr(module, name, None)     # a launch would fail on None[grid]
+    expert_TK = torch.zeros(0, 3, dtype=torch.long)
+    pos_TK, token_R = module.route_slots(expert_TK, None, torch.zeros(4, dtype=torch.long), 2, 0)
+    assert pos_TK.shape == (0, 3) and token_R.shape == (0,)
+    out_RD, dot_TK = module.scatter_rows(torch.zeros(0, 5), pos_TK, None, torch.zeros(0, 5), 0)
+    assert out_RD.shape == (0, 5) and dot_TK.shape == (0, 3)
+    out_TD, dot_TK = module.gather_sum(torch.zeros(0, 5), pos_TK, None, None)
+    assert out_TD.shape == (0, 5) and dot_TK.shape == (0,)
+
+
+def test_available_says_why_not():
+    if triton is None:
+        pytest.skip(NO_TRITON)
+    ok, reason = importlib.import_module("moe_plugin.ops.triton_kernels").available()
+    assert ok == torch.cuda.is_available() and (ok or "CUDA" in reason)
+
+
+def test_imports_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)    # makes `import triton` raise ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    path = torch_ops.__file__.replace("torch_ops.py", "triton_kernels.py")
+    spec = importlib.util.spec_from_file_location("_triton_kernels_without_triton", path)
+    module = importlib.util.module_from_spec(spec)     # a fresh copy, imported without triton
+    spec.loader.exec_module(module)
+    ok, reason = module.available()
+    assert not ok and "pip install triton" in reason
+    pos_TK = torch.zeros(2, 1, dtype=torch.long)
+    calls = [lambda: module.route_slots(pos_TK, None, torch.zeros(1, dtype=torch.long), 2, 2),
+             lambda: module.scatter_rows(torch.ones(2, 3), pos_TK, None, None, 2),
+             lambda: module.gather_sum(torch.ones(2, 3), pos_TK, None, None)]
+    for call in calls:
+        with pytest.raises(ImportError, match="pip install triton"):
+            call()
