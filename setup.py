@@ -18,7 +18,7 @@ setup(
               "moe_plugin.integrations", "moe_plugin.integrations.fairseq_moe"],
     package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"]},
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
-    install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5"],
+    install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "dev": DEV,
                     "all": DEEPSPEED + FAIRSEQ + TRITON + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
