@@ -358,6 +358,9 @@ std::tuple<Tensor, Tensor> gather_sum(const Tensor& src_RD_in, const Tensor& pos
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_slots", &route_slots, "slots and routed rows of every choice (see moe_plugin/ops/torch_ops.py)");
   m.def("scatter_rows", &scatter_rows, "token rows to routed rows, optionally scaled, with optional dots");
+  m.def("empty", [](std::vector<int64_t> sizes, at::ScalarType dtype) {
+    return pooled_empty(sizes, at::TensorOptions().dtype(dtype));
+  }, "an uninitialized CPU tensor, from the block pool when large");
   m.def("pool_stats", [] { return BlockPool::instance().stats(); }, "(free bytes, free blocks, limit bytes)");
   m.def("poison_outputs", [](bool on) { BlockPool::instance().set_poison(on); },
         "fill every output with NaN / INT64_MIN before the kernel writes it (for tests)");

@@ -26,7 +26,7 @@ class FusedMoE(torch.autograd.Function):
         D = x_TD.shape[1]
         scratch_ND = x_TD.new_empty(max(rows_per_expert, default=0), D)
 
-        pre_RH = x_TD.new_empty(token_R.shape[0], w1_EDH.shape[2])
+        pre_RH = ops.new_empty(x_TD, token_R.shape[0], w1_EDH.shape[2])
         for e, (token_N, pre_NH) in enumerate(zip(token_R.split(rows_per_expert), pre_RH.split(rows_per_expert))):
             if token_N.shape[0]:
                 x_ND = torch.index_select(x_TD, 0, token_N, out=scratch_ND[:token_N.shape[0]])
@@ -35,7 +35,7 @@ class FusedMoE(torch.autograd.Function):
                     pre_NH.add_(b1_EH[e])
         act_RH, saved_RH = activate(pre_RH, activation)
 
-        expert_y_RD = x_TD.new_empty(token_R.shape[0], D)
+        expert_y_RD = ops.new_empty(x_TD, token_R.shape[0], D)
         for e, (act_NH, y_ND) in enumerate(zip(act_RH.split(rows_per_expert), expert_y_RD.split(rows_per_expert))):
             if act_NH.shape[0]:
                 torch.mm(act_NH, w2_EHD[e], out=y_ND)
@@ -61,8 +61,8 @@ class FusedMoE(torch.autograd.Function):
                                                  expert_y_RD if ctx.needs_input_grad[1] else None, token_R.shape[0])
         act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
 
-        grad_act_RH = x_TD.new_empty(act_RH.shape)
-        grad_w2_EHD = torch.empty_like(w2_EHD)
+        grad_act_RH = ops.new_empty(x_TD, *act_RH.shape)
+        grad_w2_EHD = ops.new_empty(w2_EHD, *w2_EHD.shape)
         grad_b2_ED = w2_EHD.new_zeros(w2_EHD.shape[0], w2_EHD.shape[2]) if ctx.bias2 else None
         for e, (act_NH, grad_act_NH, grad_y_ND) in enumerate(zip(act_RH.split(rows), grad_act_RH.split(rows),
                                                                  grad_RD.split(rows))):
@@ -78,7 +78,7 @@ class FusedMoE(torch.autograd.Function):
 
         # first projection: weight gradients from re-gathered inputs; the routed rows' input
         # gradients reuse grad_RD and one gather_sum adds them into their tokens
-        grad_w1_EDH = torch.empty_like(w1_EDH)
+        grad_w1_EDH = ops.new_empty(w1_EDH, *w1_EDH.shape)
         grad_b1_EH = w1_EDH.new_zeros(w1_EDH.shape[0], w1_EDH.shape[2]) if ctx.bias1 else None
         for e, (token_N, grad_pre_NH, grad_x_ND) in enumerate(zip(token_blocks, grad_pre_RH.split(rows),
                                                                   grad_RD.split(rows))):

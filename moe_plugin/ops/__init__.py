@@ -77,6 +77,17 @@ def describe() -> Dict[str, str]:
     return report
 
 
+def new_empty(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """An uninitialized tensor of like's dtype and device; on CPU with the native kernels, large ones
+    come from their block pool (reused across steps instead of page-faulted in afresh)."""
+    if torch.compiler.is_compiling():      # inside a compiled graph the compiler owns the memory
+        return like.new_empty(shape)
+    module, name, _ = kernels_for(like.device)
+    if name == "native":
+        return module.empty(list(shape), like.dtype)
+    return like.new_empty(shape)
+
+
 # ---- custom ops -------------------------------------------------------------------------------
 
 @torch.library.custom_op("moe_plugin::route_slots", mutates_args=())

@@ -98,3 +98,15 @@ def test_compiled_layer_matches_eager():
     assert relative_error(compiled_y, y) < 1e-12 and relative_error(compiled_aux, aux) < 1e-12
     for name, grad in grads.items():
         assert relative_error(compiled_grads[name], grad) < 1e-12, name
+
+
+def test_compiled_graph_holds_the_custom_ops():
+    """Dynamo traces the routing ops into its graph (through their fake implementations)."""
+    targets = set()
+
+    def recording_backend(graph_module, example_inputs):
+        targets.update(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+    layer = make_layer(dtype=torch.float32)
+    torch.compile(layer, backend=recording_backend)(torch.randn(10, 12)).sum().backward()
+    assert "moe_plugin.route_slots.default" in targets
