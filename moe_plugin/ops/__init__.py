@@ -38,7 +38,7 @@ def _triton() -> Tuple[Optional[ModuleType], str]:
     except ImportError as error:
         return None, str(error)
     usable, why = triton_kernels.available()
-    return (triton_kernels if usable else None), why
+    return (triton_kernels, f"Triton {triton_kernels.triton.__version__}") if usable else (None, why)
 
 
 def kernels_for(device: torch.device) -> Tuple[ModuleType, str, str]:
