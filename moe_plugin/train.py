@@ -5,8 +5,10 @@ Legend: B batch rows per rank, S sequence length, V vocabulary.
 A config has the sections model, moe, data, train, parallel and log. The defaults below are the
 default experiment (configs/experiments/default.yaml spells them out; a test keeps them equal).
 A run writes to log.out_dir: metrics.jsonl, summary.txt, result.json, loss.png, expert_load.png
-and checkpoints/step_NNNNNN.pt. Under torchrun every rank trains a replica on its own data shard
-(DistributedDataParallel, gloo on CPU, nccl on GPU); rank 0 writes the outputs.
+and checkpoints/step_NNNNNN.pt. Under torchrun every rank trains on its own data shard
+(DistributedDataParallel, gloo on CPU, nccl on GPU); rank 0 writes the outputs. With
+parallel.ep_size > 1 the experts are spread over each block of ep_size ranks: DDP leaves them out
+and parallel/expert_grads.py finishes their gradients; a checkpoint holds every expert.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from .data import VOCAB_SIZE, Data, DataConfig, make_data
 from .data import check_config as check_data_config
 from .layer import aux_loss
 from .models import ModelConfig, TransformerLM
+from .parallel.expert_grads import expert_layers, expert_parameters, hook_expert_grads
+from .parallel.expert_parallel import gathered_experts
+from .parallel.groups import check_sizes
 
 MOE_KEYS_SET_ELSEWHERE = {"model_dim": "model.dim", "ep_size": "parallel.ep_size"}
 DEFAULT_MOE = {"hidden_size": 256, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25,
@@ -166,11 +171,12 @@ def check_config(cfg: ExperimentConfig) -> None:
     require("train.stop_at", cfg.train.stop_at is None or 1 <= cfg.train.stop_at <= cfg.train.steps,
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
-    require("parallel.ep_size", cfg.parallel.ep_size == 1,
-            "1 for now: moe-plugin train does not yet run expert-parallel (the MoELayer itself "
-            "supports ep_size > 1; the trainer still replicates every expert with DDP)")
     check_data_config(cfg.data)
-    moe_config(cfg)
+    moe = moe_config(cfg)
+    try:
+        check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
+    except ValueError as error:
+        raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:
@@ -216,7 +222,10 @@ def gather(procs: Processes, obj: Any) -> List[Any]:
 
 @dataclass
 class Window:
-    """The steps since the last metrics record, summed (over this rank)."""
+    """The steps since the last metrics record, summed (over this rank).
+
+    A layer's tokens_per_expert counts this rank's tokens for every expert (wherever the expert
+    lives), so their sum over the ranks in record() is the whole load, with or without ep."""
     steps: int = 0
     loss: float = 0.0
     aux_loss: float = 0.0
@@ -310,9 +319,39 @@ def resolve_resume(resume: str, out_dir: Path) -> Path:
     return Path(resume)
 
 
-def rank_state(procs: Processes, data: Data, window: Window) -> dict:
-    state = {"data": data.train.state_dict(), "torch_rng": torch.get_rng_state(),
-             "python_rng": random.getstate(), "window": dataclasses.asdict(window)}
+def expert_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    """The optimizer state of this rank's experts, keyed like optimizer.state_dict()["state"], on the CPU."""
+    experts = {id(p) for _, p in expert_parameters(model)}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i: {key: value.cpu() for key, value in optimizer.state[p].items()}
+            for i, p in enumerate(params) if id(p) in experts and p in optimizer.state}
+
+
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """model.state_dict() with every expert, as one process holding all experts has it (a collective)."""
+    state = model.state_dict()
+    for prefix, layer in expert_layers(model):
+        full = gathered_experts(layer.experts, layer.groups, 0)
+        for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED"):
+            if getattr(full, name) is not None:
+                state[f"{prefix}experts.{name}"] = getattr(full, name)
+    return state
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
+    """Load a state dict holding every expert: each expert-parallel layer keeps its own share."""
+    local = dict(state)
+    for prefix, layer in expert_layers(model):
+        layer.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        local.update({prefix + k: v for k, v in layer.state_dict().items()})
+    model.load_state_dict(local)
+
+
+def rank_state(procs: Processes, parts: Parts, window: Window) -> dict:
+    state = {"data": parts.data.train.state_dict(), "torch_rng": torch.get_rng_state(),
+             "python_rng": random.getstate(), "window": dataclasses.asdict(window),
+             "expert_optimizer": expert_optimizer_state(parts.optimizer, parts.model)}
     if procs.device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(procs.device)
     return state
@@ -361,9 +400,11 @@ def topic_routing(model: TransformerLM, topics: Dict[str, torch.Tensor], device:
     return routing
 
 
-def parameter_hash(model: torch.nn.Module) -> str:
+def parameter_hash(model: torch.nn.Module, skip: Sequence[str] = ()) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        if name in skip:
+            continue
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -374,6 +415,10 @@ def train(cfg: ExperimentConfig) -> dict:
     check_config(cfg)
     procs = start_processes(cfg.train.device)
     try:
+        ep_size = cfg.parallel.ep_size
+        if procs.world_size % ep_size:
+            raise ValueError(f"parallel.ep_size={ep_size} is invalid: must divide the number of processes, "
+                             f"{procs.world_size} (launch with torchrun --nproc_per_node N, N a multiple of {ep_size})")
         return _train(cfg, procs)
     finally:
         if procs.started_group:
@@ -403,25 +448,60 @@ def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     return Parts(model, optimizer, scheduler, data)
 
 
+def data_parallel(model: TransformerLM, procs: Processes) -> torch.nn.Module:
+    """DDP over the world, but for the experts of expert-parallel layers (each rank holds its own; hooked instead)."""
+    if procs.world_size == 1:
+        return model
+    experts = hook_expert_grads(model, procs.world_size)
+    DDP = torch.nn.parallel.DistributedDataParallel
+    DDP._set_params_and_buffers_to_ignore_for_model(model, [name for name, _ in experts])
+    return DDP(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+
+
+def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_size: int) -> torch.Tensor:
+    """clip_grad_norm_ by the norm of the whole model's gradient; returns that norm.
+
+    Under expert parallelism each rank holds other experts: their squares are summed over the world,
+    where world_size / ep_size ranks hold each expert with the same gradient."""
+    experts = {id(p): p for _, p in expert_parameters(model)}
+    if not experts:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    shared = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+    grads = [p.grad for p in experts.values() if p.grad is not None]  # a sliced expert's b2 lives in slice 0
+    expert_square = torch.nn.utils.get_total_norm(grads).square()
+    dist.all_reduce(expert_square)
+    replicas = procs.world_size // ep_size
+    norm = (torch.nn.utils.get_total_norm(shared).square() + expert_square / replicas).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
 def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int, window: Window) -> None:
-    """A collective: every rank hands over its data position, RNG states and metrics window; rank 0 writes."""
-    ranks = gather(procs, rank_state(procs, parts.data, window))
+    """A collective: the experts are gathered, every rank hands over its data position, RNG states,
+    metrics window and its experts' optimizer state; rank 0 writes."""
+    model_state = full_state_dict(parts.model)
+    ranks = gather(procs, rank_state(procs, parts, window))
     if procs.rank == 0:
-        state = {"step": step, "world_size": procs.world_size, "model": parts.model.state_dict(),
+        state = {"step": step, "world_size": procs.world_size, "model": model_state,
                  "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
                  "ranks": ranks, "config": dataclasses.asdict(cfg)}
         save_checkpoint(checkpoint_path(out_dir, step), state, cfg.train.keep_checkpoints)
 
 
-def restore(parts: Parts, procs: Processes, path: Path) -> Tuple[int, Window]:
+def restore(parts: Parts, procs: Processes, path: Path, ep_size: int) -> Tuple[int, Window]:
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state["world_size"] != procs.world_size:
         raise ValueError(f"train.resume={str(path)!r} is invalid: it was written by {state['world_size']} "
                          f"processes, this run has {procs.world_size}")
-    parts.model.load_state_dict(state["model"])
+    saved_ep_size = state["config"]["parallel"]["ep_size"]
+    if saved_ep_size != ep_size:
+        raise ValueError(f"train.resume={str(path)!r} is invalid: it was written with parallel.ep_size="
+                         f"{saved_ep_size}, this run has parallel.ep_size={ep_size}")
+    mine = state["ranks"][procs.rank]
+    load_full_state_dict(parts.model, state["model"])
+    state["optimizer"]["state"].update(mine.get("expert_optimizer", {}))  # rank 0 saved its own experts' state
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
-    mine = state["ranks"][procs.rank]
     parts.data.train.load_state_dict(mine["data"])
     torch.set_rng_state(mine["torch_rng"])
     random.setstate(mine["python_rng"])
@@ -438,14 +518,11 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     resume_path = resolve_resume(cfg.train.resume, out_dir) if cfg.train.resume else None
     parts = build(cfg, procs)
     model, optimizer, scheduler, data = parts.model, parts.optimizer, parts.scheduler, parts.data
-    step, window = restore(parts, procs, resume_path) if resume_path else (0, Window())
+    step, window = restore(parts, procs, resume_path, cfg.parallel.ep_size) if resume_path else (0, Window())
     if is_main and resume_path is None:
         for old in checkpoints(out_dir):  # a fresh run replaces an old run's checkpoints
             old.unlink()
-    wrapped = model
-    if procs.world_size > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+    wrapped = data_parallel(model, procs)
 
     log = None
     if is_main:
@@ -472,7 +549,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         optimizer.zero_grad(set_to_none=True)
         (lm_loss + router_loss).backward()
         if cfg.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size)
         optimizer.step()
         scheduler.step()
         window.add(lm_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
@@ -493,8 +570,9 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
             save(parts, procs, cfg, out_dir, step, window)
     bar.close()
 
-    hashes = gather(procs, parameter_hash(model))
-    routing = topic_routing(model, data.topics, procs.device)
+    experts = [name for name, _ in expert_parameters(model)]
+    hashes = gather(procs, (parameter_hash(model), parameter_hash(model, skip=experts)))
+    routing = topic_routing(model, data.topics, procs.device)  # every rank runs the same topic rows
     if not is_main:
         return {}
     log.close()
@@ -510,8 +588,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     return result
 
 
-def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes: List[str], seconds: float,
-            out_dir: Path) -> dict:
+def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes: List[Tuple[str, str]],
+            seconds: float, out_dir: Path) -> dict:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     train_records = [r for r in records if "loss" in r]
     return {"name": cfg.log.name, "out_dir": str(out_dir), "world_size": procs.world_size,
@@ -520,7 +598,8 @@ def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes
             "val_loss_first": val[0][1], "val_loss_last": val[-1][1],
             "loss_first": train_records[0]["loss"] if train_records else None,
             "loss_last": train_records[-1]["loss"] if train_records else None,
-            "param_sha256_per_rank": hashes}
+            "param_sha256_per_rank": [full for full, _ in hashes],
+            "shared_param_sha256_per_rank": [shared for _, shared in hashes]}
 
 
 # ---------------------------------------------------------------- command line
@@ -549,5 +628,9 @@ def main(args) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    train(cfg)
+    try:
+        train(cfg)
+    except ValueError as error:  # a user error found once the processes are known (ep_size, resume)
+        print(f"moe-plugin train: {error}", file=sys.stderr)
+        return 2
     return 0

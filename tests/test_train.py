@@ -1,4 +1,5 @@
-"""`moe-plugin train`: config loading and errors, learning, outputs, exact resume, two processes."""
+"""`moe-plugin train`: config loading and errors, learning, outputs, exact resume, two processes
+(data parallel, and expert parallel against one process on the global batch)."""
 import json
 import os
 import subprocess
@@ -7,11 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from moe_plugin import train
+from moe_plugin import aux_loss, train
 from moe_plugin.cli import main
+from moe_plugin.data import VOCAB_SIZE, make_data
+from moe_plugin.models import TransformerLM
+from moe_plugin.parallel.expert_grads import expert_layers
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+from launch import run_workers  # noqa: E402  (tests/distributed/launch.py)
+
 DEFAULT_YAML = ROOT / "configs" / "experiments" / "default.yaml"
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4", "train.eval_batches=2",
@@ -69,7 +77,8 @@ def test_unknown_key_in_a_yaml_file(tmp_path):
     ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' is invalid: no such file"),
     ("model.heads=3", "model.heads=3 is invalid: must be a divisor of model.dim=128"),
     ("train.stop_at=601", "train.stop_at=601 is invalid: must be null or between 1 and train.steps=600"),
-    ("parallel.ep_size=2", "parallel.ep_size=2 is invalid: must be 1 for now: moe-plugin train does not yet run"),
+    ("parallel.ep_size=3", "parallel.ep_size=3 is invalid: ep_size=3 cannot hold num_experts=8 with hidden_size=256: "
+                           "ep_size must divide num_experts, or be a multiple of it"),
     ("moe.top_k=9", "moe section: MoEConfig.top_k=9 is invalid"),
     ("moe.activation=tanh", "moe section: MoEConfig.activation='tanh' is invalid"),
 ])
@@ -82,6 +91,9 @@ def test_bad_values_name_the_key_and_value(override, expected):
 def test_command_line_reports_config_errors(capsys):
     assert main(["train", "train.stepz=3"]) == 2
     assert "unknown key 'train.stepz'" in capsys.readouterr().err
+    assert main(["train", *TINY, "parallel.ep_size=2"]) == 2
+    assert "parallel.ep_size=2 is invalid: must divide the number of processes, 1 (launch with torchrun" in \
+        capsys.readouterr().err
     assert main(["train", "a.yaml", "b.yaml"]) == 2
     assert main(["train", str(DEFAULT_YAML), "moe.num_experts=16", "--print-config"]) == 0
     assert "num_experts: 16" in capsys.readouterr().out
@@ -174,3 +186,113 @@ def test_two_processes_train_identical_replicas(tmp_path, fresh_seed):
     assert sum(records[-1]["tokens_per_expert"][0]) == 6 * 2 * (4 * 32) * 2  # steps x ranks x tokens x top-k
     ranks = torch.load(out / "checkpoints" / "step_000016.pt", weights_only=True)["ranks"]
     assert ranks[0]["data"]["rng"] != ranks[1]["data"]["rng"]  # each rank reads its own stream
+
+
+def expert_share(full, name, layout):
+    """The part of a one-process expert tensor that a rank holds; b2 is the first hidden slice's alone."""
+    part = full[layout.first_expert:layout.first_expert + layout.local_experts]
+    S, s = layout.slices, layout.slice_index
+    if S == 1:
+        return part
+    if name.endswith("b2_ED"):
+        return part if s == 0 else torch.zeros_like(part)
+    return part.chunk(S, dim=1 if name.endswith("w2_EHD") else -1)[s]
+
+
+def _expert_parallel_step(rank, world_size, seed, cases):
+    """One step of the trainer's model with parallel.ep_size=2 (its DDP wrapping, gradient clipping and
+    optimizer) against one process on the concatenated batch; relative errors by case and tensor."""
+    results = {}
+    for case, overrides in cases.items():
+        # dropless and no balance loss: the loss is then the same mean over tokens however they are split
+        common = [*TINY, "moe.capacity_factor=0", "moe.aux_loss_coef=0", f"train.seed={seed}",
+                  *overrides]
+        procs = train.Processes(rank, world_size, torch.device("cpu"), False)
+        parts = train.build(train.load_config(None, [*common, "parallel.ep_size=2"]), procs)
+        one = train.build(train.load_config(None, common), train.Processes(0, 1, torch.device("cpu"), False))
+        model, reference = parts.model.double(), one.model.double()
+        wrapped = train.data_parallel(model, procs)
+
+        generator = torch.Generator().manual_seed(seed)
+        x_WBS, y_WBS = torch.randint(0, VOCAB_SIZE, (2, world_size, 4, 32), generator=generator)
+        loss = F.cross_entropy(wrapped(x_WBS[rank]).flatten(0, 1), y_WBS[rank].flatten()) + aux_loss(model)
+        loss.backward()
+        loss = F.cross_entropy(reference(x_WBS.flatten(0, 1)).flatten(0, 1), y_WBS.flatten()) + aux_loss(reference)
+        loss.backward()
+
+        errors = {}
+        layouts = {prefix: layer.groups.layout for prefix, layer in expert_layers(model)}
+        references = dict(reference.named_parameters())
+        norm = train.clip_gradients(model, 0.05, procs, ep_size=2)
+        errors["norm"] = abs(float(norm / torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)) - 1)
+        for name, param in model.named_parameters():
+            want = references[name].grad
+            prefix = name.rpartition("experts.")[0]
+            if prefix in layouts:
+                want = expert_share(want, name, layouts[prefix])
+            got = torch.zeros_like(want) if param.grad is None else param.grad  # b2 unused outside slice 0
+            errors[f"grad {name}"] = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+        parts.optimizer.step()
+        one.optimizer.step()
+        full = train.full_state_dict(model)
+        for name, want in reference.state_dict().items():
+            errors[f"after step {name}"] = float((full[name] - want).abs().max() / want.abs().max().clamp(min=1e-30))
+        results[case] = errors
+    return results
+
+
+EP_CASES = {"2 experts per rank": [], "sliced expert": ["moe.num_experts=1", "moe.top_k=1"],
+            "sliced expert, r=2": ["moe.num_experts=1", "moe.top_k=1", "moe.parallel=2"]}
+
+
+@pytest.mark.timeout(150)
+def test_expert_parallel_step_matches_one_process_on_the_global_batch(fresh_seed):
+    """4 processes, 2 ep groups: shared gradients averaged by DDP, expert gradients summed over the 2
+    replicas and scaled by 1 / 4, the clipping norm over all experts, and the gathered checkpoint
+    state after an AdamW step."""
+    results = run_workers(_expert_parallel_step, 4, fresh_seed, EP_CASES, timeout=120)
+    for rank, by_case in enumerate(results):
+        for case, errors in by_case.items():
+            assert any(name.startswith("grad blocks.1.ffn.experts.") for name in errors)
+            worst = max(errors, key=errors.get)
+            assert errors[worst] < 1e-9, (rank, case, worst, errors[worst])
+
+
+def torchrun(out, *overrides, timeout=120):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "moe_plugin.cli", "train", *TINY, *overrides, f"log.out_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "result.json").read_text()), records
+
+
+@pytest.mark.timeout(240)
+def test_two_processes_expert_parallel_learn_and_resume_bit_exactly(tmp_path, fresh_seed):
+    common = ["parallel.ep_size=2", "train.steps=16", "train.eval_every=3", "train.checkpoint_every=4",
+              "log.every=2", "train.lr=0.01", "moe.gate_noise=0.5", "log.plots=false",
+              f"train.seed={fresh_seed}", f"data.seed={fresh_seed}"]
+    full, full_records = torchrun(tmp_path / "full", *common)
+    assert full["world_size"] == 2 and full["steps"] == 16
+    assert full["val_loss_last"] < full["val_loss_first"] - 0.5
+    shared, everything = full["shared_param_sha256_per_rank"], full["param_sha256_per_rank"]
+    assert shared[0] == shared[1] and everything[0] != everything[1]   # each rank holds its own experts
+    steps = full_records[-1]["step"] - full_records[-2]["step"]
+    assert sum(full_records[-1]["tokens_per_expert"][0]) == steps * 2 * (4 * 32) * 2  # both ranks' tokens, top-2
+
+    # the checkpoint holds every expert: one process loads it and gets the run's last validation loss
+    state = torch.load(tmp_path / "full" / "checkpoints" / "step_000016.pt", weights_only=True)
+    assert state["model"]["blocks.1.ffn.experts.w1_EDH"].shape[0] == 4
+    cfg = train.load_config(None, [*TINY, f"data.seed={fresh_seed}"])
+    model = TransformerLM(cfg.model, train.moe_config(cfg), VOCAB_SIZE)
+    model.load_state_dict(state["model"])
+    data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches)
+    assert train.evaluate(model, data.val, torch.device("cpu")) == pytest.approx(full["val_loss_last"], rel=1e-5)
+
+    torchrun(tmp_path / "split", *common, "train.stop_at=6")
+    resumed, split_records = torchrun(tmp_path / "split", *common, "train.resume=latest")
+    for key in ("loss", "aux_loss", "val_loss", "dropped_fraction", "tokens_per_expert", "lr"):
+        assert [r.get(key) for r in split_records] == [r.get(key) for r in full_records], key
+    assert resumed["param_sha256_per_rank"] == full["param_sha256_per_rank"]

@@ -3,32 +3,27 @@
 fairseq-fixed's LegacyDistributedDataParallel all-reduces the gradient of every parameter except
 those with an `expert` attribute, dividing the sum by the world size W; the trainer then multiplies
 every gradient by W / sample_size (sample_size summed over the ranks), so a shared gradient ends as
-(sum over all tokens) / sample_size. An expert's gradient is left alone by both, but it already
-holds the contributions of every token of its expert-parallel group (the all-to-all backward brings
-them back); ranks holding the same experts in other ep groups (layer.groups.expert_data_group, when
-W > ep_size) hold the rest. A gradient hook sums over those ranks and divides by W, so after the
-trainer's multiply an expert's gradient too is (sum over all tokens) / sample_size.
+(sum over all tokens) / sample_size. The expert parameters are marked and hooked by
+moe_plugin.parallel.expert_grads, which sums their gradients over the ranks holding the same
+experts and divides by W, so after the trainer's multiply an expert's gradient too is (sum over all
+tokens) / sample_size.
 
 With --moe-ep-size 1 every rank holds every expert: those are ordinary shared parameters.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.distributed as dist
 from fairseq.distributed import utils as distributed_utils
 from fairseq.utils import safe_getattr
 
-from moe_plugin import MoELayer
+from moe_plugin.parallel.expert_grads import expert_parameters, hook_expert_grads
 
 LEGACY_BACKENDS = ("legacy_ddp", "no_c10d")
 
 
 def prepare_expert_parameters(model: torch.nn.Module, args) -> int:
     """Mark and hook the expert parameters of the expert-parallel MoE layers; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
-    if not layers:
+    if not expert_parameters(model):
         return 0
     backend = safe_getattr(args, "ddp_backend", None)
     if backend is not None and backend not in LEGACY_BACKENDS:
@@ -42,20 +37,7 @@ def prepare_expert_parameters(model: torch.nn.Module, args) -> int:
                          f"--memory-efficient-fp16): fairseq's flattened fp32 copy of the parameters loses the "
                          f"expert marks, and the expert gradients would enter the gradient norm that fairseq "
                          f"requires to be equal on every rank")
-    world_size = distributed_utils.get_data_parallel_world_size()
-    count = 0
-    for layer in layers:
-        group = layer.groups.expert_data_group
-        replicas = None if group is None or dist.get_world_size(group) == 1 else group
-        for param in layer.experts.parameters():
-            param.expert = True
-            param.register_hook(functools.partial(_expert_grad, world_size, replicas))
-            count += 1
-    return count
-
-
-def _expert_grad(world_size: int, replicas, grad: torch.Tensor) -> torch.Tensor:
-    if replicas is not None:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=replicas)
-    return grad / world_size
+    hooked = hook_expert_grads(model, distributed_utils.get_data_parallel_world_size())
+    for _, param in hooked:
+        param.expert = True
+    return len(hooked)
