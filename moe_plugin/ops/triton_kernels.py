@@ -142,10 +142,8 @@ if triton is not None:
             taken += tl.sum(mine_A.to(tl.int64), 0)
 
     @triton.jit
-    def _scatter_rows_kernel(src_ptr, pos_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, D, K,
-                             HAS_SCALE: tl.constexpr, HAS_OTHER: tl.constexpr, ACC: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _token_choices(pos_ptr, scale_ptr, t, K, HAS_SCALE: tl.constexpr, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Token t's choices: their rows (-1 dropped), whether kept, and their scales (1 without scale_ptr)."""
         k_K = tl.arange(0, BLOCK_K)
         pos_K = tl.load(pos_ptr + t * K + k_K, mask=k_K < K, other=-1)
         kept_K = pos_K >= 0
@@ -153,6 +151,14 @@ if triton is not None:
             scale_K = tl.load(scale_ptr + t * K + k_K, mask=kept_K, other=0).to(ACC)
         else:
             scale_K = tl.full([BLOCK_K], 1, ACC)
+        return k_K, pos_K, kept_K, scale_K
+
+    @triton.jit
+    def _scatter_rows_kernel(src_ptr, pos_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, D, K,
+                             HAS_SCALE: tl.constexpr, HAS_OTHER: tl.constexpr, ACC: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k_K, pos_K, kept_K, scale_K = _token_choices(pos_ptr, scale_ptr, t, K, HAS_SCALE, ACC, BLOCK_K)
         dot_K = tl.zeros([BLOCK_K], ACC)
         for begin in range(0, D, BLOCK_D):
             d_D = begin + tl.arange(0, BLOCK_D)
@@ -172,13 +178,7 @@ if triton is not None:
                            HAS_SCALE: tl.constexpr, HAS_OTHER: tl.constexpr, ACC: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        k_K = tl.arange(0, BLOCK_K)
-        pos_K = tl.load(pos_ptr + t * K + k_K, mask=k_K < K, other=-1)
-        kept_K = pos_K >= 0
-        if HAS_SCALE:
-            scale_K = tl.load(scale_ptr + t * K + k_K, mask=kept_K, other=0).to(ACC)
-        else:
-            scale_K = tl.full([BLOCK_K], 1, ACC)
+        k_K, pos_K, kept_K, scale_K = _token_choices(pos_ptr, scale_ptr, t, K, HAS_SCALE, ACC, BLOCK_K)
         dot_K = tl.zeros([BLOCK_K], ACC)
         for begin in range(0, D, BLOCK_D):
             d_D = begin + tl.arange(0, BLOCK_D)
