@@ -90,11 +90,12 @@ class SyntheticBatches:
         return rows_BS1[:, :-1], rows_BS1[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate(), "pending": bytes(self.pending)}
+        # a uint8 tensor, not bytes: torch.load(weights_only=True) refuses an empty bytes object
+        return {"rng": self.rng.getstate(), "pending": torch.tensor(list(self.pending), dtype=torch.uint8)}
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.setstate(state["rng"])
-        self.pending = bytearray(state["pending"])
+        self.pending = bytearray(state["pending"].tolist())
 
 
 class WindowBatches:
