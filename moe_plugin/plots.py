@@ -85,5 +85,6 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
             for topic, loads in routing.items():
                 load = loads[layer]
                 lines.append(f"  {topic:<{width}} " + " ".join(f"{_percent(n, load):3.0f}" for n in load))
-    lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, loss.png, expert_load.png, checkpoints/")
+    pictures = "loss.png, expert_load.png, " if result.get("plots", True) else ""
+    lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, {pictures}checkpoints/")
     return "\n".join(lines) + "\n"

@@ -434,13 +434,20 @@ class Parts:
     data: Data
 
 
+def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """Weight decay on the weight matrices only: not on norms, biases, nor the experts' stacked
+    biases ([E, H], [E, D]: 2-D, but biases)."""
+    def is_matrix(name: str, param: torch.nn.Parameter) -> bool:
+        return param.dim() >= 2 and not name.endswith(("b1_EH", "b2_ED"))
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if is_matrix(n, p)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if not is_matrix(n, p)], "weight_decay": 0.0}]
+
+
 def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
     model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.train.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.train.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg.train, step))
     data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches,
                      procs.rank, procs.world_size)
@@ -592,7 +599,7 @@ def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes
             seconds: float, out_dir: Path) -> dict:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     train_records = [r for r in records if "loss" in r]
-    return {"name": cfg.log.name, "out_dir": str(out_dir), "world_size": procs.world_size,
+    return {"name": cfg.log.name, "out_dir": str(out_dir), "plots": cfg.log.plots, "world_size": procs.world_size,
             "steps": records[-1]["step"], "seconds": seconds,
             "tokens": records[-1]["step"] * cfg.train.batch_size * cfg.model.seq_len * procs.world_size,
             "val_loss_first": val[0][1], "val_loss_last": val[-1][1],

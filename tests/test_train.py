@@ -296,3 +296,23 @@ def test_two_processes_expert_parallel_learn_and_resume_bit_exactly(tmp_path, fr
     for key in ("loss", "aux_loss", "val_loss", "dropped_fraction", "tokens_per_expert", "lr"):
         assert [r.get(key) for r in split_records] == [r.get(key) for r in full_records], key
     assert resumed["param_sha256_per_rank"] == full["param_sha256_per_rank"]
+
+
+def test_weight_decay_falls_on_weight_matrices_only():
+    cfg = train.load_config(None, ["moe.bias=true"])
+    model = TransformerLM(cfg.model, train.moe_config(cfg), VOCAB_SIZE)
+    decay, no_decay = train.param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    spared = {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decayed | spared == set(names.values()) and not decayed & spared
+    assert any(n.endswith("experts.w1_EDH") for n in decayed) and any(n.endswith("experts.w2_EHD") for n in decayed)
+    assert any(n.endswith("experts.b1_EH") for n in spared) and any(n.endswith("experts.b2_ED") for n in spared)
+    assert all(model.get_parameter(n).dim() >= 2 for n in decayed)
+
+
+def test_summary_lists_plots_only_when_drawn(tmp_path, fresh_seed):
+    run(tmp_path, "train.steps=2", "train.eval_every=2", "log.every=1", "log.progress=false", "log.plots=false")
+    summary = (tmp_path / "run" / "summary.txt").read_text()
+    assert "loss.png" not in summary and not (tmp_path / "run" / "loss.png").exists()
