@@ -12,7 +12,6 @@ from typing import Optional, Tuple
 import torch
 
 
-
 def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_start_E: torch.Tensor,
                 capacity: int, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Give each choice its slot in its expert, visiting choices choice-major (all first choices, then
@@ -44,10 +43,7 @@ def scatter_rows(src_TD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[
     """out_RD[pos_TK[t, k]] = scale_TK[t, k] * src_TD[t] (scale 1 when None);
     dot_TK[t, k] = <src_TD[t], other_RD[pos_TK[t, k]]>, 0 for dropped choices ([0] when other_RD is None).
     """
-    kept_TK = pos_TK >= 0
-    token_R = torch.empty(num_rows, dtype=torch.long, device=pos_TK.device)
-    token_R[pos_TK[kept_TK]] = torch.nonzero(kept_TK)[:, 0]
-    rows_RD = src_TD.index_select(0, token_R)
+    rows_RD = src_TD.index_select(0, tokens_of_rows(pos_TK, num_rows))
     dot_TK = src_TD.new_empty(0)
     if other_RD is not None:
         dot_TK = rows_to_choices(row_dot(rows_RD, other_RD), pos_TK)
@@ -68,10 +64,17 @@ def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[to
     out_TD = combine_rows(src_RD, weight_TK, pos_TK)
     dot_TK = src_RD.new_empty(0)
     if other_TD is not None:
-        token_R = torch.empty(src_RD.shape[0], dtype=torch.long, device=pos_TK.device)
-        token_R[pos_TK[kept_TK]] = torch.nonzero(kept_TK)[:, 0]
+        token_R = tokens_of_rows(pos_TK, src_RD.shape[0])
         dot_TK = rows_to_choices(row_dot(other_TD.index_select(0, token_R), src_RD), pos_TK)
     return out_TD, dot_TK
+
+
+def tokens_of_rows(pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """token_R[pos_TK[t, k]] = t for every kept choice."""
+    kept_TK = pos_TK >= 0
+    token_R = torch.empty(num_rows, dtype=torch.long, device=pos_TK.device)
+    token_R[pos_TK[kept_TK]] = torch.nonzero(kept_TK)[:, 0]
+    return token_R
 
 
 def choices_to_rows(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
