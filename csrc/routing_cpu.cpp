@@ -163,18 +163,15 @@ std::tuple<Tensor, Tensor> route_slots(const Tensor& expert_TK_in, const std::op
   const int64_t num_chunks = A == 0 ? 0 : (A + chunk - 1) / chunk;
   std::vector<int64_t> count_PE(num_chunks * E, 0);
   std::atomic<bool> bad_expert{false};
-  auto expert_of = [&](int64_t a, int64_t* token_out) {
-    const int64_t k = a / T, i = a % T;
-    const int64_t t = order ? order[i] : i;
-    *token_out = t;
-    return std::make_pair(expert[t * K + k], t * K + k);
+  auto token_of = [&](int64_t a) {  // choice a is token_of(a)'s choice k = a / T
+    const int64_t i = a % T;
+    return order ? order[i] : i;
   };
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       int64_t* count_E = count_PE.data() + p * E;
       for (int64_t a = p * chunk; a < std::min(A, (p + 1) * chunk); ++a) {
-        int64_t t;
-        const int64_t e = expert_of(a, &t).first;
+        const int64_t e = expert[token_of(a) * K + a / T];
         if (e < 0 || e >= E) { bad_expert = true; continue; }
         ++count_E[e];
       }
@@ -194,8 +191,7 @@ std::tuple<Tensor, Tensor> route_slots(const Tensor& expert_TK_in, const std::op
     for (int64_t p = begin; p < end; ++p) {
       int64_t* slot_E = count_PE.data() + p * E;
       for (int64_t a = p * chunk; a < std::min(A, (p + 1) * chunk); ++a) {
-        int64_t t;
-        const auto [e, choice] = expert_of(a, &t);
+        const int64_t t = token_of(a), choice = t * K + a / T, e = expert[choice];
         const int64_t slot = slot_E[e]++;
         if (slot < capacity) {
           const int64_t row = row_start[e] + slot;
@@ -210,6 +206,16 @@ std::tuple<Tensor, Tensor> route_slots(const Tensor& expert_TK_in, const std::op
   });
   TORCH_CHECK(!bad_row, "row_start_E and capacity place a row outside [0, num_rows=", num_rows, ")");
   return {pos_TK, token_R};
+}
+
+// <a_D, b_D>, accumulated in the op math type (fp32 for the half types)
+template <typename scalar_t>
+at::opmath_type<scalar_t> row_dot(const scalar_t* __restrict__ a_D, const scalar_t* __restrict__ b_D, int64_t D) {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < D; ++d) sum += acc_t(a_D[d]) * acc_t(b_D[d]);
+  return sum;
 }
 
 template <typename scalar_t>
@@ -243,13 +249,7 @@ bool scatter_rows_kernel(const Tensor& src_TD, const Tensor& pos_TK, const Tenso
         } else {
           std::copy(src_D, src_D + D, out_D);
         }
-        if (dot) {
-          const scalar_t* __restrict__ other_D = other + r * D;
-          acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t d = 0; d < D; ++d) sum += acc_t(src_D[d]) * acc_t(other_D[d]);
-          dot[t * K + k] = scalar_t(sum);
-        }
+        if (dot) dot[t * K + k] = scalar_t(row_dot(src_D, other + r * D, D));
       }
     }
   });
@@ -292,12 +292,7 @@ bool gather_sum_kernel(const Tensor& src_RD, const Tensor& pos_TK, const Tensor*
           for (int64_t d = 0; d < D; ++d) acc_D[d] += s * acc_t(src_D[d]);
         }
         first = false;
-        if (dot) {
-          acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t d = 0; d < D; ++d) sum += acc_t(other_D[d]) * acc_t(src_D[d]);
-          dot[t * K + k] = scalar_t(sum);
-        }
+        if (dot) dot[t * K + k] = scalar_t(row_dot(other_D, src_D, D));
       }
       if (first) std::fill(acc_D, acc_D + D, acc_t(0));
       if constexpr (!kSameType) {
