@@ -10,6 +10,7 @@ import torch
 
 from moe_plugin import ops
 from moe_plugin.ops import native, torch_ops
+from moe_testing import random_slots
 
 CASES = [  # tokens, top_k, experts, dim, capacity
     (37, 3, 5, 11, 4),       # odd sizes, most choices dropped
@@ -35,18 +36,6 @@ def kernels():
     module.poison_outputs(False)
 
 
-def random_routes(T, K, E):
-    if T == 0:
-        return torch.empty(0, K, dtype=torch.long)
-    return torch.rand(T, E).argsort(dim=1)[:, :K]     # distinct experts per token, as top-k gives
-
-
-def slot_inputs(T, K, E, capacity):
-    expert_TK = random_routes(T, K, E)
-    kept_E = torch.bincount(expert_TK.reshape(-1), minlength=E).clamp(max=capacity)
-    return expert_TK, kept_E.cumsum(0) - kept_E, int(kept_E.sum())
-
-
 def assert_close(actual, expected, tol):
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert not actual.isnan().any(), "an element was never written"
@@ -57,7 +46,7 @@ def assert_close(actual, expected, tol):
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_route_slots_match_the_reference(kernels, case, prioritized):
     T, K, E, _, capacity = case
-    expert_TK, row_start_E, num_rows = slot_inputs(T, K, E, capacity)
+    expert_TK, row_start_E, num_rows = random_slots(T, E, K, capacity)
     order_T = torch.randperm(T) if prioritized else None
     pos_TK, token_R = kernels.route_slots(expert_TK, order_T, row_start_E, capacity, num_rows)
     ref_pos_TK, ref_token_R = torch_ops.route_slots(expert_TK, order_T, row_start_E, capacity, num_rows)
@@ -75,7 +64,7 @@ def upcast(tensor):
 @pytest.mark.parametrize("with_dot", [False, True])
 def test_scatter_rows_and_gather_sum_match_the_reference(kernels, case, dtype, scaled, with_dot):
     T, K, E, D, capacity = case
-    expert_TK, row_start_E, R = slot_inputs(T, K, E, capacity)
+    expert_TK, row_start_E, R = random_slots(T, E, K, capacity)
     pos_TK, _ = torch_ops.route_slots(expert_TK, None, row_start_E, capacity, R)
     x_TD, y_RD = torch.randn(T, D).to(dtype), torch.randn(R, D).to(dtype)
     scale_TK = torch.rand(T, K).to(dtype) if scaled else None
@@ -125,7 +114,7 @@ def test_pool_reuses_large_blocks_and_can_be_turned_off(kernels):
 def test_custom_ops_pass_opcheck(kernels, dtype):
     """Schemas, fake (meta) implementations and autograd registrations are consistent."""
     T, K, E, D, capacity = 23, 3, 5, 7, 5
-    expert_TK, row_start_E, R = slot_inputs(T, K, E, capacity)
+    expert_TK, row_start_E, R = random_slots(T, E, K, capacity)
     pos_TK, _ = ops.route_slots(expert_TK, None, row_start_E, capacity, R)
     x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
     y_RD = torch.randn(R, D, dtype=dtype, requires_grad=True)
@@ -139,7 +128,7 @@ def test_custom_ops_pass_opcheck(kernels, dtype):
 
 def test_custom_op_gradients_pass_gradcheck(kernels):
     T, K, E, D, capacity = 19, 3, 4, 5, 9
-    expert_TK, row_start_E, R = slot_inputs(T, K, E, capacity)
+    expert_TK, row_start_E, R = random_slots(T, E, K, capacity)
     pos_TK, _ = ops.route_slots(expert_TK, None, row_start_E, capacity, R)
     x_TD = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
     gate_TK = torch.rand(T, K, dtype=torch.float64, requires_grad=True)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moe_plugin.ops import torch_ops
+from moe_testing import random_slots
 
 try:
     import triton
@@ -69,11 +70,9 @@ def test_interpreter_run():
 
 def random_routing(T, E, K, capacity, prioritized, device):
     """Distinct experts per token, as top-k gives; rows packed by expert as the dispatcher packs them."""
-    expert_TK = torch.rand(T, E).topk(K, dim=1).indices
-    kept_E = torch.bincount(expert_TK.reshape(-1), minlength=E).clamp(max=capacity)
-    row_start_E = kept_E.cumsum(0) - kept_E
+    expert_TK, row_start_E, num_rows = random_slots(T, E, K, capacity)
     order_T = torch.randperm(T).to(device) if prioritized else None
-    return expert_TK.to(device), order_T, row_start_E.to(device), int(kept_E.sum())
+    return expert_TK.to(device), order_T, row_start_E.to(device), num_rows
 
 
 def random_pos(T, E, K, capacity, device):
