@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 DEEPSPEED = ["deepspeed==0.19.8"]
 FAIRSEQ = ["fairseq-fixed==0.12.3.1"]
@@ -14,8 +14,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["moe_plugin", "moe_plugin.baselines", "moe_plugin.parallel", "moe_plugin.models",
-              "moe_plugin.integrations", "moe_plugin.integrations.fairseq_moe"],
+    # every package under moe_plugin/, plus the adapters in integrations/ (installed as moe_plugin.integrations)
+    packages=find_packages(include=["moe_plugin", "moe_plugin.*"])
+    + ["moe_plugin.integrations", "moe_plugin.integrations.fairseq_moe"],
     package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"]},
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
