@@ -1,0 +1,19 @@
+"""Hugging Face MoE models on moe_plugin's layer (extra `transformers`; transformers 5.23).
+
+    swap_moe_blocks(model, **overrides) -> model   every sparse-MoE block -> HFMoEBlock on an MoELayer
+    export_hf(model, directory)                    an HF folder that AutoModelForCausalLM loads
+    FAMILIES, family_of(model)                     the family table (families.py)
+    hf_to_layer / layer_to_hf                      the weight mappings, both ways
+"""
+from .torchaudio_guard import hide_unloadable_torchaudio
+
+hide_unloadable_torchaudio()   # before any transformers model module is imported (see the module)
+
+from .block import HFMoEBlock, RouterLogits, block_type  # noqa: E402
+from .export import export_hf, hf_state_dict  # noqa: E402
+from .families import FAMILIES, Family, WeightMap, family_of, hf_to_layer, layer_to_hf, require_family  # noqa: E402
+from .swap import moe_config, swap_moe_blocks  # noqa: E402
+
+__all__ = ["swap_moe_blocks", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock", "RouterLogits",
+           "block_type", "FAMILIES", "Family", "WeightMap", "family_of", "require_family", "hf_to_layer",
+           "layer_to_hf", "hide_unloadable_torchaudio"]

@@ -1,0 +1,80 @@
+"""The module that replaces an HF sparse-MoE block: the family's forward signature on an MoELayer.
+
+Legend: B batch, L sequence length, T tokens (B*L), D model dim, E experts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from moe_plugin import MoELayer
+
+
+class RouterLogits(nn.Module):
+    """Hands the router logits to HF's output recorder, which hooks the family's router class.
+
+    transformers 5 records `router_logits` with a forward hook on every instance of the class its
+    model names in `_can_record_outputs` (OutputRecorder(<Family>TopKRouter, index=0)), taking
+    output[index]. The block makes this module an instance of that class (see router_logits_class),
+    so output_router_logits=True and the HF aux loss see our logits. It holds no tensors.
+    """
+
+    index = 0
+
+    def __init__(self):
+        nn.Module.__init__(self)   # not the HF router's __init__: no weights of its own
+
+    def forward(self, logits_TE: torch.Tensor):
+        out = [None] * (self.index + 1)
+        out[self.index] = logits_TE
+        return tuple(out)
+
+
+def router_logits_class(model_class: type) -> Optional[type]:
+    """A RouterLogits subclass that is also the class HF records router logits from, or None."""
+    spec = getattr(model_class, "_can_record_outputs", None) or {}
+    spec = spec.get("router_logits")
+    if spec is None:
+        return None
+    target, index = (spec, 1) if isinstance(spec, type) else (spec.target_class, spec.index)
+    return type(f"MoEPlugin{target.__name__}", (RouterLogits, target), {"index": index})
+
+
+class HFMoEBlock(nn.Module):
+    """forward(hidden_states [B, L, D]) -> [B, L, D], as the HF block it replaces.
+
+    .moe is the MoELayer; .router_logits (when the model records them) exposes its logits to HF.
+    """
+
+    def __init__(self, moe: MoELayer, family: str, router_logits: Optional[RouterLogits] = None,
+                 jitter_noise: float = 0.0):
+        super().__init__()
+        self.moe = moe
+        self.family = family
+        self.router_logits = router_logits
+        self.jitter_noise = jitter_noise
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.training and self.jitter_noise > 0:   # Mixtral's router_jitter_noise, as HF applies it
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        if self.router_logits is not None and self.router_logits._forward_hooks and _recording_router_logits():
+            self.router_logits(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
+        return self.moe(hidden_states)
+
+    def extra_repr(self) -> str:
+        return f"family={self.family!r}"
+
+
+def _recording_router_logits() -> bool:
+    """Whether the HF forward running now collects router logits (skip the logits otherwise)."""
+    from transformers.utils.output_capturing import _active_collector
+    collected = _active_collector.get()
+    return collected is not None and "router_logits" in collected
+
+
+def block_type() -> type:
+    """The class swap_moe_blocks instantiates: the one place to change it (e.g. a DeepSpeed MoE mix-in)."""
+    return HFMoEBlock

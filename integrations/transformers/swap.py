@@ -1,0 +1,82 @@
+"""swap_moe_blocks: every sparse-MoE block of a supported HF model becomes an HFMoEBlock on an MoELayer."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from moe_plugin import MoEConfig, MoELayer
+
+from .block import block_type, router_logits_class
+from .families import Family, hf_to_layer, require_family
+
+# fields the HF weights fix: an override may not contradict them
+FIXED_BY_WEIGHTS = ("model_dim", "hidden_size", "num_experts", "activation", "bias", "shared_hidden_size",
+                    "shared_gate")
+
+
+def moe_config(model: nn.Module, **overrides) -> MoEConfig:
+    """The MoEConfig that computes what the model's HF blocks compute, with overrides applied."""
+    family = require_family(model)
+    base = family.moe_config(model.config)
+    for key in FIXED_BY_WEIGHTS:
+        if key in overrides and key in base and overrides[key] != base[key]:
+            raise ValueError(f"swap_moe_blocks: {key}={overrides[key]!r} contradicts the {family.model_type} "
+                             f"config ({key}={base[key]!r}, fixed by the HF weights)")
+    return MoEConfig(**{**base, **overrides})
+
+
+def swap_moe_blocks(model: nn.Module, ep_group=None, **overrides: Any) -> nn.Module:
+    """Replace, in place, every sparse-MoE block of model with an HFMoEBlock computing the same thing.
+
+    overrides: any MoEConfig field (ep_size, capacity_factor, parallel, overlap_degree, a2a, ...).
+    ep_group: a host framework's expert-parallel process group (default: built from the world).
+    Under expert parallelism every rank must call this (it builds process groups); each keeps its
+    share of the experts. Returns model.
+    """
+    family = require_family(model)
+    config = moe_config(model, **overrides)
+    block_class = family.block_class()
+    blocks = [(name, module) for name, module in model.named_modules() if isinstance(module, block_class)]
+    if not blocks:
+        raise ValueError(f"swap_moe_blocks: the {family.model_type} model has no {family.block} "
+                         f"(already swapped, or no MoE layer in this config)")
+    tap_class = router_logits_class(type(model))
+    for name, hf_block in blocks:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new_block(family, config, hf_block, model.config, tap_class,
+                                                            ep_group))
+    _hook_new_router_logits(model)
+    return model
+
+
+def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config, tap_class, ep_group=None):
+    """An HFMoEBlock holding hf_block's weights (this rank's share under expert parallelism)."""
+    state = hf_block.state_dict()
+    reference = state[family.weights[1].hf[0]]           # the routed experts' dtype and device
+    layer = MoELayer(config, ep_group=ep_group)
+    layer.load_full_state_dict(_with_layer_extras(layer, hf_to_layer(family, state)))
+    layer.to(device=reference.device)
+    for param in layer.parameters():
+        param.data = param.data.to(reference.dtype)
+    block = block_type()(layer, family.model_type, tap_class() if tap_class else None, family.jitter_noise(hf_config))
+    return block.train(hf_block.training)
+
+
+def _with_layer_extras(layer: MoELayer, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Entries of the layer's state that no HF tensor maps to (none today) keep the layer's own values."""
+    own = {k: v for k, v in layer.state_dict().items() if not k.startswith("experts.")}
+    return {**own, **state}
+
+
+def _hook_new_router_logits(model: nn.Module) -> None:
+    """HF hooks its output recorders once, on the first forward that records: if that already
+    happened, hook the new blocks' router logits the same way."""
+    from transformers.utils.output_capturing import install_output_capuring_hook
+    from .block import RouterLogits
+    if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules()):
+        return
+    for module in model.modules():
+        if isinstance(module, RouterLogits) and not module._forward_hooks:
+            install_output_capuring_hook(module, "router_logits", module.index)
