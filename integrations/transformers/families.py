@@ -90,8 +90,12 @@ def _mixtral(c):
     return _common(c, c.intermediate_size, c.num_local_experts, True)
 
 
-def _qwen3_olmoe(c):
+def _qwen3_moe(c):
     return _common(c, c.moe_intermediate_size, c.num_experts, c.norm_topk_prob)
+
+
+def _olmoe(c):
+    return _common(c, c.intermediate_size, c.num_experts, c.norm_topk_prob)
 
 
 def _qwen2_moe(c):
@@ -111,9 +115,9 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
            routed_experts(), jitter_noise=lambda c: float(c.router_jitter_noise)),
     Family("qwen2_moe", "transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", _qwen2_moe,
            routed_experts() + shared_mlp("shared_expert") + (same("shared.gate_D", "shared_expert_gate.weight"),)),
-    Family("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_olmoe,
+    Family("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_moe,
            routed_experts()),
-    Family("olmoe", "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", _qwen3_olmoe,
+    Family("olmoe", "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", _olmoe,
            routed_experts()),
     Family("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", _deepseek_v3,
            routed_experts() + shared_mlp("shared_experts")
