@@ -22,12 +22,6 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attenti
               max_position_embeddings=64, num_experts_per_tok=3, hidden_act="silu")
 
 
-def _needs_routing_fields():
-    """qwen2_moe and deepseek_v3 need issue 11's MoEConfig fields (shared expert, groups, bias)."""
-    from moe_plugin.config import field_names
-    return not {"shared_hidden_size", "num_groups", "route_scale"} <= set(field_names())
-
-
 SPECIFIC = {
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, intermediate_size=28, num_local_experts=6)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, intermediate_size=36, moe_intermediate_size=28,
@@ -52,13 +46,6 @@ def family_config(family: str, **extra):
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
-
-
-def family_params():
-    marks = {f: [pytest.mark.skipif(_needs_routing_fields() if transformers_available else False,
-                                    reason="needs the MoEConfig fields of issue 11 (shared expert, groups, bias)")]
-             for f in ("qwen2_moe", "deepseek_v3")}
-    return [pytest.param(f, marks=marks.get(f, [])) for f in FAMILIES]
 
 
 def build_model(family: str, seed: int, dtype=torch.float32, experts_implementation=None, **extra):

@@ -4,14 +4,14 @@ import math
 import pytest
 import torch
 
-from hf_helpers import (FAMILIES, assert_close_rel, build_model, family_config, family_params, forward_backward,
+from hf_helpers import (FAMILIES, assert_close_rel, build_model, family_config, forward_backward,
                         hf_moe, hf_named_grads, needs_transformers, swapped_copy, tokens, transformers)
 
 pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_swapped_model_matches_hf_logits_loss_and_every_gradient(family, fresh_seed):
     model = build_model(family, fresh_seed)
     swapped = swapped_copy(model)
@@ -34,7 +34,7 @@ def test_swapped_model_matches_hf_logits_loss_and_every_gradient(family, fresh_s
         assert_close_rel(grads[name], grad, TOL, f"grad of {name}")
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_router_logits_are_recorded_when_the_model_was_hooked_before_the_swap(family, fresh_seed):
     model = build_model(family, fresh_seed)
     ids = tokens(fresh_seed + 1)
@@ -74,7 +74,7 @@ def test_mixtral_jitter_noise_is_applied_in_training_only(fresh_seed):
     assert not torch.equal(first, swapped(ids).logits)
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_state_dict_save_and_load_round_trip(family, fresh_seed, tmp_path):
     swapped = swapped_copy(build_model(family, fresh_seed))
     ids = tokens(fresh_seed + 1)
@@ -90,7 +90,7 @@ def test_state_dict_save_and_load_round_trip(family, fresh_seed, tmp_path):
         assert torch.equal(other(ids).logits, swapped(ids).logits)
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_export_hf_round_trip_gives_the_same_logits(family, fresh_seed, tmp_path):
     swapped = swapped_copy(build_model(family, fresh_seed))
     ids = tokens(fresh_seed + 1)
@@ -152,7 +152,7 @@ def test_capacity_override_drops_tokens_as_configured(capacity_factor, fresh_see
     assert_close_rel(actual, expected, TOL, "output with drops")
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_moe_config_follows_the_hf_config(family):
     config = family_config(family)
     model = transformers.AutoModelForCausalLM.from_config(config)
