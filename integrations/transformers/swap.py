@@ -9,17 +9,17 @@ from torch import nn
 from moe_plugin import MoEConfig, MoELayer
 
 from .block import block_type, router_logits_class
-from .families import Family, hf_to_layer, require_family
+from .families import Family, hf_config_of, hf_to_layer, require_family
 
 # fields the HF weights fix: an override may not contradict them
 FIXED_BY_WEIGHTS = ("model_dim", "hidden_size", "num_experts", "activation", "bias", "shared_hidden_size",
                     "shared_gate")
 
 
-def moe_config(model: nn.Module, **overrides) -> MoEConfig:
-    """The MoEConfig that computes what the model's HF blocks compute, with overrides applied."""
-    family = require_family(model)
-    base = family.moe_config(model.config)
+def moe_config(model_or_config, **overrides) -> MoEConfig:
+    """The MoEConfig that computes what an HF model's (or config's) blocks compute, with overrides applied."""
+    family = require_family(model_or_config)
+    base = family.moe_config(hf_config_of(model_or_config))
     for key in FIXED_BY_WEIGHTS:
         if key in overrides and key in base and overrides[key] != base[key]:
             raise ValueError(f"swap_moe_blocks: {key}={overrides[key]!r} contradicts the {family.model_type} "

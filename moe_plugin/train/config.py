@@ -60,6 +60,8 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # an HF config (model_type and its fields): train that Hugging Face MoE architecture (hf_model.py)
+    hf: Optional[Dict[str, Any]] = None
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -144,7 +146,11 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
     check_data_config(cfg.data)
-    moe = moe_config(cfg)
+    if cfg.hf is not None:
+        from .hf_model import hf_moe_config   # imports transformers
+        moe = hf_moe_config(cfg)
+    else:
+        moe = moe_config(cfg)
     try:
         check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
     except ValueError as error:

@@ -43,7 +43,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 
 def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
-    model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
+    if cfg.hf is not None:
+        from .hf_model import build_hf_model   # imports transformers
+        model = build_hf_model(cfg).to(procs.device)
+    else:
+        model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg.train, step))
     data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches,
