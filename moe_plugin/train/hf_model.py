@@ -104,5 +104,7 @@ def build_hf_model(cfg) -> HFCausalLM:
     import transformers
     config = hf_config(cfg)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    _integration().swap_moe_blocks(model, **swap_overrides(cfg, config))
+    hf_moe = _integration()
+    # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
+    hf_moe.swap_moe_blocks(model, block_class=hf_moe.HFMoEBlock, **swap_overrides(cfg, config))
     return HFCausalLM(model)
