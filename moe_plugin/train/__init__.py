@@ -2,7 +2,8 @@
 
 Legend: B batch rows per rank, S sequence length, V vocabulary.
 
-A config has the sections model, moe, data, train, parallel and log. The defaults in config.py are the
+A config has the sections model, moe, data, train, parallel and log, and optionally hf (an HF MoE
+architecture as the model: hf_model.py). The defaults in config.py are the
 default experiment (configs/experiments/default.yaml spells them out; a test keeps them equal).
 A run writes to log.out_dir: metrics.jsonl, summary.txt, result.json, loss.png, expert_load.png
 and checkpoints/step_NNNNNN.pt. Under torchrun every rank trains on its own data shard
