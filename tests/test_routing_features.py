@@ -175,3 +175,22 @@ def test_new_modules_build_on_meta_and_reset(module, config):
             assert torch.equal(tensor, torch.zeros(6))
         else:
             assert 0 < tensor.abs().max() <= 0.5 or name == "log_scale", name   # uniform within 1/sqrt(fan_in >= 4)
+
+
+def test_seq_aux_loss_of_ragged_sequences_written_out():
+    E, K, T = 6, 3, 23
+    probs_TE = torch.softmax(torch.randn(T, E, dtype=torch.float64), -1)
+    expert_TK = torch.rand(T, E).topk(K, dim=1).indices
+    sequence_T = torch.tensor([0] * 5 + [4] * 11 + [2] * 7)   # sequences 1 and 3 are empty (all padding)
+    total = 0.0
+    for n in (0, 4, 2):
+        rows = [t for t in range(T) if int(sequence_T[t]) == n]
+        for e in range(E):
+            mean_score = sum(float(probs_TE[t, e]) for t in rows) / len(rows)
+            fraction = sum(int(expert_TK[t, k]) == e for t in rows for k in range(K)) / (len(rows) * K)
+            total += E * mean_score * fraction
+    got = balance_loss("seq", probs_TE, expert_TK, E, sequence_T=sequence_T)
+    assert float(got) == pytest.approx(total / 3, rel=1e-12)
+    equal = torch.arange(T - 2) // 7
+    assert float(balance_loss("seq", probs_TE[:21], expert_TK[:21], E, sequence_T=equal)) == pytest.approx(
+        float(balance_loss("seq", probs_TE[:21], expert_TK[:21], E, seq_len=7)), rel=1e-12)
