@@ -197,14 +197,18 @@ def metadata(path: Path):
 
 
 def check_sizes(state: Dict[str, Any], meta, path: Path) -> None:
-    """ValueError naming the first tensors the checkpoint lacks or holds in another size."""
+    """ValueError naming the first tensors the checkpoint lacks, holds in another size, or holds beyond the model."""
     saved = meta.state_dict_metadata
     missing = [k for k in state if k not in saved]
     wrong = [f"{k} {tuple(saved[k].size)} (this run: {tuple(v.size())})" for k, v in state.items()
              if k in saved and hasattr(saved[k], "size") and hasattr(v, "size") and saved[k].size != v.size()]
-    if missing or wrong:
-        problems = ([f"it lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"] if missing else []) + \
-                   ([f"it holds {', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}"] if wrong else [])
+    extra = [k for k in saved if k.startswith(("model.", "optimizer.")) and k not in state]
+
+    def some(keys):
+        return ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
+    problems = ([f"it lacks {some(missing)}"] if missing else []) + ([f"it holds {some(wrong)}"] if wrong else []) + \
+               ([f"it holds {some(extra)}, which this model does not have"] if extra else [])
+    if problems:
         raise ValueError(f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)} "
                          f"(it was written for another model or moe config)")
 
