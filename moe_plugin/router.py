@@ -29,16 +29,26 @@ class Router(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
-        bound = 1.0 / math.sqrt(config.model_dim)
-        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.model_dim).uniform_(-bound, bound))
+        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.model_dim))
         if config.router == "cosine":
-            self.log_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+            self.log_scale = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.config.model_dim)
+        with torch.no_grad():
+            self.weight_ED.uniform_(-bound, bound)
+            if self.config.router == "cosine":
+                self.log_scale.fill_(math.log(10.0))
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        weight_ED = self.weight_ED
-        if self.config.fp32_router:
+        if self.config.fp32_router:    # in fp32 under autocast too: routes must not flip with rounding
             dtype = torch.promote_types(x_TD.dtype, torch.float32)
-            x_TD, weight_ED = x_TD.to(dtype), weight_ED.to(dtype)
+            with torch.autocast(x_TD.device.type, enabled=False):
+                return self._logits(x_TD.to(dtype), self.weight_ED.to(dtype))
+        return self._logits(x_TD, self.weight_ED)
+
+    def _logits(self, x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
         if self.config.router == "cosine":
             scale = self.log_scale.clamp(max=math.log(COSINE_MAX_SCALE)).exp()
             return F.normalize(x_TD, dim=-1) @ F.normalize(weight_ED, dim=-1).t() * scale.to(x_TD.dtype)
