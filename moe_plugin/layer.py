@@ -17,7 +17,7 @@ from .fused import fused_moe
 from .parallel.expert_parallel import expert_parallel_moe
 from .parallel.groups import build_groups
 from .parallel.tuner import Tuner
-from .router import Router, finalize_gates
+from .router import Router, autocast_off, autocast_on, finalize_gates
 
 
 class MoELayer(nn.Module):
@@ -123,7 +123,7 @@ class MoELayer(nn.Module):
         gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
 
         x_TD, gate_TK, experts = x_TD.to(dtype), gate_TK.to(dtype), _cast_experts(self.experts, dtype)
-        with torch.autocast(x.device.type, enabled=False):   # everything below runs in dtype already
+        with autocast_off(x.device.type):   # everything below runs in dtype already
             if self.is_parallel:
                 y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree)
             else:
@@ -139,7 +139,7 @@ class MoELayer(nn.Module):
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The autocast dtype under autocast; else the input's, which must be the parameters'."""
-        if torch.is_autocast_enabled(x.device.type):
+        if autocast_on(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         param_dtype = self.experts.w1_EDH.dtype
         if x.dtype != param_dtype:

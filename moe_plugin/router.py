@@ -4,6 +4,7 @@ Legend: T tokens, D model dim, E experts, K top-k.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ class Router(nn.Module):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.config.fp32_router:    # in fp32 under autocast too: routes must not flip with rounding
             dtype = torch.promote_types(x_TD.dtype, torch.float32)
-            with torch.autocast(x_TD.device.type, enabled=False):
+            with autocast_off(x_TD.device.type):
                 return self._logits(x_TD.to(dtype), self.weight_ED.to(dtype))
         return self._logits(x_TD, self.weight_ED)
 
@@ -76,6 +77,17 @@ class Router(nn.Module):
         return Routes(scores_TE, expert_TK, gate_TK, aux, z)
 
 
+def autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str):
+    """A context without autocast for device_type (nothing to do for devices autocast does not know)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def finalize_gates(gate_TK: torch.Tensor, kept_TK: torch.Tensor, normalize: str) -> torch.Tensor:
     """Zero the gates of dropped choices; renormalize over the kept ones for "after_drop"."""
     gate_TK = gate_TK * kept_TK.to(gate_TK.dtype)
@@ -92,7 +104,9 @@ def balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num
     if kind == "none" or probs_TE.shape[0] == 0:
         return probs_TE.new_zeros(())
     counted = expert_TK[:, :1] if kind == "gshard" else expert_TK
-    fraction_E = torch.bincount(counted.reshape(-1), minlength=num_experts).to(probs_TE.dtype) / counted.numel()
+    counted = counted.reshape(-1)    # scatter_add, not bincount: bincount reads its input's maximum back
+    fraction_E = probs_TE.new_zeros(num_experts).scatter_add_(0, counted, torch.ones_like(counted, dtype=probs_TE.dtype))
+    fraction_E = fraction_E / counted.numel()
     return num_experts * torch.dot(probs_TE.mean(0), fraction_E)
 
 
