@@ -5,6 +5,9 @@ Legend: R routed rows (grouped by expert), I input dim, O output dim, E groups (
 offs_E holds each group's end row (int32, cumulative, on the rows' device); rows past offs_E[-1]
 belong to no group (the dropped choices of a fixed capacity sit there).
 
+On CPU with the native kernels (csrc/), the op runs torch's own CPU grouped-mm kernel (the function
+F.grouped_mm calls there) into pooled memory; elsewhere F.grouped_mm itself.
+
 torch 2.13's F.grouped_mm has three traps this op hides (all measured):
   - rows past the last offset come back uninitialized: they are zeroed here;
   - it wants every row stride a multiple of 16 bytes: odd widths are zero-padded here;
@@ -91,7 +94,7 @@ def _aligned_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) 
         pad_i, pad_o = -I % align, -O % align
         if pad_i or pad_o:
             a, b = F.pad(a, (0, pad_i)), F.pad(b, (0, pad_o, 0, pad_i))
-        out = F.grouped_mm(a.contiguous(), b, offs=offs_E)
+        out = _grouped(a.contiguous(), b, offs_E)
         return out[:, :O].contiguous() if pad_o else out
     I, O = a.shape[0], b.shape[1]
     pad_i, pad_o = -I % align, -O % align
@@ -99,8 +102,19 @@ def _aligned_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) 
         a = F.pad(a.t(), (0, pad_i)).contiguous().t()
     if pad_o or b.stride(1) != 1:
         b = F.pad(b, (0, pad_o)).contiguous()
-    out = F.grouped_mm(a, b, offs=offs_E)
+    out = _grouped(a, b, offs_E)
     return out[:, :I, :O].contiguous() if pad_i or pad_o else out
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm; on CPU with the native kernels, the same torch CPU kernel into pooled memory
+    (a fresh [R, H] output costs more in page faults than a tenth of the GEMM)."""
+    if a.device.type == "cpu":
+        from . import kernels_for
+        module, name, _ = kernels_for(a.device)
+        if name == "native":
+            return module.grouped_mm(a, b, offs_E)
+    return F.grouped_mm(a, b, offs=offs_E)
 
 
 def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
