@@ -8,6 +8,8 @@ from moe_plugin import MoEConfig, MoELayer, aux_loss
 from moe_testing import outputs_and_grads, relative_error
 
 CAPACITY_MODES = {"fixed": 1.25, "fixed_dropping": 0.5, "dropless": 0.0, "capped": -0.5}
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
 @pytest.mark.parametrize("mode", sorted(CAPACITY_MODES))
@@ -25,16 +27,17 @@ def test_training_forward_and_backward_read_nothing_back(mode, options):
     assert all(p.grad is not None and p.grad.shape == p.shape for p in layer.parameters())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", sorted(CAPACITY_MODES))
-def test_fullgraph_compile_equals_eager_in_training(mode):
+def test_fullgraph_compile_equals_eager_in_training(mode, device):
     torch._dynamo.reset()
     activation = {"fixed": "relu", "fixed_dropping": "gelu", "dropless": "swiglu", "capped": "silu"}[mode]
     config = MoEConfig(model_dim=16, hidden_size=20, num_experts=6, top_k=2, capacity_factor=CAPACITY_MODES[mode],
                        activation=activation, z_loss_coef=0.01, bias=mode != "dropless")
-    layer = MoELayer(config)
+    layer = MoELayer(config).to(device)
     compiled = torch.compile(layer, fullgraph=True)
     for T in (41, 41):      # the second call runs the cached graph
-        x = torch.randn(T, 16)
+        x = torch.randn(T, 16, device=device)
         y, aux, grads = outputs_and_grads(lambda x: (compiled(x), layer.aux_loss), layer, x)
         stats = layer.stats
         y_ref, aux_ref, grads_ref = outputs_and_grads(lambda x: (layer(x), layer.aux_loss), layer, x)
@@ -44,6 +47,25 @@ def test_fullgraph_compile_equals_eager_in_training(mode):
             assert relative_error(grads[name], grads_ref[name]) <= 1e-5, name
     if mode == "fixed_dropping":
         assert stats["dropped_fraction"] > 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (torch.cuda.set_sync_debug_mode)")
+@pytest.mark.parametrize("mode", sorted(CAPACITY_MODES))
+def test_cuda_training_step_never_synchronizes(mode):
+    """Under bf16 autocast, as GPUs train (torch's own fp32 grouped_mm on CUDA reads its offsets back)."""
+    layer = MoELayer(MoEConfig(model_dim=64, hidden_size=96, num_experts=8, top_k=2, activation="swiglu",
+                               capacity_factor=CAPACITY_MODES[mode])).cuda()
+    x = torch.randn(4, 50, 64, device="cuda", requires_grad=True)
+    for check in (False, True):     # the first step builds the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if check else "default")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(x)
+            (y.float().sum() + layer.aux_loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum(layer.stats["tokens_per_expert"]) == 400      # read after the step
 
 
 def test_trainer_model_compiles_with_no_graph_break_in_the_moe_layer():
