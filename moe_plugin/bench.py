@@ -204,7 +204,8 @@ def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], 
     return _step(block.parameters(), x_TD, grad_TD, forward, context)
 
 
-def _deepspeed_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], float] | str":
+def _deepspeed_step(config: MoEConfig, x_TD, grad_TD, dtype,
+                    context: Callable = contextlib.nullcontext) -> "Callable[[], float] | str":
     try:
         from .baselines.deepspeed_moe import build_deepspeed_moe
         module = build_deepspeed_moe(config.model_dim, config.hidden_size, config.num_experts, config.top_k,
