@@ -6,6 +6,7 @@ With swiglu the first projection gives 2H columns: [gate | up].
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import List, Optional
 
 import torch
@@ -49,6 +50,29 @@ def activation_backward(saved_RH: torch.Tensor, activation: str):
     def swiglu_backward(grad_RH):
         return torch.cat([torch.ops.aten.silu_backward(grad_RH * up_RH, gate_RH), grad_RH * silu_RH], dim=-1)
     return silu_RH * up_RH, swiglu_backward
+
+
+class _Cast(torch.autograd.Function):
+    """w.to(dtype) whose output and gradient (back in w's dtype) come from ops.new_empty: under autocast
+    the expert weights are cast every step, and on CPU fresh memory for them costs more than the copy."""
+
+    @staticmethod
+    def forward(ctx, w, dtype):
+        ctx.dtype = w.dtype
+        return ops.new_empty(w, *w.shape, dtype=dtype).copy_(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ops.new_empty(grad, *grad.shape, dtype=ctx.dtype).copy_(grad), None
+
+
+def cast_weights(experts, dtype: torch.dtype):
+    """The experts' weights in dtype, differentiably (gradients return in the parameters' dtype)."""
+    if experts.w1_EDH.dtype == dtype:
+        return experts
+    cast = {name: None if getattr(experts, name) is None else _Cast.apply(getattr(experts, name), dtype)
+            for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")}
+    return SimpleNamespace(activation=experts.activation, **cast)
 
 
 class GroupedMLP(torch.autograd.Function):

@@ -4,7 +4,6 @@ Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 
 from . import dispatch
 from .config import MoEConfig
-from .experts import Experts
+from .experts import Experts, cast_weights
 from .fused import fused_moe
 from .parallel.expert_parallel import expert_parallel_moe
 from .parallel.groups import build_groups
@@ -122,7 +121,7 @@ class MoELayer(nn.Module):
                                     cfg.min_capacity, priority_T)
         gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
 
-        x_TD, gate_TK, experts = x_TD.to(dtype), gate_TK.to(dtype), _cast_experts(self.experts, dtype)
+        x_TD, gate_TK, experts = x_TD.to(dtype), gate_TK.to(dtype), cast_weights(self.experts, dtype)
         with autocast_off(x.device.type):   # everything below runs in dtype already
             if self.is_parallel:
                 y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree)
@@ -163,15 +162,6 @@ class MoELayer(nn.Module):
         return (f"model_dim={cfg.model_dim}, hidden_size={cfg.hidden_size}, num_experts={cfg.num_experts}, "
                 f"top_k={cfg.top_k}, capacity_factor={cfg.capacity_factor}, router={cfg.router}, "
                 f"activation={cfg.activation}")
-
-
-def _cast_experts(experts: Experts, dtype: torch.dtype):
-    """The experts' weights in dtype (differentiable casts: gradients return in the parameters' dtype)."""
-    if experts.w1_EDH.dtype == dtype:
-        return experts
-    cast = {name: None if getattr(experts, name) is None else getattr(experts, name).to(dtype)
-            for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")}
-    return SimpleNamespace(activation=experts.activation, **cast)
 
 
 def _stats(load_E: torch.Tensor, kept_E: torch.Tensor, capacity_factor: float, fixed: int, num_tokens: int,

@@ -79,15 +79,16 @@ def describe() -> Dict[str, str]:
     return report
 
 
-def new_empty(like: torch.Tensor, *shape: int) -> torch.Tensor:
-    """An uninitialized tensor of like's dtype and device; on CPU with the native kernels, large ones
-    come from their block pool (reused across steps instead of page-faulted in afresh)."""
+def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An uninitialized tensor of like's device and dtype (or dtype); on CPU with the native kernels, large
+    ones come from their block pool (reused across steps instead of page-faulted in afresh)."""
+    dtype = like.dtype if dtype is None else dtype
     if torch.compiler.is_compiling():      # inside a compiled graph the compiler owns the memory
-        return like.new_empty(shape)
+        return like.new_empty(shape, dtype=dtype)
     module, name, _ = kernels_for(like.device)
     if name == "native":
-        return module.empty(list(shape), like.dtype)
-    return like.new_empty(shape)
+        return module.empty(list(shape), dtype)
+    return like.new_empty(shape, dtype=dtype)
 
 
 # ---- custom ops -------------------------------------------------------------------------------
