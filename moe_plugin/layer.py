@@ -4,6 +4,7 @@ Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -17,6 +18,7 @@ from .parallel.expert_parallel import expert_parallel_moe
 from .parallel.groups import build_groups
 from .parallel.tuner import Tuner
 from .router import Router, autocast_off, autocast_on, finalize_gates
+from .shared_expert import SharedExpert
 
 
 class MoELayer(nn.Module):
@@ -47,6 +49,7 @@ class MoELayer(nn.Module):
                                    ep_group)
         layout = self.groups.layout
         self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
+        self.shared_expert = SharedExpert(config) if config.shared_hidden_size else None
         self.tuner = Tuner(self._candidates(), group=self.groups.ep_group) if self.is_parallel else None
         self.aux_loss = torch.zeros((), device="cpu")
         self._routing = None          # (load_E, kept_E, capacity info) of the last forward, for .stats
@@ -105,8 +108,10 @@ class MoELayer(nn.Module):
         return cfg.capacity_factor
 
     def forward(self, x: torch.Tensor, parallel: Optional[int] = None,
-                overlap_degree: Optional[int] = None) -> torch.Tensor:
-        """parallel / overlap_degree override the configured (or tuned) degrees for this call."""
+                overlap_degree: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """parallel / overlap_degree override the configured (or tuned) degrees for this call.
+        aux_loss "seq" takes x's second-to-last dim as the sequence, or sequence_T: each token's
+        sequence index in [0, tokens) (for sequences of different lengths)."""
         cfg = self.config
         if x.dim() < 1 or x.shape[-1] != cfg.model_dim:
             raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
@@ -115,18 +120,24 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, cfg.model_dim)
         dtype = self._compute_dtype(x)
 
-        routes = self.router(x_TD)
+        routes = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None, sequence_T=sequence_T)
         priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
         plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, self.capacity_factor(),
                                     cfg.min_capacity, priority_T)
-        gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
+        gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate, cfg.route_scale)
 
+        # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
+        shared = _SharedOutput(self.shared_expert, x_TD)
         x_TD, gate_TK, experts = x_TD.to(dtype), gate_TK.to(dtype), cast_weights(self.experts, dtype)
-        with autocast_off(x.device.type):   # everything below runs in dtype already
-            if self.is_parallel:
-                y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree)
-            else:
+        if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
+            with autocast_off(x.device.type):   # the expert path runs in dtype already
+                y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree,
+                                                       shared)
+        else:
+            shared()
+            with autocast_off(x.device.type):
                 y_TD, degrees = fused_moe(x_TD, gate_TK, plan, experts), None
+        y_TD = shared.add_to(y_TD)
 
         self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
         self._routing = (plan.load_E.detach(), plan.kept_E.detach(), plan.capacity_factor, plan.fixed,
@@ -146,13 +157,14 @@ class MoELayer(nn.Module):
                             f"cast the input or the layer (layer.to({x.dtype})), or run under torch.autocast")
         return x.dtype
 
-    def _parallel_forward(self, x_TD, gate_TK, plan, experts, parallel, overlap_degree):
+    def _parallel_forward(self, x_TD, gate_TK, plan, experts, parallel, overlap_degree, in_flight):
         tuning = parallel is None and overlap_degree is None and self.training and torch.is_grad_enabled()
         r, d = self.tuner.current()
         r = r if parallel is None else parallel
         d = d if overlap_degree is None else overlap_degree
         with self.tuner.timed() as timer:
-            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, self.config.a2a)
+            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, self.config.a2a,
+                                       in_flight=in_flight)
         if tuning:
             self.tuner.record((r, d), timer.seconds)
         return y_TD, (r, d)
@@ -162,6 +174,25 @@ class MoELayer(nn.Module):
         return (f"model_dim={cfg.model_dim}, hidden_size={cfg.hidden_size}, num_experts={cfg.num_experts}, "
                 f"top_k={cfg.top_k}, capacity_factor={cfg.capacity_factor}, router={cfg.router}, "
                 f"activation={cfg.activation}")
+
+
+class _SharedOutput:
+    """Computes the shared expert's output when called (once; under the autocast that was on when this
+    was made, as the call may come from inside the expert path), adds it to the routed output."""
+
+    def __init__(self, shared_expert: Optional[SharedExpert], x_TD: torch.Tensor):
+        self.shared_expert, self.x_TD, self.y_TD = shared_expert, x_TD, None
+        device = x_TD.device.type
+        self.autocast = (device, torch.get_autocast_dtype(device)) if autocast_on(device) else None
+
+    def __call__(self) -> None:
+        if self.shared_expert is not None and self.y_TD is None:
+            with torch.autocast(self.autocast[0], dtype=self.autocast[1]) if self.autocast else contextlib.nullcontext():
+                self.y_TD = self.shared_expert(self.x_TD)
+
+    def add_to(self, y_TD: torch.Tensor) -> torch.Tensor:
+        self()
+        return y_TD if self.y_TD is None else y_TD + self.y_TD.to(y_TD.dtype)
 
 
 def _stats(load_E: torch.Tensor, kept_E: torch.Tensor, capacity_factor: float, fixed: int, num_tokens: int,

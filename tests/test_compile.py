@@ -8,16 +8,19 @@ from moe_plugin import MoEConfig, MoELayer, aux_loss
 from moe_testing import outputs_and_grads, relative_error
 
 CAPACITY_MODES = {"fixed": 1.25, "fixed_dropping": 0.5, "dropless": 0.0, "capped": -0.5}
+# the DeepSeek-style routing: sigmoid, groups, balancing bias, route scale, seq loss, gated shared expert
+DEEPSEEK = dict(router="sigmoid", num_experts=8, top_k=2, num_groups=4, topk_groups=2, expert_bias_update_rate=1e-3,
+                route_scale=2.5, aux_loss="seq", shared_hidden_size=24, shared_gate=True)
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
 @pytest.mark.parametrize("mode", sorted(CAPACITY_MODES))
 @pytest.mark.parametrize("options", [dict(activation="gelu"), dict(activation="swiglu", bias=False, top_k=3,
-                                                                   batch_prioritized_routing=True)])
+                                                                   batch_prioritized_routing=True), DEEPSEEK])
 def test_training_forward_and_backward_read_nothing_back(mode, options):
-    config = MoEConfig(model_dim=16, hidden_size=24, num_experts=5, capacity_factor=CAPACITY_MODES[mode],
-                       z_loss_coef=0.01, **{"top_k": 2, **options})
+    config = MoEConfig(model_dim=16, hidden_size=24, capacity_factor=CAPACITY_MODES[mode], z_loss_coef=0.01,
+                       **{"top_k": 2, "num_experts": 5, **options})
     with torch.device("meta"):
         layer = MoELayer(config)
     x = torch.empty(3, 37, 16, device="meta", requires_grad=True)
@@ -28,12 +31,15 @@ def test_training_forward_and_backward_read_nothing_back(mode, options):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", sorted(CAPACITY_MODES))
+@pytest.mark.parametrize("mode", sorted(CAPACITY_MODES) + ["deepseek_routing"])
 def test_fullgraph_compile_equals_eager_in_training(mode, device):
     torch._dynamo.reset()
-    activation = {"fixed": "relu", "fixed_dropping": "gelu", "dropless": "swiglu", "capped": "silu"}[mode]
-    config = MoEConfig(model_dim=16, hidden_size=20, num_experts=6, top_k=2, capacity_factor=CAPACITY_MODES[mode],
-                       activation=activation, z_loss_coef=0.01, bias=mode != "dropless")
+    if mode == "deepseek_routing":
+        config = MoEConfig(model_dim=16, hidden_size=20, capacity_factor=0.0, activation="swiglu", **DEEPSEEK)
+    else:
+        activation = {"fixed": "relu", "fixed_dropping": "gelu", "dropless": "swiglu", "capped": "silu"}[mode]
+        config = MoEConfig(model_dim=16, hidden_size=20, num_experts=6, top_k=2, activation=activation,
+                           capacity_factor=CAPACITY_MODES[mode], z_loss_coef=0.01, bias=mode != "dropless")
     layer = MoELayer(config).to(device)
     compiled = torch.compile(layer, fullgraph=True)
     for T in (41, 41):      # the second call runs the cached graph
