@@ -12,7 +12,8 @@ torch 2.13's F.grouped_mm has three traps this op hides (all measured):
   - rows past the last offset come back uninitialized: they are zeroed here;
   - it wants every row stride a multiple of 16 bytes: odd widths are zero-padded here;
   - its own fake function accepts bf16 only, so torch.compile of an fp32 call fails: the fake
-    below takes any dtype; and it has no fp64 kernel: fp64 runs the per-expert loop (reference).
+    below takes any dtype; and it has no fp64 kernel: fp64 runs the per-expert loop (reference),
+    as do fp32 and fp16 on CUDA, where torch documents bf16 only (the loop reads the offsets on the host).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: 
       a [R, I], b [E, I, O] -> [R, O]: group e's rows times b[e] (+ bias_EO[e]); rows past the last offset 0.
       a [I, R], b [R, O]    -> [E, I, O]: a[:, group e] @ b[group e] (weight gradients); 0 for empty groups.
     """
-    if a.dtype in GROUPED_DTYPES:
+    if a.dtype in GROUPED_DTYPES and (a.device.type == "cpu" or a.dtype == torch.bfloat16):
         out = _aligned_grouped_mm(a, b, offs_E)
     else:
         out = grouped_mm_loop(a, b, offs_E)
