@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..balancing import update_expert_bias
 from ..layer import aux_loss
 from ..models import TransformerLM
 from ..parallel.expert_grads import expert_parameters
@@ -127,6 +128,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         if cfg.train.grad_clip:
             clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size)
         optimizer.step()
+        update_expert_bias(model)
         scheduler.step()
         window.add(lm_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
                    tokens_per_step, time.perf_counter() - tick)
