@@ -57,6 +57,9 @@ def _cross_ep_worker(rank, world, directory, save_ep, load_ep):
     import torch.distributed as dist
     from deepspeed.utils import logger
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # the torch kernels: checkpoints are the subject here, and a JIT build of the native ones (shared
+    # cache, one lock) can outlast the timeout on a busy machine
+    os.environ["MOE_PLUGIN_KERNELS"] = "torch"
     logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")
 
