@@ -1,7 +1,7 @@
 """`moe-plugin train` with the modern routing keys: the bias moves once per step, survives resume."""
 import torch
 
-from moe_plugin import train
+from moe_plugin import checkpoint, train
 from test_train import TINY, run
 
 ROUTING = ["moe.router=sigmoid", "moe.num_experts=8", "moe.top_k=4", "moe.num_groups=4", "moe.topk_groups=2",
@@ -9,10 +9,9 @@ ROUTING = ["moe.router=sigmoid", "moe.num_experts=8", "moe.top_k=4", "moe.num_gr
            "moe.aux_loss=seq", "moe.capacity_factor=0"]
 
 
-def final_biases(folder):
-    from moe_plugin import checkpoint
-    state = checkpoint.full_state(folder)
-    return {k: v for k, v in state.items() if k.startswith("model.") and k.endswith("router.expert_bias_E")}
+def final_biases(path):
+    state = checkpoint.nest(checkpoint.full_state(path))["model"]   # a sharded checkpoint folder, read whole
+    return {k: v for k, v in state.items() if k.endswith("router.expert_bias_E")}
 
 
 def test_bias_moves_once_per_step_and_resumes_exactly(tmp_path, fresh_seed):
