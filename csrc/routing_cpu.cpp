@@ -5,6 +5,7 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/GroupedMMUtils.h>
 
 #include <algorithm>
 #include <atomic>
@@ -348,6 +349,26 @@ std::tuple<Tensor, Tensor> gather_sum(const Tensor& src_RD_in, const Tensor& pos
   return {out_TD, dot_TK};
 }
 
+// The expert GEMMs (forms in moe_plugin/ops/grouped.py): torch's own CPU grouped-mm kernel, the one
+// F.grouped_mm runs on CPU, writing into a pooled output instead of fresh memory. Rows past the last
+// offset are left to the caller; groups with no rows get zero weight gradients.
+Tensor grouped_mm(const Tensor& a, const Tensor& b, const Tensor& offs_E) {
+  at::native::_grouped_mm_validate_inputs(a, b, offs_E, std::nullopt, std::nullopt);
+  TORCH_CHECK(a.dim() == 2 && offs_E.dim() == 1, "grouped_mm takes a 2-d a and 1-d offsets");
+  const bool rows_form = b.dim() == 3;
+  Tensor out = rows_form ? pooled_empty({a.size(0), b.size(2)}, a.options())
+                         : pooled_empty({offs_E.size(0), a.size(0), b.size(1)}, a.options());
+  at::native::_grouped_mm_fallback(a, b, offs_E, std::nullopt, std::nullopt, out);
+  if (!rows_form) {
+    const Tensor offs = offs_E.to(at::kLong);
+    const int64_t* end = offs.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < offs.size(0); start = end[e], ++e) {
+      if (end[e] == start) out[e].zero_();
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -361,4 +382,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fill every output with NaN / INT64_MIN before the kernel writes it (for tests)");
   m.def("pool_clear", [] { BlockPool::instance().clear(); }, "free every pooled block");
   m.def("gather_sum", &gather_sum, "routed rows to tokens, weighted sum over top-k, with optional dots");
+  m.def("grouped_mm", &grouped_mm, "torch's CPU grouped GEMM into a pooled output (see moe_plugin/ops/grouped.py)");
 }

@@ -1,11 +1,17 @@
 """Single-layer forward+backward timing: this layer, the bare expert GEMMs, the einsum reference and
 DeepSpeed's MoE layer (when installed), interleaved in one run; medians and ratios.
 
+--autocast bf16|fp16 runs every candidate under torch.autocast (parameters in --dtype) and times the
+bare GEMMs in the autocast dtype (the floor: no casts); --compile adds the torch.compile'd layer;
+--device cuda times on the GPU (synchronized) and adds the grouped_mm floor (F.grouped_mm on the
+balanced routed rows, forward+backward).
+
 Legend: T tokens, D model dim, H hidden, E experts, K top-k.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -27,13 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--activation", default="relu", choices=["relu", "gelu", "silu"])
+    parser.add_argument("--activation", default="relu", choices=["relu", "gelu", "silu", "swiglu"])
     parser.add_argument("--no-bias", action="store_true", help="experts without biases (like the bare GEMMs)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameters' (and input) dtype")
+    parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"],
+                        help="run under torch.autocast in this dtype; the bare GEMMs run in it")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile(layer)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every candidate once")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--skip", default="", help="comma-separated candidates to leave out: einsum,deepspeed")
+    parser.add_argument("--skip", default="", help="comma-separated candidates to leave out: einsum,deepspeed,eager")
+    parser.add_argument("--hf", action="store_true",
+                        help="also time Hugging Face's Mixtral MoE block on its grouped_mm experts (swiglu, no bias, dropless)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -42,24 +54,43 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = DTYPES[args.dtype]
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
+    gemm_dtype = autocast_dtype or dtype
     config = MoEConfig(model_dim=args.model_dim, hidden_size=args.hidden_size, num_experts=args.num_experts,
                        top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
                        bias=not args.no_bias)
     skip = {name for name in args.skip.split(",") if name}
-    layer = MoELayer(config).to(dtype)
-    x_TD = torch.randn(args.tokens, config.model_dim, dtype=dtype)
-    grad_TD = torch.randn_like(x_TD)
+    layer = MoELayer(config).to(device=device, dtype=dtype)
+    x_TD = torch.randn(args.tokens, config.model_dim, dtype=dtype, device=device)
+    grad_TD = torch.randn(args.tokens, config.model_dim, dtype=gemm_dtype, device=device)
 
-    candidates = {"moe_plugin": _layer_step(layer, x_TD, grad_TD), BASELINE: _bare_gemm_step(config, args.tokens, dtype)}
-    notes = {}
+    def autocast():
+        return torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+
+    candidates, notes = {}, {}
+    if "eager" not in skip:
+        candidates["moe_plugin"] = _step(layer.parameters(), x_TD, grad_TD, layer, autocast)
+    if args.compile:
+        candidates["compiled"] = _step(layer.parameters(), x_TD, grad_TD, torch.compile(layer), autocast)
+    candidates[BASELINE] = _bare_gemm_step(config, args.tokens, gemm_dtype, device)
+    if device.type == "cuda":
+        candidates["grouped_mm"] = _grouped_mm_step(config, args.tokens, gemm_dtype, device)
     if "einsum" not in skip:
         from .reference import reference_moe
-        candidates["einsum"] = _step(layer.parameters(), x_TD, grad_TD, lambda x: reference_moe(layer, x)[0])
-        with torch.no_grad():
-            notes["max_abs_diff_vs_einsum"] = float((layer(x_TD) - reference_moe(layer, x_TD)[0]).abs().max())
+        candidates["einsum"] = _step(layer.parameters(), x_TD, grad_TD, lambda x: reference_moe(layer, x)[0],
+                                     autocast)
+        with torch.no_grad(), autocast():
+            notes["max_abs_diff_vs_einsum"] = float((layer(x_TD).float() - reference_moe(layer, x_TD)[0].float())
+                                                    .abs().max())
+    if args.hf:
+        hf = _hf_step(config, x_TD, grad_TD, dtype, autocast)
+        if isinstance(hf, str):
+            notes["hf_grouped_mm"] = hf
+        else:
+            candidates["hf_grouped_mm"] = hf
     if "deepspeed" not in skip:
-        ds = _deepspeed_step(config, x_TD, grad_TD, dtype)
+        ds = _deepspeed_step(config, x_TD, grad_TD, dtype, autocast)
         if isinstance(ds, str):
             notes["deepspeed"] = ds
         else:
@@ -72,19 +103,22 @@ def run(args: argparse.Namespace) -> dict:
             if round_index >= args.warmup:
                 times[name].append(seconds)
     median_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    ours = "moe_plugin" if "moe_plugin" in median_ms else "compiled"
     return {
-        "config": config.to_dict(), "tokens": args.tokens, "dtype": args.dtype,
-        "threads": torch.get_num_threads(), "rounds": args.rounds, "torch": torch.__version__,
+        "config": config.to_dict(), "tokens": args.tokens, "dtype": args.dtype, "autocast": args.autocast,
+        "device": str(device), "threads": torch.get_num_threads(), "rounds": args.rounds, "torch": torch.__version__,
         "median_ms": median_ms,
         "ratio_to_bare_gemm": {n: t / median_ms[BASELINE] for n, t in median_ms.items()},
-        "ratio_to_moe_plugin": {n: t / median_ms["moe_plugin"] for n, t in median_ms.items()},
+        "ratio_to_moe_plugin": {n: t / median_ms[ours] for n, t in median_ms.items()},
         "moe_plugin_stats": layer.stats, "notes": notes,
     }
 
 
 def format_table(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"MoE layer forward+backward, {result['dtype']}, {result['threads']} threads, "
+    amp = "" if result.get("autocast", "none") == "none" else f" under autocast {result['autocast']}"
+    lines = [f"MoE layer forward+backward, {result['dtype']}{amp} on {result.get('device', 'cpu')}, "
+             f"{result['threads']} threads, "
              f"T={result['tokens']} D={cfg['model_dim']} H={cfg['hidden_size']} E={cfg['num_experts']} "
              f"k={cfg['top_k']} cf={cfg['capacity_factor']} bias={cfg['bias']}, median of {result['rounds']} rounds",
              f"{'candidate':<12} {'median ms':>10} {'x bare_gemm':>12} {'x moe_plugin':>13}"]
@@ -103,35 +137,75 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _step(params, x_TD: torch.Tensor, grad_TD: torch.Tensor, forward: Callable) -> Callable[[], float]:
+def _step(params, x_TD: torch.Tensor, grad_TD: torch.Tensor, forward: Callable,
+          context: Callable = contextlib.nullcontext) -> Callable[[], float]:
     params = [p for p in params if p.requires_grad]
     x_TD = x_TD.detach().requires_grad_()
+    sync = torch.cuda.synchronize if x_TD.is_cuda else (lambda: None)
 
     def step() -> float:
         for p in params + [x_TD]:
             p.grad = None
+        sync()
         start = time.perf_counter()
-        forward(x_TD).backward(grad_TD)
+        with context():
+            y = forward(x_TD)
+        y.backward(grad_TD.to(y.dtype))
+        sync()
         return time.perf_counter() - start
     return step
 
 
-def _layer_step(layer, x_TD, grad_TD):
-    return _step(layer.parameters(), x_TD, grad_TD, layer)
-
-
-def _bare_gemm_step(config: MoEConfig, tokens: int, dtype: torch.dtype) -> Callable[[], float]:
+def _bare_gemm_step(config: MoEConfig, tokens: int, dtype: torch.dtype, device=None) -> Callable[[], float]:
     """torch.bmm over [E, T*K/E, D] x [D, H], relu, x [H, D]: the balanced routed rows, nothing else."""
     E, D, H = config.num_experts, config.model_dim, config.hidden_size
     rows = max(1, tokens * config.top_k // E)
-    w1_EDH = (torch.randn(E, D, H, dtype=dtype) / D ** 0.5).requires_grad_()
-    w2_EHD = (torch.randn(E, H, D, dtype=dtype) / H ** 0.5).requires_grad_()
-    x_ERD = torch.randn(E, rows, D, dtype=dtype)
+    w1_EDH = (torch.randn(E, D, H, dtype=dtype, device=device) / D ** 0.5).requires_grad_()
+    w2_EHD = (torch.randn(E, H, D, dtype=dtype, device=device) / H ** 0.5).requires_grad_()
+    x_ERD = torch.randn(E, rows, D, dtype=dtype, device=device)
     grad_ERD = torch.randn_like(x_ERD)
     return _step([w1_EDH, w2_EHD], x_ERD, grad_ERD, lambda x: torch.bmm(torch.relu(torch.bmm(x, w1_EDH)), w2_EHD))
 
 
-def _deepspeed_step(config: MoEConfig, x_TD, grad_TD, dtype) -> "Callable[[], float] | str":
+def _grouped_mm_step(config: MoEConfig, tokens: int, dtype: torch.dtype, device) -> Callable[[], float]:
+    """F.grouped_mm over the balanced routed rows [T*K, D] (GPU: its autograd), relu, back to D."""
+    E, D, H = config.num_experts, config.model_dim, config.hidden_size
+    rows = max(1, tokens * config.top_k // E)
+    offs_E = torch.arange(1, E + 1, device=device, dtype=torch.int32) * rows
+    w1_EDH = (torch.randn(E, D, H, dtype=dtype, device=device) / D ** 0.5).requires_grad_()
+    w2_EHD = (torch.randn(E, H, D, dtype=dtype, device=device) / H ** 0.5).requires_grad_()
+    x_RD = torch.randn(E * rows, D, dtype=dtype, device=device)
+    grad_RD = torch.randn_like(x_RD)
+    grouped = torch.nn.functional.grouped_mm
+    return _step([w1_EDH, w2_EHD], x_RD, grad_RD,
+                 lambda x: grouped(torch.relu(grouped(x, w1_EDH, offs=offs_E)), w2_EHD, offs=offs_E))
+
+
+def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], float] | str":
+    """transformers' MixtralSparseMoeBlock with config._experts_implementation = "grouped_mm"."""
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except (ImportError, OSError) as error:
+        return f"skipped (transformers: {error})"
+    hf_config = MixtralConfig(hidden_size=config.model_dim, intermediate_size=config.hidden_size,
+                              num_local_experts=config.num_experts, num_experts_per_tok=config.top_k)
+    hf_config._experts_implementation = "grouped_mm"
+    try:
+        block = MixtralSparseMoeBlock(hf_config).to(device=x_TD.device, dtype=dtype)
+    except (TypeError, ValueError, AttributeError) as error:
+        return f"skipped (transformers {type(error).__name__}: {error})"
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+
+    def forward(x):
+        out = block(x.unsqueeze(0))
+        return (out[0] if isinstance(out, tuple) else out).squeeze(0)
+    return _step(block.parameters(), x_TD, grad_TD, forward, context)
+
+
+def _deepspeed_step(config: MoEConfig, x_TD, grad_TD, dtype,
+                    context: Callable = contextlib.nullcontext) -> "Callable[[], float] | str":
     try:
         from .baselines.deepspeed_moe import build_deepspeed_moe
         module = build_deepspeed_moe(config.model_dim, config.hidden_size, config.num_experts, config.top_k,
@@ -141,4 +215,4 @@ def _deepspeed_step(config: MoEConfig, x_TD, grad_TD, dtype) -> "Callable[[], fl
         return f"skipped ({error})"
     except ValueError as error:
         return f"skipped (DeepSpeed cannot run this configuration: {error})"
-    return _step(module.to(dtype).parameters(), x_TD, grad_TD, module)
+    return _step(module.to(device=x_TD.device, dtype=dtype).parameters(), x_TD, grad_TD, module, context)

@@ -1,10 +1,16 @@
 """Slots, capacity and the index-based encode (tokens -> routed rows) and decode (rows -> tokens).
 
 Legend: T tokens, D model dim, E experts, K top-k, C capacity per expert,
-R routed rows: the kept (token, choice) pairs, grouped by expert, in slot order.
+R routed rows: T*K of them, the kept (token, choice) pairs first, grouped by expert in slot order,
+then room for the dropped ones (no choice names those rows; the expert GEMMs give them 0).
 
-The routed rows are the padded [E, C, D] buffer with its empty slots squeezed out: expert e owns
-rows [row_start[e], row_start[e] + kept[e]), and slot s of expert e is row row_start[e] + s.
+Planning reads nothing back to the host, so shapes are static and torch.compile / CUDA graphs can
+capture the layer: R is T*K whatever the routes, expert e owns rows [offs_E[e-1], offs_E[e]) with
+the offsets on the device, and a choice is kept when its slot is below the cap. The cap is a host
+int known from T: the fixed capacity for cf > 0, T for dropless (no expert can get more than T
+choices: top-k picks distinct experts), and for cf < 0 the fixed capacity of |cf| too -- capping
+at min(largest load, fixed) drops exactly the same choices, as no slot reaches the largest load.
+The capacity the padded [E, C, D] layout would use is reported lazily (Plan.capacity).
 """
 from __future__ import annotations
 
@@ -19,20 +25,45 @@ from . import ops
 
 @dataclass
 class Plan:
-    token_R: torch.Tensor       # token of each routed row
     pos_TK: torch.Tensor        # routed row of each (token, choice); -1 where dropped
     kept_TK: torch.Tensor       # bool, pos_TK >= 0
     load_E: torch.Tensor        # choices per expert before dropping
-    rows_per_expert: List[int]  # kept rows per expert (host ints: the expert loop slices with them)
-    capacity: int
+    kept_E: torch.Tensor        # kept rows per expert
+    offs_E: torch.Tensor        # int32 end row of each expert's block (cumulative kept_E)
+    cap: int                    # the slot limit applied (host int, from T and the config)
+    capacity_factor: float
+    fixed: int                  # the fixed capacity for |capacity_factor| (cf != 0)
 
     @property
     def num_rows(self) -> int:
-        return int(self.token_R.shape[0])
+        """Static: T * K."""
+        return int(self.pos_TK.numel())
+
+    @property
+    def num_kept(self) -> int:
+        """Kept rows (reads a device tensor: a host synchronization)."""
+        return int(self.kept_E.sum())
+
+    @property
+    def rows_per_expert(self) -> List[int]:
+        """Kept rows per expert as host ints (a host synchronization)."""
+        return self.kept_E.tolist()
+
+    @property
+    def capacity(self) -> int:
+        """C of the padded layout: fixed, the largest load (dropless), or the smaller of the two (cf < 0).
+        Reads a device tensor unless fixed."""
+        if self.capacity_factor > 0:
+            return self.fixed
+        return padded_capacity(self.capacity_factor, self.fixed, int(self.load_E.max()) if self.pos_TK.shape[0] else 0)
 
 
 def fixed_capacity(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int, min_capacity: int) -> int:
     return max(math.ceil(top_k * capacity_factor * num_tokens / num_experts), min_capacity)
+
+
+def padded_capacity(capacity_factor: float, fixed: int, largest_load: int) -> int:
+    return fixed if capacity_factor > 0 else largest_load if capacity_factor == 0 else min(largest_load, fixed)
 
 
 def capacity_for(capacity_factor: float, max_load: int, num_tokens: int, num_experts: int,
@@ -54,17 +85,18 @@ def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: floa
     """
     T, K = expert_TK.shape
     order_T = None if priority_T is None else torch.sort(priority_T, descending=True, stable=True).indices
-    load_E = torch.bincount(expert_TK.reshape(-1), minlength=num_experts)
-    max_load = int(load_E.max()) if T > 0 else 0
-    capacity = capacity_for(capacity_factor, max_load, T, num_experts, K, min_capacity)
-    kept_E = load_E.clamp(max=capacity)
-    rows_per_expert = kept_E.tolist()
-    pos_TK, token_R = ops.route_slots(expert_TK, order_T, kept_E.cumsum(0) - kept_E, capacity, sum(rows_per_expert))
-    return Plan(token_R, pos_TK, pos_TK >= 0, load_E, rows_per_expert, capacity)
+    load_E = torch.zeros(num_experts, dtype=torch.long, device=expert_TK.device).scatter_add_(
+        0, expert_TK.reshape(-1), torch.ones_like(expert_TK.reshape(-1)))
+    fixed = fixed_capacity(abs(capacity_factor), T, num_experts, K, min_capacity) if capacity_factor else T
+    cap = T if capacity_factor == 0 else fixed
+    kept_E = load_E.clamp(max=cap)
+    offs_E = kept_E.cumsum(0)
+    pos_TK, _ = ops.route_slots(expert_TK, order_T, offs_E - kept_E, cap, T * K)
+    return Plan(pos_TK, pos_TK >= 0, load_E, kept_E, offs_E.to(torch.int32), cap, capacity_factor, fixed)
 
 
 def encode(x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """x_RD[r] = x_TD[token_R[r]]: each kept choice's token row, grouped by expert."""
+    """x_RD[r] = x_TD[token of row r]: each kept choice's token row, grouped by expert (T*K rows)."""
     return ops.scatter_rows(x_TD, plan.pos_TK, None, None, plan.num_rows)[0]
 
 

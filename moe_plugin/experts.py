@@ -6,12 +6,14 @@ With swiglu the first projection gives 2H columns: [gate | up].
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .config import MoEConfig
 
 
@@ -33,75 +35,72 @@ def activate(pre_RH: torch.Tensor, activation: str):
 
 
 def activation_backward(saved_RH: torch.Tensor, activation: str):
-    """From what activate() kept: the activations, and grad(activations) -> grad(pre-activation)."""
+    """From what activate() kept: the activations, and grad(activations) -> grad(pre-activation).
+    Written out op by op (no autograd inside backward), so torch.compile traces it."""
     if activation == "relu":
         return saved_RH, lambda grad_RH: torch.ops.aten.threshold_backward.grad_input(
             grad_RH, saved_RH, 0, grad_input=grad_RH)
-    with torch.enable_grad():
-        pre_RH = saved_RH.detach().requires_grad_()
-        act_RH = ACTIVATIONS[activation](pre_RH)
-    return act_RH.detach(), lambda grad_RH: torch.autograd.grad(act_RH, pre_RH, grad_RH)[0]
+    if activation == "gelu":
+        return F.gelu(saved_RH), lambda grad_RH: torch.ops.aten.gelu_backward(grad_RH, saved_RH)
+    if activation == "silu":
+        return F.silu(saved_RH), lambda grad_RH: torch.ops.aten.silu_backward(grad_RH, saved_RH)
+    gate_RH, up_RH = saved_RH.chunk(2, dim=-1)
+    silu_RH = F.silu(gate_RH)
+
+    def swiglu_backward(grad_RH):
+        return torch.cat([torch.ops.aten.silu_backward(grad_RH * up_RH, gate_RH), grad_RH * silu_RH], dim=-1)
+    return silu_RH * up_RH, swiglu_backward
 
 
-def _linear_into(out_RO, x_RI, weight_EIO, bias_EO, rows_per_expert):
-    blocks = zip(out_RO.split(rows_per_expert), x_RI.split(rows_per_expert), weight_EIO.unbind(0))
-    for e, (out_NO, x_NI, weight_IO) in enumerate(blocks):
-        if x_NI.shape[0]:
-            torch.mm(x_NI, weight_IO, out=out_NO)
-            if bias_EO is not None:  # a separate add is cheaper than addmm's copy of the bias on CPU
-                out_NO.add_(bias_EO[e])
-    return out_RO
+class _Cast(torch.autograd.Function):
+    """w.to(dtype) whose output and gradient (back in w's dtype) come from ops.new_empty: under autocast
+    the expert weights are cast every step, and on CPU fresh memory for them costs more than the copy."""
+
+    @staticmethod
+    def forward(ctx, w, dtype):
+        ctx.dtype = w.dtype
+        return ops.new_empty(w, *w.shape, dtype=dtype).copy_(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ops.new_empty(grad, *grad.shape, dtype=ctx.dtype).copy_(grad), None
 
 
-def _weight_grads(x_RI, grad_RO, weight_EIO, with_bias, rows_per_expert):
-    """Per expert: grad_W = x^T grad, grad_b = sum of grad rows. Experts with no rows get zeros."""
-    grad_w_EIO = torch.empty_like(weight_EIO)
-    grad_b_EO = weight_EIO.new_empty(weight_EIO.shape[0], weight_EIO.shape[2]) if with_bias else None
-    blocks = zip(x_RI.split(rows_per_expert), grad_RO.split(rows_per_expert), grad_w_EIO.unbind(0))
-    for e, (x_NI, grad_NO, grad_w_IO) in enumerate(blocks):
-        if x_NI.shape[0]:
-            torch.mm(x_NI.t(), grad_NO, out=grad_w_IO)
-        else:
-            grad_w_IO.zero_()
-        if with_bias:
-            torch.sum(grad_NO, dim=0, out=grad_b_EO[e])
-    return grad_w_EIO, grad_b_EO
-
-
-def _input_grad(grad_RO, weight_EIO, rows_per_expert):
-    grad_RI = grad_RO.new_empty(grad_RO.shape[0], weight_EIO.shape[1])
-    blocks = zip(grad_RI.split(rows_per_expert), grad_RO.split(rows_per_expert), weight_EIO.unbind(0))
-    for grad_NI, grad_NO, weight_IO in blocks:
-        if grad_NO.shape[0]:
-            torch.mm(grad_NO, weight_IO.t(), out=grad_NI)
-    return grad_RI
+def cast_weights(experts, dtype: torch.dtype):
+    """The experts' weights in dtype, differentiably (gradients return in the parameters' dtype)."""
+    if experts.w1_EDH.dtype == dtype:
+        return experts
+    cast = {name: None if getattr(experts, name) is None else _Cast.apply(getattr(experts, name), dtype)
+            for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")}
+    return SimpleNamespace(activation=experts.activation, **cast)
 
 
 class GroupedMLP(torch.autograd.Function):
-    """y = act(x W1[e] + b1[e]) W2[e] + b2[e] for each expert's block of rows."""
+    """y = act(x W1[e] + b1[e]) W2[e] + b2[e] for each expert's block of rows (ends in offs_E, on the
+    device; rows past the last offset give 0), on the grouped GEMM op."""
 
     @staticmethod
-    def forward(ctx, x_RD, rows_per_expert, activation, w1_EDH, b1_EH, w2_EHD, b2_ED):
+    def forward(ctx, x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED):
         x_RD = x_RD.contiguous()
-        pre_RH = _linear_into(x_RD.new_empty(x_RD.shape[0], w1_EDH.shape[2]), x_RD, w1_EDH, b1_EH, rows_per_expert)
-        act_RH, saved_RH = activate(pre_RH, activation)
-        y_RD = _linear_into(x_RD.new_empty(x_RD.shape[0], w2_EHD.shape[2]), act_RH, w2_EHD, b2_ED, rows_per_expert)
-        ctx.save_for_backward(x_RD, saved_RH, w1_EDH, w2_EHD)
-        ctx.rows_per_expert, ctx.activation = rows_per_expert, activation
+        act_RH, saved_RH = activate(ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH), activation)
+        y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
+        ctx.save_for_backward(x_RD, saved_RH, offs_E, w1_EDH, w2_EHD)
+        ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_RD
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_RD):
-        x_RD, saved_RH, w1_EDH, w2_EHD = ctx.saved_tensors
-        rows = ctx.rows_per_expert
+        x_RD, saved_RH, offs_E, w1_EDH, w2_EHD = ctx.saved_tensors
         grad_y_RD = grad_y_RD.contiguous()
         act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
-        grad_pre_RH = pre_grad(_input_grad(grad_y_RD, w2_EHD, rows))
-        grad_w2, grad_b2 = _weight_grads(act_RH, grad_y_RD, w2_EHD, ctx.bias2, rows)
-        grad_w1, grad_b1 = _weight_grads(x_RD, grad_pre_RH, w1_EDH, ctx.bias1, rows)
-        grad_x_RD = _input_grad(grad_pre_RH, w1_EDH, rows) if ctx.needs_input_grad[0] else None
+        grad_pre_RH = pre_grad(ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E))
+        grad_w2 = ops.grouped_mm(act_RH.t(), grad_y_RD, offs_E)
+        grad_b2 = ops.grouped_sum(grad_y_RD, offs_E) if ctx.bias2 else None
+        grad_w1 = ops.grouped_mm(x_RD.t(), grad_pre_RH, offs_E)
+        grad_b1 = ops.grouped_sum(grad_pre_RH, offs_E) if ctx.bias1 else None
+        grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
         return grad_x_RD, None, None, grad_w1, grad_b1, grad_w2, grad_b2
 
 
@@ -117,21 +116,36 @@ class Experts(nn.Module):
         super().__init__()
         D, H = config.model_dim, config.hidden_size
         local_experts = config.num_experts if local_experts is None else local_experts
+        self.config, self.first_expert = config, first_expert
         self.activation = config.activation
         self.slices, self.slice_index = slices, slice_index
-        base_seed = int(torch.randint(0, 2**62, ()))
-        weights = [self.full_expert(config, base_seed + first_expert + i) for i in range(local_experts)]
-        shards = [self.take_slice(w, slices, slice_index) for w in weights]
-        self.w1_EDH = nn.Parameter(torch.stack([w["w1"] for w in shards]))
-        self.w2_EHD = nn.Parameter(torch.stack([w["w2"] for w in shards]))
-        self.b1_EH = nn.Parameter(torch.stack([w["b1"] for w in shards])) if config.bias else None
-        self.b2_ED = nn.Parameter(torch.stack([w["b2"] for w in shards])) if config.bias else None
+        first_out = (2 * H if config.activation == "swiglu" else H) // slices
+        self.w1_EDH = nn.Parameter(torch.empty(local_experts, D, first_out))
+        self.w2_EHD = nn.Parameter(torch.empty(local_experts, H // slices, D))
+        self.b1_EH = nn.Parameter(torch.empty(local_experts, first_out)) if config.bias else None
+        self.b2_ED = nn.Parameter(torch.empty(local_experts, D)) if config.bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draws every expert afresh: a base seed from the global CPU RNG, then expert i from its own
+        generator. Built on the meta device, it only draws the seed (fill after to_empty)."""
+        base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        if self.w1_EDH.is_meta:
+            return
+        weights = [self.full_expert(self.config, base_seed + self.first_expert + i)
+                   for i in range(self.w1_EDH.shape[0])]
+        shards = [self.take_slice(w, self.slices, self.slice_index) for w in weights]
+        with torch.no_grad():
+            for name, key in (("w1_EDH", "w1"), ("w2_EHD", "w2"), ("b1_EH", "b1"), ("b2_ED", "b2")):
+                param = getattr(self, name)
+                if param is not None:
+                    param.copy_(torch.stack([w[key] for w in shards]))
 
     @staticmethod
     def full_expert(config: MoEConfig, seed: int) -> dict:
         D, H = config.model_dim, config.hidden_size
         first_out = 2 * H if config.activation == "swiglu" else H
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
         return {"w1": _uniform(D, first_out, fan_in=D, generator=generator),
                 "b1": _uniform(first_out, fan_in=D, generator=generator),
                 "w2": _uniform(H, D, fan_in=H, generator=generator),
@@ -152,11 +166,13 @@ class Experts(nn.Module):
             shard.update(b1=hidden_cols(expert["b1"]), b2=expert["b2"])
         return shard
 
-    def forward(self, x_RD: torch.Tensor, rows_per_expert: List[int]) -> torch.Tensor:
-        return GroupedMLP.apply(x_RD, rows_per_expert, self.activation,
+    def forward(self, x_RD: torch.Tensor, rows_per_expert) -> torch.Tensor:
+        """rows_per_expert: a list of ints or a tensor; x_RD may hold more rows (they give 0)."""
+        offs_E = ops.offsets(rows_per_expert, device=x_RD.device)
+        return GroupedMLP.apply(x_RD, offs_E, self.activation,
                                 self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED)
 
 
 def _uniform(*shape: int, fan_in: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     bound = 1.0 / math.sqrt(fan_in)
-    return torch.empty(*shape).uniform_(-bound, bound, generator=generator)
+    return torch.empty(*shape, device="cpu").uniform_(-bound, bound, generator=generator)

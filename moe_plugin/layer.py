@@ -4,6 +4,7 @@ Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -11,20 +12,24 @@ from torch import nn
 
 from . import dispatch
 from .config import MoEConfig
-from .experts import Experts
+from .experts import Experts, cast_weights
 from .fused import fused_moe
 from .parallel.expert_parallel import expert_parallel_moe
 from .parallel.groups import build_groups
 from .parallel.tuner import Tuner
-from .router import Router, finalize_gates
+from .router import Router, autocast_off, autocast_on, finalize_gates
 from .shared_expert import SharedExpert
 
 
 class MoELayer(nn.Module):
-    """forward(x[..., model_dim]) -> y of the same shape and dtype.
+    """forward(x[..., model_dim]) -> y of the same shape and dtype; under torch.autocast, of the
+    autocast dtype (as nn.Linear): the expert GEMMs and the routing kernels run in it, the router in
+    fp32 when fp32_router, and weight gradients come out in the parameters' dtype. Outside autocast
+    the input must have the parameters' dtype.
 
     After each forward: .aux_loss holds aux_loss_coef * balance loss + z_loss_coef * z-loss, and
-    .stats the tokens per expert, the dropped fraction and the capacity used.
+    .stats the tokens per expert, the dropped fraction and the capacity used (computed when read,
+    from device tensors: the training forward itself never waits for the device).
     """
 
     def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, ep_group=None, **kwargs):
@@ -46,8 +51,31 @@ class MoELayer(nn.Module):
         self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
         self.shared_expert = SharedExpert(config) if config.shared_hidden_size else None
         self.tuner = Tuner(self._candidates(), group=self.groups.ep_group) if self.is_parallel else None
-        self.aux_loss = torch.zeros(())
-        self.stats: dict = {}
+        self.aux_loss = torch.zeros((), device="cpu")
+        self._routing = None          # (load_E, kept_E, capacity info) of the last forward, for .stats
+        self._parallel_stats: dict = {}
+
+    def reset_parameters(self) -> None:
+        """Re-draws every submodule's parameters (after building on the meta device and to_empty)."""
+        for module in self.children():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.aux_loss = torch.zeros((), device="cpu")
+        self._routing = None
+
+    @property
+    def stats(self) -> dict:
+        """Tokens per expert, dropped fraction, capacity and capacity used of the last forward (plus the
+        parallel degrees chosen, with expert parallelism); read from the device now, not in forward."""
+        if self._routing is None:
+            return dict(self._parallel_stats)
+        return {**_stats(*self._routing), **self._parallel_stats}
+
+    def __getstate__(self):
+        """copy.deepcopy and pickling: the last forward's aux loss travels without its graph."""
+        state = dict(self.__dict__)
+        state["aux_loss"] = self.aux_loss.detach()
+        return state
 
     @property
     def is_parallel(self) -> bool:
@@ -90,6 +118,7 @@ class MoELayer(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
         x_TD = x.reshape(-1, cfg.model_dim)
+        dtype = self._compute_dtype(x)
 
         routes = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None, sequence_T=sequence_T)
         priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
@@ -97,29 +126,44 @@ class MoELayer(nn.Module):
                                     cfg.min_capacity, priority_T)
         gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate, cfg.route_scale)
 
-        gate_TK = gate_TK.to(x_TD.dtype)
+        # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
         shared = _SharedOutput(self.shared_expert, x_TD)
+        x_TD, gate_TK, experts = x_TD.to(dtype), gate_TK.to(dtype), cast_weights(self.experts, dtype)
         if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
-            y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, parallel, overlap_degree, shared)
+            with autocast_off(x.device.type):   # the expert path runs in dtype already
+                y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree,
+                                                       shared)
         else:
             shared()
-            y_TD, degrees = fused_moe(x_TD, gate_TK, plan, self.experts), None
+            with autocast_off(x.device.type):
+                y_TD, degrees = fused_moe(x_TD, gate_TK, plan, experts), None
         y_TD = shared.add_to(y_TD)
 
         self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
-        self.stats = _stats(plan, cfg.num_experts, x_TD.shape[0], cfg.top_k)
+        self._routing = (plan.load_E.detach(), plan.kept_E.detach(), plan.capacity_factor, plan.fixed,
+                         x_TD.shape[0], cfg.top_k)
         if degrees is not None:
-            self.stats.update(parallel=degrees[0], overlap_degree=degrees[1],
-                              tuned=None if self.tuner.chosen is None else list(self.tuner.chosen))
-        return y_TD.view(x.shape)
+            self._parallel_stats = dict(parallel=degrees[0], overlap_degree=degrees[1],
+                                        tuned=None if self.tuner.chosen is None else list(self.tuner.chosen))
+        return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
 
-    def _parallel_forward(self, x_TD, gate_TK, plan, parallel, overlap_degree, in_flight):
+    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The autocast dtype under autocast; else the input's, which must be the parameters'."""
+        if autocast_on(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        param_dtype = self.experts.w1_EDH.dtype
+        if x.dtype != param_dtype:
+            raise TypeError(f"MoELayer got an input of dtype {x.dtype} but its parameters are {param_dtype}: "
+                            f"cast the input or the layer (layer.to({x.dtype})), or run under torch.autocast")
+        return x.dtype
+
+    def _parallel_forward(self, x_TD, gate_TK, plan, experts, parallel, overlap_degree, in_flight):
         tuning = parallel is None and overlap_degree is None and self.training and torch.is_grad_enabled()
         r, d = self.tuner.current()
         r = r if parallel is None else parallel
         d = d if overlap_degree is None else overlap_degree
         with self.tuner.timed() as timer:
-            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, self.experts, self.groups, r, d, self.config.a2a,
+            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, self.config.a2a,
                                        in_flight=in_flight)
         if tuning:
             self.tuner.record((r, d), timer.seconds)
@@ -133,28 +177,35 @@ class MoELayer(nn.Module):
 
 
 class _SharedOutput:
-    """Computes the shared expert's output when called (once), adds it to the routed output."""
+    """Computes the shared expert's output when called (once; under the autocast that was on when this
+    was made, as the call may come from inside the expert path), adds it to the routed output."""
 
     def __init__(self, shared_expert: Optional[SharedExpert], x_TD: torch.Tensor):
         self.shared_expert, self.x_TD, self.y_TD = shared_expert, x_TD, None
+        device = x_TD.device.type
+        self.autocast = (device, torch.get_autocast_dtype(device)) if autocast_on(device) else None
 
     def __call__(self) -> None:
         if self.shared_expert is not None and self.y_TD is None:
-            self.y_TD = self.shared_expert(self.x_TD)
+            with torch.autocast(self.autocast[0], dtype=self.autocast[1]) if self.autocast else contextlib.nullcontext():
+                self.y_TD = self.shared_expert(self.x_TD)
 
     def add_to(self, y_TD: torch.Tensor) -> torch.Tensor:
         self()
-        return y_TD if self.y_TD is None else y_TD + self.y_TD
+        return y_TD if self.y_TD is None else y_TD + self.y_TD.to(y_TD.dtype)
 
 
-def _stats(plan: dispatch.Plan, num_experts: int, num_tokens: int, top_k: int) -> dict:
-    choices = num_tokens * top_k
-    slots = plan.capacity * num_experts
+def _stats(load_E: torch.Tensor, kept_E: torch.Tensor, capacity_factor: float, fixed: int, num_tokens: int,
+           top_k: int) -> dict:
+    load, kept = load_E.tolist(), int(kept_E.sum())
+    largest = max(load, default=0) if num_tokens else 0
+    capacity = dispatch.padded_capacity(capacity_factor, fixed, largest)
+    choices, slots = num_tokens * top_k, capacity * len(load)
     return {
-        "tokens_per_expert": plan.load_E.tolist(),
-        "dropped_fraction": 1.0 - plan.num_rows / choices if choices else 0.0,
-        "capacity": plan.capacity,
-        "capacity_used": plan.num_rows / slots if slots else 0.0,
+        "tokens_per_expert": load,
+        "dropped_fraction": 1.0 - kept / choices if choices else 0.0,
+        "capacity": capacity,
+        "capacity_used": kept / slots if slots else 0.0,
     }
 
 

@@ -13,6 +13,7 @@ M experts per group, S tokens per sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Tuple
 
@@ -32,13 +33,15 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     w_ED = router.weight_ED
     router_dtype = torch.promote_types(x.dtype, torch.float32) if cfg.fp32_router else x.dtype
     xr_TD, wr_ED = x_TD.to(router_dtype), w_ED.to(router_dtype)
-    if cfg.router == "cosine":
-        scale = torch.exp(torch.clamp(router.log_scale, max=math.log(100.0))).to(xr_TD.dtype)
-        unit_x = xr_TD / xr_TD.norm(dim=1, keepdim=True).clamp(min=1e-12)
-        unit_w = wr_ED / wr_ED.norm(dim=1, keepdim=True).clamp(min=1e-12)
-        logits_TE = torch.einsum("td,ed->te", unit_x, unit_w) * scale
-    else:
-        logits_TE = torch.einsum("td,ed->te", xr_TD, wr_ED)
+    fp32_logits = cfg.fp32_router and torch.amp.is_autocast_available(x.device.type)
+    with torch.autocast(x.device.type, enabled=False) if fp32_logits else contextlib.nullcontext():
+        if cfg.router == "cosine":
+            scale = torch.exp(torch.clamp(router.log_scale, max=math.log(100.0))).to(xr_TD.dtype)
+            unit_x = xr_TD / xr_TD.norm(dim=1, keepdim=True).clamp(min=1e-12)
+            unit_w = wr_ED / wr_ED.norm(dim=1, keepdim=True).clamp(min=1e-12)
+            logits_TE = torch.einsum("td,ed->te", unit_x, unit_w) * scale
+        else:
+            logits_TE = torch.einsum("td,ed->te", xr_TD, wr_ED)
     if cfg.router == "sigmoid":
         scores_TE = torch.sigmoid(logits_TE)
         probs_TE = scores_TE / scores_TE.sum(1, keepdim=True)

@@ -6,6 +6,7 @@ N sequences, S tokens per sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -62,10 +63,13 @@ class Router(nn.Module):
         return self
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        weight_ED = self.weight_ED
-        if self.config.fp32_router:
+        if self.config.fp32_router:    # in fp32 under autocast too: routes must not flip with rounding
             dtype = torch.promote_types(x_TD.dtype, torch.float32)
-            x_TD, weight_ED = x_TD.to(dtype), weight_ED.to(dtype)
+            with autocast_off(x_TD.device.type):
+                return self._logits(x_TD.to(dtype), self.weight_ED.to(dtype))
+        return self._logits(x_TD, self.weight_ED)
+
+    def _logits(self, x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
         if self.config.router == "cosine":
             scale = self.log_scale.clamp(max=math.log(COSINE_MAX_SCALE)).exp()
             return F.normalize(x_TD, dim=-1) @ F.normalize(weight_ED, dim=-1).t() * scale.to(x_TD.dtype)
@@ -140,6 +144,17 @@ def best_groups_only(choice_TE: torch.Tensor, num_groups: int, topk_groups: int)
     best_TG = group_TG.topk(topk_groups, dim=-1).indices
     outside_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, False)
     return choice_TGM.masked_fill(outside_TG.unsqueeze(-1), -math.inf).view(T, E)
+
+
+def autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str):
+    """A context without autocast for device_type (nothing to do for devices autocast does not know)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def finalize_gates(gate_TK: torch.Tensor, kept_TK: torch.Tensor, normalize: str, scale: float = 1.0) -> torch.Tensor:

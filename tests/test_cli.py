@@ -28,6 +28,14 @@ def test_bench_json_times_every_candidate_and_checks_the_einsum_reference():
     assert result["config"]["num_experts"] == 4 and result["tokens"] == 57
 
 
+def test_bench_under_autocast_with_compile(capsys):
+    assert main(TINY + ["--autocast", "bf16", "--compile", "--skip", "deepspeed"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["median_ms"]) == {"moe_plugin", "compiled", "bare_gemm", "einsum"}
+    assert result["autocast"] == "bf16" and all(ms > 0 for ms in result["median_ms"].values())
+    assert result["notes"]["max_abs_diff_vs_einsum"] < 5e-2      # bf16 outputs of the same routes
+
+
 def test_bench_table(capsys):
     assert main(TINY[:-1] + ["--skip", "einsum,deepspeed"]) == 0
     table = capsys.readouterr().out

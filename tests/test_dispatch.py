@@ -32,14 +32,13 @@ def test_plan_matches_counting_loop(T, E, K, cf, prioritized):
     assert plan.load_E.tolist() == load
     assert plan.capacity == capacity_for(cf, max(load, default=0), T, E, K, 2)
     kept_rows = [min(n, plan.capacity) for n in load]
-    assert plan.rows_per_expert == kept_rows and plan.num_rows == sum(kept_rows)
+    assert plan.rows_per_expert == kept_rows and plan.num_rows == T * K   # static: T*K rows
     start = [sum(kept_rows[:e]) for e in range(E)]
+    assert plan.offs_E.dtype == torch.int32 and plan.offs_E.tolist() == [start[e] + kept_rows[e] for e in range(E)]
     for (t, k), s in slot.items():
         e = int(expert_TK[t, k])
         expected = start[e] + s if s < plan.capacity else -1
         assert int(plan.pos_TK[t, k]) == expected
-        if expected >= 0:
-            assert int(plan.token_R[expected]) == t
     assert torch.equal(plan.kept_TK, plan.pos_TK >= 0)
 
 
@@ -74,6 +73,8 @@ def test_encode_decode_against_loops():
     plan = _plan(T=31, E=4, K=3, cf=0.7)
     x_TD, gate_TK = torch.randn(31, 5), torch.rand(31, 3)
     x_RD = encode(x_TD, plan)
+    kept = int(plan.kept_TK.sum())
+    assert x_RD.shape == (31 * 3, 5) and not x_RD[kept:].any(), "rows past the kept ones are zero"
     for t in range(31):
         for k in range(3):
             row = int(plan.pos_TK[t, k])
@@ -86,8 +87,8 @@ def test_encode_decode_against_loops():
 
 
 def test_all_dropped_and_empty():
-    plan = Plan(torch.zeros(0, dtype=torch.long), torch.full((4, 2), -1), torch.zeros(4, 2, dtype=torch.bool),
-                torch.tensor([4, 4]), [0, 0], 0)
+    plan = Plan(torch.full((4, 2), -1), torch.zeros(4, 2, dtype=torch.bool), torch.tensor([4, 4]),
+                torch.tensor([0, 0]), torch.tensor([0, 0], dtype=torch.int32), 0, 0.5, 0)
     x_TD = torch.randn(4, 3, requires_grad=True)
     gate_TK = torch.rand(4, 2, requires_grad=True)
     y_TD = decode(encode(x_TD, plan), gate_TK, plan)

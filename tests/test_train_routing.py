@@ -1,7 +1,7 @@
 """`moe-plugin train` with the modern routing keys: the bias moves once per step, survives resume."""
 import torch
 
-from moe_plugin import train
+from moe_plugin import checkpoint, train
 from test_train import TINY, run
 
 ROUTING = ["moe.router=sigmoid", "moe.num_experts=8", "moe.top_k=4", "moe.num_groups=4", "moe.topk_groups=2",
@@ -10,7 +10,7 @@ ROUTING = ["moe.router=sigmoid", "moe.num_experts=8", "moe.top_k=4", "moe.num_gr
 
 
 def final_biases(path):
-    state = torch.load(path, weights_only=True)["model"]
+    state = checkpoint.nest(checkpoint.full_state(path))["model"]   # a sharded checkpoint folder, read whole
     return {k: v for k, v in state.items() if k.endswith("router.expert_bias_E")}
 
 
@@ -18,7 +18,7 @@ def test_bias_moves_once_per_step_and_resumes_exactly(tmp_path, fresh_seed):
     common = [*TINY, *ROUTING, "train.steps=8", "train.eval_every=4", "train.checkpoint_every=4", "log.every=1",
               "log.plots=false", f"train.seed={fresh_seed}", f"data.seed={fresh_seed}"]
     full, records = run(tmp_path, *common, name="full")
-    biases = final_biases(tmp_path / "full" / "checkpoints" / "step_000008.pt")
+    biases = final_biases(tmp_path / "full" / "checkpoints" / "step_000008")
     assert len(biases) == 1 and records[-1]["step"] == 8
     for bias in biases.values():
         steps = bias / 0.01      # 8 steps of +-rate (or 0 for an expert exactly at the mean)
@@ -27,7 +27,7 @@ def test_bias_moves_once_per_step_and_resumes_exactly(tmp_path, fresh_seed):
     run(tmp_path, *common, "train.stop_at=4", name="split")
     resumed, _ = run(tmp_path, *common, "train.resume=latest", name="split")
     assert resumed["param_sha256_per_rank"] == full["param_sha256_per_rank"]
-    split = final_biases(tmp_path / "split" / "checkpoints" / "step_000008.pt")
+    split = final_biases(tmp_path / "split" / "checkpoints" / "step_000008")
     assert all(torch.equal(split[k], biases[k]) for k in biases)
 
 

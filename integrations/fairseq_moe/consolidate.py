@@ -1,4 +1,5 @@
-"""Merge the per-rank checkpoints of an expert-parallel run into one single-process checkpoint.
+"""Merge the per-rank checkpoints of an expert-parallel run into one single-process checkpoint, or
+reshard them to another --moe-ep-size.
 
 With --moe-ep-size N > 1 every rank saves its own checkpoint (checkpoint_last-rank-<R>.pt, see
 models.py) holding the shared weights and its own experts. This writes one checkpoint with all
@@ -7,12 +8,24 @@ experts and moe_ep_size 1, which fairseq-eval-lm, fairseq-generate and fairseq-t
 
     python -m moe_plugin.integrations.fairseq_moe.consolidate SAVE_DIR/checkpoint_last-rank-0.pt OUT.pt
 
+or, with --ep-size M > 1 (and --world-size W, a multiple of M; default M), the W per-rank
+checkpoints OUT_DIR/checkpoint_last-rank-<R>.pt of a run with --moe-ep-size M on W processes:
+
+    python -m moe_plugin.integrations.fairseq_moe.consolidate SAVE_DIR/checkpoint_last-rank-0.pt OUT_DIR --ep-size 4
+
 Shared weights come from rank 0; each expert tensor is concatenated over ranks 0 .. N-1 (one
-expert-parallel group; the other groups hold copies). Optimizer state is left out.
+expert-parallel group; the other groups hold copies) and, to reshard, cut into M equal blocks of
+experts: rank R gets block R % M. Optimizer state is left out (its expert moments are per rank and
+fairseq keys them by parameter position), so fairseq-train resumes such a checkpoint with the
+weights only: a fresh optimizer, LR schedule and update count, as with --reset-optimizer.
+(`moe-plugin train` checkpoints reshard with their optimizer state: moe_plugin/train/checkpoint.py.)
 """
 import argparse
+import copy
+import os
 import re
 import sys
+import tempfile
 from typing import List, Optional
 
 import torch
@@ -27,8 +40,8 @@ def rank_paths(rank0_path: str, ep_size: int) -> List[str]:
     return [f"{match.group(1)}{rank}{match.group(2)}" for rank in range(ep_size)]
 
 
-def consolidate(rank0_path: str, out_path: str) -> int:
-    """Write the merged checkpoint; returns the ep_size merged over."""
+def merged(rank0_path: str):
+    """(rank 0's checkpoint, its model with every expert, the ep_size merged over)."""
     first = torch.load(rank0_path, map_location="cpu", weights_only=False)
     model_args = first["cfg"]["model"]
     ep_size, num_experts = model_args.moe_ep_size, model_args.moe_expert_count
@@ -37,28 +50,79 @@ def consolidate(rank0_path: str, out_path: str) -> int:
                          f"ranks; merging sliced experts is not supported")
     states = [first["model"]] + [torch.load(path, map_location="cpu", weights_only=False)["model"]
                                  for path in rank_paths(rank0_path, ep_size)[1:]]
-    merged = {}
+    merged_model = {}
     for key, value in first["model"].items():
         if key.endswith(EXPERT_TENSORS):
-            merged[key] = torch.cat([state[key] for state in states], dim=0)
+            merged_model[key] = torch.cat([state[key] for state in states], dim=0)
         else:
-            merged[key] = value
-    model_args.moe_ep_size = 1
-    model_args.base_layers = 0
-    first["model"] = merged
-    first["cfg"]["checkpoint"]["checkpoint_suffix"] = ""
-    first.pop("last_optimizer_state", None)
-    torch.save(first, out_path)
+            merged_model[key] = value
+    return first, merged_model, ep_size
+
+
+def consolidate(rank0_path: str, out_path: str) -> int:
+    """Write the merged checkpoint; returns the ep_size merged over."""
+    first, model, ep_size = merged(rank0_path)
+    _write(first, model, 1, "", out_path)
     return ep_size
+
+
+def reshard(rank0_path: str, out_dir: str, new_ep_size: int, world_size: Optional[int] = None) -> List[str]:
+    """Write the per-rank checkpoints of a run with --moe-ep-size new_ep_size on world_size processes."""
+    world_size = world_size or new_ep_size
+    first, model, _ = merged(rank0_path)
+    num_experts = first["cfg"]["model"].moe_expert_count
+    if new_ep_size < 1 or num_experts % new_ep_size:
+        raise ValueError(f"--ep-size {new_ep_size} is invalid: must divide --moe-expert-count {num_experts} "
+                         f"(ep sizes above the expert count slice experts, which resharding does not do)")
+    if world_size % new_ep_size:
+        raise ValueError(f"--world-size {world_size} is invalid: must be a multiple of --ep-size {new_ep_size}")
+    name = os.path.basename(rank_paths(rank0_path, 1)[0])[:-len("-rank-0.pt")]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for rank in range(world_size):
+        block = rank % new_ep_size
+        local = {key: value.chunk(new_ep_size, dim=0)[block].clone() if key.endswith(EXPERT_TENSORS) else value
+                 for key, value in model.items()}
+        suffix = f"-rank-{rank}" if new_ep_size > 1 else ""
+        paths.append(os.path.join(out_dir, f"{name}{suffix}.pt"))
+        _write(first, local, new_ep_size, suffix, paths[-1])
+        if new_ep_size == 1:
+            break
+    return paths
+
+
+def _write(first: dict, model: dict, ep_size: int, suffix: str, path: str) -> None:
+    """first with this model and ep_size, written atomically (a temporary file beside it, renamed into place)."""
+    state = dict(first, model=model)
+    state["cfg"] = copy.deepcopy(first["cfg"])
+    state["cfg"]["model"].moe_ep_size = ep_size
+    state["cfg"]["model"].base_layers = 1 if ep_size > 1 else 0   # fairseq's switch for per-rank checkpoints
+    state["cfg"]["checkpoint"]["checkpoint_suffix"] = suffix
+    state.pop("last_optimizer_state", None)
+    handle, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(handle, "wb") as file:
+        torch.save(state, file)
+    os.replace(tmp, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rank0_checkpoint", help="the rank-0 checkpoint, e.g. SAVE_DIR/checkpoint_last-rank-0.pt")
-    parser.add_argument("out", help="where to write the merged checkpoint")
+    parser.add_argument("out", help="where to write the merged checkpoint (with --ep-size M > 1: a folder)")
+    parser.add_argument("--ep-size", type=int, default=1, help="the --moe-ep-size to reshard to (default 1: merge)")
+    parser.add_argument("--world-size", type=int, default=None, help="the processes of the resumed run "
+                                                                        "(a multiple of --ep-size; default: --ep-size)")
     args = parser.parse_args(argv)
-    ep_size = consolidate(args.rank0_checkpoint, args.out)
-    print(f"merged the experts of {ep_size} ranks into {args.out}")
+    try:
+        if args.ep_size == 1 and args.world_size in (None, 1):
+            ep_size = consolidate(args.rank0_checkpoint, args.out)
+            print(f"merged the experts of {ep_size} ranks into {args.out}")
+        else:
+            paths = reshard(args.rank0_checkpoint, args.out, args.ep_size, args.world_size)
+            print(f"resharded the experts to --moe-ep-size {args.ep_size}: {len(paths)} checkpoints in {args.out}")
+    except ValueError as error:
+        print(f"consolidate: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

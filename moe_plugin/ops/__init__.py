@@ -1,5 +1,6 @@
 """The routing kernels as torch custom ops (moe_plugin::route_slots, ::scatter_rows, ::gather_sum),
-with autograd and fake (meta) implementations so torch.compile can trace through them.
+with autograd and fake (meta) implementations so torch.compile can trace through them; the expert
+GEMMs as moe_plugin::grouped_mm (grouped.py).
 
 Each op runs on one of three kernel sets, chosen per device:
   native   the C++ CPU kernels in csrc/ (built on first use, then cached)
@@ -19,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import native, torch_ops
+from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401  (moe_plugin::grouped_mm)
 
 ENV = "MOE_PLUGIN_KERNELS"
 MODES = ("auto", "native", "torch")
@@ -77,15 +79,16 @@ def describe() -> Dict[str, str]:
     return report
 
 
-def new_empty(like: torch.Tensor, *shape: int) -> torch.Tensor:
-    """An uninitialized tensor of like's dtype and device; on CPU with the native kernels, large ones
-    come from their block pool (reused across steps instead of page-faulted in afresh)."""
+def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An uninitialized tensor of like's device and dtype (or dtype); on CPU with the native kernels, large
+    ones come from their block pool (reused across steps instead of page-faulted in afresh)."""
+    dtype = like.dtype if dtype is None else dtype
     if torch.compiler.is_compiling():      # inside a compiled graph the compiler owns the memory
-        return like.new_empty(shape)
+        return like.new_empty(shape, dtype=dtype)
     module, name, _ = kernels_for(like.device)
     if name == "native":
-        return module.empty(list(shape), like.dtype)
-    return like.new_empty(shape)
+        return module.empty(list(shape), dtype)
+    return like.new_empty(shape, dtype=dtype)
 
 
 # ---- custom ops -------------------------------------------------------------------------------
@@ -106,9 +109,13 @@ def _(expert_TK, order_T, row_start_E, capacity, num_rows):
 @torch.library.custom_op("moe_plugin::scatter_rows", mutates_args=())
 def scatter_rows(src_TD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[torch.Tensor],
                  other_RD: Optional[torch.Tensor], num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out_RD[pos[t, k]] = scale[t, k] * src_TD[t]; dot_TK = <src_TD[t], other_RD[pos[t, k]]>: see torch_ops."""
+    """out_RD[pos[t, k]] = scale[t, k] * src_TD[t]; dot_TK = <src_TD[t], other_RD[pos[t, k]]>: see torch_ops.
+    Rows no choice names (past the kept ones) are zero."""
     kernels = kernels_for(src_TD.device)[0]
-    return kernels.scatter_rows(src_TD, pos_TK, scale_TK, other_RD, num_rows)
+    out_RD, dot_TK = kernels.scatter_rows(src_TD, pos_TK, scale_TK, other_RD, num_rows)
+    if num_rows:
+        zero_rows_past(out_RD, (pos_TK >= 0).sum())    # the kept rows come first; the rest hold no choice
+    return out_RD, dot_TK
 
 
 @scatter_rows.register_fake

@@ -1,11 +1,12 @@
 """Builds (once, then cached) and loads the C++ CPU kernels in csrc/ with torch's JIT extension loader.
 
 The build lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions),
-keyed by the sources and flags, so later processes load it in well under a second.
+in a folder named by a hash of the sources, so later processes load it in well under a second.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import shutil
 import sys
 from pathlib import Path
@@ -34,11 +35,13 @@ def load() -> Tuple[Optional[ModuleType], str]:
     if compiler is None:
         return None, "no C++ compiler (c++ / g++) on PATH"
     from torch.utils import cpp_extension
+    # one build folder per source version: checkouts of different versions never rebuild over each other
+    name = f"{MODULE_NAME}_{hashlib.sha1(b''.join(path.read_bytes() for path in sources)).hexdigest()[:10]}"
     try:
-        if not (Path(cpp_extension._get_build_directory(MODULE_NAME, False)) / f"{MODULE_NAME}.so").is_file():
+        if not (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").is_file():
             print("moe_plugin: building the native CPU kernels (first use only, about a minute)...",
                   file=sys.stderr, flush=True)
-        module = cpp_extension.load(name=MODULE_NAME, sources=[str(path) for path in sources],
+        module = cpp_extension.load(name=name, sources=[str(path) for path in sources],
                                     extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # any build or load failure means: use the torch path and say why
         detail = str(error).strip().splitlines()

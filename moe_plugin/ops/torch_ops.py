@@ -3,7 +3,8 @@ and the path taken when no native kernel is available.
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept choices, grouped by expert).
 pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped; every
-row 0..R-1 is the position of exactly one kept choice.
+kept row is the position of exactly one kept choice. R may exceed the kept rows (the layer sizes
+its rows statically, T*K): the rows no choice names come last, and their contents are unspecified.
 """
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[to
 
 
 def tokens_of_rows(pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """token_R[pos_TK[t, k]] = t for every kept choice."""
+    """token_R[pos_TK[t, k]] = t for every kept choice; 0 for rows no choice names (the rows past
+    the kept ones when the routed rows have a static T*K size)."""
     kept_TK = pos_TK >= 0
-    token_R = torch.empty(num_rows, dtype=torch.long, device=pos_TK.device)
+    token_R = torch.zeros(num_rows, dtype=torch.long, device=pos_TK.device)
     token_R[pos_TK[kept_TK]] = torch.nonzero(kept_TK)[:, 0]
     return token_R
 
@@ -80,7 +82,7 @@ def tokens_of_rows(pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
 def choices_to_rows(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """values_R[pos_TK[t, k]] = values_TK[t, k] for every kept choice."""
     kept_TK = pos_TK >= 0
-    values_R = values_TK.new_empty(num_rows)
+    values_R = values_TK.new_zeros(num_rows)
     values_R[pos_TK[kept_TK]] = values_TK[kept_TK]
     return values_R
 

@@ -6,6 +6,10 @@ it, partial outputs summed on return); weights are first gathered over the G = S
 whose slices make one compute slice. The rows are cut into d chunks: chunk c + 1 is in flight
 while chunk c is computed, and chunk c's results travel back while chunk c + 1 is computed.
 
+The one host synchronization of the layer's forward is here, in route_counts: all-to-all needs
+the split sizes (rows per destination rank, and per source rank on arrival) as host ints, so the
+gathered counts C[w, e] are copied to the host once per forward. The single-process path has none.
+
 Legend: T tokens, D model dim, E experts, W ranks, R routed rows on this rank, C[w, e] rows that
 rank w routes to expert e (kept ones), S slices per expert, G ranks gathered per compute slice.
 """
@@ -15,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from .. import dispatch
+from .. import dispatch, ops
 from ..experts import GroupedMLP
 from ..fused import fused_moe
 from .all_to_all import PendingAllToAll, all_to_all_2dh, gather_sum, ranges, segment_permutation
@@ -23,8 +27,9 @@ from .groups import ExpertGroups
 
 
 def route_counts(plan: dispatch.Plan, group, device) -> torch.Tensor:
-    """C[w, e]: kept rows of every rank for every expert (one small all-gather)."""
-    mine_E = torch.tensor(plan.rows_per_expert, dtype=torch.long, device=device)
+    """C[w, e]: kept rows of every rank for every expert (one small all-gather), on the host: the
+    all-to-all split sizes come from it (the layer's one host synchronization)."""
+    mine_E = plan.kept_E.to(device=device, dtype=torch.long)
     all_WE = mine_E.new_empty((dist.get_world_size(group),) + tuple(mine_E.shape))
     dist.all_gather(list(all_WE.unbind(0)), mine_E, group=group)
     return all_WE.cpu()
@@ -84,7 +89,7 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
         return fused_moe(x_TD, gate_TK, plan, weights)   # all experts are here: no token exchange
 
     counts_WE = route_counts(plan, groups.ep_group, x_TD.device)
-    x_RD = dispatch.encode(x_TD, plan)
+    x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
     row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
     chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
 
@@ -100,7 +105,8 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
         x_in_RD = pending[c].wait()
         if chunk.group_by_expert is not None:
             x_in_RD = x_in_RD.index_select(0, chunk.group_by_expert)
-        y_in_RD = GroupedMLP.apply(x_in_RD, chunk.rows_per_local_expert, weights.activation,
+        offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
+        y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
                                    weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED)
         if chunk.group_by_expert is not None:
             y_in_RD = y_in_RD.index_select(0, chunk.ungroup)

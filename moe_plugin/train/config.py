@@ -34,7 +34,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 200      # 0: only at the end of the run
     keep_checkpoints: int = 2        # keep the newest n; 0: all
-    resume: Optional[str] = None     # a checkpoint file, or "latest" (the newest in log.out_dir)
+    resume: Optional[str] = None     # a checkpoint folder, or "latest" (the newest in log.out_dir)
     device: str = "auto"             # auto (cuda when available), cpu or cuda
 
 

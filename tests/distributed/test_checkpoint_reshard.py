@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from launch import run_workers
-from moe_plugin import aux_loss, train
+from moe_plugin import aux_loss, train, update_expert_bias
 from moe_plugin.data import make_data
 from moe_plugin.experts import Experts
 from moe_plugin.parallel.expert_grads import expert_layers
@@ -45,6 +45,7 @@ def _train_and_save(rank, world_size, overrides, out, steps):
         loss.backward()
         train.clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size)
         parts.optimizer.step()
+        update_expert_bias(model)
         parts.scheduler.step()
     train.save(parts, procs, cfg, Path(out), steps, train.Window())
 
@@ -117,6 +118,10 @@ MOVES = {
                                                     "moe.activation=swiglu", "moe.bias=true"]),
                                                (2, ["parallel.ep_size=2", "moe.num_experts=2", "moe.top_k=1",
                                                     "moe.activation=swiglu", "moe.bias=true"])),
+    # a shared expert (replicated) and the auxiliary-loss-free router bias (a buffer, the same on every rank)
+    "shared expert and router bias, 2 processes ep 2 -> 1 process": (
+        (2, ["parallel.ep_size=2", "moe.shared_hidden_size=16", "moe.expert_bias_update_rate=0.01"]),
+        (1, ["moe.shared_hidden_size=16", "moe.expert_bias_update_rate=0.01"])),
     "1 process -> sliced swiglu ep 4": ((1, ["moe.num_experts=2", "moe.top_k=1", "moe.activation=swiglu"]),
                                         (4, ["parallel.ep_size=4", "moe.num_experts=2", "moe.top_k=1",
                                              "moe.activation=swiglu"])),
@@ -138,5 +143,8 @@ def test_resume_in_another_layout_restores_every_tensor_exactly(tmp_path, fresh_
         assert result["data_ok"], rank
         assert result["window_steps"] == 0
         assert result["checked"] > 10
+    if "router bias" in move:
+        bias = [v for k, v in full["model"].items() if k.endswith("router.expert_bias_E")]
+        assert bias and all(float(b.abs().max()) > 0 for b in bias)   # it moved, and came back exactly
     if dst_world > 1:
         assert results[0]["experts_here"] >= 1   # the MoE layer really is expert-parallel after the move

@@ -28,14 +28,16 @@ def compare_with_single_process(rank, world, specs):
     for spec in specs:
         torch.manual_seed(spec["seed"])
         base = dict(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"], capacity_factor=spec["cf"],
-                    min_capacity=0, activation=spec.get("activation", "relu"), z_loss_coef=0.01)
-        reference = MoELayer(MoEConfig(**base)).double()
+                    min_capacity=0, activation=spec.get("activation", "relu"), z_loss_coef=0.01,
+                    bias=spec.get("bias", True))
+        dtype = spec.get("dtype", torch.float64)    # fp32 runs the experts on grouped_mm, fp64 on the loop
+        reference = MoELayer(MoEConfig(**base)).to(dtype)
         layer = MoELayer(MoEConfig(**base, ep_size=world, parallel=spec["r"], overlap_degree=spec["d"],
-                                   a2a=spec["a2a"], node_size=spec.get("node"))).double()
+                                   a2a=spec["a2a"], node_size=spec.get("node"))).to(dtype)
         layer.load_full_state_dict(reference.state_dict())
         generator = torch.Generator().manual_seed(spec["seed"] + 1)
-        xs = [torch.randn(n, D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
-        upstreams = [torch.randn(n, D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
+        xs = [torch.randn(n, D, generator=generator, dtype=torch.float64).to(dtype) for n in spec["tokens"]]
+        upstreams = [torch.randn(n, D, generator=generator, dtype=torch.float64).to(dtype) for n in spec["tokens"]]
 
         names = [n for n, _ in reference.named_parameters()]
         total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
@@ -81,7 +83,8 @@ def _check(results, specs):
     for spec in specs:
         for rank, worst in enumerate(results):
             error, where, _ = worst[spec["name"]]
-            assert error < 1e-10, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
+            tolerance = 1e-5 if spec.get("dtype") == torch.float32 else 1e-10
+            assert error < tolerance, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
 
 
 SPECS_2 = [
@@ -93,6 +96,20 @@ SPECS_2 = [
     dict(name="sliced experts r1", E=1, k=1, cf=0.0, r=1, d=1, a2a="flat", tokens=[6, 3], seed=5),
     dict(name="sliced experts r2 gelu", E=1, k=1, cf=1.0, r=2, d=2, a2a="flat", tokens=[0, 7], seed=6,
          activation="gelu"),
+]
+
+# fp32: the expert compute on grouped_mm in every expert-parallel mode, each activation, with and without biases
+SPECS_2_FP32 = [
+    dict(name="fp32 ep relu bias", E=4, k=2, cf=0.8, r=1, d=1, a2a="flat", tokens=[21, 9], seed=31,
+         dtype=torch.float32),
+    dict(name="fp32 ep gelu no bias overlap", E=4, k=2, cf=0.0, r=1, d=2, a2a="flat", tokens=[12, 17], seed=32,
+         dtype=torch.float32, activation="gelu", bias=False),
+    dict(name="fp32 gathered silu", E=4, k=3, cf=1.0, r=0, d=1, a2a="flat", tokens=[8, 15], seed=33,
+         dtype=torch.float32, activation="silu"),
+    dict(name="fp32 sliced r2 swiglu no bias", E=1, k=1, cf=0.0, r=2, d=1, a2a="flat", tokens=[11, 6], seed=34,
+         dtype=torch.float32, activation="swiglu", bias=False),
+    dict(name="fp32 sliced r1 swiglu bias", E=1, k=1, cf=-1.0, r=1, d=2, a2a="flat", tokens=[5, 13], seed=35,
+         dtype=torch.float32, activation="swiglu"),
 ]
 
 SPECS_4 = [
@@ -112,6 +129,11 @@ SPECS_4 = [
 @pytest.mark.timeout(300)
 def test_two_processes_match_single_process():
     _check(run_workers(compare_with_single_process, 2, SPECS_2, timeout=240), SPECS_2)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_match_single_process_in_fp32_on_grouped_mm():
+    _check(run_workers(compare_with_single_process, 2, SPECS_2_FP32, timeout=240), SPECS_2_FP32)
 
 
 @pytest.mark.timeout(300)

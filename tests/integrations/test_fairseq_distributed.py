@@ -138,3 +138,41 @@ def test_expert_grads_are_reduced_over_expert_data_group_when_ep_size_is_below_w
     for rank, (errors, replicas) in enumerate(results):
         assert replicas == 2
         assert max(errors.values()) < 1e-12, (rank, errors)
+
+
+def test_reshard_per_rank_checkpoints_to_another_ep_size_and_resume(runs, tmp_path):
+    """2 ranks with --moe-ep-size 2 -> 4 per-rank checkpoints with ep 4 (one expert each) -> back to ep 2;
+    fairseq-train then resumes the resharded weights on 2 processes (a fresh optimizer: its update count
+    restarts at 0, as with --reset-optimizer)."""
+    from moe_plugin.integrations.fairseq_moe.consolidate import EXPERT_TENSORS, main as consolidate
+
+    before = [load(os.path.join(runs["ep"], f"checkpoint_last-rank-{r}.pt")) for r in range(2)]
+    assert consolidate([os.path.join(runs["ep"], "checkpoint_last-rank-0.pt"), str(tmp_path / "ep4"),
+                        "--ep-size", "4"]) == 0
+    four = [load(tmp_path / "ep4" / f"checkpoint_last-rank-{r}.pt") for r in range(4)]
+    experts = [key for key in before[0]["model"] if key.endswith(EXPERT_TENSORS)]
+    assert len(experts) == 8
+    for key, value in before[0]["model"].items():
+        whole = torch.cat([state["model"][key] for state in before]) if key in experts else value
+        for rank, state in enumerate(four):
+            assert torch.equal(state["model"][key], whole[rank:rank + 1] if key in experts else whole), (key, rank)
+    for rank, state in enumerate(four):
+        assert state["cfg"]["model"].moe_ep_size == 4 and state["cfg"]["model"].base_layers == 1
+        assert state["cfg"]["checkpoint"]["checkpoint_suffix"] == f"-rank-{rank}"
+        assert "last_optimizer_state" not in state
+    assert consolidate([str(tmp_path / "ep4" / "checkpoint_last-rank-0.pt"), str(tmp_path / "ep3"),
+                        "--ep-size", "3"]) == 2
+
+    save_dir = tmp_path / "ep2"
+    assert consolidate([str(tmp_path / "ep4" / "checkpoint_last-rank-0.pt"), str(save_dir), "--ep-size", "2"]) == 0
+    for rank in range(2):
+        again = load(save_dir / f"checkpoint_last-rank-{rank}.pt")["model"]
+        assert all(torch.equal(again[key], value) for key, value in before[rank]["model"].items())
+    logs = train_distributed(lm_args(runs["lm"], str(save_dir), 1.0, 2, ["--moe-ep-size", "2"]), 2, cwd=runs["root"])
+    assert "checkpoint_last-rank-0.pt (epoch 1 @ 0 updates)" in logs[0]
+    after = [load(save_dir / f"checkpoint_last-rank-{rank}.pt") for rank in range(2)]
+    assert after[1]["optimizer_history"][-1]["num_updates"] == 2
+    key = "decoder.layers.0.fc1.moe.experts.w1_EDH"
+    for rank in range(2):   # each rank trained on from its own resharded experts
+        assert not torch.equal(after[rank]["model"][key], before[rank]["model"][key])
+        assert float((after[rank]["model"][key] - before[rank]["model"][key]).abs().max()) < 1.0

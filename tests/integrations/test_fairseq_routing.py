@@ -97,7 +97,7 @@ def test_bias_updates_once_per_update_from_all_micro_batches(adapter):
     assert model.moe.router.load_E is None
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_fairseq_train_with_the_new_flags(tmp_path):
     lm, _ = binarize(str(tmp_path), translation=False)
     save_dir = str(tmp_path / "ckpt")
@@ -108,7 +108,7 @@ def test_fairseq_train_with_the_new_flags(tmp_path):
             "--criterion", "moe_cross_entropy", "--optimizer", "adam", "--lr", "0.005", "--dropout", "0",
             "--tokens-per-sample", "64", "--sample-break-mode", "complete", "--batch-size", "4",
             "--max-update", "6", "--save-dir", save_dir, "--no-epoch-checkpoints", *CPU]
-    fairseq("train", args, cwd=str(tmp_path))
+    fairseq("train", args, cwd=str(tmp_path), timeout=800)
     state = torch.load(os.path.join(save_dir, "checkpoint_last.pt"), map_location="cpu", weights_only=False)["model"]
     biases = [v for k, v in state.items() if k.endswith("router.expert_bias_E")]
     assert len(biases) == 2 and any(float(b.abs().max()) > 0 for b in biases)
