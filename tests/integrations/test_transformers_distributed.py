@@ -25,12 +25,21 @@ def _ep_worker(rank, world_size, family, seed, export_dir):
     shared = {n: p.grad for n, p in model.named_parameters() if not any(n.startswith(f"{b}.") for b in blocks)}
     layer_grads = {b: {n: p.grad for n, p in block.moe.named_parameters()} for b, block in blocks.items()}
     hf_moe.export_hf(model, export_dir)
-    return dict(logits=out.logits.detach(), loss=out.loss.detach(), shared=shared, layers=layer_grads)
+    # numpy arrays travel by value: torch tensors would go through shared memory that dies with this process
+    result = dict(logits=out.logits, loss=out.loss, shared=shared, layers=layer_grads)
+    return _apply(result, lambda t: t.detach().numpy())
+
+
+def _apply(tree, fn):
+    if isinstance(tree, dict):
+        return {k: _apply(v, fn) for k, v in tree.items()}
+    return fn(tree)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ep2_on_two_processes_equals_one_process_and_exports_every_expert(family, fresh_seed, tmp_path):
     ranks = run_workers(_ep_worker, 2, family, fresh_seed, str(tmp_path / "export"), timeout=300)
+    ranks = [_apply(r, torch.from_numpy) for r in ranks]
 
     model = build_model(family, fresh_seed)
     model.zero_grad()
