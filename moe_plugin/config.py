@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Union
 
 ROUTERS = ("softmax", "sigmoid", "cosine")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
-AUX_LOSSES = ("gshard", "switch", "none")
+AUX_LOSSES = ("gshard", "switch", "none", "seq")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
 A2A_KINDS = ("flat", "2dh")
 
@@ -29,6 +29,16 @@ class MoEConfig:
       another's expert compute; "auto" times the candidates.
     a2a: "flat" or "2dh" (exchange inside a node, then across nodes; node_size from the config or
       LOCAL_WORLD_SIZE).
+    aux_loss: "gshard" counts first choices, "switch" all top-k choices, "seq" is DeepSeek-V3's
+      sequence-wise loss (switch per sequence of an input [..., S, D], averaged over sequences).
+    expert_bias_update_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias
+      (router.expert_bias_E) is added to the scores to choose experts, never to the gates;
+      moe_plugin.update_expert_bias(model) moves it by rate * sign(mean load - load) once per step.
+    num_groups / topk_groups: the experts form num_groups groups of consecutive experts; a token
+      chooses only inside its topk_groups best groups (a group scores the sum of its two best scores).
+    route_scale: multiplies the final gates (after normalization and dropping).
+    shared_hidden_size > 0: a shared expert FFN of that width applied to every token and added to the
+      output; shared_gate multiplies it per token by sigmoid(x . w).
     """
 
     model_dim: int
@@ -53,6 +63,12 @@ class MoEConfig:
     overlap_degree: Union[int, str] = 1
     a2a: str = "flat"
     node_size: Optional[int] = None
+    expert_bias_update_rate: float = 0.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    route_scale: float = 1.0
+    shared_hidden_size: int = 0
+    shared_gate: bool = False
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -87,6 +103,32 @@ class MoEConfig:
         _check_choice("a2a", self.a2a, A2A_KINDS)
         if self.node_size is not None:
             _check_int("node_size", self.node_size, minimum=1)
+        self._check_routing_extras()
+
+    def _check_routing_extras(self):
+        self.expert_bias_update_rate = _check_float("expert_bias_update_rate", self.expert_bias_update_rate,
+                                                    minimum=0.0)
+        _check_int("num_groups", self.num_groups, minimum=1)
+        _check_int("topk_groups", self.topk_groups, minimum=1)
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"MoEConfig.num_groups={self.num_groups} is invalid: must divide "
+                             f"num_experts={self.num_experts}")
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"MoEConfig.topk_groups={self.topk_groups} is invalid: must be between 1 and "
+                             f"num_groups={self.num_groups}")
+        reachable = self.topk_groups * (self.num_experts // self.num_groups)
+        if self.top_k > reachable:
+            raise ValueError(f"MoEConfig.top_k={self.top_k} is invalid: must be at most topk_groups * "
+                             f"num_experts / num_groups = {reachable} (the experts in the chosen groups)")
+        if isinstance(self.route_scale, bool) or not isinstance(self.route_scale, (int, float)) \
+                or not math.isfinite(self.route_scale) or self.route_scale <= 0:
+            raise ValueError(f"MoEConfig.route_scale={self.route_scale!r} is invalid: must be a finite number > 0")
+        self.route_scale = float(self.route_scale)
+        _check_int("shared_hidden_size", self.shared_hidden_size, minimum=0)
+        _check_bool("shared_gate", self.shared_gate)
+        if self.shared_gate and self.shared_hidden_size == 0:
+            raise ValueError("MoEConfig.shared_gate=True is invalid with shared_hidden_size=0: the gate "
+                             "multiplies the shared expert; set shared_hidden_size > 0 or shared_gate=False")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "MoEConfig":

@@ -17,6 +17,7 @@ from .parallel.expert_parallel import expert_parallel_moe
 from .parallel.groups import build_groups
 from .parallel.tuner import Tuner
 from .router import Router, finalize_gates
+from .shared_expert import SharedExpert
 
 
 class MoELayer(nn.Module):
@@ -43,6 +44,7 @@ class MoELayer(nn.Module):
                                    ep_group)
         layout = self.groups.layout
         self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
+        self.shared_expert = SharedExpert(config) if config.shared_hidden_size else None
         self.tuner = Tuner(self._candidates(), group=self.groups.ep_group) if self.is_parallel else None
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
@@ -87,17 +89,20 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
         x_TD = x.reshape(-1, cfg.model_dim)
 
-        routes = self.router(x_TD)
+        routes = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
         priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
         plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, self.capacity_factor(),
                                     cfg.min_capacity, priority_T)
-        gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate)
+        gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate, cfg.route_scale)
 
         gate_TK = gate_TK.to(x_TD.dtype)
-        if self.is_parallel:
-            y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, parallel, overlap_degree)
+        shared = _SharedOutput(self.shared_expert, x_TD)
+        if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
+            y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, parallel, overlap_degree, shared)
         else:
+            shared()
             y_TD, degrees = fused_moe(x_TD, gate_TK, plan, self.experts), None
+        y_TD = shared.add_to(y_TD)
 
         self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
         self.stats = _stats(plan, cfg.num_experts, x_TD.shape[0], cfg.top_k)
@@ -106,13 +111,14 @@ class MoELayer(nn.Module):
                               tuned=None if self.tuner.chosen is None else list(self.tuner.chosen))
         return y_TD.view(x.shape)
 
-    def _parallel_forward(self, x_TD, gate_TK, plan, parallel, overlap_degree):
+    def _parallel_forward(self, x_TD, gate_TK, plan, parallel, overlap_degree, in_flight):
         tuning = parallel is None and overlap_degree is None and self.training and torch.is_grad_enabled()
         r, d = self.tuner.current()
         r = r if parallel is None else parallel
         d = d if overlap_degree is None else overlap_degree
         with self.tuner.timed() as timer:
-            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, self.experts, self.groups, r, d, self.config.a2a)
+            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, self.experts, self.groups, r, d, self.config.a2a,
+                                       in_flight=in_flight)
         if tuning:
             self.tuner.record((r, d), timer.seconds)
         return y_TD, (r, d)
@@ -122,6 +128,21 @@ class MoELayer(nn.Module):
         return (f"model_dim={cfg.model_dim}, hidden_size={cfg.hidden_size}, num_experts={cfg.num_experts}, "
                 f"top_k={cfg.top_k}, capacity_factor={cfg.capacity_factor}, router={cfg.router}, "
                 f"activation={cfg.activation}")
+
+
+class _SharedOutput:
+    """Computes the shared expert's output when called (once), adds it to the routed output."""
+
+    def __init__(self, shared_expert: Optional[SharedExpert], x_TD: torch.Tensor):
+        self.shared_expert, self.x_TD, self.y_TD = shared_expert, x_TD, None
+
+    def __call__(self) -> None:
+        if self.shared_expert is not None and self.y_TD is None:
+            self.y_TD = self.shared_expert(self.x_TD)
+
+    def add_to(self, y_TD: torch.Tensor) -> torch.Tensor:
+        self()
+        return y_TD if self.y_TD is None else y_TD + self.y_TD
 
 
 def _stats(plan: dispatch.Plan, num_experts: int, num_tokens: int, top_k: int) -> dict:

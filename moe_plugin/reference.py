@@ -4,7 +4,12 @@ The oracle the fast layer is tested against, and the einsum baseline of `moe-plu
 an MoELayer's parameters and config but shares none of its routing code. Its cost grows with
 tokens x experts x capacity.
 
-Legend: T tokens, D model dim, H hidden, E experts, K top-k, C capacity per expert.
+Covers the DeepSeek-V3 features too: the balancing bias (router.expert_bias_E, added to the scores
+only to choose), group-limited choice, route_scale, the (gated) shared expert and the sequence-wise
+aux loss.
+
+Legend: T tokens, D model dim, H hidden, E experts, K top-k, C capacity per expert, G expert groups,
+M experts per group, S tokens per sequence.
 """
 from __future__ import annotations
 
@@ -40,7 +45,10 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         scores_TE = probs_TE = torch.softmax(logits_TE, dim=1)
 
-    expert_TK = torch.topk(logits_TE.detach(), K, dim=1).indices
+    choice_TE = scores_TE.detach() + router.expert_bias_E
+    if cfg.num_groups > 1:
+        choice_TE = _inside_best_groups(choice_TE, cfg.num_groups, cfg.topk_groups)
+    expert_TK = torch.topk(choice_TE, K, dim=1).indices
     masks = [F.one_hot(expert_TK[:, k], E).to(scores_TE.dtype) for k in range(K)]    # K x [T, E]
     gates = [(scores_TE * m).sum(1) for m in masks]                                  # K x [T]
     if cfg.normalize_gate == "before_drop" and K > 1:
@@ -66,6 +74,7 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if cfg.normalize_gate == "after_drop" and K > 1:
         total = torch.clamp(sum(kept_gates), min=torch.finfo(scores_TE.dtype).eps)
         kept_gates = [g / total for g in kept_gates]
+    kept_gates = [g * cfg.route_scale for g in kept_gates]
 
     dispatch_TEC = torch.zeros(T, E, capacity, dtype=x.dtype, device=x.device)
     combine_TEC = torch.zeros(T, E, capacity, dtype=scores_TE.dtype, device=x.device)
@@ -88,8 +97,11 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if experts.b2_ED is not None:
         y_ECD = y_ECD + experts.b2_ED[:, None, :]
     y_TD = torch.einsum("tec,ecd->td", combine_TEC.to(x.dtype), y_ECD)
+    if layer.shared_expert is not None:
+        y_TD = y_TD + _shared(layer.shared_expert, cfg.activation, x_TD)
 
-    aux = _balance(cfg.aux_loss, probs_TE, masks, E) if T else probs_TE.new_zeros(())
+    seq_len = x.shape[-2] if x.dim() >= 3 else T
+    aux = _balance(cfg.aux_loss, probs_TE, masks, E, seq_len) if T else probs_TE.new_zeros(())
     z = torch.logsumexp(logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)), 1).pow(2).mean() if (T and cfg.z_loss_coef > 0) else 0.0
     return y_TD.reshape(x.shape), cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
 
@@ -107,9 +119,46 @@ def _capacity(layer, load_E: torch.Tensor, T: int) -> int:
     return min(largest, fixed)
 
 
-def _balance(kind, probs_TE, masks, E):
+def _inside_best_groups(choice_TE, G, topk_groups):
+    """Keep the experts of the topk_groups groups whose two best choice scores sum highest; -inf elsewhere."""
+    M = choice_TE.shape[1] // G
+    group_scores = []
+    for g in range(G):
+        ranked = torch.sort(choice_TE[:, g * M:(g + 1) * M], dim=1, descending=True).values
+        group_scores.append(ranked[:, :min(2, M)].sum(1))
+    best_groups = torch.argsort(torch.stack(group_scores, 1), dim=1, descending=True, stable=True)[:, :topk_groups]
+    allowed_TE = torch.zeros_like(choice_TE, dtype=torch.bool)
+    for g in range(G):
+        chosen_T = (best_groups == g).any(1)
+        allowed_TE[:, g * M:(g + 1) * M] = chosen_T[:, None]
+    return torch.where(allowed_TE, choice_TE, torch.full_like(choice_TE, -math.inf))
+
+
+def _shared(shared, activation, x_TD):
+    h = torch.einsum("td,dh->th", x_TD, shared.w1_DH)
+    if shared.b1_H is not None:
+        h = h + shared.b1_H
+    if activation == "swiglu":
+        half = h.shape[1] // 2
+        h = F.silu(h[:, :half]) * h[:, half:]
+    else:
+        h = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h)
+    y = torch.einsum("th,hd->td", h, shared.w2_HD)
+    if shared.b2_D is not None:
+        y = y + shared.b2_D
+    if shared.gate_D is not None:
+        y = y * torch.sigmoid(torch.einsum("td,d->t", x_TD, shared.gate_D))[:, None]
+    return y
+
+
+def _balance(kind, probs_TE, masks, E, seq_len):
     if kind == "none":
         return probs_TE.new_zeros(())
+    if kind == "seq":   # switch within each sequence, averaged over the sequences
+        sequences = range(0, probs_TE.shape[0], seq_len)
+        losses = [_balance("switch", probs_TE[s:s + seq_len], [m[s:s + seq_len] for m in masks], E, seq_len)
+                  for s in sequences]
+        return sum(losses) / len(losses)
     counted = masks[:1] if kind == "gshard" else masks
     fraction_E = sum(m.mean(0) for m in counted) / len(counted)
     return E * (probs_TE.mean(0) * fraction_E).sum()

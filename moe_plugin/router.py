@@ -1,11 +1,14 @@
-"""Router: scores, top-k choice, gate normalization, load-balancing and z losses.
+"""Router: scores, group-limited top-k choice with the balancing bias, gate normalization and scale,
+load-balancing and z losses.
 
-Legend: T tokens, D model dim, E experts, K top-k.
+Legend: T tokens, D model dim, E experts, K top-k, G expert groups, M experts per group,
+N sequences, S tokens per sequence.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +29,37 @@ class Routes:
 
 
 class Router(nn.Module):
+    """Holds weight_ED (and log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
+    scores only to choose experts. In training with expert_bias_update_rate > 0, every forward adds
+    its choices per expert (before capacity drops) into .load_E, which update_expert_bias consumes."""
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
-        bound = 1.0 / math.sqrt(config.model_dim)
-        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.model_dim).uniform_(-bound, bound))
+        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.model_dim))
         if config.router == "cosine":
-            self.log_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+            self.log_scale = nn.Parameter(torch.empty(()))
+        self.register_buffer("expert_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.load_E: Optional[torch.Tensor] = None   # a plain attribute: DDP must not broadcast it
+        self.register_load_state_dict_pre_hook(_zero_bias_when_missing)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.config.model_dim)
+        with torch.no_grad():
+            self.weight_ED.uniform_(-bound, bound)
+            if self.config.router == "cosine":
+                self.log_scale.fill_(math.log(10.0))
+            self.expert_bias_E.zero_()
+        self.load_E = None
+
+    def _apply(self, fn, recurse=True):
+        """Casts (layer.double(), .to(bfloat16)) move the bias but keep it fp32, values intact."""
+        bias_E = self.expert_bias_E
+        super()._apply(fn, recurse)
+        if self.expert_bias_E.dtype != torch.float32:
+            self.expert_bias_E = bias_E.to(device=self.expert_bias_E.device, dtype=torch.float32)
+        return self
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         weight_ED = self.weight_ED
@@ -44,46 +71,105 @@ class Router(nn.Module):
             return F.normalize(x_TD, dim=-1) @ F.normalize(weight_ED, dim=-1).t() * scale.to(x_TD.dtype)
         return x_TD @ weight_ED.t()
 
-    def forward(self, x_TD: torch.Tensor) -> Routes:
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits_TE) if self.config.router == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+
+    def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None) -> Routes:
+        """seq_len: tokens per sequence for aux_loss "seq" (None: all of x_TD is one sequence)."""
         cfg = self.config
         logits_TE = self.logits(x_TD)
+        scores_TE = self.scores(logits_TE)
+        probs_TE = scores_TE
         if cfg.router == "sigmoid":
-            scores_TE = torch.sigmoid(logits_TE)
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
-        else:
-            scores_TE = probs_TE = torch.softmax(logits_TE, dim=-1)
 
-        choice_TE = logits_TE
         if self.training and cfg.gate_noise > 0:
-            choice_TE = logits_TE + cfg.gate_noise * torch.randn_like(logits_TE)
-        expert_TK = torch.topk(choice_TE.detach(), cfg.top_k, dim=-1).indices
+            choice_TE = self.scores(logits_TE.detach() + cfg.gate_noise * torch.randn_like(logits_TE))
+        else:
+            choice_TE = scores_TE.detach()
+        choice_TE = choice_TE + self.expert_bias_E
+        if cfg.topk_groups < cfg.num_groups:
+            choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups)
+        expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
         gate_TK = scores_TE.gather(1, expert_TK)
         if cfg.normalize_gate == "before_drop" and cfg.top_k > 1:
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(gate_TK.dtype).tiny)
+        if self.training and cfg.expert_bias_update_rate > 0:
+            self._count(expert_TK)
 
-        aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts)
+        aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())
         return Routes(scores_TE, expert_TK, gate_TK, aux, z)
 
+    def _count(self, expert_TK: torch.Tensor) -> None:
+        if self.load_E is None or self.load_E.device != expert_TK.device:
+            load_E = torch.zeros(self.config.num_experts, dtype=torch.long, device=expert_TK.device)
+            self.load_E = load_E if self.load_E is None else load_E + self.load_E.to(expert_TK.device)
+        flat = expert_TK.reshape(-1)
+        self.load_E.scatter_add_(0, flat, torch.ones_like(flat))
 
-def finalize_gates(gate_TK: torch.Tensor, kept_TK: torch.Tensor, normalize: str) -> torch.Tensor:
-    """Zero the gates of dropped choices; renormalize over the kept ones for "after_drop"."""
+    def take_load(self) -> torch.Tensor:
+        """The choices per expert counted since the last call (int64, on the bias's device); clears them."""
+        load_E = self.load_E
+        self.load_E = None
+        if load_E is None:
+            return torch.zeros(self.config.num_experts, dtype=torch.long, device=self.expert_bias_E.device)
+        return load_E.to(self.expert_bias_E.device)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """bias_e += rate * sign(mean load - load_e); compared as sum - E * load_e, exact in integers."""
+        below_E = torch.sign(load_E.sum() - self.config.num_experts * load_E)
+        self.expert_bias_E.add_(below_E.to(torch.float32), alpha=self.config.expert_bias_update_rate)
+
+
+def _zero_bias_when_missing(module, state_dict, prefix, *args) -> None:
+    """State dicts written before the bias existed load with a zero bias (which changes no choice)."""
+    state_dict.setdefault(prefix + "expert_bias_E", torch.zeros_like(module.expert_bias_E))
+
+
+def best_groups_only(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """choice_TE with -inf outside each token's topk_groups best groups of consecutive experts.
+
+    A group scores the sum of its two best choice scores (its best when it has one expert)."""
+    T, E = choice_TE.shape
+    choice_TGM = choice_TE.view(T, num_groups, E // num_groups)
+    group_TG = choice_TGM.topk(min(2, E // num_groups), dim=-1).values.sum(-1)
+    best_TG = group_TG.topk(topk_groups, dim=-1).indices
+    outside_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, False)
+    return choice_TGM.masked_fill(outside_TG.unsqueeze(-1), -math.inf).view(T, E)
+
+
+def finalize_gates(gate_TK: torch.Tensor, kept_TK: torch.Tensor, normalize: str, scale: float = 1.0) -> torch.Tensor:
+    """Zero the gates of dropped choices; renormalize over the kept ones for "after_drop"; times scale."""
     gate_TK = gate_TK * kept_TK.to(gate_TK.dtype)
     if normalize == "after_drop" and gate_TK.shape[1] > 1:
         gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(gate_TK.dtype).eps)
-    return gate_TK
+    return gate_TK * scale if scale != 1.0 else gate_TK
 
 
-def balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+def _choices_per_expert(expert_NX: torch.Tensor, num_experts: int, dtype) -> torch.Tensor:
+    """[N, E]: how many of each row's entries name each expert (scatter_add: no host synchronization)."""
+    counts_NE = torch.zeros(expert_NX.shape[0], num_experts, dtype=dtype, device=expert_NX.device)
+    return counts_NE.scatter_add_(1, expert_NX, torch.ones_like(expert_NX, dtype=dtype))
+
+
+def balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num_experts: int,
+                 seq_len: Optional[int] = None) -> torch.Tensor:
     """E * sum_e(mean router probability of e * fraction of choices routed to e); 1.0 when balanced.
 
-    gshard counts each token's first choice only; switch counts all top-k choices.
-    """
-    if kind == "none" or probs_TE.shape[0] == 0:
+    gshard counts each token's first choice only; switch counts all top-k choices; seq is switch
+    within each sequence of seq_len tokens (None: one sequence), averaged over the sequences."""
+    T, K = expert_TK.shape
+    if kind == "none" or T == 0:
         return probs_TE.new_zeros(())
-    counted = expert_TK[:, :1] if kind == "gshard" else expert_TK
-    fraction_E = torch.bincount(counted.reshape(-1), minlength=num_experts).to(probs_TE.dtype) / counted.numel()
-    return num_experts * torch.dot(probs_TE.mean(0), fraction_E)
+    counted_NX = expert_TK[:, :1].reshape(1, -1) if kind == "gshard" else expert_TK.reshape(1, -1)
+    probs_NSE = probs_TE.unsqueeze(0)
+    if kind == "seq" and seq_len is not None:
+        counted_NX = expert_TK.reshape(-1, seq_len * K)
+        probs_NSE = probs_TE.view(-1, seq_len, num_experts)
+    fraction_NE = _choices_per_expert(counted_NX, num_experts, probs_TE.dtype) / counted_NX.shape[1]
+    return num_experts * (probs_NSE.mean(1) * fraction_NE).sum(-1).mean()
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ on the HF side and to the MoELayer on ours. Adding a family is adding one entry 
 Legend: E experts, D model dim, H expert hidden dim, S shared expert hidden dim.
 HF keeps routed experts as gate_up_proj [E, 2H, D] (rows [gate | up]) and down_proj [E, D, H];
 the layer keeps w1_EDH [E, D, 2H] (columns [gate | up]) and w2_EHD [E, H, D]. The shared expert is
-an HF MLP of three Linears (gate_proj, up_proj [S, D], down_proj [D, S]).
+an HF MLP of three Linears (gate_proj, up_proj [S, D], down_proj [D, S]); ours is w1_DH [D, 2S]
+(columns [gate | up]) and w2_HD [S, D]; Qwen2-MoE's shared gate Linear(D, 1) is our gate_D [D].
 """
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ def routed_experts(router: str = "gate.weight", experts: str = "experts") -> Tup
 
 
 def shared_mlp(hf: str) -> Tuple[WeightMap, ...]:
-    return (gate_and_up("shared.w1_DH", f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
-            transposed("shared.w2_HD", f"{hf}.down_proj.weight"))
+    return (gate_and_up("shared_expert.w1_DH", f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
+            transposed("shared_expert.w2_HD", f"{hf}.down_proj.weight"))
+
+
+def row(layer: str, hf: str) -> WeightMap:
+    """HF's Linear(D, 1) weight [1, D] against our vector [D]."""
+    return WeightMap(layer, (hf,), lambda t: t.reshape(-1), lambda t: (t.reshape(1, -1),))
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,12 @@ def _mixtral(c):
     return _common(c, c.intermediate_size, c.num_local_experts, True)
 
 
-def _qwen3_olmoe(c):
+def _qwen3_moe(c):
     return _common(c, c.moe_intermediate_size, c.num_experts, c.norm_topk_prob)
+
+
+def _olmoe(c):
+    return _common(c, c.intermediate_size, c.num_experts, c.norm_topk_prob)
 
 
 def _qwen2_moe(c):
@@ -110,10 +120,10 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", "transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", _mixtral,
            routed_experts(), jitter_noise=lambda c: float(c.router_jitter_noise)),
     Family("qwen2_moe", "transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", _qwen2_moe,
-           routed_experts() + shared_mlp("shared_expert") + (same("shared.gate_D", "shared_expert_gate.weight"),)),
-    Family("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_olmoe,
+           routed_experts() + shared_mlp("shared_expert") + (row("shared_expert.gate_D", "shared_expert_gate.weight"),)),
+    Family("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_moe,
            routed_experts()),
-    Family("olmoe", "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", _qwen3_olmoe,
+    Family("olmoe", "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", _olmoe,
            routed_experts()),
     Family("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", _deepseek_v3,
            routed_experts() + shared_mlp("shared_experts")

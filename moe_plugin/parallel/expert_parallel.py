@@ -73,11 +73,14 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
 
 
 def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,
-                        groups: ExpertGroups, r: int, d: int, a2a: str) -> torch.Tensor:
+                        groups: ExpertGroups, r: int, d: int, a2a: str, in_flight=None) -> torch.Tensor:
+    """in_flight: a callable run once while the first all-to-all is in flight (before it, when r = 0)."""
+    in_flight = in_flight or (lambda: None)
     layout = groups.layout
     layout.check_degree(r)
     weights = gathered_experts(experts, groups, r)
     if r == 0:
+        in_flight()
         return fused_moe(x_TD, gate_TK, plan, weights)   # all experts are here: no token exchange
 
     counts_WE = route_counts(plan, groups.ep_group, x_TD.device)
@@ -90,6 +93,7 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
         return _start(rows_RD, chunk, groups, a2a)
 
     pending, returns = [send(chunks[0])], []
+    in_flight()
     for c, chunk in enumerate(chunks):
         if c + 1 < d:
             pending.append(send(chunks[c + 1]))

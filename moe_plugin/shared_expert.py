@@ -1,0 +1,49 @@
+"""The shared expert: one dense FFN applied to every token beside the routed experts (DeepSeek's
+shared experts, Qwen2-MoE's gated shared expert).
+
+Legend: T tokens, D model dim, H shared hidden width. With swiglu w1_DH holds 2H columns: [gate | up].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+
+
+class SharedExpert(nn.Module):
+    """y = act(x w1 + b1) w2 + b2, times sigmoid(x . gate_D) per token when config.shared_gate."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        D, H = config.model_dim, config.shared_hidden_size
+        self.activation = config.activation
+        self.w1_DH = nn.Parameter(torch.empty(D, 2 * H if config.activation == "swiglu" else H))
+        self.w2_HD = nn.Parameter(torch.empty(H, D))
+        self.b1_H = nn.Parameter(torch.empty(self.w1_DH.shape[1])) if config.bias else None
+        self.b2_D = nn.Parameter(torch.empty(D)) if config.bias else None
+        self.gate_D = nn.Parameter(torch.empty(D)) if config.shared_gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        D, H = self.w2_HD.shape[1], self.w2_HD.shape[0]
+        with torch.no_grad():
+            for tensor, fan_in in [(self.w1_DH, D), (self.b1_H, D), (self.w2_HD, H), (self.b2_D, H),
+                                   (self.gate_D, D)]:
+                if tensor is not None:
+                    tensor.uniform_(-1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        h_TH = F.linear(x_TD, self.w1_DH.t(), self.b1_H)
+        if self.activation == "swiglu":
+            gate_TH, up_TH = h_TH.chunk(2, dim=-1)
+            h_TH = F.silu(gate_TH) * up_TH
+        else:
+            h_TH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[self.activation](h_TH)
+        y_TD = F.linear(h_TH, self.w2_HD.t(), self.b2_D)
+        if self.gate_D is not None:
+            y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_D).unsqueeze(-1)
+        return y_TD

@@ -1,0 +1,223 @@
+"""moe_plugin.integrations.transformers against the Hugging Face blocks it replaces (CPU, tiny configs)."""
+import math
+
+import pytest
+import torch
+
+from hf_helpers import (FAMILIES, assert_close_rel, build_model, family_config, forward_backward,
+                        hf_moe, hf_named_grads, needs_transformers, swapped_copy, tokens, transformers)
+
+pytestmark = [needs_transformers, pytest.mark.timeout(300)]
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swapped_model_matches_hf_logits_loss_and_every_gradient(family, fresh_seed):
+    model = build_model(family, fresh_seed)
+    swapped = swapped_copy(model)
+    blocks = [m for m in swapped.modules() if isinstance(m, hf_moe.HFMoEBlock)]
+    assert blocks and all(isinstance(b.moe, hf_moe.swap.MoELayer) for b in blocks)
+    assert not any(isinstance(m, hf_moe.FAMILIES[family].block_class()) for m in swapped.modules())
+    ids = tokens(fresh_seed + 1)
+
+    expected, actual = forward_backward(model, ids), forward_backward(swapped, ids)
+    assert_close_rel(actual.logits, expected.logits, TOL, "logits")
+    assert_close_rel(actual.loss, expected.loss, TOL, "loss")
+    assert len(actual.router_logits) == len(expected.router_logits) == len(blocks)
+    for ours, theirs in zip(actual.router_logits, expected.router_logits):
+        assert_close_rel(ours, theirs, TOL, "router logits")
+    if expected.aux_loss is not None:   # every family but DeepSeek-V3 adds router_aux_loss_coef * aux_loss
+        assert_close_rel(actual.aux_loss, expected.aux_loss, TOL, "aux_loss")
+    grads, hf_grads = hf_named_grads(swapped), {n: p.grad for n, p in model.named_parameters()}
+    assert set(hf_grads) <= set(grads), f"missing: {sorted(set(hf_grads) - set(grads))}"
+    for name, grad in hf_grads.items():
+        assert_close_rel(grads[name], grad, TOL, f"grad of {name}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_logits_are_recorded_when_the_model_was_hooked_before_the_swap(family, fresh_seed):
+    model = build_model(family, fresh_seed)
+    ids = tokens(fresh_seed + 1)
+    with torch.no_grad():
+        expected = model(ids, output_router_logits=True)       # installs HF's recorder hooks
+        hf_moe.swap_moe_blocks(model)
+        actual = model(ids, output_router_logits=True)
+        plain = model(ids)
+    assert len(actual.router_logits) == len(expected.router_logits) > 0
+    for ours, theirs in zip(actual.router_logits, expected.router_logits):
+        assert_close_rel(ours, theirs, TOL, "router logits")
+    assert plain.router_logits is None
+
+
+def test_mixtral_aux_loss_with_router_aux_loss_coef(fresh_seed):
+    model = build_model("mixtral", fresh_seed, router_aux_loss_coef=0.37)
+    swapped = swapped_copy(model)
+    ids = tokens(fresh_seed + 1)
+    expected, actual = model(ids, labels=ids, output_router_logits=True), swapped(ids, labels=ids,
+                                                                                  output_router_logits=True)
+    without = swapped(ids, labels=ids)
+    assert_close_rel(actual.loss - without.loss, 0.37 * expected.aux_loss, 1e-4, "coef * aux_loss in the loss")
+    assert_close_rel(actual.loss, expected.loss, TOL, "loss")
+
+
+def test_mixtral_jitter_noise_is_applied_in_training_only(fresh_seed):
+    model = build_model("mixtral", fresh_seed, router_jitter_noise=0.2)
+    swapped = swapped_copy(model)
+    ids = tokens(fresh_seed + 1)
+    swapped.eval()
+    model.eval()
+    assert_close_rel(swapped(ids).logits, model(ids).logits, TOL, "eval logits")
+    swapped.train()
+    torch.manual_seed(fresh_seed)
+    first = swapped(ids).logits
+    torch.manual_seed(fresh_seed + 7)
+    assert not torch.equal(first, swapped(ids).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_save_and_load_round_trip(family, fresh_seed, tmp_path):
+    swapped = swapped_copy(build_model(family, fresh_seed))
+    ids = tokens(fresh_seed + 1)
+    forward_backward(swapped, ids)
+    with torch.no_grad():
+        for p in swapped.parameters():   # move every weight away from its HF initial value
+            p.add_(torch.randn_like(p) * 0.01)
+    torch.save(swapped.state_dict(), tmp_path / "model.pt")
+    other = swapped_copy(build_model(family, fresh_seed + 1))
+    other.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    swapped.eval(), other.eval()
+    with torch.no_grad():
+        assert torch.equal(other(ids).logits, swapped(ids).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_hf_round_trip_gives_the_same_logits(family, fresh_seed, tmp_path):
+    swapped = swapped_copy(build_model(family, fresh_seed))
+    ids = tokens(fresh_seed + 1)
+    optimizer = torch.optim.AdamW(swapped.parameters(), lr=1e-2)
+    forward_backward(swapped, ids)
+    optimizer.step()                                      # trained weights, not the HF initial ones
+    out = hf_moe.export_hf(swapped, tmp_path / "export")
+    assert (out / "config.json").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(swapped)
+    assert not any(isinstance(m, hf_moe.HFMoEBlock) for m in loaded.modules())
+    swapped.eval(), loaded.eval()
+    with torch.no_grad():
+        assert_close_rel(loaded(ids).logits, swapped(ids).logits, TOL, "logits after export")
+    # and back again: swapping the loaded model gives the exported layer's weights exactly
+    again = hf_moe.swap_moe_blocks(loaded)
+    for (name, a), (_, b) in zip(again.state_dict().items(), swapped.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_export_hf_replaces_an_existing_folder(fresh_seed, tmp_path):
+    swapped = swapped_copy(build_model("olmoe", fresh_seed))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "stale.txt").write_text("old")
+    hf_moe.export_hf(swapped, tmp_path / "export")
+    assert not (tmp_path / "export" / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 0.75])
+def test_capacity_override_drops_tokens_as_configured(capacity_factor, fresh_seed):
+    """Fixed capacity: choice-major slots in token order; a dropped choice contributes nothing and the
+    kept gates keep their HF (normalized over top-k) values. The expected output runs HF's own experts
+    with the dropped choices' weights zeroed."""
+    model = build_model("mixtral", fresh_seed)
+    hf_block = model.model.layers[0].mlp
+    swapped = swapped_copy(model, capacity_factor=capacity_factor, min_capacity=1)
+    block = swapped.model.layers[0].mlp
+    cfg = block.moe.config
+    x = torch.randn(3, 17, cfg.model_dim)
+    x_TD = x.reshape(-1, cfg.model_dim)
+    T, K, E = x_TD.shape[0], cfg.top_k, cfg.num_experts
+    capacity = max(math.ceil(K * capacity_factor * T / E), 1)
+    with torch.no_grad():
+        _, weight_TK, expert_TK = hf_block.gate(x_TD)
+        kept_TK = torch.zeros_like(weight_TK)
+        used = [0] * E
+        for k in range(K):
+            for t in range(T):
+                e = int(expert_TK[t, k])
+                if used[e] < capacity:
+                    kept_TK[t, k] = 1
+                used[e] += 1
+        expected = hf_block.experts(x_TD, expert_TK, weight_TK * kept_TK).view_as(x)
+        actual = block(x)
+    assert kept_TK.sum() < T * K, "the test should drop some choices"
+    assert block.moe.stats["capacity"] == capacity
+    assert block.moe.stats["dropped_fraction"] == pytest.approx(1 - float(kept_TK.sum()) / (T * K))
+    assert_close_rel(actual, expected, TOL, "output with drops")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_config_follows_the_hf_config(family):
+    config = family_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    cfg = hf_moe.moe_config(model)
+    assert (cfg.model_dim, cfg.top_k, cfg.capacity_factor, cfg.activation, cfg.bias) == (40, 3, 0.0, "swiglu", False)
+    assert cfg.num_experts == (8 if family == "deepseek_v3" else 6)
+    overridden = hf_moe.moe_config(model, capacity_factor=1.25, ep_size=2, a2a="2dh", overlap_degree=2)
+    assert (overridden.capacity_factor, overridden.ep_size, overridden.a2a, overridden.overlap_degree) == (
+        1.25, 2, "2dh", 2)
+
+
+def test_family_table_and_lookup():
+    assert sorted(hf_moe.FAMILIES) == sorted(FAMILIES)
+    model = build_model("qwen3_moe", 0)
+    assert hf_moe.family_of(model).model_type == "qwen3_moe"
+    assert hf_moe.family_of(torch.nn.Linear(2, 2)) is None
+    for family in hf_moe.FAMILIES.values():
+        assert family.block_class().__name__ == family.block
+
+
+def test_unsupported_model_names_its_model_type_and_the_families():
+    config = transformers.LlamaConfig(vocab_size=VOCAB_SMALL, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"model_type='llama'.*deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe"):
+        hf_moe.swap_moe_blocks(model)
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        hf_moe.export_hf(model, "unused")
+    with pytest.raises(ValueError, match="Linear with no .config"):
+        hf_moe.swap_moe_blocks(torch.nn.Linear(2, 2))
+
+
+VOCAB_SMALL = 32
+
+
+def test_bad_overrides_and_inputs_give_clear_errors(fresh_seed):
+    model = build_model("mixtral", fresh_seed)
+    with pytest.raises(ValueError, match="no field 'capacity_factr'.*did you mean 'capacity_factor'"):
+        hf_moe.swap_moe_blocks(model, capacity_factr=1.0)
+    with pytest.raises(ValueError, match="num_experts=7 contradicts the mixtral config"):
+        hf_moe.swap_moe_blocks(model, num_experts=7)
+    with pytest.raises(ValueError, match=r"MoEConfig.top_k=9 is invalid"):
+        hf_moe.swap_moe_blocks(model, top_k=9)
+    with pytest.raises(ValueError, match="ep_size"):
+        hf_moe.swap_moe_blocks(model, ep_size=4)   # 6 experts over 4 ranks: no layout
+    hf_moe.swap_moe_blocks(model)
+    with pytest.raises(ValueError, match="has no MixtralSparseMoeBlock"):
+        hf_moe.swap_moe_blocks(model)             # already swapped
+    with pytest.raises(ValueError, match="model_dim=40"):
+        model.model.layers[0].mlp(torch.randn(2, 3, 41))
+    gelu = build_model("olmoe", fresh_seed, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        hf_moe.swap_moe_blocks(gelu)
+
+
+def test_swapped_bf16_model_stays_bf16_and_close_to_hf(fresh_seed):
+    # HF's default grouped_mm needs 16-byte strides in bf16, which width 28 lacks: compare with eager
+    model = build_model("qwen3_moe", fresh_seed, dtype=torch.bfloat16, experts_implementation="eager")
+    swapped = swapped_copy(model)
+    assert {p.dtype for p in swapped.parameters()} == {torch.bfloat16}
+    ids = tokens(fresh_seed + 1)
+    with torch.no_grad():
+        expected, actual = model(ids).logits.float(), swapped(ids).logits.float()
+    assert actual.dtype == torch.float32 and max_rel(actual, expected) < 0.05
+
+
+def max_rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
