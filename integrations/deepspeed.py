@@ -433,8 +433,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
     swap_hf = section is not None and not has_moe
     if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
-        from moe_plugin.integrations.deepspeed_hf import require_recognised_model, swap_for_section
-        require_recognised_model(model, section)
+        from moe_plugin.integrations.deepspeed_hf import check_section_for_model, swap_for_section
+        check_section_for_model(model, section)
         has_moe = True
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if has_moe and stage == 3:

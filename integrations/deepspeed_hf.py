@@ -23,7 +23,8 @@ from moe_plugin.integrations.deepspeed import MoE, NativeMoE, _expert_parallel_g
 from moe_plugin.integrations.transformers import FAMILIES, family_of, moe_config, swap_moe_blocks
 from moe_plugin.integrations.transformers.block import HFMoEBlock
 
-__all__ = ["DeepSpeedHFMoEBlock", "swap_for_section", "check_swapped_block", "require_recognised_model"]
+__all__ = ["DeepSpeedHFMoEBlock", "check_section_for_model", "swap_for_section", "check_swapped_block",
+           "section_overrides"]
 
 # section keys the HF config fixes (the model's math): a section value must agree with it
 FIXED_BY_MODEL = ("num_experts", "top_k", "router", "num_groups", "topk_groups", "route_scale")
@@ -103,21 +104,32 @@ def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], pre
             state[f"{prefix}moe.experts.{name}"] = torch.stack([state.pop(key) for key in keys])
 
 
-def require_recognised_model(model: nn.Module, section: Mapping[str, Any]) -> None:
-    """A "moe" section needs a block the adapter can run: a supported HF family when there is no DeepSpeed MoE."""
-    if family_of(model) is not None:
-        if section["backend"] != "tutel":
-            raise ValueError(f"DeepSpeed config \"moe.backend\"={section['backend']!r} needs deepspeed.moe.layer.MoE "
-                             f"layers; the {model.config.model_type} model's Hugging Face MoE blocks run on backend "
-                             f"\"tutel\" (or on DeepSpeed's AutoEP: an \"expert_parallel\" section instead of \"moe\")")
-        return
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    found = f"model_type={model_type!r}" if config is not None else "no Hugging Face config"
-    raise ValueError(f"DeepSpeed config has a \"moe\" section, but the model ({type(model).__name__}, {found}) has no "
-                     f"MoE block the adapter recognises: it looked for deepspeed.moe.layer.MoE layers and for the "
-                     f"sparse-MoE blocks of the Hugging Face families {', '.join(FAMILIES)} (by "
-                     f"model.config.model_type); build the model with one of them, or remove the \"moe\" section")
+def check_section_for_model(model: nn.Module, section: Mapping[str, Any]) -> MoEConfig:
+    """The MoEConfig a "moe" section gives a model with no DeepSpeed MoE layer (before anything starts).
+
+    The model must be of a supported HF family, the backend "tutel", and the keys the HF config fixes must
+    agree with it; anything else is an error naming what was looked for.
+    """
+    family = family_of(model)
+    if family is None:
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        found = f"model_type={model_type!r}" if config is not None else "no Hugging Face config"
+        raise ValueError(f"DeepSpeed config has a \"moe\" section, but the model ({type(model).__name__}, {found}) "
+                         f"has no MoE block the adapter recognises: it looked for deepspeed.moe.layer.MoE layers and "
+                         f"for the sparse-MoE blocks of the Hugging Face families {', '.join(FAMILIES)} (by "
+                         f"model.config.model_type); build the model with one of them, or remove the \"moe\" section")
+    if section["backend"] != "tutel":
+        raise ValueError(f"DeepSpeed config \"moe.backend\"={section['backend']!r} needs deepspeed.moe.layer.MoE "
+                         f"layers; the {family.model_type} model's Hugging Face MoE blocks run on backend \"tutel\" "
+                         f"(or on DeepSpeed's AutoEP: an \"expert_parallel\" section instead of \"moe\")")
+    config = moe_config(model, **section_overrides(section))
+    _check_fixed(section, config, f"the {family.model_type} model's Hugging Face config")
+    if config.num_experts % config.ep_size:   # DeepSpeed's checkpoints hold whole experts: no hidden slicing
+        allowed = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
+        raise ValueError(f"DeepSpeed config \"moe.ep_size\"={config.ep_size} is invalid for the {family.model_type} "
+                         f"model's {config.num_experts} experts: must divide them, one of {allowed}")
+    return config
 
 
 def section_overrides(section: Mapping[str, Any]) -> Dict[str, Any]:
@@ -156,14 +168,11 @@ def swap_for_section(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.M
 
     Returns the model and {id(old HF parameter): [the new parameters made from it]} (as swap_moe_layers).
     """
-    require_recognised_model(model, section)
-    overrides = section_overrides(section)
-    base = moe_config(model)
-    _check_fixed(section, base, f"the {model.config.model_type} model's Hugging Face config")
-    ep_size = overrides.get("ep_size", base.ep_size)
+    ep_size = check_section_for_model(model, section).ep_size
     family = family_of(model)
     old_blocks = {name: m for name, m in model.named_modules() if isinstance(m, family.block_class())}
-    swap_moe_blocks(model, ep_group=_expert_parallel_group(ep_size) if ep_size > 1 else None, **overrides)
+    swap_moe_blocks(model, ep_group=_expert_parallel_group(ep_size) if ep_size > 1 else None,
+                    **section_overrides(section))
     replaced: Dict[int, List[nn.Parameter]] = {}
     for name, old in old_blocks.items():
         new = model.get_submodule(name).moe
@@ -184,8 +193,11 @@ def check_swapped_block(name: str, block: DeepSpeedHFMoEBlock, section: Mapping[
                          f"layer (swapped Hugging Face block); use backend \"tutel\"")
     what = f"block {name!r}, swapped before initialize with"
     _check_fixed(section, block.moe.config, what)
+    config = block.moe.config
+    effective = {"eval_capacity_factor": config.capacity_factor if config.eval_capacity_factor is None
+                 else config.eval_capacity_factor}
     for key, value in section_overrides(section).items():
-        if getattr(block.moe.config, key) != value:
-            raise ValueError(f"DeepSpeed config \"moe\" sets {key}={value!r}, but {what} {key}="
-                             f"{getattr(block.moe.config, key)!r}; swap with the section's settings or leave "
-                             f"the swap to initialize")
+        has = effective.get(key, getattr(config, key))
+        if has != value:
+            raise ValueError(f"DeepSpeed config \"moe\" sets {key}={value!r}, but {what} {key}={has!r}; swap "
+                             f"with the section's settings or leave the swap to initialize")
