@@ -1,6 +1,7 @@
 """Hugging Face MoE models under DeepSpeed: the "moe" section swaps their blocks; ZeRO 0/1/2 on 2 gloo ranks with
 ep_size 2 equals one process on the global batch and trains; checkpoints through the engine; clear errors."""
 import copy
+import json
 import os
 import sys
 
@@ -248,3 +249,36 @@ def test_swapped_blocks_are_deepspeed_moe_layers_with_per_expert_state_names():
     other = swap_moe_blocks(build_model("deepseek_v3", seed=1)).model.layers[1].mlp
     other.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(other.moe.state_dict().values(), block.moe.state_dict().values()))
+
+
+@pytest.mark.parametrize("stage, ep_size", [(1, 2), (2, 1)])
+def test_hf_trainer_with_deepspeed_under_torchrun(stage, ep_size, tmp_path):
+    """The README recipe: swap_moe_blocks(model, ep_size=N), transformers.Trainer with TrainingArguments(deepspeed=...)
+    on 2 gloo processes. The engine runs the blocks as MoE; the first step equals one process's SGD step on both
+    ranks' batches (experts reduced over the expert-data group only, the rest over all ranks); the loss falls."""
+    import subprocess
+
+    import hf_trainer_worker as worker
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               worker.__file__, str(tmp_path), str(stage), str(ep_size), "24"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert result["has_moe_layers"] and result["blocks"] == ["DeepSpeedHFMoEBlock"], result
+        losses = result["losses"]
+        assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    reference = worker.build_model()
+    batch = torch.cat([torch.load(tmp_path / f"batch{rank}.pt") for rank in (0, 1)])
+    reference(input_ids=batch, labels=batch).loss.backward()
+    step1 = torch.load(tmp_path / "step1.pt")
+    for name, param in reference.named_parameters():
+        update = 0.5 * param.grad
+        error = ((step1[name] - (param - update)).abs().max() - 4 * EPS32 * param.abs().max()).clamp(min=0)
+        assert error <= 1e-4 * update.abs().max(), f"{name}: {error} off one process's step"
+    params = [torch.load(tmp_path / f"params{rank}.pt") for rank in (0, 1)]
+    for name in params[0]:
+        expert = ".moe.experts." in name
+        same = torch.equal(params[0][name], params[1][name])
+        assert same if (not expert or ep_size == 1) else not same, f"{name}: equal across ranks is {same}"
