@@ -38,7 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(f"moe_plugin.integrations.deepspeed needs DeepSpeed ({error}); "
                       f"install it with: pip install 'moe_plugin[deepspeed]'") from error
 
-from moe_plugin import MoEConfig, MoELayer
+from moe_plugin import MoEConfig, MoELayer, update_expert_bias
 
 __all__ = ["MoE", "initialize", "read_moe_section", "moe_config", "swap_moe_layers", "SECTION_KEYS"]
 
@@ -76,7 +76,15 @@ SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "overlap_degree": (lambda v: v == "auto" or _is_int(v, 1), "\"auto\" or an integer >= 1"),
     "a2a": (lambda v: v in ("flat", "2dh"), "\"flat\" or \"2dh\""),
     "node_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "expert_bias_update_rate": (lambda v: _is_number(v, positive=False) and v != float("inf"),
+                                "a finite number >= 0 (backend tutel)"),
+    "num_groups": (lambda v: _is_int(v, 1), "an integer >= 1 dividing num_experts (backend tutel)"),
+    "topk_groups": (lambda v: _is_int(v, 1), "an integer between 1 and num_groups (backend tutel)"),
+    "route_scale": (lambda v: _is_number(v, positive=True) and v != float("inf"),
+                    "a finite number > 0 (backend tutel)"),
+    "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
 }
+TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss")
 
 
 def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
@@ -105,23 +113,34 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
     if section["backend"] == "deepspeed" and section.get("router", "softmax") != "softmax":
         raise ValueError(f"DeepSpeed config \"moe.router\"={section['router']!r} needs \"moe.backend\": \"tutel\"; "
                          f"DeepSpeed's native gate is softmax")
+    if section["backend"] == "deepspeed":
+        for key in TUTEL_ONLY_KEYS:
+            if key in section:
+                raise ValueError(f"DeepSpeed config \"moe.{key}\"={section[key]!r} needs \"moe.backend\": "
+                                 f"\"tutel\"; DeepSpeed's native gate has no {key}")
     return dict(section)
 
 
 def moe_config(model_dim: int, hidden_size: int, num_experts: int, ep_size: int, k: int, capacity_factor: float,
                eval_capacity_factor: float, min_capacity: int, drop_tokens: bool, activation: str, bias: bool,
                router: str = "softmax", aux_loss_coef: float = 0.01, parallel=1,
-               overlap_degree=1, a2a: str = "flat", node_size: Optional[int] = None) -> MoEConfig:
-    """DeepSpeed's MoE settings as the one MoEConfig that routes like deepspeed.moe (see the module doc)."""
+               overlap_degree=1, a2a: str = "flat", node_size: Optional[int] = None,
+               expert_bias_update_rate: float = 0.0, num_groups: int = 1, topk_groups: int = 1,
+               route_scale: float = 1.0, aux_loss: Optional[str] = None) -> MoEConfig:
+    """DeepSpeed's MoE settings as the one MoEConfig that routes like deepspeed.moe (see the module doc).
+
+    The routing extras (balancing bias, groups, route scale, aux_loss) are moe_plugin's; aux_loss None
+    follows DeepSpeed (gshard for k <= 2, switch above)."""
     return MoEConfig(
         model_dim=model_dim, hidden_size=hidden_size, num_experts=num_experts, top_k=k,
         capacity_factor=float(capacity_factor) if drop_tokens else 0.0,
         eval_capacity_factor=float(eval_capacity_factor) if drop_tokens else 0.0,
         min_capacity=min_capacity, router=router, gate_noise=0.0, fp32_router=True,
         normalize_gate="none" if k == 1 else "after_drop", batch_prioritized_routing=False,
-        aux_loss="gshard" if k <= 2 else "switch", aux_loss_coef=float(aux_loss_coef), z_loss_coef=0.0,
+        aux_loss=aux_loss or ("gshard" if k <= 2 else "switch"), aux_loss_coef=float(aux_loss_coef), z_loss_coef=0.0,
         activation=activation, bias=bias, ep_size=ep_size, parallel=parallel, overlap_degree=overlap_degree,
-        a2a=a2a, node_size=node_size)
+        a2a=a2a, node_size=node_size, expert_bias_update_rate=expert_bias_update_rate, num_groups=num_groups,
+        topk_groups=topk_groups, route_scale=route_scale)
 
 
 def _expert_structure(expert: nn.Module, model_dim: int, activation: Optional[str]):
@@ -203,8 +222,13 @@ def _native_expert_names(layer: DeepSpeedMoELayer) -> Dict[str, str]:
 
 
 def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: str, local_metadata) -> None:
-    """router.weight_ED -> gate.wg.weight; stacked experts -> experts.deepspeed_experts.<i>.<linear>.*"""
+    """router.weight_ED -> gate.wg.weight; stacked experts -> experts.deepspeed_experts.<i>.<linear>.*
+
+    The balancing bias (router.expert_bias_E) stays, under its own name, only when it is on: the
+    native layer has none, and a missing one loads as zeros."""
     state[prefix + "gate.wg.weight"] = state.pop(prefix + "router.weight_ED")
+    if layer.config.expert_bias_update_rate == 0:
+        state.pop(prefix + "router.expert_bias_E", None)
     stacked = {name: state.pop(prefix + "experts." + name) for name in EXPERT_NAMES
                if prefix + "experts." + name in state}
     native = _native_expert_names(layer)
@@ -246,7 +270,9 @@ class MoE(NativeMoE):
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True, *, activation: Optional[str] = None,
                  router: str = "softmax", aux_loss_coef: float = 0.01, parallel=1, overlap_degree=1,
-                 a2a: str = "flat", node_size: Optional[int] = None) -> None:
+                 a2a: str = "flat", node_size: Optional[int] = None, expert_bias_update_rate: float = 0.0,
+                 num_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
+                 aux_loss: Optional[str] = None) -> None:
         # nn.Module's init, not the native one: that one deep-copies `expert` per local expert
         nn.Module.__init__(self)
         if noisy_gate_policy not in (None, "None"):
@@ -264,7 +290,9 @@ class MoE(NativeMoE):
                              use_tutel=use_tutel, enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
                              top2_2nd_expert_sampling=top2_2nd_expert_sampling, activation=activation, router=router,
                              aux_loss_coef=aux_loss_coef, parallel=parallel, overlap_degree=overlap_degree, a2a=a2a,
-                             node_size=node_size)
+                             node_size=node_size, expert_bias_update_rate=expert_bias_update_rate,
+                             num_groups=num_groups, topk_groups=topk_groups, route_scale=route_scale,
+                             aux_loss=aux_loss)
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = False
         self.ep_size = ep_size
@@ -282,7 +310,8 @@ class MoE(NativeMoE):
                           "this", stacklevel=2)
         config = moe_config(hidden_size, expert_hidden, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                             min_capacity, drop_tokens, activation, bias, router, aux_loss_coef, parallel,
-                            overlap_degree, a2a, node_size)
+                            overlap_degree, a2a, node_size, expert_bias_update_rate, num_groups, topk_groups,
+                            route_scale, aux_loss)
         ep_group = _expert_parallel_group(ep_size) if ep_size > 1 else None
         self.deepspeed_moe = DeepSpeedMoELayer(config, ep_group, linear_names, self.expert_group_name)
         if use_residual:
@@ -459,8 +488,27 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                                  "an optimizer that has not stepped yet")
             for group in optimizer.param_groups:
                 group["params"] = _remap(group["params"], replaced)
-    return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                training_data=training_data, lr_scheduler=lr_scheduler,
-                                distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                                collate_fn=collate_fn, config=config, mesh_param=mesh_param,
-                                config_params=config_params)
+    engine, *rest = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                         model_parameters=model_parameters, training_data=training_data,
+                                         lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                         mesh_param=mesh_param, config_params=config_params)
+    update_bias_every_step(engine)
+    return (engine, *rest)
+
+
+def update_bias_every_step(engine) -> None:
+    """When a layer has the balancing bias on, engine.step() calls moe_plugin.update_expert_bias once per
+    optimizer step (at the gradient accumulation boundary: the counts cover every micro-batch)."""
+    if not any(getattr(m, "config", None) is not None and isinstance(m, MoELayer)
+               and m.config.expert_bias_update_rate > 0 for m in engine.module.modules()):
+        return
+    step = engine.step
+
+    def step_and_update_bias(*args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        result = step(*args, **kwargs)
+        if boundary:
+            update_expert_bias(engine.module)
+        return result
+    engine.step = step_and_update_bias

@@ -80,8 +80,10 @@ class MoELayer(nn.Module):
         return cfg.capacity_factor
 
     def forward(self, x: torch.Tensor, parallel: Optional[int] = None,
-                overlap_degree: Optional[int] = None) -> torch.Tensor:
-        """parallel / overlap_degree override the configured (or tuned) degrees for this call."""
+                overlap_degree: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """parallel / overlap_degree override the configured (or tuned) degrees for this call.
+        aux_loss "seq" takes x's second-to-last dim as the sequence, or sequence_T: each token's
+        sequence index in [0, tokens) (for sequences of different lengths)."""
         cfg = self.config
         if x.dim() < 1 or x.shape[-1] != cfg.model_dim:
             raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
@@ -89,7 +91,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
         x_TD = x.reshape(-1, cfg.model_dim)
 
-        routes = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
+        routes = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None, sequence_T=sequence_T)
         priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
         plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, self.capacity_factor(),
                                     cfg.min_capacity, priority_T)

@@ -74,8 +74,10 @@ class Router(nn.Module):
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits_TE) if self.config.router == "sigmoid" else torch.softmax(logits_TE, dim=-1)
 
-    def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None) -> Routes:
-        """seq_len: tokens per sequence for aux_loss "seq" (None: all of x_TD is one sequence)."""
+    def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None,
+                sequence_T: Optional[torch.Tensor] = None) -> Routes:
+        """For aux_loss "seq": seq_len tokens per sequence (None: all of x_TD is one sequence), or
+        sequence_T, each token's sequence index (sequences of different lengths)."""
         cfg = self.config
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
@@ -97,7 +99,7 @@ class Router(nn.Module):
         if self.training and cfg.expert_bias_update_rate > 0:
             self._count(expert_TK)
 
-        aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len)
+        aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())
         return Routes(scores_TE, expert_TK, gate_TK, aux, z)
 
@@ -155,14 +157,17 @@ def _choices_per_expert(expert_NX: torch.Tensor, num_experts: int, dtype) -> tor
 
 
 def balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num_experts: int,
-                 seq_len: Optional[int] = None) -> torch.Tensor:
+                 seq_len: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None) -> torch.Tensor:
     """E * sum_e(mean router probability of e * fraction of choices routed to e); 1.0 when balanced.
 
     gshard counts each token's first choice only; switch counts all top-k choices; seq is switch
-    within each sequence of seq_len tokens (None: one sequence), averaged over the sequences."""
+    within each sequence of seq_len tokens (None: one sequence), or of the tokens sharing a
+    sequence_T index, averaged over the (non-empty) sequences."""
     T, K = expert_TK.shape
     if kind == "none" or T == 0:
         return probs_TE.new_zeros(())
+    if kind == "seq" and sequence_T is not None:
+        return _ragged_sequence_loss(probs_TE, expert_TK, num_experts, sequence_T)
     counted_NX = expert_TK[:, :1].reshape(1, -1) if kind == "gshard" else expert_TK.reshape(1, -1)
     probs_NSE = probs_TE.unsqueeze(0)
     if kind == "seq" and seq_len is not None:
@@ -170,6 +175,19 @@ def balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num
         probs_NSE = probs_TE.view(-1, seq_len, num_experts)
     fraction_NE = _choices_per_expert(counted_NX, num_experts, probs_TE.dtype) / counted_NX.shape[1]
     return num_experts * (probs_NSE.mean(1) * fraction_NE).sum(-1).mean()
+
+
+def _ragged_sequence_loss(probs_TE, expert_TK, num_experts, sequence_T):
+    """The seq loss over sequences of any lengths (indices below T; unused ones are empty and skipped)."""
+    T, K = expert_TK.shape
+    length_N = torch.zeros(T, dtype=probs_TE.dtype, device=probs_TE.device).index_add_(
+        0, sequence_T, torch.ones_like(sequence_T, dtype=probs_TE.dtype))
+    probs_NE = probs_TE.new_zeros(T, num_experts).index_add(0, sequence_T, probs_TE)
+    choices_NE = probs_TE.new_zeros(T * num_experts).index_add_(
+        0, (sequence_T[:, None] * num_experts + expert_TK).reshape(-1),
+        probs_TE.new_ones(T * K)).view(T, num_experts)
+    per_N = (probs_NE * choices_NE).sum(-1) / (length_N.square() * K).clamp(min=1)
+    return num_experts * per_N.sum() / (length_N > 0).sum()
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -175,3 +175,54 @@ def test_new_modules_build_on_meta_and_reset(module, config):
             assert torch.equal(tensor, torch.zeros(6))
         else:
             assert 0 < tensor.abs().max() <= 0.5 or name == "log_scale", name   # uniform within 1/sqrt(fan_in >= 4)
+
+
+def test_seq_aux_loss_of_ragged_sequences_written_out():
+    E, K, T = 6, 3, 23
+    probs_TE = torch.softmax(torch.randn(T, E, dtype=torch.float64), -1)
+    expert_TK = torch.rand(T, E).topk(K, dim=1).indices
+    sequence_T = torch.tensor([0] * 5 + [4] * 11 + [2] * 7)   # sequences 1 and 3 are empty (all padding)
+    total = 0.0
+    for n in (0, 4, 2):
+        rows = [t for t in range(T) if int(sequence_T[t]) == n]
+        for e in range(E):
+            mean_score = sum(float(probs_TE[t, e]) for t in rows) / len(rows)
+            fraction = sum(int(expert_TK[t, k]) == e for t in rows for k in range(K)) / (len(rows) * K)
+            total += E * mean_score * fraction
+    got = balance_loss("seq", probs_TE, expert_TK, E, sequence_T=sequence_T)
+    assert float(got) == pytest.approx(total / 3, rel=1e-12)
+    equal = torch.arange(T - 2) // 7
+    assert float(balance_loss("seq", probs_TE[:21], expert_TK[:21], E, sequence_T=equal)) == pytest.approx(
+        float(balance_loss("seq", probs_TE[:21], expert_TK[:21], E, seq_len=7)), rel=1e-12)
+
+
+def test_routing_and_bias_update_add_no_host_synchronization():
+    """No op whose result the host must read (.item(), data-dependent shapes) in the router's forward
+    with groups, bias and the seq loss, the shared expert, or update_expert_bias."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_plugin import update_expert_bias
+    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.bincount.default, torch.ops.aten.masked_select.default,
+               torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten._unique2.default}
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in syncing:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    layer = with_random_bias(make_layer(router="sigmoid", num_experts=16, top_k=4, num_groups=4, topk_groups=2,
+                                        aux_loss="seq", route_scale=2.0, expert_bias_update_rate=0.01,
+                                        shared_hidden_size=6, shared_gate=True))
+    x = torch.randn(3, 11, 12, dtype=torch.float64)
+    with Record() as record:
+        routes = layer.router(x.reshape(-1, 12), seq_len=11)
+        (routes.gate_TK.sum() + routes.aux_loss + layer.shared_expert(x).sum()).backward()
+        layer.router(x.reshape(-1, 12), sequence_T=torch.arange(33) % 5)
+        update_expert_bias(layer)
+    assert record.seen == []
+    assert float(layer.router.expert_bias_E.abs().max()) > 0

@@ -50,6 +50,21 @@ class MoEArgs(FairseqDataclass):
     moe_overlap_degree: str = field(default="1", metadata={
         "help": "chunks the all-to-all is cut into to overlap it with expert compute, or auto"})
     moe_a2a: str = field(default="flat", metadata={"help": "flat or 2dh (2D-hierarchical all-to-all)"})
+    moe_aux_loss: str = field(default="gshard", metadata={
+        "help": "load-balancing loss: gshard (first choices), switch (all k choices), seq (DeepSeek-V3's "
+                "per-sequence loss) or none"})
+    moe_expert_bias_update_rate: float = field(default=0.0, metadata={
+        "help": "> 0: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the choice scores, "
+                "moved by this much per update towards the under-loaded experts"})
+    moe_num_groups: int = field(default=1, metadata={
+        "help": "group-limited routing: the experts form this many groups of consecutive experts"})
+    moe_topk_groups: int = field(default=1, metadata={
+        "help": "each token chooses only inside its this many best groups"})
+    moe_route_scale: float = field(default=1.0, metadata={"help": "multiplies the final gates (> 0)"})
+    moe_shared_hidden_size: int = field(default=0, metadata={
+        "help": "> 0: a shared expert FFN of this width applied to every token, added to the MoE output"})
+    moe_shared_gate: bool = field(default=False, metadata={
+        "help": "multiply the shared expert's output per token by sigmoid(x . w) (Qwen2-MoE)"})
 
 
 SECOND_EXPERT_POLICIES = ("all",)
@@ -59,6 +74,9 @@ FLAG_OF_FIELD = {
     "eval_capacity_factor": "--moe-eval-capacity-token-fraction", "hidden_size": "--moe-expert-ffn-dim",
     "router": "--moe-router", "ep_size": "--moe-ep-size", "parallel": "--moe-parallel",
     "overlap_degree": "--moe-overlap-degree", "a2a": "--moe-a2a", "activation": "--activation-fn",
+    "aux_loss": "--moe-aux-loss", "expert_bias_update_rate": "--moe-expert-bias-update-rate",
+    "num_groups": "--moe-num-groups", "topk_groups": "--moe-topk-groups", "route_scale": "--moe-route-scale",
+    "shared_hidden_size": "--moe-shared-hidden-size", "shared_gate": "--moe-shared-gate",
 }
 
 
@@ -103,13 +121,19 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
         fp32_router=bool(args.moe_gating_use_fp32),
         normalize_gate="before_drop" if args.moe_normalize_gate_prob_before_dropping else "after_drop",
         batch_prioritized_routing=bool(args.moe_batch_prioritized_routing),
-        aux_loss="gshard",
+        aux_loss=args.moe_aux_loss,
         aux_loss_coef=1.0,   # the criterion weighs it (--moe-gate-loss-wt)
         activation=ACTIVATIONS[activation],
         ep_size=args.moe_ep_size,
         parallel=_int_or_auto("--moe-parallel", args.moe_parallel),
         overlap_degree=_int_or_auto("--moe-overlap-degree", args.moe_overlap_degree),
         a2a=args.moe_a2a,
+        expert_bias_update_rate=args.moe_expert_bias_update_rate,
+        num_groups=args.moe_num_groups,
+        topk_groups=args.moe_topk_groups,
+        route_scale=args.moe_route_scale,
+        shared_hidden_size=args.moe_shared_hidden_size,
+        shared_gate=args.moe_shared_gate,
     )
     try:
         config = MoEConfig(**values)

@@ -38,13 +38,17 @@ class MoEFFN(nn.Module):
 
     def forward(self, x_TBD: torch.Tensor) -> torch.Tensor:
         mask_BT = self.padding_mask_BT
+        # aux_loss seq: a sequence is a batch column (time-major input), padding left out
+        sequence_TB = None
+        if self.moe.config.aux_loss == "seq":
+            sequence_TB = torch.arange(x_TBD.shape[1], device=x_TBD.device).expand(x_TBD.shape[:2])
         if mask_BT is None or not mask_BT.any():
-            return self.moe(x_TBD)
+            return self.moe(x_TBD, sequence_T=None if sequence_TB is None else sequence_TB.reshape(-1))
         if mask_BT.shape != x_TBD.shape[1::-1]:
             raise ValueError(f"padding mask of shape {tuple(mask_BT.shape)} does not fit input {tuple(x_TBD.shape)}")
         keep_TB = ~mask_BT.t()
         y_TBD = x_TBD.new_zeros(x_TBD.shape)
-        y_TBD[keep_TB] = self.moe(x_TBD[keep_TB])
+        y_TBD[keep_TB] = self.moe(x_TBD[keep_TB], sequence_T=None if sequence_TB is None else sequence_TB[keep_TB])
         return y_TBD
 
 

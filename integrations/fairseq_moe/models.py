@@ -22,14 +22,29 @@ from fairseq.models.transformer_lm import (TransformerLanguageModel, Transformer
                                            base_lm_architecture, transformer_lm_gpt)
 from fairseq.utils import safe_getattr
 
+from moe_plugin import update_expert_bias
+
 from .config import add_moe_args, moe_config_from_args, moe_layer_indices, set_moe_defaults
 from .distributed import prepare_expert_parameters
 from .layers import use_moe_layers
 from .registration import architecture, model
 
 
+class _UpdatesExpertBias:
+    """fairseq's task calls model.set_num_updates(n) before every micro-batch's forward; when n moves
+    on, the previous update (all its micro-batches) is done: the balancing bias is updated once."""
+
+    _bias_updates_seen = None
+
+    def set_num_updates(self, num_updates):
+        if self._bias_updates_seen is not None and num_updates != self._bias_updates_seen:
+            update_expert_bias(self)
+        self._bias_updates_seen = num_updates
+        super().set_num_updates(num_updates)
+
+
 @model("transformer_lm_moe")
-class TransformerLanguageModelMoE(TransformerLanguageModel):
+class TransformerLanguageModelMoE(_UpdatesExpertBias, TransformerLanguageModel):
     @classmethod
     def add_args(cls, parser):
         gen_parser_from_dataclass(parser, TransformerLanguageModelConfig(), delete_default=True)
@@ -46,7 +61,7 @@ class TransformerLanguageModelMoE(TransformerLanguageModel):
 
 
 @model("transformer_moe")
-class TransformerModelMoE(TransformerModel):
+class TransformerModelMoE(_UpdatesExpertBias, TransformerModel):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)

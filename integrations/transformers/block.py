@@ -18,13 +18,23 @@ class RouterLogits(nn.Module):
     transformers 5 records `router_logits` with a forward hook on every instance of the class its
     model names in `_can_record_outputs` (OutputRecorder(<Family>TopKRouter, index=0)), taking
     output[index]. The block makes this module an instance of that class (see router_logits_class),
-    so output_router_logits=True and the HF aux loss see our logits. It holds no tensors.
+    so output_router_logits=True and the HF aux loss see our logits. It holds no tensors of its own;
+    `weight` and `e_score_correction_bias` are the router's (HF's _init_weights finds them there).
     """
 
     index = 0
 
     def __init__(self):
         nn.Module.__init__(self)   # not the HF router's __init__: no weights of its own
+        self.__dict__["_router"] = None   # the MoELayer's router, unregistered (set by the block)
+
+    @property
+    def weight(self):
+        return self._router.weight_ED
+
+    @property
+    def e_score_correction_bias(self):
+        return self._router.expert_bias_E
 
     def forward(self, logits_TE: torch.Tensor):
         out = [None] * (self.index + 1)
@@ -54,6 +64,8 @@ class HFMoEBlock(nn.Module):
         self.moe = moe
         self.family = family
         self.router_logits = router_logits
+        if router_logits is not None:
+            router_logits.__dict__["_router"] = moe.router
         self.jitter_noise = jitter_noise
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -131,18 +131,22 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
 )}
 
 
-def family_of(model) -> Optional[Family]:
-    """The family entry of an HF model (by its config's model_type), or None."""
-    config = getattr(model, "config", None)
-    return FAMILIES.get(getattr(config, "model_type", None))
+def hf_config_of(model_or_config):
+    """An HF model's config, or the config itself."""
+    return model_or_config if hasattr(model_or_config, "model_type") else getattr(model_or_config, "config", None)
 
 
-def require_family(model) -> Family:
-    family = family_of(model)
+def family_of(model_or_config) -> Optional[Family]:
+    """The family entry of an HF model or config (by its model_type), or None."""
+    return FAMILIES.get(getattr(hf_config_of(model_or_config), "model_type", None))
+
+
+def require_family(model_or_config) -> Family:
+    family = family_of(model_or_config)
     if family is None:
-        config = getattr(model, "config", None)
-        model_type = getattr(config, "model_type", None)
-        what = f"model_type={model_type!r}" if config is not None else f"a {type(model).__name__} with no .config"
+        config = hf_config_of(model_or_config)
+        what = (f"model_type={getattr(config, 'model_type', None)!r}" if config is not None
+                else f"a {type(model_or_config).__name__} with no .config")
         raise ValueError(f"{what} has no Hugging Face MoE family in moe_plugin; supported model_type values: "
                          f"{', '.join(sorted(FAMILIES))}")
     return family

@@ -1,7 +1,7 @@
 """swap_moe_blocks: every sparse-MoE block of a supported HF model becomes an HFMoEBlock on an MoELayer."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -9,17 +9,17 @@ from torch import nn
 from moe_plugin import MoEConfig, MoELayer
 
 from .block import block_type, router_logits_class
-from .families import Family, hf_to_layer, require_family
+from .families import Family, hf_config_of, hf_to_layer, require_family
 
 # fields the HF weights fix: an override may not contradict them
 FIXED_BY_WEIGHTS = ("model_dim", "hidden_size", "num_experts", "activation", "bias", "shared_hidden_size",
                     "shared_gate")
 
 
-def moe_config(model: nn.Module, **overrides) -> MoEConfig:
-    """The MoEConfig that computes what the model's HF blocks compute, with overrides applied."""
-    family = require_family(model)
-    base = family.moe_config(model.config)
+def moe_config(model_or_config, **overrides) -> MoEConfig:
+    """The MoEConfig that computes what an HF model's (or config's) blocks compute, with overrides applied."""
+    family = require_family(model_or_config)
+    base = family.moe_config(hf_config_of(model_or_config))
     for key in FIXED_BY_WEIGHTS:
         if key in overrides and key in base and overrides[key] != base[key]:
             raise ValueError(f"swap_moe_blocks: {key}={overrides[key]!r} contradicts the {family.model_type} "
@@ -27,18 +27,20 @@ def moe_config(model: nn.Module, **overrides) -> MoEConfig:
     return MoEConfig(**{**base, **overrides})
 
 
-def swap_moe_blocks(model: nn.Module, ep_group=None, **overrides: Any) -> nn.Module:
+def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type] = None,
+                    **overrides: Any) -> nn.Module:
     """Replace, in place, every sparse-MoE block of model with an HFMoEBlock computing the same thing.
 
     overrides: any MoEConfig field (ep_size, capacity_factor, parallel, overlap_degree, a2a, ...).
     ep_group: a host framework's expert-parallel process group (default: built from the world).
+    block_class: the replacement's class (default: block_type(), the one for the installed hosts).
     Under expert parallelism every rank must call this (it builds process groups); each keeps its
     share of the experts. Returns model.
     """
     family = require_family(model)
     config = moe_config(model, **overrides)
-    block_class = family.block_class()
-    blocks = [(name, module) for name, module in model.named_modules() if isinstance(module, block_class)]
+    hf_class = family.block_class()
+    blocks = [(name, module) for name, module in model.named_modules() if isinstance(module, hf_class)]
     if not blocks:
         raise ValueError(f"swap_moe_blocks: the {family.model_type} model has no {family.block} "
                          f"(already swapped, or no MoE layer in this config)")
@@ -46,12 +48,13 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, **overrides: Any) -> nn.Mod
     for name, hf_block in blocks:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new_block(family, config, hf_block, model.config, tap_class,
-                                                            ep_group))
+                                                            ep_group, block_class))
     _hook_new_router_logits(model)
     return model
 
 
-def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config, tap_class, ep_group=None):
+def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config, tap_class, ep_group=None,
+              block_class: Optional[type] = None):
     """An HFMoEBlock holding hf_block's weights (this rank's share under expert parallelism)."""
     state = hf_block.state_dict()
     reference = state[family.weights[1].hf[0]]           # the routed experts' dtype and device
@@ -60,7 +63,8 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
     layer.to(device=reference.device)
     for param in layer.parameters():
         param.data = param.data.to(reference.dtype)
-    block = block_type()(layer, family.model_type, tap_class() if tap_class else None, family.jitter_noise(hf_config))
+    block = (block_class or block_type())(layer, family.model_type, tap_class() if tap_class else None,
+                                          family.jitter_noise(hf_config))
     return block.train(hf_block.training)
 
 

@@ -49,6 +49,19 @@ def test_router_logits_are_recorded_when_the_model_was_hooked_before_the_swap(fa
     assert plain.router_logits is None
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_hf_init_weights_reinitializes_the_swapped_router(family, fresh_seed):
+    model = hf_moe.swap_moe_blocks(build_model(family, fresh_seed))
+    router = next(m for m in model.modules() if isinstance(m, hf_moe.HFMoEBlock)).moe.router
+    with torch.no_grad():
+        router.weight_ED.fill_(3.0)
+        router.expert_bias_E.fill_(1.0)
+    model.init_weights()
+    assert router.weight_ED.abs().max() < 1.0 and router.weight_ED.std() > 0
+    if family == "deepseek_v3":   # HF zeroes e_score_correction_bias
+        assert not router.expert_bias_E.any()
+
+
 def test_mixtral_aux_loss_with_router_aux_loss_coef(fresh_seed):
     model = build_model("mixtral", fresh_seed, router_aux_loss_coef=0.37)
     swapped = swapped_copy(model)

@@ -1,0 +1,40 @@
+"""The `moe-plugin train` command line."""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+from .config import load_config, to_yaml
+from .loop import train
+
+
+def split_arguments(arguments: Sequence[str]) -> Tuple[Optional[str], List[str]]:
+    """[CONFIG.yaml] and key=value overrides, in any order."""
+    paths = [a for a in arguments if "=" not in a]
+    if len(paths) > 1:
+        raise ValueError(f"expected one config file and key=value overrides, got files {paths}")
+    return (paths[0] if paths else None), [a for a in arguments if "=" in a]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
+                        help="an experiment config (default: the built-in configs/experiments/default.yaml) "
+                             "and overrides such as moe.num_experts=16 train.steps=200")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+
+
+def main(args) -> int:
+    try:
+        cfg = load_config(*split_arguments(args.arguments))
+    except ValueError as error:
+        print(f"moe-plugin train: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    try:
+        train(cfg)
+    except ValueError as error:  # a user error found once the processes are known (ep_size, resume)
+        print(f"moe-plugin train: {error}", file=sys.stderr)
+        return 2
+    return 0

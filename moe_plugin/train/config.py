@@ -1,0 +1,162 @@
+"""The experiment config: its sections, loading (defaults, YAML file, key=value overrides) and checks."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..config import MoEConfig, field_names
+from ..data import DataConfig
+from ..data import check_config as check_data_config
+from ..models import ModelConfig
+from ..parallel.groups import check_sizes
+
+MOE_KEYS_SET_ELSEWHERE = {"model_dim": "model.dim", "ep_size": "parallel.ep_size"}
+DEFAULT_MOE = {"hidden_size": 256, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25,
+               "eval_capacity_factor": 2.0, "activation": "gelu", "aux_loss_coef": 0.01}
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600                 # optimizer steps; the LR schedule spans them
+    stop_at: Optional[int] = None    # end the run after this step as if interrupted (resume it later)
+    batch_size: int = 16             # rows per rank and step
+    lr: float = 3e-3                 # peak LR: linear warmup, then cosine decay to lr * min_lr_ratio
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1        # on matrices only
+    grad_clip: float = 1.0           # max global gradient norm; 0: off
+    seed: int = 0                    # model init and router noise
+    eval_every: int = 100            # validation loss every n steps, and at step 0 and the last step
+    eval_batches: int = 4
+    checkpoint_every: int = 200      # 0: only at the end of the run
+    keep_checkpoints: int = 2        # keep the newest n; 0: all
+    resume: Optional[str] = None     # a checkpoint file, or "latest" (the newest in log.out_dir)
+    device: str = "auto"             # auto (cuda when available), cpu or cuda
+
+
+@dataclass
+class ParallelConfig:
+    ep_size: int = 1                 # expert-parallel group size
+
+
+@dataclass
+class LogConfig:
+    name: str = "default"
+    out_dir: Optional[str] = None    # null: runs/<name>
+    every: int = 10                  # a metrics record every n steps
+    progress: bool = True            # a progress bar on rank 0
+    plots: bool = True               # loss.png and expert_load.png at the end
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MOE))  # MoEConfig fields but those above
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    # an HF config (model_type and its fields): train that Hugging Face MoE architecture (hf_model.py)
+    hf: Optional[Dict[str, Any]] = None
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """The defaults, then the YAML file, then the key=value overrides; ValueError on any bad key or value."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    layers = []
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"config file {path!r} does not exist")
+        layers.append(OmegaConf.load(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is invalid: must be key=value, e.g. train.steps=100")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ExperimentConfig), *layers)
+        cfg = OmegaConf.to_object(merged)
+    except ConfigKeyError as error:
+        raise ValueError(_unknown_key_message(error.full_key)) from None
+    except OmegaConfBaseException as error:
+        raise ValueError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
+    check_config(cfg)
+    return cfg
+
+
+def _valid_keys(section: Optional[str]) -> List[str]:
+    if section is None:
+        return [f.name for f in dataclasses.fields(ExperimentConfig)]
+    if section == "moe":
+        return [name for name in field_names() if name not in MOE_KEYS_SET_ELSEWHERE]
+    return [f.name for f in dataclasses.fields(getattr(ExperimentConfig(), section))]
+
+
+def _unknown_key_message(full_key: str) -> str:
+    section, _, key = full_key.partition(".")
+    where, bad, valid = ("the config", section, _valid_keys(None)) if not key else \
+        (f"section {section}", key, _valid_keys(section))
+    close = difflib.get_close_matches(bad, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {full_key!r}{hint}; valid keys of {where}: {', '.join(valid)}"
+
+
+def moe_config(cfg: ExperimentConfig) -> MoEConfig:
+    """The MoE layers' config: the moe section, with model_dim and ep_size from the model and parallel sections."""
+    for key in cfg.moe:
+        if key not in _valid_keys("moe"):
+            message = _unknown_key_message(f"moe.{key}")
+            if key in MOE_KEYS_SET_ELSEWHERE:
+                message = f"moe.{key} is set by {MOE_KEYS_SET_ELSEWHERE[key]}; {message}"
+            raise ValueError(message)
+    try:
+        return MoEConfig.from_dict({**cfg.moe, "model_dim": cfg.model.dim, "ep_size": cfg.parallel.ep_size})
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"moe section: {error}") from None
+
+
+AT_LEAST = {"model.dim": 1, "model.layers": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
+            "model.moe_every": 1, "train.steps": 1, "train.batch_size": 1, "train.warmup_steps": 0,
+            "train.eval_every": 1, "train.eval_batches": 1, "train.checkpoint_every": 0,
+            "train.keep_checkpoints": 0, "parallel.ep_size": 1, "log.every": 1}
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+    def value(key):
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    def require(key, ok, allowed):
+        if not ok:
+            raise ValueError(f"{key}={value(key)!r} is invalid: must be {allowed}")
+
+    for key, minimum in AT_LEAST.items():
+        require(key, value(key) >= minimum, f">= {minimum}")
+    require("model.heads", cfg.model.dim % cfg.model.heads == 0, f"a divisor of model.dim={cfg.model.dim}")
+    require("train.lr", math.isfinite(cfg.train.lr) and cfg.train.lr > 0, "a positive number")
+    require("train.min_lr_ratio", 0 <= cfg.train.min_lr_ratio <= 1, "between 0 and 1")
+    require("train.weight_decay", cfg.train.weight_decay >= 0, ">= 0")
+    require("train.grad_clip", cfg.train.grad_clip >= 0, ">= 0 (0: off)")
+    require("train.stop_at", cfg.train.stop_at is None or 1 <= cfg.train.stop_at <= cfg.train.steps,
+            f"null or between 1 and train.steps={cfg.train.steps}")
+    require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
+    check_data_config(cfg.data)
+    if cfg.hf is not None:
+        from .hf_model import hf_moe_config   # imports transformers
+        moe = hf_moe_config(cfg)
+    else:
+        moe = moe_config(cfg)
+    try:
+        check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
+    except ValueError as error:
+        raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
+
+
+def to_yaml(cfg: ExperimentConfig) -> str:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,181 @@
+"""The training loop: train(cfg) runs one experiment and writes its outputs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..balancing import update_expert_bias
+from ..layer import aux_loss
+from ..models import TransformerLM
+from ..parallel.expert_grads import expert_parameters
+from .checkpoint import checkpoints, resolve_resume, restore, save
+from .config import ExperimentConfig, check_config, to_yaml
+from .metrics import MetricsLog, Window
+from .parts import build, data_parallel
+from .processes import Processes, gather, start_processes
+
+
+@torch.no_grad()
+def evaluate(model: TransformerLM, batches, device: torch.device) -> float:
+    model.eval()
+    losses = [F.cross_entropy(model(x_BS.to(device)).flatten(0, 1), y_BS.to(device).flatten()).item()
+              for x_BS, y_BS in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def topic_routing(model: TransformerLM, topics: Dict[str, torch.Tensor], device: torch.device) -> dict:
+    """Per topic of the synthetic corpus: tokens per expert in each MoE layer."""
+    model.eval()
+    routing = {}
+    for topic, x_BS in topics.items():
+        model(x_BS.to(device))
+        routing[topic] = [layer.stats["tokens_per_expert"] for layer in model.moe_layers()]
+    model.train()
+    return routing
+
+
+def parameter_hash(model: torch.nn.Module, skip: Sequence[str] = ()) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        if name in skip:
+            continue
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def train(cfg: ExperimentConfig) -> dict:
+    """Run one experiment. Returns its result (rank 0 also writes it to log.out_dir/result.json)."""
+    check_config(cfg)
+    procs = start_processes(cfg.train.device)
+    try:
+        ep_size = cfg.parallel.ep_size
+        if procs.world_size % ep_size:
+            raise ValueError(f"parallel.ep_size={ep_size} is invalid: must divide the number of processes, "
+                             f"{procs.world_size} (launch with torchrun --nproc_per_node N, N a multiple of {ep_size})")
+        return _train(cfg, procs)
+    finally:
+        if procs.started_group:
+            dist.destroy_process_group()
+
+
+def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_size: int) -> torch.Tensor:
+    """clip_grad_norm_ by the norm of the whole model's gradient; returns that norm.
+
+    Under expert parallelism each rank holds other experts: their squares are summed over the world,
+    where world_size / ep_size ranks hold each expert with the same gradient."""
+    experts = {id(p): p for _, p in expert_parameters(model)}
+    if not experts:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    shared = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
+    grads = [p.grad for p in experts.values() if p.grad is not None]  # a sliced expert's b2 lives in slice 0
+    expert_square = torch.nn.utils.get_total_norm(grads).square()
+    dist.all_reduce(expert_square)
+    replicas = procs.world_size // ep_size
+    norm = (torch.nn.utils.get_total_norm(shared).square() + expert_square / replicas).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
+def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
+    from tqdm import tqdm
+
+    is_main = procs.rank == 0
+    out_dir = Path(cfg.log.out_dir or os.path.join("runs", cfg.log.name))
+    resume_path = resolve_resume(cfg.train.resume, out_dir) if cfg.train.resume else None
+    parts = build(cfg, procs)
+    model, optimizer, scheduler, data = parts.model, parts.optimizer, parts.scheduler, parts.data
+    step, window = restore(parts, procs, resume_path, cfg.parallel.ep_size) if resume_path else (0, Window())
+    if is_main and resume_path is None:
+        for old in checkpoints(out_dir):  # a fresh run replaces an old run's checkpoints
+            old.unlink()
+    wrapped = data_parallel(model, procs)
+
+    log = None
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+        log = MetricsLog(out_dir, step if resume_path else None)
+    if step == 0:
+        val_loss = evaluate(model, data.val, procs.device)
+        if log:
+            log.write({"step": 0, "val_loss": val_loss})
+
+    last = cfg.train.stop_at or cfg.train.steps
+    bar = tqdm(total=last, initial=step, unit="step", disable=not (is_main and cfg.log.progress),
+               dynamic_ncols=True, file=sys.stderr)
+    start = time.perf_counter()
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    while step < last:
+        step += 1
+        tick = time.perf_counter()
+        x_BS, y_BS = (t.to(procs.device) for t in data.train.next())
+        logits_BSV = wrapped(x_BS)
+        lm_loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
+        router_loss = aux_loss(model)
+        optimizer.zero_grad(set_to_none=True)
+        (lm_loss + router_loss).backward()
+        if cfg.train.grad_clip:
+            clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size)
+        optimizer.step()
+        update_expert_bias(model)
+        scheduler.step()
+        window.add(lm_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
+                   tokens_per_step, time.perf_counter() - tick)
+
+        is_eval = step % cfg.train.eval_every == 0 or step == last
+        if step % cfg.log.every == 0 or is_eval:
+            record = window.record(procs, step, optimizer.param_groups[0]["lr"])
+            window = Window()
+            if is_eval:
+                record["val_loss"] = evaluate(model, data.val, procs.device)
+            if log:
+                log.write(record)
+            bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {record['tokens_per_s']:.0f} "
+                                f"drop {record['dropped_fraction']:.1%}", refresh=False)
+        bar.update(1)
+        if step == last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+            save(parts, procs, cfg, out_dir, step, window)
+    bar.close()
+
+    experts = [name for name, _ in expert_parameters(model)]
+    hashes = gather(procs, (parameter_hash(model), parameter_hash(model, skip=experts)))
+    routing = topic_routing(model, data.topics, procs.device)  # every rank runs the same topic rows
+    if not is_main:
+        return {}
+    log.close()
+    result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
+    result["topic_routing"] = routing
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    from .. import plots
+    if cfg.log.plots:
+        plots.save_plots(log.records, out_dir, routing)
+    summary = plots.summary(cfg.log.name, result, log.records, routing)
+    (out_dir / "summary.txt").write_text(summary)
+    print(summary, end="")
+    return result
+
+
+def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes: List[Tuple[str, str]],
+            seconds: float, out_dir: Path) -> dict:
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train_records = [r for r in records if "loss" in r]
+    return {"name": cfg.log.name, "out_dir": str(out_dir), "plots": cfg.log.plots, "world_size": procs.world_size,
+            "steps": records[-1]["step"], "seconds": seconds,
+            "tokens": records[-1]["step"] * cfg.train.batch_size * cfg.model.seq_len * procs.world_size,
+            "val_loss_first": val[0][1], "val_loss_last": val[-1][1],
+            "loss_first": train_records[0]["loss"] if train_records else None,
+            "loss_last": train_records[-1]["loss"] if train_records else None,
+            "param_sha256_per_rank": [full for full, _ in hashes],
+            "shared_param_sha256_per_rank": [shared for _, shared in hashes]}

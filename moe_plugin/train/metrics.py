@@ -1,0 +1,91 @@
+"""Metrics: the window of steps since the last record, metrics.jsonl and TensorBoard."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .processes import Processes
+
+
+@dataclass
+class Window:
+    """The steps since the last metrics record, summed (over this rank).
+
+    A layer's tokens_per_expert counts this rank's tokens for every expert (wherever the expert
+    lives), so their sum over the ranks in record() is the whole load, with or without ep."""
+    steps: int = 0
+    loss: float = 0.0
+    aux_loss: float = 0.0
+    dropped_fraction: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_expert: List[List[int]] = field(default_factory=list)
+
+    def add(self, loss: float, aux: float, stats: List[dict], tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.loss += loss
+        self.aux_loss += aux
+        self.dropped_fraction += sum(s["dropped_fraction"] for s in stats) / max(1, len(stats))
+        self.tokens += tokens
+        self.seconds += seconds
+        loads = [s["tokens_per_expert"] for s in stats]
+        self.tokens_per_expert = loads if not self.tokens_per_expert else \
+            [[a + b for a, b in zip(old, new)] for old, new in zip(self.tokens_per_expert, loads)]
+
+    def record(self, procs: Processes, step: int, lr: float) -> dict:
+        """The window averaged over its steps and over the ranks (a collective: every rank calls it)."""
+        loads = [n for layer in self.tokens_per_expert for n in layer]
+        sums = torch.tensor([self.loss, self.aux_loss, self.dropped_fraction, self.tokens, self.seconds] + loads,
+                            dtype=torch.float64, device=procs.device)
+        if procs.world_size > 1:
+            dist.all_reduce(sums)
+        sums = sums.tolist()
+        n = self.steps * procs.world_size
+        seconds = sums[4] / procs.world_size
+        per_layer = len(self.tokens_per_expert[0]) if self.tokens_per_expert else 0
+        return {"step": step, "lr": lr, "loss": sums[0] / n, "aux_loss": sums[1] / n,
+                "dropped_fraction": sums[2] / n, "tokens_per_s": sums[3] / seconds if seconds else 0.0,
+                "tokens_per_expert": [[int(v) for v in sums[5 + i * per_layer:5 + (i + 1) * per_layer]]
+                                      for i in range(len(self.tokens_per_expert))]}
+
+
+def tensorboard_writer(log_dir: Path):
+    """A torch.utils.tensorboard SummaryWriter when the tensorboard package is installed, else None."""
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(str(log_dir))
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per record) and TensorBoard scalars; rank 0 only."""
+
+    def __init__(self, out_dir: Path, resumed_step: Optional[int]):
+        self.path = out_dir / "metrics.jsonl"
+        self.records = []
+        if resumed_step is not None and self.path.exists():
+            lines = self.path.read_text().splitlines()
+            self.records = [r for r in map(json.loads, lines) if r["step"] <= resumed_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self.file = self.path.open("a")
+        self.tensorboard = tensorboard_writer(out_dir / "tensorboard")
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, float):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

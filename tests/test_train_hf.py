@@ -1,0 +1,117 @@
+"""`moe-plugin train` on a Hugging Face MoE architecture (configs/experiments/mixtral_tiny.yaml)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_plugin import MoELayer, train
+
+ROOT = Path(__file__).resolve().parents[1]
+MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"
+try:
+    import moe_plugin.integrations.transformers as hf_moe  # hides an unloadable torchaudio first
+    import transformers
+except ImportError as error:  # pragma: no cover - depends on the environment
+    hf_moe = transformers = None
+    SKIP = f"transformers is not installed: {error}"
+else:
+    SKIP = ""
+pytestmark = [pytest.mark.skipif(hf_moe is None, reason=SKIP), pytest.mark.timeout(300)]
+
+TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
+        "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.warmup_steps=2",
+        "log.progress=false"]
+
+
+def run(tmp_path, *overrides, name="run"):
+    cfg = train.load_config(str(MIXTRAL_TINY), [f"log.out_dir={tmp_path / name}", *TINY, *overrides])
+    result = train.train(cfg)
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return result, records
+
+
+def test_mixtral_tiny_learns_and_writes_the_usual_outputs(tmp_path, fresh_seed):
+    result, records = run(tmp_path, "train.steps=20", "train.eval_every=10", "log.every=5", "train.lr=0.01",
+                          f"train.seed={fresh_seed}", f"data.seed={fresh_seed}")
+    out = tmp_path / "run"
+    for name in ("metrics.jsonl", "loss.png", "expert_load.png", "summary.txt", "result.json", "config.yaml",
+                 "checkpoints/step_000020.pt"):
+        assert (out / name).exists(), name
+    assert result["val_loss_last"] < result["val_loss_first"] - 0.5
+    last = [r for r in records if "tokens_per_expert" in r][-1]
+    assert len(last["tokens_per_expert"]) == 2 and all(len(load) == 8 for load in last["tokens_per_expert"])
+    assert sum(last["tokens_per_expert"][0]) == 5 * 4 * 32 * 2       # 5 steps of 4 x 32 tokens, top-2
+    assert last["dropped_fraction"] == 0.0 and last["aux_loss"] > 0   # dropless; switch balance loss
+    assert "model_type: mixtral" in (out / "config.yaml").read_text()
+    state = torch.load(out / "checkpoints" / "step_000020.pt", weights_only=True)["model"]
+    assert state["hf.model.layers.1.mlp.moe.experts.w1_EDH"].shape == (8, 32, 80)
+
+
+def test_the_model_is_the_hf_architecture_on_the_layer(fresh_seed):
+    """Built by the trainer: a transformers MixtralForCausalLM whose blocks are swapped, computing what
+    the unswapped model built from the same config and seed computes."""
+    from moe_plugin.train.hf_model import build_hf_model, hf_config
+    cfg = train.load_config(str(MIXTRAL_TINY), TINY)
+    torch.manual_seed(fresh_seed)
+    model = build_hf_model(cfg)
+    torch.manual_seed(fresh_seed)
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config(cfg))
+    assert type(model.hf) is transformers.MixtralForCausalLM and model.hf.config.vocab_size == 256
+    assert len(model.moe_layers()) == 2 and all(isinstance(m, MoELayer) for m in model.moe_layers())
+    assert model.moe_layers()[0].config.capacity_factor == 0.0 and model.moe_layers()[0].config.aux_loss == "switch"
+    x = torch.randint(0, 256, (3, 32))
+    with torch.no_grad():
+        expected, actual = reference(x).logits, model(x)
+    assert float((actual - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+
+
+def test_moe_section_applies_on_top_of_the_hf_config(tmp_path, fresh_seed):
+    _, records = run(tmp_path, "train.steps=4", "train.eval_every=4", "log.every=2", "moe.capacity_factor=0.5",
+                     "moe.min_capacity=1", "log.plots=false", f"train.seed={fresh_seed}")
+    assert all(r["dropped_fraction"] > 0 for r in records if "dropped_fraction" in r)
+
+
+def test_resume_continues_bit_exactly(tmp_path, fresh_seed):
+    common = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=4", "log.every=1", "log.plots=false",
+              f"train.seed={fresh_seed}", f"data.seed={fresh_seed}"]
+    full, full_records = run(tmp_path, *common, name="full")
+    run(tmp_path, *common, "train.stop_at=4", name="split")
+    resumed, split_records = run(tmp_path, *common, "train.resume=latest", name="split")
+    for key in ("loss", "aux_loss", "val_loss", "tokens_per_expert"):
+        assert [r.get(key) for r in split_records] == [r.get(key) for r in full_records], key
+    assert resumed["param_sha256_per_rank"] == full["param_sha256_per_rank"]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("hf.model_type=llama", r"hf.model_type='llama' is invalid: must be one of deepseek_v3, mixtral, olmoe, "
+                            r"qwen2_moe, qwen3_moe"),
+    ("hf.vocab_size=1000", r"hf.vocab_size=1000 is invalid: the data are bytes, so it must be 256"),
+    ("hf.max_position_embeddings=16", r"hf.max_position_embeddings=16 is invalid: must be >= model.seq_len=32"),
+    ("moe.top_k=3", r"moe.top_k=3 contradicts the hf section \(mixtral gives top_k=2\)"),
+    ("moe.capacity_factr=1", r"no field 'capacity_factr'"),
+    ("parallel.ep_size=3", r"parallel.ep_size=3 is invalid"),
+])
+def test_bad_hf_configs_name_the_key(override, expected):
+    with pytest.raises(ValueError, match=expected):
+        train.load_config(str(MIXTRAL_TINY), [*TINY, override])
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_expert_parallel(tmp_path, fresh_seed):
+    out = tmp_path / "ep"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "moe_plugin.cli", "train", str(MIXTRAL_TINY), *TINY, "parallel.ep_size=2", "train.steps=8",
+               "train.eval_every=4", "log.every=2", "log.plots=false", f"train.seed={fresh_seed}",
+               f"log.out_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    shared, everything = result["shared_param_sha256_per_rank"], result["param_sha256_per_rank"]
+    assert shared[0] == shared[1] and everything[0] != everything[1]   # each rank holds its own experts
+    state = torch.load(out / "checkpoints" / "step_000008.pt", weights_only=True)["model"]
+    assert state["hf.model.layers.0.mlp.moe.experts.w1_EDH"].shape[0] == 8   # the checkpoint holds every expert
