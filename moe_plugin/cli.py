@@ -1,4 +1,4 @@
-"""The `moe-plugin` command: train, bench, info."""
+"""The `moe-plugin` command: train, checkpoint, bench, info."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from typing import List, Optional
 import torch
 
 from . import __version__, bench, train
+from .train import convert
 
 
 def info(_: argparse.Namespace) -> int:
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser = commands.add_parser("train", help="train a small MoE transformer LM from a YAML experiment config")
     train.add_arguments(train_parser)
     train_parser.set_defaults(func=train.main)
+    checkpoint_parser = commands.add_parser("checkpoint", help="inspect a checkpoint of `moe-plugin train`, or "
+                                            "convert it to one full state-dict file and back")
+    convert.add_arguments(checkpoint_parser)
+    checkpoint_parser.set_defaults(func=convert.main)
     bench_parser = commands.add_parser("bench", help="time one MoE layer against the bare GEMMs and peers")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List
 
+MAX_LABELLED_EXPERTS = 12
+
 
 def _figure(width: float, height: float):
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
@@ -43,17 +45,20 @@ def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[
         ax.stackplot(steps, shares_ES, labels=[f"expert {e}" for e in range(len(shares_ES))])
         ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step", ylim=(0, 100))
         ax.margins(x=0)
-    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
+    many = len(train[0]["tokens_per_expert"][0]) > MAX_LABELLED_EXPERTS   # no legend or numbers: the colors say it
+    if not many:
+        axes[0][-1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
     for layer, ax in enumerate(axes[1] if routing else []):
         shares_TE = [[_percent(n, loads[layer]) for n in loads[layer]] for loads in routing.values()]
         darkest = max(max(shares_E) for shares_E in shares_TE)
         ax.imshow(shares_TE, cmap="Blues", vmin=0, vmax=darkest, aspect="auto")
-        for t, shares_E in enumerate(shares_TE):
+        for t, shares_E in enumerate([] if many else shares_TE):
             for e, share in enumerate(shares_E):
                 color = "white" if share > 0.6 * darkest else "black"
                 ax.text(e, t, f"{share:.0f}", ha="center", va="center", color=color)
         ax.set(title=f"MoE layer {layer + 1}: each topic's tokens per expert (%)", xlabel="expert",
-               xticks=range(len(shares_TE[0])), yticks=range(len(routing)), yticklabels=list(routing))
+               xticks=range(0, len(shares_TE[0]), 4 if many else 1), yticks=range(len(routing)),
+               yticklabels=list(routing))
     figure.savefig(out_dir / "expert_load.png")
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_plugin import aux_loss, train
+from moe_plugin import aux_loss, checkpoint, train
 from moe_plugin.cli import main
 from moe_plugin.data import VOCAB_SIZE, make_data
 from moe_plugin.models import TransformerLM
@@ -116,7 +116,7 @@ def test_default_config_learns_and_writes_its_outputs(tmp_path, fresh_seed):
     summary = (out / "summary.txt").read_text()
     assert "validation loss" in summary and "arithmetic" in summary and "upper_words" in summary
     assert result["val_loss_last"] == val[-1] and result["world_size"] == 1
-    assert [p.name for p in train.checkpoints(out)] == ["step_000024.pt"]
+    assert [p.name for p in train.checkpoints(out)] == ["step_000024"]
 
 
 def write_text_file(path):
@@ -133,7 +133,7 @@ def test_resume_continues_bit_exactly(tmp_path, fresh_seed, data):
         common.append(f"data.path={write_text_file(tmp_path / 'corpus.txt')}")
     full, full_records = run(tmp_path, *common, name="full")
     run(tmp_path, *common, "train.stop_at=6", name="split")
-    assert [p.name for p in train.checkpoints(tmp_path / "split")] == ["step_000004.pt", "step_000006.pt"]
+    assert [p.name for p in train.checkpoints(tmp_path / "split")] == ["step_000004", "step_000006"]
     resumed, split_records = run(tmp_path, *common, "train.resume=latest", name="split")
 
     assert len(full_records) == 13
@@ -184,7 +184,8 @@ def test_two_processes_train_identical_replicas(tmp_path, fresh_seed):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 10, 16]
     assert sum(records[-1]["tokens_per_expert"][0]) == 6 * 2 * (4 * 32) * 2  # steps x ranks x tokens x top-k
-    ranks = torch.load(out / "checkpoints" / "step_000016.pt", weights_only=True)["ranks"]
+    saved = checkpoint.full_state(out / "checkpoints" / "step_000016")
+    ranks = [train.checkpoint.unpack(saved[f"rank.{r}"]) for r in range(2)]
     assert ranks[0]["data"]["rng"] != ranks[1]["data"]["rng"]  # each rank reads its own stream
 
 
@@ -283,7 +284,7 @@ def test_two_processes_expert_parallel_learn_and_resume_bit_exactly(tmp_path, fr
     assert sum(full_records[-1]["tokens_per_expert"][0]) == steps * 2 * (4 * 32) * 2  # both ranks' tokens, top-2
 
     # the checkpoint holds every expert: one process loads it and gets the run's last validation loss
-    state = torch.load(tmp_path / "full" / "checkpoints" / "step_000016.pt", weights_only=True)
+    state = checkpoint.nest(checkpoint.full_state(tmp_path / "full" / "checkpoints" / "step_000016"))
     assert state["model"]["blocks.1.ffn.experts.w1_EDH"].shape[0] == 4
     cfg = train.load_config(None, [*TINY, f"data.seed={fresh_seed}"])
     model = TransformerLM(cfg.model, train.moe_config(cfg), VOCAB_SIZE)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_plugin import MoELayer, train
+from moe_plugin import MoELayer, checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"
@@ -39,7 +39,7 @@ def test_mixtral_tiny_learns_and_writes_the_usual_outputs(tmp_path, fresh_seed):
                           f"train.seed={fresh_seed}", f"data.seed={fresh_seed}")
     out = tmp_path / "run"
     for name in ("metrics.jsonl", "loss.png", "expert_load.png", "summary.txt", "result.json", "config.yaml",
-                 "checkpoints/step_000020.pt"):
+                 "checkpoints/step_000020"):
         assert (out / name).exists(), name
     assert result["val_loss_last"] < result["val_loss_first"] - 0.5
     last = [r for r in records if "tokens_per_expert" in r][-1]
@@ -47,7 +47,7 @@ def test_mixtral_tiny_learns_and_writes_the_usual_outputs(tmp_path, fresh_seed):
     assert sum(last["tokens_per_expert"][0]) == 5 * 4 * 32 * 2       # 5 steps of 4 x 32 tokens, top-2
     assert last["dropped_fraction"] == 0.0 and last["aux_loss"] > 0   # dropless; switch balance loss
     assert "model_type: mixtral" in (out / "config.yaml").read_text()
-    state = torch.load(out / "checkpoints" / "step_000020.pt", weights_only=True)["model"]
+    state = checkpoint.nest(checkpoint.full_state(out / "checkpoints" / "step_000020"))["model"]
     assert state["hf.model.layers.1.mlp.moe.experts.w1_EDH"].shape == (8, 32, 80)
 
 
@@ -113,5 +113,13 @@ def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     result = json.loads((out / "result.json").read_text())
     shared, everything = result["shared_param_sha256_per_rank"], result["param_sha256_per_rank"]
     assert shared[0] == shared[1] and everything[0] != everything[1]   # each rank holds its own experts
-    state = torch.load(out / "checkpoints" / "step_000008.pt", weights_only=True)["model"]
-    assert state["hf.model.layers.0.mlp.moe.experts.w1_EDH"].shape[0] == 8   # the checkpoint holds every expert
+    # the checkpoint holds every expert: one process loads it and gets the run's last validation loss
+    state = checkpoint.nest(checkpoint.full_state(out / "checkpoints" / "step_000008"))["model"]
+    assert state["hf.model.layers.0.mlp.moe.experts.w1_EDH"].shape[0] == 8
+    from moe_plugin.data import make_data
+    from moe_plugin.train.hf_model import build_hf_model
+    cfg = train.load_config(str(MIXTRAL_TINY), TINY)
+    model = build_hf_model(cfg)
+    model.load_state_dict(state)
+    data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches)
+    assert train.evaluate(model, data.val, torch.device("cpu")) == pytest.approx(result["val_loss_last"], rel=1e-5)

@@ -35,3 +35,17 @@ def test_bad_routing_key_names_the_key():
     import pytest
     with pytest.raises(ValueError, match=r"moe section: MoEConfig.topk_groups=3 is invalid"):
         train.moe_config(train.load_config(None, [*TINY, "moe.num_groups=2", "moe.topk_groups=3"]))
+
+
+def test_fine_grained_experiment_is_deepseek_style_and_trains(tmp_path):
+    from test_train import ROOT
+    path = ROOT / "configs" / "experiments" / "fine_grained.yaml"
+    cfg = train.load_config(str(path), [])
+    moe = train.moe_config(cfg)
+    assert moe.num_experts >= 32 and moe.top_k >= 4 and moe.router == "sigmoid" and moe.num_groups > 1
+    assert moe.topk_groups < moe.num_groups and moe.shared_hidden_size > 0 and moe.route_scale != 1.0
+    assert moe.expert_bias_update_rate > 0 and moe.aux_loss == "none"
+    cfg = train.load_config(str(path), ["train.steps=3", "train.eval_every=3", "train.eval_batches=1",
+                                        "train.batch_size=2", "log.plots=false", "log.progress=false",
+                                        f"log.out_dir={tmp_path}"])
+    assert train.train(cfg)["steps"] == 3

@@ -6,17 +6,18 @@ A config has the sections model, moe, data, train, parallel and log, and optiona
 architecture as the model: hf_model.py). The defaults in config.py are the
 default experiment (configs/experiments/default.yaml spells them out; a test keeps them equal).
 A run writes to log.out_dir: metrics.jsonl, summary.txt, result.json, loss.png, expert_load.png
-and checkpoints/step_NNNNNN.pt. Under torchrun every rank trains on its own data shard
+and checkpoints/step_NNNNNN. Under torchrun every rank trains on its own data shard
 (DistributedDataParallel, gloo on CPU, nccl on GPU); rank 0 writes the outputs. With
 parallel.ep_size > 1 the experts are spread over each block of ep_size ranks: DDP leaves them out
-and parallel/expert_grads.py finishes their gradients; a checkpoint holds every expert.
+and parallel/expert_grads.py finishes their gradients; each process writes its own experts into a
+sharded checkpoint (torch.distributed.checkpoint) that resumes on any number of processes and ep_size.
 
 One file per job: config.py (sections, loading, checks), processes.py (one process or torchrun ranks),
 metrics.py (the metrics window and log), parts.py (model, optimizer, LR schedule, data, DDP),
 checkpoint.py (save and restore), loop.py (the training loop), command.py (the command line).
 """
-from .checkpoint import (checkpoint_path, checkpoints, expert_optimizer_state, full_state_dict,
-                         load_full_state_dict, rank_state, resolve_resume, restore, save, save_checkpoint)
+from .checkpoint import (checkpoint_path, checkpoints, full_state_dict, load_full_state_dict, rank_state, read_meta,
+                         remove_checkpoints, resolve_resume, restore, save)
 from .command import add_arguments, main, split_arguments
 from .config import (AT_LEAST, DEFAULT_MOE, MOE_KEYS_SET_ELSEWHERE, ExperimentConfig, LogConfig, ParallelConfig,
                      TrainConfig, check_config, load_config, moe_config, to_yaml)
@@ -25,8 +26,8 @@ from .metrics import MetricsLog, Window, tensorboard_writer
 from .parts import Parts, build, data_parallel, lr_factor, param_groups
 from .processes import Processes, gather, start_processes
 
-__all__ = ["checkpoint_path", "checkpoints", "expert_optimizer_state", "full_state_dict", "load_full_state_dict",
-           "rank_state", "resolve_resume", "restore", "save", "save_checkpoint", "add_arguments", "main",
+__all__ = ["checkpoint_path", "checkpoints", "full_state_dict", "load_full_state_dict",
+           "rank_state", "resolve_resume", "restore", "save", "read_meta", "remove_checkpoints", "add_arguments", "main",
            "split_arguments", "AT_LEAST", "DEFAULT_MOE", "MOE_KEYS_SET_ELSEWHERE", "ExperimentConfig", "LogConfig",
            "ParallelConfig", "TrainConfig", "check_config", "load_config", "moe_config", "to_yaml", "clip_gradients",
            "evaluate", "parameter_hash", "topic_routing", "train", "MetricsLog", "Window", "tensorboard_writer",

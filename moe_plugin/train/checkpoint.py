@@ -1,29 +1,66 @@
-"""Checkpoints: checkpoints/step_NNNNNN.pt in the run's folder, written atomically by rank 0."""
+"""Checkpoints of a run: folders checkpoints/step_NNNNNN, sharded with torch.distributed.checkpoint.
+
+Every process writes its own experts and its own data position, RNG states and metrics window;
+the replicated tensors (everything but the experts) are written once. See moe_plugin/checkpoint.py
+for how the experts are described; a checkpoint holds, under these keys:
+
+    model.<name>                     the model, as one process holding every expert has it
+    optimizer.<name>.<key>           AdamW's step, exp_avg and exp_avg_sq of each parameter
+    optimizer_param_groups           the optimizer's hyperparameters (lr, betas, ...)
+    scheduler                        the LR schedule's state_dict()
+    rank.<r>                         process r's data position, RNG states and metrics window
+    meta                             the step, the layout that wrote it and the config (also meta.json)
+
+The folder is written as step_NNNNNN.tmp and renamed once every process has finished, so a
+checkpoint that has its final name is whole, and a save that fails leaves the last good one alone.
+
+Resuming on another layout (another number of processes and/or ep_size) restores the model and the
+optimizer exactly: DCP reads each process's share of every expert from whichever files hold it.
+The data rule: rank r of P processes reads its own stream, fixed by data.seed, r and P (a text file
+is cut into P shards), never by ep_size. Resumed at step N, every rank continues its stream at
+batch N + 1, the batch a fresh run with the same P would read at step N + 1. With the P that wrote
+the checkpoint the saved stream states (and the metrics window) are restored as they were, so the
+run continues bit-exactly; with another P each stream is rebuilt and advanced by N batches, and the
+metrics window starts empty. A rank that did not exist in the saved run takes fresh RNG states
+seeded from train.seed, its rank and N; the others keep their saved ones.
+"""
 from __future__ import annotations
 
 import dataclasses
-import os
+import io
+import json
 import random
-import tempfile
+import shutil
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ..parallel.expert_grads import expert_layers, expert_parameters
+from .. import checkpoint as sharded
+from ..parallel.expert_grads import expert_layers
 from ..parallel.expert_parallel import gathered_experts
 from .config import ExperimentConfig
 from .metrics import Window
 from .parts import Parts
-from .processes import Processes, gather
+from .processes import Processes
+
+FORMAT = "moe_plugin sharded checkpoint v1"
 
 
 def checkpoint_path(out_dir: Path, step: int) -> Path:
-    return out_dir / "checkpoints" / f"step_{step:06d}.pt"
+    return out_dir / "checkpoints" / f"step_{step:06d}"
 
 
 def checkpoints(out_dir: Path) -> List[Path]:
-    return sorted((out_dir / "checkpoints").glob("step_*.pt"))
+    """The finished checkpoints of a run, oldest first."""
+    return sorted(p for p in (out_dir / "checkpoints").glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def remove_checkpoints(out_dir: Path) -> None:
+    """Every checkpoint of a run, and the remains of unfinished saves."""
+    for path in (out_dir / "checkpoints").glob("step_*"):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def resolve_resume(resume: str, out_dir: Path) -> Path:
@@ -32,17 +69,24 @@ def resolve_resume(resume: str, out_dir: Path) -> Path:
         if not found:
             raise ValueError(f"train.resume='latest' is invalid: no checkpoints in {out_dir / 'checkpoints'}")
         return found[-1]
-    if not os.path.isfile(resume):
-        raise ValueError(f"train.resume={resume!r} is invalid: no such file (give a checkpoint file or 'latest')")
-    return Path(resume)
+    path = Path(resume)
+    if path.is_file():
+        raise ValueError(f"train.resume={resume!r} is invalid: it is a file, and a checkpoint is a folder "
+                         f"(checkpoints/step_NNNNNN); a full state-dict file from `moe-plugin checkpoint convert` "
+                         f"becomes one with `moe-plugin checkpoint convert FILE FOLDER`")
+    if not path.is_dir():
+        raise ValueError(f"train.resume={resume!r} is invalid: no such file (give a checkpoint folder or 'latest')")
+    return path
 
 
-def expert_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
-    """The optimizer state of this rank's experts, keyed like optimizer.state_dict()["state"], on the CPU."""
-    experts = {id(p) for _, p in expert_parameters(model)}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {i: {key: value.cpu() for key, value in optimizer.state[p].items()}
-            for i, p in enumerate(params) if id(p) in experts and p in optimizer.state}
+def read_meta(path: Path) -> dict:
+    meta_path = Path(path) / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint of `moe-plugin train`: it has no meta.json")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+    return meta
 
 
 @torch.no_grad()
@@ -66,56 +110,86 @@ def load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
     model.load_state_dict(local)
 
 
+def pack(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 def rank_state(procs: Processes, parts: Parts, window: Window) -> dict:
     state = {"data": parts.data.train.state_dict(), "torch_rng": torch.get_rng_state(),
-             "python_rng": random.getstate(), "window": dataclasses.asdict(window),
-             "expert_optimizer": expert_optimizer_state(parts.optimizer, parts.model)}
+             "python_rng": random.getstate(), "window": dataclasses.asdict(window)}
     if procs.device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(procs.device)
     return state
 
 
-def save_checkpoint(path: Path, state: dict, keep: int) -> None:
-    """Atomically: write a temporary file beside it, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_path = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(handle, "wb") as file:
-        torch.save(state, file)
-    os.replace(tmp_path, path)
-    if keep:
-        for old in checkpoints(path.parent.parent)[:-keep]:
-            old.unlink()
+def _barrier(procs: Processes) -> None:
+    if procs.world_size > 1:
+        dist.barrier()
 
 
 def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int, window: Window) -> None:
-    """A collective: the experts are gathered, every rank hands over its data position, RNG states,
-    metrics window and its experts' optimizer state; rank 0 writes."""
-    model_state = full_state_dict(parts.model)
-    ranks = gather(procs, rank_state(procs, parts, window))
+    """A collective: each process writes its share into step_NNNNNN.tmp, then rank 0 renames it into place."""
+    final = checkpoint_path(out_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
     if procs.rank == 0:
-        state = {"step": step, "world_size": procs.world_size, "model": model_state,
-                 "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
-                 "ranks": ranks, "config": dataclasses.asdict(cfg)}
-        save_checkpoint(checkpoint_path(out_dir, step), state, cfg.train.keep_checkpoints)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(procs)
+    meta = {"format": FORMAT, "step": step, "world_size": procs.world_size, "ep_size": cfg.parallel.ep_size,
+            "config": dataclasses.asdict(cfg)}
+    state = sharded.sharded_state(parts.model, parts.optimizer, writing=True)
+    state.update({"meta": json.dumps(meta), "scheduler": pack(parts.scheduler.state_dict()),
+                  "optimizer_param_groups": pack([{k: v for k, v in group.items() if k != "params"}
+                                                  for group in parts.optimizer.param_groups]),
+                  f"rank.{procs.rank}": pack(rank_state(procs, parts, window))})
+    sharded.save(state, tmp)
+    if procs.rank == 0:
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        sharded.replace_folder(tmp, final)
+        if cfg.train.keep_checkpoints:
+            for old in checkpoints(out_dir)[:-cfg.train.keep_checkpoints]:
+                shutil.rmtree(old)
+    _barrier(procs)
 
 
-def restore(parts: Parts, procs: Processes, path: Path, ep_size: int) -> Tuple[int, Window]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["world_size"] != procs.world_size:
-        raise ValueError(f"train.resume={str(path)!r} is invalid: it was written by {state['world_size']} "
-                         f"processes, this run has {procs.world_size}")
-    saved_ep_size = state["config"]["parallel"]["ep_size"]
-    if saved_ep_size != ep_size:
-        raise ValueError(f"train.resume={str(path)!r} is invalid: it was written with parallel.ep_size="
-                         f"{saved_ep_size}, this run has parallel.ep_size={ep_size}")
-    mine = state["ranks"][procs.rank]
-    load_full_state_dict(parts.model, state["model"])
-    state["optimizer"]["state"].update(mine.get("expert_optimizer", {}))  # rank 0 saved its own experts' state
-    parts.optimizer.load_state_dict(state["optimizer"])
-    parts.scheduler.load_state_dict(state["scheduler"])
-    parts.data.train.load_state_dict(mine["data"])
-    torch.set_rng_state(mine["torch_rng"])
-    random.setstate(mine["python_rng"])
-    if "cuda_rng" in mine and procs.device.type == "cuda":
-        torch.cuda.set_rng_state(mine["cuda_rng"], procs.device)
-    return state["step"], Window(**mine["window"])
+def restore(parts: Parts, procs: Processes, cfg: ExperimentConfig, path: Path) -> Tuple[int, Window]:
+    """Load a checkpoint written by any number of processes and ep_size (a collective); returns (step, window)."""
+    try:
+        meta = read_meta(path)
+    except ValueError as error:
+        raise ValueError(f"train.resume={str(path)!r} is invalid: {error}") from None
+    step, saved_world = meta["step"], meta["world_size"]
+    mine = f"rank.{procs.rank}" if procs.rank < saved_world else None
+    state = sharded.sharded_state(parts.model, parts.optimizer, writing=False)
+    state.update({"scheduler": b"", "optimizer_param_groups": b""}, **({mine: b""} if mine else {}))
+    try:
+        sharded.load(state, path)
+    except ValueError as error:
+        raise ValueError(f"train.resume={str(path)!r} is invalid: {error}") from None
+    for group, saved in zip(parts.optimizer.param_groups, unpack(state["optimizer_param_groups"])):
+        group.update(saved)
+    parts.scheduler.load_state_dict(unpack(state["scheduler"]))
+
+    ranks = unpack(state[mine]) if mine else None
+    if saved_world == procs.world_size:
+        parts.data.train.load_state_dict(ranks["data"])
+        window = Window(**ranks["window"])
+    else:
+        for _ in range(step):
+            parts.data.train.next()
+        window = Window()
+    if ranks is not None:
+        torch.set_rng_state(ranks["torch_rng"])
+        random.setstate(ranks["python_rng"])
+        if "cuda_rng" in ranks and procs.device.type == "cuda":
+            torch.cuda.set_rng_state(ranks["cuda_rng"], procs.device)
+    else:
+        torch.manual_seed(cfg.train.seed + 1_000_003 * (procs.rank + 1) + 7919 * step)
+        random.seed(f"{cfg.train.seed}/{procs.rank}/{step}")
+    return step, window

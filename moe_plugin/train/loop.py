@@ -17,7 +17,7 @@ from ..balancing import update_expert_bias
 from ..layer import aux_loss
 from ..models import TransformerLM
 from ..parallel.expert_grads import expert_parameters
-from .checkpoint import checkpoints, resolve_resume, restore, save
+from .checkpoint import remove_checkpoints, resolve_resume, restore, save
 from .config import ExperimentConfig, check_config, to_yaml
 from .metrics import MetricsLog, Window
 from .parts import build, data_parallel
@@ -96,10 +96,9 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     resume_path = resolve_resume(cfg.train.resume, out_dir) if cfg.train.resume else None
     parts = build(cfg, procs)
     model, optimizer, scheduler, data = parts.model, parts.optimizer, parts.scheduler, parts.data
-    step, window = restore(parts, procs, resume_path, cfg.parallel.ep_size) if resume_path else (0, Window())
+    step, window = restore(parts, procs, cfg, resume_path) if resume_path else (0, Window())
     if is_main and resume_path is None:
-        for old in checkpoints(out_dir):  # a fresh run replaces an old run's checkpoints
-            old.unlink()
+        remove_checkpoints(out_dir)  # a fresh run replaces an old run's checkpoints
     wrapped = data_parallel(model, procs)
 
     log = None

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from hf_helpers import (FAMILIES, assert_close_rel, build_model, family_config, forward_backward,
-                        hf_moe, hf_named_grads, needs_transformers, swapped_copy, tokens, transformers)
+                        hf_moe, hf_named_grads, max_rel_err, needs_transformers, swapped_copy, tokens,
+                        transformers)
 
 pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 TOL = 1e-5
+VOCAB_SMALL = 32
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,6 +34,22 @@ def test_swapped_model_matches_hf_logits_loss_and_every_gradient(family, fresh_s
     assert set(hf_grads) <= set(grads), f"missing: {sorted(set(hf_grads) - set(grads))}"
     for name, grad in hf_grads.items():
         assert_close_rel(grads[name], grad, TOL, f"grad of {name}")
+
+
+def test_deepseek_v3_correction_bias_is_carried_over_and_changes_the_choice(fresh_seed):
+    model = build_model("deepseek_v3", fresh_seed)
+    swapped = swapped_copy(model)
+    ids = tokens(fresh_seed + 1)
+    for name, bias in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            ours = swapped.get_submodule(name.rsplit(".gate.", 1)[0]).moe.router.expert_bias_E
+            assert bias.abs().min() > 0 and torch.equal(ours, bias)
+    with torch.no_grad():
+        with_bias = swapped(ids).logits
+        for block in swapped.modules():
+            if isinstance(block, hf_moe.HFMoEBlock):
+                block.moe.router.expert_bias_E.zero_()
+        assert not torch.allclose(swapped(ids).logits, with_bias)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -198,9 +216,6 @@ def test_unsupported_model_names_its_model_type_and_the_families():
         hf_moe.swap_moe_blocks(torch.nn.Linear(2, 2))
 
 
-VOCAB_SMALL = 32
-
-
 def test_bad_overrides_and_inputs_give_clear_errors(fresh_seed):
     model = build_model("mixtral", fresh_seed)
     with pytest.raises(ValueError, match="no field 'capacity_factr'.*did you mean 'capacity_factor'"):
@@ -229,8 +244,4 @@ def test_swapped_bf16_model_stays_bf16_and_close_to_hf(fresh_seed):
     ids = tokens(fresh_seed + 1)
     with torch.no_grad():
         expected, actual = model(ids).logits.float(), swapped(ids).logits.float()
-    assert actual.dtype == torch.float32 and max_rel(actual, expected) < 0.05
-
-
-def max_rel(a, b):
-    return float((a - b).abs().max() / b.abs().max())
+    assert max_rel_err(actual, expected) < 0.05

@@ -1,0 +1,136 @@
+"""`moe-plugin checkpoint inspect|convert`: look into a checkpoint of `moe-plugin train`, or turn it
+into one full state-dict file (for evaluation and export) and back.
+
+The full file is one torch.save dict, loadable with torch.load(weights_only=True):
+
+    model                    model.state_dict() as one process holding every expert has it
+    optimizer                {parameter name: {step, exp_avg, exp_avg_sq}}, whole tensors
+    optimizer_param_groups   the optimizer's hyperparameters
+    scheduler                the LR schedule's state_dict()
+    ranks                    {rank: its data position, RNG states and metrics window}
+    meta                     the step, the layout that wrote it and the config
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+from .. import checkpoint as sharded
+from .checkpoint import pack, read_meta, unpack
+
+FULL_FORMAT = "moe_plugin full checkpoint v1"
+
+
+def to_full(folder: Path) -> Dict[str, Any]:
+    read_meta(folder)
+    nested = sharded.nest(sharded.full_state(folder))
+    ranks = {int(key.split(".", 1)[1]): unpack(nested.pop(key)) for key in list(nested) if key.startswith("rank.")}
+    return {"format": FULL_FORMAT, "model": nested["model"], "optimizer": nested["optimizer"],
+            "optimizer_param_groups": unpack(nested["optimizer_param_groups"]),
+            "scheduler": unpack(nested["scheduler"]), "ranks": ranks, "meta": json.loads(nested["meta"])}
+
+
+def write_full(folder: Path, file: Path) -> None:
+    """The sharded checkpoint folder as one full state-dict file, written atomically."""
+    full = to_full(folder)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
+    with os.fdopen(handle, "wb") as out:
+        torch.save(full, out)
+    os.replace(tmp, file)
+
+
+def read_full(file: Path) -> Dict[str, Any]:
+    try:
+        full = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise ValueError(f"{str(file)!r} is not a full checkpoint file: torch.load fails ({str(error).splitlines()[0]})")
+    if not isinstance(full, dict) or full.get("format") != FULL_FORMAT:
+        found = full.get("format") if isinstance(full, dict) else type(full).__name__
+        raise ValueError(f"{str(file)!r} is not a full checkpoint file written by `moe-plugin checkpoint convert` "
+                         f"(format {found!r}, expected {FULL_FORMAT!r})")
+    return full
+
+
+def write_folder(file: Path, folder: Path) -> None:
+    """A full state-dict file as a sharded checkpoint folder (written as folder.tmp, then renamed)."""
+    full = read_full(file)
+    state = sharded.flatten({"model": full["model"], "optimizer": full["optimizer"]})
+    state.update({"meta": json.dumps(full["meta"]), "scheduler": pack(full["scheduler"]),
+                  "optimizer_param_groups": pack(full["optimizer_param_groups"])})
+    state.update({f"rank.{rank}": pack(value) for rank, value in full["ranks"].items()})
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sharded.write_sharded(state, tmp)
+    (tmp / "meta.json").write_text(json.dumps(full["meta"], indent=1) + "\n")
+    sharded.replace_folder(tmp, folder)
+
+
+def describe(path: Path) -> str:
+    """The step, the layout that wrote it, the size and the experts' pieces of a checkpoint folder or full file."""
+    if path.is_file():
+        full = read_full(path)
+        meta = full["meta"]
+        count = sum(t.numel() for t in full["model"].values())
+        return (f"full checkpoint file {path}\n{_header(meta)}\n"
+                f"size: {path.stat().st_size / 1e6:.2f} MB; {len(full['model'])} model tensors, "
+                f"{count:,} model values\n")
+    meta = read_meta(path)
+    md = sharded.metadata(path).state_dict_metadata
+    tensors = {k: v for k, v in md.items() if hasattr(v, "chunks")}
+    model = {k: v for k, v in tensors.items() if k.startswith("model.")}
+    count = sum(torch.Size(v.size).numel() for v in model.values())
+    lines = [f"sharded checkpoint {path}", _header(meta),
+             f"size: {sharded.folder_bytes(path) / 1e6:.2f} MB in {len(list(path.iterdir()))} files; "
+             f"{len(model)} model tensors, {count:,} model values; "
+             f"{len(tensors) - len(model)} optimizer tensors",
+             "experts (logical size: pieces as written):"]
+    for key, value in model.items():
+        if key.rsplit(".", 1)[-1] in sharded.EXPERT_NAMES:
+            pieces = ", ".join(f"{list(c.sizes)} at {list(c.offsets)}" for c in value.chunks)
+            lines.append(f"  {key[len('model.'):]} {list(value.size)}: {pieces}")
+    return "\n".join(lines) + "\n"
+
+
+def _header(meta: dict) -> str:
+    processes = meta["world_size"]
+    return (f"step {meta['step']}, written by {processes} process{'es' if processes > 1 else ''} "
+            f"with parallel.ep_size={meta['ep_size']}")
+
+
+def add_arguments(parser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True)
+    inspect = actions.add_parser("inspect", help="print the step, the layout that wrote it and the size")
+    inspect.add_argument("path", help="a checkpoint folder (checkpoints/step_NNNNNN) or a full checkpoint file")
+    convert = actions.add_parser("convert", help="a checkpoint folder -> one full state-dict file, or back")
+    convert.add_argument("source", help="a checkpoint folder, or a full checkpoint file")
+    convert.add_argument("target", help="the full checkpoint file, or the checkpoint folder, to write")
+
+
+def main(args) -> int:
+    source = Path(args.path if args.action == "inspect" else args.source)
+    try:
+        if not source.exists():
+            raise ValueError(f"{str(source)!r} does not exist")
+        if args.action == "inspect":
+            print(describe(source), end="")
+        elif source.is_dir():
+            write_full(source, Path(args.target))
+            print(f"wrote {args.target}: every tensor of {source} whole, in one file")
+        else:
+            write_folder(source, Path(args.target))
+            print(f"wrote {args.target}: a sharded checkpoint that resumes on any number of processes and ep_size")
+    except ValueError as error:
+        print(f"moe-plugin checkpoint: {error}", file=sys.stderr)
+        return 2
+    return 0
+
