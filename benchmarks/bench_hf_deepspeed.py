@@ -14,8 +14,8 @@ transformers 5.5.4 (a clean venv: one made with --system-site-packages would see
 
     python -m venv /work/autoep-venv
     PIP_CONSTRAINT=$PWD/constraints.txt /work/autoep-venv/bin/pip install torch==2.13.0 deepspeed==0.19.8 \\
-        transformers==5.5.4
-    PIP_CONSTRAINT=$PWD/constraints.txt /work/autoep-venv/bin/pip install -e .
+        transformers==5.5.4 setuptools wheel
+    PIP_CONSTRAINT=$PWD/constraints.txt /work/autoep-venv/bin/pip install --no-build-isolation -e .
 
 Run (from the repository root):
 
