@@ -62,10 +62,6 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
         self.expert_group_name = f"ep_size_{config.ep_size}"
         self.use_residual = False
         self.enable_expert_tensor_parallelism = False
-        if moe.groups.layout.slices > 1:
-            raise ValueError(f"ep_size={config.ep_size} > num_experts={config.num_experts} (experts sliced over "
-                             f"processes) is not supported under DeepSpeed, whose checkpoints hold whole experts; "
-                             f"use an ep_size that divides num_experts")
         for param in moe.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name
@@ -74,6 +70,10 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by the engine: DeepSpeed's expert groups exist and hold the ranks the layer exchanges with."""
+        if self.moe.groups.layout.slices > 1:
+            raise ValueError(f"ep_size={self.ep_size} > num_experts={self.num_experts} (experts sliced over "
+                             f"processes) is not supported under DeepSpeed, whose checkpoints hold whole experts; "
+                             f"use an ep_size that divides num_experts")
         MoE.set_deepspeed_parallelism(self, use_data_before_expert_parallel_)
         if self.moe.is_parallel:
             ours = dist.get_process_group_ranks(self.moe.groups.ep_group)
