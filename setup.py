@@ -6,7 +6,8 @@ FAIRSEQ = ["fairseq-fixed==0.12.3.1"]
 # 3.7.1 is the version torch 2.13's CUDA wheels pin. triton pulls in no torch and no CUDA wheels.
 TRITON = ["triton>=3.7.1"]
 # Hugging Face MoE families (integrations/transformers): the family table and weight layouts follow 5.23
-TRANSFORMERS = ["transformers==5.23.0"]
+# accelerate: transformers.Trainer needs it (HF Trainer + DeepSpeed, tested with 1.15.0)
+TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
 DEV = ["pytest>=7", "pytest-timeout>=2"]
 
 setup(

@@ -351,9 +351,13 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
     """
     overrides = {SECTION_TO_ARGUMENT.get(key, key): value for key, value in section.items()
                  if key not in ("backend", "num_experts", "ep_size")}
+    from moe_plugin.integrations.deepspeed_hf import DeepSpeedHFMoEBlock, check_swapped_block
     replaced: Dict[int, List[nn.Parameter]] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, NativeMoE):
+            continue
+        if isinstance(module, DeepSpeedHFMoEBlock):   # a Hugging Face block swapped before initialize
+            check_swapped_block(name, module, section)
             continue
         where = f"MoE layer {name!r}" if name else "the MoE model"
         for key in ("num_experts", "ep_size"):
@@ -456,6 +460,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     ds_config = _config_dict(args, config, config_params)
     section = read_moe_section(ds_config)
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
+    swap_hf = section is not None and not has_moe
+    if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
+        from moe_plugin.integrations.deepspeed_hf import check_section_for_model, swap_for_section
+        check_section_for_model(model, section)
+        has_moe = True
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if has_moe and stage == 3:
         raise ValueError("zero_optimization.stage=3 is not supported with MoE layers (DeepSpeed's native MoE and "
@@ -464,7 +473,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     replaced: Dict[int, List[nn.Parameter]] = {}
-    if section is not None:
+    if swap_hf:
+        model, replaced = swap_for_section(model, section)
+    elif section is not None:
         model, replaced = swap_moe_layers(model, section)
     if has_moe:
         if model_parameters is None:

@@ -1,0 +1,203 @@
+"""DeepSpeed and Hugging Face MoE models: the "moe" section on an HF model, and swapped blocks the engine treats
+as MoE.
+
+DeepSpeed's engine handles expert parameters only inside instances of deepspeed.moe.layer.MoE (has_moe_layers,
+the expert-data-parallel gradient reduction, ZeRO's MoE groups, the per-expert checkpoint files). With DeepSpeed
+installed, swap_moe_blocks therefore builds `DeepSpeedHFMoEBlock`s: HFMoEBlocks that are also such instances,
+whatever launches the engine (moe_plugin's initialize, or transformers.Trainer through accelerate).
+
+`initialize` (moe_plugin.integrations.deepspeed) calls `swap_for_section` on a model with no DeepSpeed MoE layer:
+a supported HF family is swapped with the section's settings, anything else is an error naming what was looked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_plugin import MoEConfig
+from moe_plugin.integrations.deepspeed import MoE, NativeMoE, _expert_parallel_group
+from moe_plugin.integrations.transformers import FAMILIES, family_of, moe_config, swap_moe_blocks
+from moe_plugin.integrations.transformers.block import HFMoEBlock
+
+__all__ = ["DeepSpeedHFMoEBlock", "check_section_for_model", "swap_for_section", "check_swapped_block",
+           "section_overrides"]
+
+# section keys the HF config fixes (the model's math): a section value must agree with it
+FIXED_BY_MODEL = ("num_experts", "top_k", "router", "num_groups", "topk_groups", "route_scale")
+CAPACITY_KEYS = ("capacity_factor", "eval_capacity_factor", "drop_tokens")
+# the stacked expert tensors of the layer -> their name in one expert's entry of DeepSpeed's per-expert files
+PER_EXPERT = {"w1_EDH": "w1_DH", "b1_EH": "b1_H", "w2_EHD": "w2_HD", "b2_ED": "b2_D"}
+EXPERTS_PREFIX = "deepspeed_moe.experts.deepspeed_experts."   # DeepSpeed files every key holding this per expert
+
+
+class _NativeMoEBase(NativeMoE):
+    """deepspeed.moe.layer.MoE without its constructor (which builds a native layer): HFMoEBlock's
+    super().__init__() lands here and only initializes the nn.Module."""
+
+    def __init__(self, *args, **kwargs):
+        nn.Module.__init__(self)
+
+
+class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
+    """An HFMoEBlock that DeepSpeed's engine treats as a native MoE layer.
+
+    Its expert parameters carry allreduce=False and group_name "ep_size_<ep>" (reduced over DeepSpeed's
+    expert-data-parallel group, left out of the data-parallel allreduce). Its state dict names each local
+    expert's tensors `deepspeed_moe.experts.deepspeed_experts.<i>.<w1_DH|w2_HD|...>` so that
+    engine.save_checkpoint writes DeepSpeed's per-expert files; the engine takes every other key holding
+    "expert" for an expert tensor, so those (the expert bias) are written with "Expert" instead. Loading
+    undoes both. block.moe.state_dict() keeps the layer's own names.
+    """
+
+    def __init__(self, moe, family: str, router_logits=None, jitter_noise: float = 0.0):
+        super().__init__(moe, family, router_logits, jitter_noise)
+        config = moe.config
+        self.num_experts = config.num_experts
+        self.ep_size = config.ep_size
+        self.num_local_experts = moe.groups.layout.local_experts
+        self.expert_group_name = f"ep_size_{config.ep_size}"
+        self.use_residual = False
+        self.enable_expert_tensor_parallelism = False
+        for param in moe.experts.parameters():
+            param.allreduce = False
+            param.group_name = self.expert_group_name
+        self.register_state_dict_post_hook(_to_deepspeed_names)
+        self.register_load_state_dict_pre_hook(_from_deepspeed_names)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Called by the engine: DeepSpeed's expert groups exist and hold the ranks the layer exchanges with."""
+        if self.moe.groups.layout.slices > 1:
+            raise ValueError(f"ep_size={self.ep_size} > num_experts={self.num_experts} (experts sliced over "
+                             f"processes) is not supported under DeepSpeed, whose checkpoints hold whole experts; "
+                             f"use an ep_size that divides num_experts")
+        MoE.set_deepspeed_parallelism(self, use_data_before_expert_parallel_)
+        if self.moe.is_parallel:
+            ours = dist.get_process_group_ranks(self.moe.groups.ep_group)
+            theirs = dist.get_process_group_ranks(_expert_parallel_group(self.ep_size))
+            if ours != theirs:
+                raise ValueError(f"the MoE layer exchanges tokens with ranks {ours}, but DeepSpeed's expert-parallel "
+                                 f"group {self.expert_group_name} of this rank is {theirs}; swap the blocks with "
+                                 f"ep_size={self.ep_size} and no ep_group (consecutive ranks, as DeepSpeed)")
+
+
+def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, local_metadata) -> None:
+    for name, per_expert in PER_EXPERT.items():
+        stacked = state.pop(f"{prefix}moe.experts.{name}", None)
+        if stacked is not None:
+            for i in range(block.num_local_experts):
+                state[f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}"] = stacked[i]
+    for key in [k for k in state if k.startswith(prefix) and "expert" in k[len(prefix):]
+                and not k.startswith(prefix + EXPERTS_PREFIX)]:
+        state[prefix + key[len(prefix):].replace("expert", "Expert")] = state.pop(key)
+
+
+def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, *args) -> None:
+    for key in [k for k in state if k.startswith(prefix) and "Expert" in k[len(prefix):]]:
+        state[prefix + key[len(prefix):].replace("Expert", "expert")] = state.pop(key)
+    for name, per_expert in PER_EXPERT.items():
+        keys = [f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}" for i in range(block.num_local_experts)]
+        if all(key in state for key in keys):
+            state[f"{prefix}moe.experts.{name}"] = torch.stack([state.pop(key) for key in keys])
+
+
+def check_section_for_model(model: nn.Module, section: Mapping[str, Any]) -> MoEConfig:
+    """The MoEConfig a "moe" section gives a model with no DeepSpeed MoE layer (before anything starts).
+
+    The model must be of a supported HF family, the backend "tutel", and the keys the HF config fixes must
+    agree with it; anything else is an error naming what was looked for.
+    """
+    family = family_of(model)
+    if family is None:
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        found = f"model_type={model_type!r}" if config is not None else "no Hugging Face config"
+        raise ValueError(f"DeepSpeed config has a \"moe\" section, but the model ({type(model).__name__}, {found}) "
+                         f"has no MoE block the adapter recognises: it looked for deepspeed.moe.layer.MoE layers and "
+                         f"for the sparse-MoE blocks of the Hugging Face families {', '.join(FAMILIES)} (by "
+                         f"model.config.model_type); build the model with one of them, or remove the \"moe\" section")
+    if section["backend"] != "tutel":
+        raise ValueError(f"DeepSpeed config \"moe.backend\"={section['backend']!r} needs deepspeed.moe.layer.MoE "
+                         f"layers; the {family.model_type} model's Hugging Face MoE blocks run on backend \"tutel\" "
+                         f"(or on DeepSpeed's AutoEP: an \"expert_parallel\" section instead of \"moe\")")
+    config = moe_config(model, **section_overrides(section))
+    _check_fixed(section, config, f"the {family.model_type} model's Hugging Face config")
+    if config.num_experts % config.ep_size:   # DeepSpeed's checkpoints hold whole experts: no hidden slicing
+        allowed = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
+        raise ValueError(f"DeepSpeed config \"moe.ep_size\"={config.ep_size} is invalid for the {family.model_type} "
+                         f"model's {config.num_experts} experts: must divide them, one of {allowed}")
+    return config
+
+
+def section_overrides(section: Mapping[str, Any]) -> Dict[str, Any]:
+    """The MoEConfig fields a "moe" section sets on an HF model (the keys FIXED_BY_MODEL are checked, not set).
+
+    Capacity as for native layers: drop_tokens false is dropless; capacity_factor (DeepSpeed's default 1.0 when
+    only drop_tokens true is given) turns dropping on. Without either the model stays dropless, as in HF.
+    """
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    out = {}
+    for key, value in section.items():
+        if key == "backend" or key in FIXED_BY_MODEL or key in CAPACITY_KEYS:
+            continue
+        if key not in fields:
+            raise ValueError(f"DeepSpeed config \"moe.{key}\" does not apply to Hugging Face MoE models; "
+                             f"remove it")
+        out[key] = value
+    drop = section.get("drop_tokens", "capacity_factor" in section or "eval_capacity_factor" in section)
+    if drop:
+        out["capacity_factor"] = float(section.get("capacity_factor", 1.0))
+        out["eval_capacity_factor"] = float(section.get("eval_capacity_factor", out["capacity_factor"]))
+    elif "drop_tokens" in section:
+        out["capacity_factor"], out["eval_capacity_factor"] = 0.0, 0.0
+    return out
+
+
+def _check_fixed(section: Mapping[str, Any], config: MoEConfig, what: str) -> None:
+    for key in FIXED_BY_MODEL:
+        if key in section and section[key] != getattr(config, key):
+            raise ValueError(f"DeepSpeed config \"moe.{key}\"={section[key]!r} contradicts {what} "
+                             f"({key}={getattr(config, key)!r}); leave the key out or set it to {getattr(config, key)!r}")
+
+
+def swap_for_section(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Module, Dict[int, List[nn.Parameter]]]:
+    """Swap a supported HF model's MoE blocks with the section's settings (torch.distributed initialized).
+
+    Returns the model and {id(old HF parameter): [the new parameters made from it]} (as swap_moe_layers).
+    """
+    ep_size = check_section_for_model(model, section).ep_size
+    family = family_of(model)
+    old_blocks = {name: m for name, m in model.named_modules() if isinstance(m, family.block_class())}
+    swap_moe_blocks(model, ep_group=_expert_parallel_group(ep_size) if ep_size > 1 else None,
+                    **section_overrides(section))
+    replaced: Dict[int, List[nn.Parameter]] = {}
+    for name, old in old_blocks.items():
+        new = model.get_submodule(name).moe
+        old_params = dict(old.named_parameters())
+        for weights in family.weights:
+            for hf_name in weights.hf:
+                if hf_name in old_params:
+                    replaced[id(old_params.pop(hf_name))] = [new.get_parameter(weights.layer)]
+        for param in old_params.values():   # none in the families today: dropped from the optimizer
+            replaced[id(param)] = []
+    return model, replaced
+
+
+def check_swapped_block(name: str, block: DeepSpeedHFMoEBlock, section: Mapping[str, Any]) -> None:
+    """A block swapped before initialize must already have the section's settings."""
+    if section["backend"] != "tutel":
+        raise ValueError(f"DeepSpeed config \"moe.backend\"={section['backend']!r}, but block {name!r} is moe_plugin's "
+                         f"layer (swapped Hugging Face block); use backend \"tutel\"")
+    what = f"block {name!r}, swapped before initialize with"
+    _check_fixed(section, block.moe.config, what)
+    config = block.moe.config
+    effective = {"eval_capacity_factor": config.capacity_factor if config.eval_capacity_factor is None
+                 else config.eval_capacity_factor}
+    for key, value in section_overrides(section).items():
+        has = effective.get(key, getattr(config, key))
+        if has != value:
+            raise ValueError(f"DeepSpeed config \"moe\" sets {key}={value!r}, but {what} {key}={has!r}; swap "
+                             f"with the section's settings or leave the swap to initialize")
