@@ -224,11 +224,12 @@ def _native_expert_names(layer: DeepSpeedMoELayer) -> Dict[str, str]:
 def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: str, local_metadata) -> None:
     """router.weight_ED -> gate.wg.weight; stacked experts -> experts.deepspeed_experts.<i>.<linear>.*
 
-    The balancing bias (router.expert_bias_E) stays, under its own name, only when it is on: the
-    native layer has none, and a missing one loads as zeros."""
+    The balancing bias stays only when it is on (the native layer has none, and a missing one loads as
+    zeros), as router.Expert_bias_E (see hide_from_expert_files)."""
     state[prefix + "gate.wg.weight"] = state.pop(prefix + "router.weight_ED")
     if layer.config.expert_bias_update_rate == 0:
         state.pop(prefix + "router.expert_bias_E", None)
+    hide_from_expert_files(state, prefix, "experts.")
     stacked = {name: state.pop(prefix + "experts." + name) for name in EXPERT_NAMES
                if prefix + "experts." + name in state}
     native = _native_expert_names(layer)
@@ -238,8 +239,24 @@ def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: st
                 else tensor[i]
 
 
+def hide_from_expert_files(state: Dict[str, Any], prefix: str, experts_prefix: str) -> None:
+    """Rename "expert" to "Expert" in a layer's keys outside experts_prefix (the balancing bias).
+
+    engine.save_checkpoint files every key of an MoE layer holding "expert" under an expert index read
+    from the key, and fails on one without (DeepSpeed 0.19.8, _save_moe_checkpoint)."""
+    for key in [k for k in state if k.startswith(prefix) and "expert" in k[len(prefix):]
+                and not k.startswith(prefix + experts_prefix)]:
+        state[prefix + key[len(prefix):].replace("expert", "Expert")] = state.pop(key)
+
+
+def unhide_from_expert_files(state: Dict[str, Any], prefix: str) -> None:
+    for key in [k for k in state if k.startswith(prefix) and "Expert" in k[len(prefix):]]:
+        state[prefix + key[len(prefix):].replace("Expert", "expert")] = state.pop(key)
+
+
 def _from_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: str, *args) -> None:
     """The inverse of _to_native_names (a tensor is stacked only when every local expert has it)."""
+    unhide_from_expert_files(state, prefix)
     if prefix + "gate.wg.weight" in state:
         state[prefix + "router.weight_ED"] = state.pop(prefix + "gate.wg.weight")
     native = _native_expert_names(layer)

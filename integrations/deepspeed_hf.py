@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoEConfig
-from moe_plugin.integrations.deepspeed import MoE, NativeMoE, _expert_parallel_group
+from moe_plugin.integrations.deepspeed import (MoE, NativeMoE, _expert_parallel_group, hide_from_expert_files,
+                                               unhide_from_expert_files)
 from moe_plugin.integrations.transformers import FAMILIES, family_of, moe_config, swap_moe_blocks
 from moe_plugin.integrations.transformers.block import HFMoEBlock
 
@@ -90,14 +91,11 @@ def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefi
         if stacked is not None:
             for i in range(block.num_local_experts):
                 state[f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}"] = stacked[i]
-    for key in [k for k in state if k.startswith(prefix) and "expert" in k[len(prefix):]
-                and not k.startswith(prefix + EXPERTS_PREFIX)]:
-        state[prefix + key[len(prefix):].replace("expert", "Expert")] = state.pop(key)
+    hide_from_expert_files(state, prefix, EXPERTS_PREFIX)
 
 
 def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, *args) -> None:
-    for key in [k for k in state if k.startswith(prefix) and "Expert" in k[len(prefix):]]:
-        state[prefix + key[len(prefix):].replace("Expert", "expert")] = state.pop(key)
+    unhide_from_expert_files(state, prefix)
     for name, per_expert in PER_EXPERT.items():
         keys = [f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}" for i in range(block.num_local_experts)]
         if all(key in state for key in keys):

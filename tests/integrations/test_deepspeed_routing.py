@@ -72,3 +72,40 @@ def test_bias_updates_once_per_step_from_every_micro_batch(accumulation):
     for error, updates, _ in results:
         assert error < 1e-7 and updates == 6 // accumulation
     assert results[0][2] == results[1][2] and any(b != 0 for bias in results[0][2] for b in bias)
+
+
+def checkpoint_worker(rank, world, directory):
+    from test_deepspeed_distributed import batches, setup_worker
+
+    import moe_plugin.integrations.deepspeed as dsi
+    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss
+    setup_worker(rank, world)
+    section = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.0,
+               "min_capacity": 0, "router": "sigmoid", **EXTRAS}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, "moe": section}
+    engines = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        engines.append(dsi.initialize(model=MoETransformerLM(section, seed=seed), config=config)[0])
+    trained, fresh = engines
+    for tokens in batches(300 + rank, 3, batch=4):
+        trained.backward(lm_loss(trained, tokens))
+        trained.step()
+    trained.save_checkpoint(directory, tag="biased")
+    fresh.load_checkpoint(directory, tag="biased")
+    saved, loaded = trained.module.state_dict(), fresh.module.state_dict()
+    biases = [[m.router.expert_bias_E for m in e.module.modules() if isinstance(m, dsi.DeepSpeedMoELayer)]
+              for e in engines]
+    return (sorted(saved) == sorted(loaded), len(biases[0]),
+            max(float((saved[k] - loaded[k]).abs().max()) for k in saved),
+            max(float((a - b).abs().max()) for a, b in zip(*biases)),
+            any(float(bias.abs().max()) > 0 for bias in biases[0]))
+
+
+@pytest.mark.timeout(900)
+def test_engine_checkpoint_carries_the_balancing_bias(tmp_path):
+    for same_keys, num_biases, difference, bias_difference, moved in run_workers(
+            checkpoint_worker, 2, str(tmp_path), timeout=800):
+        assert same_keys and num_biases == 2 and moved
+        assert difference == 0.0 and bias_difference == 0.0
