@@ -39,18 +39,7 @@ def compare_with_single_process(rank, world, specs):
         xs = [torch.randn(n, D, generator=generator, dtype=torch.float64).to(dtype) for n in spec["tokens"]]
         upstreams = [torch.randn(n, D, generator=generator, dtype=torch.float64).to(dtype) for n in spec["tokens"]]
 
-        names = [n for n, _ in reference.named_parameters()]
-        total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
-        for i, (x, upstream) in enumerate(zip(xs, upstreams)):
-            x = x.clone().requires_grad_()
-            y = reference(x)
-            grads = torch.autograd.grad((y * upstream).sum() + reference.aux_loss, [x] + list(reference.parameters()),
-                                        allow_unused=True)
-            for n, g in zip(names, grads[1:]):
-                total[n] += 0 if g is None else g
-            if i == rank:
-                mine = {"y": y.detach(), "x.grad": grads[0], "aux": reference.aux_loss.detach(),
-                        **{n: g for n, g in zip(names, grads[1:]) if n.startswith("router.")}}
+        names, total, mine = single_process_grads(reference, xs, upstreams, rank)
 
         for step in range(spec.get("steps", 1)):
             x = xs[rank].clone().requires_grad_()
@@ -70,6 +59,24 @@ def compare_with_single_process(rank, world, specs):
                 errors[name] = _relative(params[name].grad, want)
         worst[spec["name"]] = (max(errors.values()), max(errors, key=errors.get), layer.stats.get("tuned"))
     return worst
+
+
+def single_process_grads(reference, xs, upstreams, rank):
+    """One process on every rank's tokens as micro-batches: (parameter names, each parameter's gradient
+    summed over the micro-batches, and rank's own micro-batch: y, x.grad, aux and parameter gradients)."""
+    names = [n for n, _ in reference.named_parameters()]
+    total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    for i, (x, upstream) in enumerate(zip(xs, upstreams)):
+        x = x.clone().requires_grad_()
+        y = reference(x)
+        grads = torch.autograd.grad((y * upstream).sum() + reference.aux_loss, [x] + list(reference.parameters()),
+                                    allow_unused=True)
+        for n, g in zip(names, grads[1:]):
+            total[n] += 0 if g is None else g
+        if i == rank:
+            mine = {"y": y.detach(), "x.grad": grads[0], "aux": reference.aux_loss.detach(),
+                    **dict(zip(names, grads[1:]))}
+    return names, total, mine
 
 
 def _relative(got, want):

@@ -5,7 +5,7 @@ import torch
 
 from launch import run_workers
 from moe_plugin import MoEConfig, MoELayer, update_expert_bias
-from test_expert_parallel import _relative, expected_shard
+from test_expert_parallel import _relative, expected_shard, single_process_grads
 
 D, H = 6, 8
 
@@ -31,18 +31,7 @@ def compare_features(rank, world, specs):
         upstreams = [torch.randn(x.shape, generator=generator, dtype=torch.float64) for x in xs]
 
         # one process: every rank's tokens as a micro-batch; expert grads summed over them, the rest per rank
-        names = [n for n, _ in reference.named_parameters()]
-        total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
-        for i, (x, upstream) in enumerate(zip(xs, upstreams)):
-            x = x.clone().requires_grad_()
-            y = reference(x)
-            grads = torch.autograd.grad((y * upstream).sum() + reference.aux_loss, [x] + list(reference.parameters()),
-                                        allow_unused=True)
-            for n, g in zip(names, grads[1:]):
-                total[n] += 0 if g is None else g
-            if i == rank:
-                mine = {"y": y.detach(), "x.grad": grads[0], "aux": reference.aux_loss.detach(),
-                        **{n: g for n, g in zip(names, grads[1:]) if not n.startswith("experts.")}}
+        names, total, mine = single_process_grads(reference, xs, upstreams, rank)
         reference_updated = update_expert_bias(reference)
 
         x = xs[rank].clone().requires_grad_()
