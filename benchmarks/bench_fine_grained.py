@@ -17,13 +17,13 @@ Legend: T tokens, D model dim, H expert hidden, E experts, R routed rows.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.bench import interleaved_median_ms
 
 
 def parse_args():
@@ -86,13 +86,7 @@ def main():
         "routed_gemms": routed_gemms,
         "shared_gemms": timed([s1_DH, s2_HD], x_TD, grad_TD, shared_gemms),
     }
-    times = {name: [] for name in candidates}
-    for round_index in range(args.warmup + args.rounds):
-        for name, step in candidates.items():
-            seconds = step()
-            if round_index >= args.warmup:
-                times[name].append(seconds)
-    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    ms = interleaved_median_ms(candidates, args.warmup, args.rounds)
     bare = ms["routed_gemms"] + ms["shared_gemms"]
     print(f"fine-grained MoE forward+backward, fp32, {torch.get_num_threads()} threads, T={args.tokens} D=512 "
           f"H=256 E=64 k=8 groups 4/2 sigmoid+bias shared 512, median of {args.rounds} rounds")

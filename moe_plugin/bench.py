@@ -96,13 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             candidates["deepspeed"] = ds
 
-    times: Dict[str, List[float]] = {name: [] for name in candidates}
-    for round_index in range(args.warmup + args.rounds):
-        for name, step in candidates.items():
-            seconds = step()
-            if round_index >= args.warmup:
-                times[name].append(seconds)
-    median_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    median_ms = interleaved_median_ms(candidates, args.warmup, args.rounds)
     ours = "moe_plugin" if "moe_plugin" in median_ms else "compiled"
     return {
         "config": config.to_dict(), "tokens": args.tokens, "dtype": args.dtype, "autocast": args.autocast,
@@ -112,6 +106,17 @@ def run(args: argparse.Namespace) -> dict:
         "ratio_to_moe_plugin": {n: t / median_ms[ours] for n, t in median_ms.items()},
         "moe_plugin_stats": layer.stats, "notes": notes,
     }
+
+
+def interleaved_median_ms(candidates: Dict[str, Callable[[], float]], warmup: int, rounds: int) -> Dict[str, float]:
+    """Run the candidates' steps in turn, round after round; each one's median milliseconds after warmup."""
+    times: Dict[str, List[float]] = {name: [] for name in candidates}
+    for round_index in range(warmup + rounds):
+        for name, step in candidates.items():
+            seconds = step()
+            if round_index >= warmup:
+                times[name].append(seconds)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def format_table(result: dict) -> str:
