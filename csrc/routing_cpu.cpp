@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/GroupedMMUtils.h>
 
+#include "swiglu_cpu.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -369,6 +371,41 @@ Tensor grouped_mm(const Tensor& a, const Tensor& b, const Tensor& offs_E) {
   return out;
 }
 
+// SwiGLU forward: pre [R, 2H] = [gate | up] -> act [R, H] (swiglu_cpu.h)
+Tensor swiglu_forward(const Tensor& pre_in) {
+  TORCH_CHECK(pre_in.dim() == 2 && pre_in.size(1) % 2 == 0, "pre must be [rows, 2 * hidden], got ", pre_in.sizes());
+  const Tensor pre = pre_in.contiguous();
+  const int64_t R = pre.size(0), H = pre.size(1) / 2;
+  Tensor act = pooled_empty({R, H}, pre.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pre.scalar_type(), "swiglu_forward", [&] {
+    const scalar_t* pre_p = pre.data_ptr<scalar_t>();
+    scalar_t* act_p = act.data_ptr<scalar_t>();
+    at::parallel_for(0, R, grain_for(2 * H * pre.element_size()), [&](int64_t begin, int64_t end) {
+      swiglu::forward_rows(pre_p, act_p, H, begin, end);
+    });
+  });
+  return act;
+}
+
+// SwiGLU backward: grad_act [R, H], pre [R, 2H] -> (grad_pre [R, 2H], act [R, H])
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad_act_in, const Tensor& pre_in) {
+  TORCH_CHECK(pre_in.dim() == 2 && pre_in.size(1) % 2 == 0, "pre must be [rows, 2 * hidden], got ", pre_in.sizes());
+  const Tensor pre = pre_in.contiguous(), grad_act = grad_act_in.contiguous();
+  const int64_t R = pre.size(0), H = pre.size(1) / 2;
+  check_rows("grad_act", grad_act, R, H, pre.scalar_type());
+  Tensor grad_pre = pooled_empty({R, 2 * H}, pre.options()), act = pooled_empty({R, H}, pre.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pre.scalar_type(), "swiglu_backward", [&] {
+    const scalar_t* pre_p = pre.data_ptr<scalar_t>();
+    const scalar_t* grad_act_p = grad_act.data_ptr<scalar_t>();
+    scalar_t* act_p = act.data_ptr<scalar_t>();
+    scalar_t* grad_pre_p = grad_pre.data_ptr<scalar_t>();
+    at::parallel_for(0, R, grain_for(3 * H * pre.element_size()), [&](int64_t begin, int64_t end) {
+      swiglu::backward_rows(pre_p, grad_act_p, act_p, grad_pre_p, H, begin, end);
+    });
+  });
+  return {grad_pre, act};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -382,5 +419,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fill every output with NaN / INT64_MIN before the kernel writes it (for tests)");
   m.def("pool_clear", [] { BlockPool::instance().clear(); }, "free every pooled block");
   m.def("gather_sum", &gather_sum, "routed rows to tokens, weighted sum over top-k, with optional dots");
+  m.def("swiglu_forward", &swiglu_forward, "silu(gate) * up of rows [gate | up], in one pass");
+  m.def("swiglu_backward", &swiglu_backward, "(grad_pre, act) from grad_act and pre, in one pass");
   m.def("grouped_mm", &grouped_mm, "torch's CPU grouped GEMM into a pooled output (see moe_plugin/ops/grouped.py)");
 }

@@ -18,8 +18,7 @@ from .config import MoEConfig
 
 
 def _swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
-    gate_RH, up_RH = pre_RH2.chunk(2, dim=-1)
-    return F.silu(gate_RH) * up_RH
+    return ops.swiglu(pre_RH2) if ops.fused_swiglu(pre_RH2.device) else ops.torch_ops.swiglu_forward(pre_RH2)
 
 
 ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": _swiglu}
@@ -34,22 +33,20 @@ def activate(pre_RH: torch.Tensor, activation: str):
     return ACTIVATIONS[activation](pre_RH), pre_RH
 
 
-def activation_backward(saved_RH: torch.Tensor, activation: str):
-    """From what activate() kept: the activations, and grad(activations) -> grad(pre-activation).
-    Written out op by op (no autograd inside backward), so torch.compile traces it."""
+def activation_backward(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activation: str):
+    """From what activate() kept and the activations' gradient: (the activations, grad of the
+    pre-activation). Written out op by op (no autograd inside backward), so torch.compile traces it."""
     if activation == "relu":
-        return saved_RH, lambda grad_RH: torch.ops.aten.threshold_backward.grad_input(
-            grad_RH, saved_RH, 0, grad_input=grad_RH)
+        return saved_RH, torch.ops.aten.threshold_backward.grad_input(grad_act_RH, saved_RH, 0, grad_input=grad_act_RH)
     if activation == "gelu":
-        return F.gelu(saved_RH), lambda grad_RH: torch.ops.aten.gelu_backward(grad_RH, saved_RH)
+        return F.gelu(saved_RH), torch.ops.aten.gelu_backward(grad_act_RH, saved_RH)
     if activation == "silu":
-        return F.silu(saved_RH), lambda grad_RH: torch.ops.aten.silu_backward(grad_RH, saved_RH)
-    gate_RH, up_RH = saved_RH.chunk(2, dim=-1)
-    silu_RH = F.silu(gate_RH)
-
-    def swiglu_backward(grad_RH):
-        return torch.cat([torch.ops.aten.silu_backward(grad_RH * up_RH, gate_RH), grad_RH * silu_RH], dim=-1)
-    return silu_RH * up_RH, swiglu_backward
+        return F.silu(saved_RH), torch.ops.aten.silu_backward(grad_act_RH, saved_RH)
+    if ops.fused_swiglu(saved_RH.device):
+        grad_pre_RH2, act_RH = ops.swiglu_backward(grad_act_RH, saved_RH)
+    else:
+        grad_pre_RH2, act_RH = ops.torch_ops.swiglu_backward(grad_act_RH, saved_RH)
+    return act_RH, grad_pre_RH2
 
 
 class _Cast(torch.autograd.Function):
@@ -94,8 +91,9 @@ class GroupedMLP(torch.autograd.Function):
     def backward(ctx, grad_y_RD):
         x_RD, saved_RH, offs_E, w1_EDH, w2_EHD = ctx.saved_tensors
         grad_y_RD = grad_y_RD.contiguous()
-        act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
-        grad_pre_RH = pre_grad(ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E))
+        grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
+        act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, ctx.activation)
+        del grad_act_RH
         grad_w2 = ops.grouped_mm(act_RH.t(), grad_y_RD, offs_E)
         grad_b2 = ops.grouped_sum(grad_y_RD, offs_E) if ctx.bias2 else None
         grad_w1 = ops.grouped_mm(x_RD.t(), grad_pre_RH, offs_E)

@@ -42,10 +42,11 @@ class FusedMoE(torch.autograd.Function):
         # every routed row's output gradient, scaled by its gate, and the gate gradients <g, expert output>
         grad_RD, grad_gate_TK = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, gate_TK,
                                                  expert_y_RD if ctx.needs_input_grad[1] else None, R)
-        act_RH, pre_grad = activation_backward(saved_RH, ctx.activation)
+        grad_act_RH = ops.grouped_mm(grad_RD, w2_EHD.transpose(1, 2), offs_E)
+        act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, ctx.activation)
+        del grad_act_RH
         grad_w2_EHD = ops.grouped_mm(act_RH.t(), grad_RD, offs_E)
         grad_b2_ED = ops.grouped_sum(grad_RD, offs_E) if ctx.bias2 else None
-        grad_pre_RH = pre_grad(ops.grouped_mm(grad_RD, w2_EHD.transpose(1, 2), offs_E))
         del act_RH
 
         x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0]

@@ -1,6 +1,7 @@
 """The routing kernels as torch custom ops (moe_plugin::route_slots, ::scatter_rows, ::gather_sum),
 with autograd and fake (meta) implementations so torch.compile can trace through them; the expert
-GEMMs as moe_plugin::grouped_mm (grouped.py).
+GEMMs as moe_plugin::grouped_mm (grouped.py); SwiGLU forward and backward in one pass each
+(moe_plugin::swiglu, ::swiglu_backward), taken where the native kernels run (fused_swiglu).
 
 Each op runs on one of three kernel sets, chosen per device:
   native   the C++ CPU kernels in csrc/ (built on first use, then cached)
@@ -136,6 +137,39 @@ def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[to
 def _(src_RD, pos_TK, scale_TK, other_TD):
     dot_shape = pos_TK.shape if other_TD is not None else (0,)
     return src_RD.new_empty(pos_TK.shape[0], src_RD.shape[1]), src_RD.new_empty(dot_shape)
+
+
+def fused_swiglu(device: torch.device) -> bool:
+    """Whether SwiGLU on device runs the one-pass native kernels (elsewhere the composite torch form is
+    faster: on CUDA torch.compile fuses it, and a custom op would hide it from the compiler). Compiled
+    CPU graphs always take the op: it picks its kernels when it runs."""
+    if device.type != "cpu":
+        return False
+    return torch.compiler.is_compiling() or kernels_for(device)[1] == "native"
+
+
+@torch.library.custom_op("moe_plugin::swiglu", mutates_args=())
+def swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H]: see torch_ops.swiglu_forward."""
+    kernels = kernels_for(pre_RH2.device)
+    return (kernels[0] if kernels[1] == "native" else torch_ops).swiglu_forward(pre_RH2)
+
+
+@swiglu.register_fake
+def _(pre_RH2):
+    return pre_RH2.new_empty(pre_RH2.shape[0], pre_RH2.shape[1] // 2)
+
+
+@torch.library.custom_op("moe_plugin::swiglu_backward", mutates_args=())
+def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad of pre [R, 2H], the activations [R, H]): see torch_ops.swiglu_backward."""
+    kernels = kernels_for(pre_RH2.device)
+    return (kernels[0] if kernels[1] == "native" else torch_ops).swiglu_backward(grad_RH, pre_RH2)
+
+
+@swiglu_backward.register_fake
+def _(grad_RH, pre_RH2):
+    return pre_RH2.new_empty(pre_RH2.shape), grad_RH.new_empty(grad_RH.shape)
 
 
 # The dot outputs feed gate gradients inside backward passes; they are not differentiated themselves.

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional, Tuple
 
-SOURCES = ("routing_cpu.cpp",)
+SOURCES = ("routing_cpu.cpp", "swiglu_cpu.h")     # the build folder is named by a hash of all of them
 MODULE_NAME = "moe_plugin_routing_cpu"
 
 
@@ -41,7 +41,7 @@ def load() -> Tuple[Optional[ModuleType], str]:
         if not (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").is_file():
             print("moe_plugin: building the native CPU kernels (first use only, about a minute)...",
                   file=sys.stderr, flush=True)
-        module = cpp_extension.load(name=name, sources=[str(path) for path in sources],
+        module = cpp_extension.load(name=name, sources=[str(path) for path in sources if path.suffix == ".cpp"],
                                     extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # any build or load failure means: use the torch path and say why
         detail = str(error).strip().splitlines()

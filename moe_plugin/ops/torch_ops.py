@@ -131,3 +131,17 @@ def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor) -> torch.Tensor:
         product_CD = torch.mul(a_RD[start:end], b_RD[start:end], out=scratch_CD[:end - start])
         torch.sum(product_CD, dim=1, out=dot_R[start:end])
     return dot_R
+
+
+def swiglu_forward(pre_RH2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H]."""
+    gate_RH, up_RH = pre_RH2.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate_RH) * up_RH
+
+
+def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad of pre [R, 2H], the activations [R, H]) from the activations' gradient and pre."""
+    gate_RH, up_RH = pre_RH2.chunk(2, dim=-1)
+    silu_RH = torch.nn.functional.silu(gate_RH)
+    grad_gate_RH = torch.ops.aten.silu_backward(grad_RH * up_RH, gate_RH)
+    return torch.cat([grad_gate_RH, grad_RH * silu_RH], dim=-1), silu_RH * up_RH

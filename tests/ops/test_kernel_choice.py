@@ -45,7 +45,8 @@ def test_failed_build_falls_back_once_with_the_reason(fresh_choice):
 
 
 def test_build_reports_a_compile_error(tmp_path, monkeypatch):
-    (tmp_path / "routing_cpu.cpp").write_text("this is not C++\n")
+    for name in native.SOURCES:
+        (tmp_path / name).write_text("this is not C++\n")
     monkeypatch.setattr(native, "csrc_dir", lambda: tmp_path)
     monkeypatch.setattr(native, "MODULE_NAME", "moe_plugin_broken_build_test")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))

@@ -137,3 +137,26 @@ def test_custom_op_gradients_pass_gradcheck(kernels):
         rows_RD = ops.scatter_rows(x_TD, pos_TK, gate_TK, None, R)[0]
         return ops.gather_sum(rows_RD.sin(), pos_TK, gate_TK, None)[0]
     assert torch.autograd.gradcheck(scaled_encode_then_decode, (x_TD, gate_TK))
+
+
+@pytest.mark.parametrize("rows, hidden", [(0, 4), (1, 1), (7, 13), (300, 129), (1030, 64)])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_swiglu_matches_the_reference(kernels, rows, hidden, dtype):
+    pre_RH2 = (torch.randn(rows, 2 * hidden, dtype=torch.float64) * 6).to(dtype)
+    if rows:   # far tails: silu saturates to 0 and to x, exp must neither overflow nor turn NaN
+        pre_RH2[0, 0], pre_RH2[-1, hidden - 1] = -200.0, 200.0
+    grad_RH = torch.randn(rows, hidden, dtype=torch.float64).to(dtype)
+    ref_act_RH = torch_ops.swiglu_forward(pre_RH2.double())
+    ref_grad_RH2, ref_act2_RH = torch_ops.swiglu_backward(grad_RH.double(), pre_RH2.double())
+    tol = DTYPES[dtype]
+    assert_close(kernels.swiglu_forward(pre_RH2), ref_act_RH.to(dtype), tol)
+    grad_RH2, act_RH = kernels.swiglu_backward(grad_RH, pre_RH2)
+    assert_close(grad_RH2, ref_grad_RH2.to(dtype), tol)
+    assert_close(act_RH, ref_act2_RH.to(dtype), tol)
+
+
+def test_swiglu_rejects_bad_shapes(kernels):
+    with pytest.raises(RuntimeError, match="2 \\* hidden"):
+        kernels.swiglu_forward(torch.randn(4, 5))
+    with pytest.raises(RuntimeError, match="grad_act must have shape \\[4, 3\\]"):
+        kernels.swiglu_backward(torch.randn(4, 4), torch.randn(4, 6))
