@@ -1,7 +1,8 @@
 """Builds (once, then cached) and loads the C++ CPU kernels in csrc/ with torch's JIT extension loader.
 
 The build lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions),
-in a folder named by a hash of the sources, so later processes load it in well under a second.
+in a folder named by a hash of the sources and flags; later processes import the library from there directly
+(no build lock, no ninja run), in well under a second.
 """
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import functools
 import hashlib
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Optional, Tuple
 
 SOURCES = ("routing_cpu.cpp", "swiglu_cpu.h")     # the build folder is named by a hash of all of them
 MODULE_NAME = "moe_plugin_routing_cpu"
+CFLAGS = ("-O3", "-fopenmp")
+STALE_LOCK_SECONDS = 600    # a build takes about a minute; a lock this old belongs to a killed process
 
 
 def csrc_dir() -> Path:
@@ -35,18 +39,40 @@ def load() -> Tuple[Optional[ModuleType], str]:
     if compiler is None:
         return None, "no C++ compiler (c++ / g++) on PATH"
     from torch.utils import cpp_extension
-    # one build folder per source version: checkouts of different versions never rebuild over each other
-    name = f"{MODULE_NAME}_{hashlib.sha1(b''.join(path.read_bytes() for path in sources)).hexdigest()[:10]}"
+    # one build folder per source version and flags: checkouts of different versions never rebuild over each other
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sources) + " ".join(CFLAGS).encode())
+    name = f"{MODULE_NAME}_{digest.hexdigest()[:10]}"
     try:
-        if not (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").is_file():
-            print("moe_plugin: building the native CPU kernels (first use only, about a minute)...",
-                  file=sys.stderr, flush=True)
+        build_dir = Path(cpp_extension._get_build_directory(name, False))
+        library = build_dir / f"{name}.so"
+        if library.is_file():   # built before: import it without torch's build lock and ninja run
+            try:
+                return cpp_extension._import_module_from_library(name, str(build_dir), True), \
+                    f"built from csrc/ with {compiler}"
+            except ImportError:   # a build killed while linking: build again (unless one is running now)
+                if not (build_dir / "lock").exists():
+                    library.unlink()
+        _clear_stale_lock(build_dir / "lock")
+        print("moe_plugin: building the native CPU kernels (first use only, about a minute)...",
+              file=sys.stderr, flush=True)
         module = cpp_extension.load(name=name, sources=[str(path) for path in sources if path.suffix == ".cpp"],
-                                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                                    extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # any build or load failure means: use the torch path and say why
         detail = str(error).strip().splitlines()
         return None, f"building csrc/ failed: {detail[-1] if detail else type(error).__name__}"
     return module, f"built from csrc/ with {compiler}"
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock is a file that a killed build leaves behind, and every later build waits on it
+    forever: remove it once it is far older than a build takes."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        print(f"moe_plugin: removing a stale build lock ({lock}, {age / 60:.0f} min old)", file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
 
 
 def _ninja_module() -> bool:

@@ -1,6 +1,9 @@
 """Which kernels run (MOE_PLUGIN_KERNELS, build failures), and the layer on each kernel set and under
 torch.compile, against the einsum reference / eager mode."""
+import os
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +114,34 @@ def test_compiled_graph_holds_the_custom_ops():
     layer = make_layer(dtype=torch.float32)
     torch.compile(layer, backend=recording_backend)(torch.randn(10, 12)).sum().backward()
     assert "moe_plugin.route_slots.default" in targets
+
+
+def test_a_built_library_loads_past_a_left_over_lock(monkeypatch):
+    """A process killed while building leaves torch's lock file; with the library built, loading ignores it."""
+    import torch.utils.cpp_extension
+    if native.load()[0] is None:
+        pytest.skip(f"native kernels unavailable here: {native.load()[1]}")
+    library = Path(native.load()[0].__file__)
+    lock = library.parent / "lock"
+    lock.touch()
+
+    def build(*args, **kwargs):
+        raise AssertionError("built again: torch's build would wait forever on the lock")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    try:
+        module, why = native.load.__wrapped__()
+    finally:
+        lock.unlink(missing_ok=True)
+    assert module is not None and why.startswith("built from csrc/")
+
+
+def test_a_stale_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._clear_stale_lock(lock)
+    assert lock.exists()                     # a build may be running
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(lock)
+    assert not lock.exists() and "stale build lock" in capsys.readouterr().err
+    native._clear_stale_lock(lock)           # no lock: nothing to do
