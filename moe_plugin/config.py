@@ -14,6 +14,13 @@ GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
 A2A_KINDS = ("flat", "2dh")
 
 
+def gate_normalization(value: Any, top_k: Any) -> Any:
+    """normalize_gate as a MoEConfig holds it (see MoEConfig): booleans become the string they mean at top_k."""
+    if isinstance(value, bool):
+        return "before_drop" if value and isinstance(top_k, int) and top_k > 1 else "none"
+    return value
+
+
 @dataclass
 class MoEConfig:
     """Configuration of one MoE layer.
@@ -21,7 +28,9 @@ class MoEConfig:
     capacity_factor > 0: fixed capacity per expert, max(ceil(top_k * cf * T / E), min_capacity).
     capacity_factor == 0: dropless, capacity = the largest real load.
     capacity_factor < 0: adaptive, the largest real load capped at |cf| times the fixed capacity.
-    normalize_gate: True means "before_drop", False means "none"; only applies when top_k > 1.
+    normalize_gate: "before_drop", "after_drop" or "none". True is "before_drop" for top_k > 1 and "none"
+      for top-1 (a lone gate keeps its probability, as in Switch, GShard and DeepSpeed); False is "none".
+      The strings apply at every top_k: a normalized top-1 gate is 1 (as in HF Mixtral with one expert).
     ep_size: processes the experts are spread over (1: every process holds all experts).
     parallel: 0 = experts gathered (data parallel), 1 = expert parallel, r > 1 = each expert sliced
       over r processes (needs ep_size > num_experts); "auto" times the candidates and keeps the fastest.
@@ -91,8 +100,7 @@ class MoEConfig:
         self.z_loss_coef = _check_float("z_loss_coef", self.z_loss_coef, minimum=0.0)
         for name in ("fp32_router", "batch_prioritized_routing", "bias"):
             _check_bool(name, getattr(self, name))
-        if isinstance(self.normalize_gate, bool):
-            self.normalize_gate = "before_drop" if self.normalize_gate else "none"
+        self.normalize_gate = gate_normalization(self.normalize_gate, self.top_k)
         _check_choice("normalize_gate", self.normalize_gate, GATE_NORMALIZATIONS)
         _check_choice("router", self.router, ROUTERS)
         _check_choice("activation", self.activation, ACTIVATIONS)

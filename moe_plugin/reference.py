@@ -54,7 +54,7 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     expert_TK = torch.topk(choice_TE, K, dim=1).indices
     masks = [F.one_hot(expert_TK[:, k], E).to(scores_TE.dtype) for k in range(K)]    # K x [T, E]
     gates = [(scores_TE * m).sum(1) for m in masks]                                  # K x [T]
-    if cfg.normalize_gate == "before_drop" and K > 1:
+    if cfg.normalize_gate == "before_drop":
         total = sum(gates)
         gates = [g / total for g in gates]
 
@@ -74,7 +74,7 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
     keeps = [m * (loc < capacity).to(m.dtype) for m, loc in zip(masks, locations)]   # K x [T, E]
     kept_gates = [g * k.sum(1) for g, k in zip(gates, keeps)]
-    if cfg.normalize_gate == "after_drop" and K > 1:
+    if cfg.normalize_gate == "after_drop":
         total = torch.clamp(sum(kept_gates), min=torch.finfo(scores_TE.dtype).eps)
         kept_gates = [g / total for g in kept_gates]
     kept_gates = [g * cfg.route_scale for g in kept_gates]

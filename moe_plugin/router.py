@@ -98,7 +98,7 @@ class Router(nn.Module):
             choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups)
         expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
         gate_TK = scores_TE.gather(1, expert_TK)
-        if cfg.normalize_gate == "before_drop" and cfg.top_k > 1:
+        if cfg.normalize_gate == "before_drop":
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(gate_TK.dtype).tiny)
         if self.training and cfg.expert_bias_update_rate > 0:
             self._count(expert_TK)
@@ -160,7 +160,7 @@ def autocast_off(device_type: str):
 def finalize_gates(gate_TK: torch.Tensor, kept_TK: torch.Tensor, normalize: str, scale: float = 1.0) -> torch.Tensor:
     """Zero the gates of dropped choices; renormalize over the kept ones for "after_drop"; times scale."""
     gate_TK = gate_TK * kept_TK.to(gate_TK.dtype)
-    if normalize == "after_drop" and gate_TK.shape[1] > 1:
+    if normalize == "after_drop":
         gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(gate_TK.dtype).eps)
     return gate_TK * scale if scale != 1.0 else gate_TK
 

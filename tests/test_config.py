@@ -21,6 +21,9 @@ def test_kwargs_dict_and_yaml_agree(tmp_path):
 def test_normalize_gate_accepts_booleans():
     assert MoEConfig(**BASE, normalize_gate=True).normalize_gate == "before_drop"
     assert MoEConfig(**BASE, normalize_gate=False).normalize_gate == "none"
+    # top-1: True keeps the lone gate's probability (Switch, DeepSpeed); a string applies as written
+    assert MoEConfig(**BASE, top_k=1, normalize_gate=True).normalize_gate == "none"
+    assert MoEConfig(**BASE, top_k=1, normalize_gate="before_drop").normalize_gate == "before_drop"
 
 
 @pytest.mark.parametrize("field, value, allowed", [

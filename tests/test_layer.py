@@ -27,6 +27,7 @@ def test_matches_einsum_reference(top_k, num_experts, capacity_factor, dtype, to
     dict(router="sigmoid"), dict(router="cosine"), dict(router="softmax", fp32_router=False),
     dict(activation="gelu"), dict(activation="silu"), dict(activation="swiglu"), dict(bias=False),
     dict(normalize_gate="none"), dict(normalize_gate="after_drop"), dict(normalize_gate="after_drop", top_k=3),
+    dict(normalize_gate="before_drop", top_k=1), dict(normalize_gate="after_drop", top_k=1),
     dict(batch_prioritized_routing=True), dict(batch_prioritized_routing=True, top_k=3, num_experts=5),
     dict(aux_loss="switch"), dict(aux_loss="none", z_loss_coef=0.0), dict(z_loss_coef=0.1, aux_loss_coef=1.0),
     dict(min_capacity=9), dict(top_k=8, num_experts=8, capacity_factor=0.3),

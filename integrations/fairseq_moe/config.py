@@ -119,7 +119,9 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
         eval_capacity_factor=None if _number(fraction) and fraction <= 0 else _ratio(fraction, num_experts, top_k),
         router=args.moe_router,
         fp32_router=bool(args.moe_gating_use_fp32),
-        normalize_gate="before_drop" if args.moe_normalize_gate_prob_before_dropping else "after_drop",
+        # fairseq's top-1 gate is the expert's probability; its top-2 gates are renormalized
+        normalize_gate="none" if top_k == 1 else
+        "before_drop" if args.moe_normalize_gate_prob_before_dropping else "after_drop",
         batch_prioritized_routing=bool(args.moe_batch_prioritized_routing),
         aux_loss=args.moe_aux_loss,
         aux_loss_coef=1.0,   # the criterion weighs it (--moe-gate-loss-wt)

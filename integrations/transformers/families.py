@@ -87,7 +87,8 @@ def _common(config, hidden_size: int, num_experts: int, normalize: bool) -> Dict
     """What every family shares: dropless, no expert biases, no balance loss of the layer's own
     (the HF model computes its aux loss from the recorded router logits)."""
     return dict(model_dim=config.hidden_size, hidden_size=hidden_size, num_experts=num_experts,
-                top_k=config.num_experts_per_tok, router="softmax", normalize_gate=bool(normalize),
+                top_k=config.num_experts_per_tok, router="softmax",
+                normalize_gate="before_drop" if normalize else "none",
                 activation=activation(config), bias=False, capacity_factor=0.0, aux_loss="none",
                 aux_loss_coef=0.0)
 

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from ..config import MoEConfig
+from ..config import MoEConfig, gate_normalization
 from ..data import VOCAB_SIZE
 from ..layer import MoELayer
 
@@ -67,8 +67,8 @@ def swap_overrides(cfg, config) -> Dict[str, Any]:
             overrides[key] = value
             continue
         user_set = key not in DEFAULT_MOE or value != DEFAULT_MOE[key]
-        if key == "normalize_gate" and isinstance(value, bool):
-            value = "before_drop" if value else "none"
+        if key == "normalize_gate":
+            value = gate_normalization(value, base["top_k"])
         if user_set and value != base[key]:
             raise ValueError(f"moe.{key}={value!r} contradicts the hf section ({config.model_type} gives "
                              f"{key}={base[key]!r}); set it in the hf section")

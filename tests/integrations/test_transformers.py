@@ -36,6 +36,29 @@ def test_swapped_model_matches_hf_logits_loss_and_every_gradient(family, fresh_s
         assert_close_rel(grads[name], grad, TOL, f"grad of {name}")
 
 
+TOP1_NORMALIZED = {"mixtral": {}, "qwen2_moe": {"norm_topk_prob": True}, "qwen3_moe": {},
+                   "olmoe": {"norm_topk_prob": True}, "deepseek_v3": {}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_top1_with_normalized_gates_matches_hf(family, fresh_seed):
+    """One expert per token with norm_topk_prob (always, for Mixtral): HF's gate is p / p = 1 (times
+    DeepSeek-V3's route scale), so the router learns only through the aux loss; the swap does the same."""
+    model = build_model(family, fresh_seed, num_experts_per_tok=1, **TOP1_NORMALIZED[family])
+    swapped = swapped_copy(model)
+    assert all(b.moe.config.normalize_gate == "before_drop"
+               for b in swapped.modules() if isinstance(b, hf_moe.HFMoEBlock))
+    ids = tokens(fresh_seed + 1)
+    expected, actual = forward_backward(model, ids), forward_backward(swapped, ids)
+    assert_close_rel(actual.logits, expected.logits, TOL, "logits")
+    # the router's true gradient is 0 here (DeepSeek-V3 has no aux loss): both sides leave rounding noise
+    # of ~1e-10, so each gradient is held to TOL of the largest gradient of the model
+    grads, hf_grads = hf_named_grads(swapped), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    scale = max(float(g.abs().max()) for g in hf_grads.values())
+    for name, grad in hf_grads.items():
+        assert float((grads[name] - grad).abs().max()) <= TOL * scale, f"grad of {name}"
+
+
 def test_deepseek_v3_correction_bias_is_carried_over_and_changes_the_choice(fresh_seed):
     model = build_model("deepseek_v3", fresh_seed)
     swapped = swapped_copy(model)
