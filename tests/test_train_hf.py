@@ -100,6 +100,15 @@ def test_bad_hf_configs_name_the_key(override, expected):
         train.load_config(str(MIXTRAL_TINY), [*TINY, override])
 
 
+def test_print_config_shows_the_moe_section_the_hf_config_gives(capsys):
+    from moe_plugin.cli import main
+    assert main(["train", str(MIXTRAL_TINY), *TINY, "hf.num_local_experts=5", "hf.num_experts_per_tok=3",
+                 "--print-config"]) == 0
+    moe = capsys.readouterr().out.split("moe:\n")[1].split("\ndata:")[0]
+    for line in ("num_experts: 5", "top_k: 3", "hidden_size: 40", "activation: swiglu", "capacity_factor: 0.0"):
+        assert f"  {line}" in moe.splitlines(), f"{line!r} not in the printed moe section:\n{moe}"
+
+
 @pytest.mark.timeout(300)
 def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     out = tmp_path / "ep"

@@ -16,6 +16,17 @@ def split_arguments(arguments: Sequence[str]) -> Tuple[Optional[str], List[str]]
     return (paths[0] if paths else None), [a for a in arguments if "=" in a]
 
 
+def with_effective_moe(cfg):
+    """cfg with its moe section as the layers will run it: with an `hf` section, the keys the HF config
+    fixes (num_experts, top_k, activation, ...) show the HF config's values, not the defaults."""
+    if cfg.hf is None:
+        return cfg
+    from .hf_model import hf_moe_config
+    effective = hf_moe_config(cfg).to_dict()
+    cfg.moe = {key: effective.get(key, value) for key, value in cfg.moe.items()}
+    return cfg
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
                         help="an experiment config (default: the built-in configs/experiments/default.yaml) "
@@ -26,12 +37,12 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     try:
         cfg = load_config(*split_arguments(args.arguments))
+        if args.print_config:
+            print(to_yaml(with_effective_moe(cfg)), end="")
+            return 0
     except ValueError as error:
         print(f"moe-plugin train: {error}", file=sys.stderr)
         return 2
-    if args.print_config:
-        print(to_yaml(cfg), end="")
-        return 0
     try:
         train(cfg)
     except ValueError as error:  # a user error found once the processes are known (ep_size, resume)
