@@ -210,7 +210,7 @@ class DeepSpeedMoELayer(MoELayer):
             raise ValueError("used_token is not supported by backend tutel (DeepSpeed's top-1 gate masks tokens "
                              "with it); pass used_token=None")
         y = super().forward(x)
-        self.exp_counts = torch.tensor(self.stats["tokens_per_expert"], device=x.device)
+        self.exp_counts = self._routing[0].to(torch.long)   # on the device: no host synchronization
         return y
 
 

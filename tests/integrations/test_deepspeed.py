@@ -114,6 +114,7 @@ def test_forward_returns_what_native_returns():
                     capacity_factor=0.5, min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
     x = torch.randn(3, 10, D)
     y, l_aux, exp_counts = layer(x)
+    assert exp_counts.dtype == torch.long and exp_counts.device == x.device   # as native: int64, not on the host
     assert y.shape == x.shape and l_aux.dim() == 0 and exp_counts.tolist() == \
         layer.deepspeed_moe.stats["tokens_per_expert"] and int(exp_counts.sum()) == 2 * 30
     assert torch.allclose(layer.deepspeed_moe.aux_loss, 0.01 * l_aux)   # aux_loss_coef weights .aux_loss only
