@@ -42,8 +42,10 @@ def _check_against_reference(layer, x, device_type, dtype):
     names = ["x"] + [n for n, _ in layer.named_parameters()]
     for name, got, want, param in zip(names, grads, grads_ref, [x] + list(layer.parameters())):
         assert got.dtype == param.dtype, f"grad {name} is {got.dtype}, the parameter {param.dtype}"
-        # relu's derivative jumps at 0: bf16 rounding flips a few mask entries
-        assert _norm_error(got, want) <= 5e-2, f"grad {name}: {_norm_error(got, want):.3g}"
+        # relu's derivative jumps at 0: bf16 rounding flips a few mask entries, a heavy tail (over 40 seeds
+        # the worst gradient is 0.010 median, 0.029 max; one seed in CI gave 0.053); the smooth ones <= 0.006
+        tol = 0.1 if layer.config.activation == "relu" else 5e-2
+        assert _norm_error(got, want) <= tol, f"grad {name}: {_norm_error(got, want):.3g}"
 
 
 @pytest.mark.parametrize("activation, bias", [("relu", True), ("gelu", False), ("swiglu", True), ("silu", True)])
