@@ -17,11 +17,7 @@ from . import ops
 from .config import MoEConfig
 
 
-def _swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
-    return ops.swiglu(pre_RH2) if ops.fused_swiglu(pre_RH2.device) else ops.torch_ops.swiglu_forward(pre_RH2)
-
-
-ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": _swiglu}
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": ops.swiglu}
 
 
 def activate(pre_RH: torch.Tensor, activation: str):
@@ -42,10 +38,7 @@ def activation_backward(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activ
         return F.gelu(saved_RH), torch.ops.aten.gelu_backward(grad_act_RH, saved_RH)
     if activation == "silu":
         return F.silu(saved_RH), torch.ops.aten.silu_backward(grad_act_RH, saved_RH)
-    if ops.fused_swiglu(saved_RH.device):
-        grad_pre_RH2, act_RH = ops.swiglu_backward(grad_act_RH, saved_RH)
-    else:
-        grad_pre_RH2, act_RH = ops.torch_ops.swiglu_backward(grad_act_RH, saved_RH)
+    grad_pre_RH2, act_RH = ops.swiglu_backward(grad_act_RH, saved_RH)
     return act_RH, grad_pre_RH2
 
 

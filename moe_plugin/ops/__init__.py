@@ -148,26 +148,41 @@ def fused_swiglu(device: torch.device) -> bool:
     return torch.compiler.is_compiling() or kernels_for(device)[1] == "native"
 
 
-@torch.library.custom_op("moe_plugin::swiglu", mutates_args=())
 def swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H]: see torch_ops.swiglu_forward."""
-    kernels = kernels_for(pre_RH2.device)
-    return (kernels[0] if kernels[1] == "native" else torch_ops).swiglu_forward(pre_RH2)
+    """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H]: the one-pass op where fused_swiglu, else
+    torch_ops.swiglu_forward."""
+    return _swiglu_op(pre_RH2) if fused_swiglu(pre_RH2.device) else torch_ops.swiglu_forward(pre_RH2)
 
 
-@swiglu.register_fake
+def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad of pre [R, 2H], the activations [R, H]): the one-pass op where fused_swiglu, else
+    torch_ops.swiglu_backward."""
+    if fused_swiglu(pre_RH2.device):
+        return _swiglu_backward_op(grad_RH, pre_RH2)
+    return torch_ops.swiglu_backward(grad_RH, pre_RH2)
+
+
+def _swiglu_kernels(device: torch.device) -> ModuleType:
+    module, name, _ = kernels_for(device)
+    return module if name == "native" else torch_ops
+
+
+@torch.library.custom_op("moe_plugin::swiglu", mutates_args=())
+def _swiglu_op(pre_RH2: torch.Tensor) -> torch.Tensor:
+    return _swiglu_kernels(pre_RH2.device).swiglu_forward(pre_RH2)
+
+
+@_swiglu_op.register_fake
 def _(pre_RH2):
     return pre_RH2.new_empty(pre_RH2.shape[0], pre_RH2.shape[1] // 2)
 
 
 @torch.library.custom_op("moe_plugin::swiglu_backward", mutates_args=())
-def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(grad of pre [R, 2H], the activations [R, H]): see torch_ops.swiglu_backward."""
-    kernels = kernels_for(pre_RH2.device)
-    return (kernels[0] if kernels[1] == "native" else torch_ops).swiglu_backward(grad_RH, pre_RH2)
+def _swiglu_backward_op(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_kernels(pre_RH2.device).swiglu_backward(grad_RH, pre_RH2)
 
 
-@swiglu_backward.register_fake
+@_swiglu_backward_op.register_fake
 def _(grad_RH, pre_RH2):
     return pre_RH2.new_empty(pre_RH2.shape), grad_RH.new_empty(grad_RH.shape)
 
