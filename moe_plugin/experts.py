@@ -65,6 +65,25 @@ def cast_weights(experts, dtype: torch.dtype):
     return SimpleNamespace(activation=experts.activation, **cast)
 
 
+def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1, bias2, routed_inputs,
+                 input_grad):
+    """(grad_x_RD or None, grad_w1, grad_b1, grad_w2, grad_b2) of the expert FFN y = act(x W1 + b1) W2 + b2
+    on grouped rows, from what activate() kept of the hidden layer. routed_inputs() gives x_RD;
+    it is called once the activations are freed, so a caller may gather the rows again only then."""
+    grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
+    act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
+    del grad_act_RH
+    grad_w2 = ops.grouped_mm(act_RH.t(), grad_y_RD, offs_E)
+    grad_b2 = ops.grouped_sum(grad_y_RD, offs_E) if bias2 else None
+    del act_RH
+    x_RD = routed_inputs()
+    grad_w1 = ops.grouped_mm(x_RD.t(), grad_pre_RH, offs_E)
+    del x_RD
+    grad_b1 = ops.grouped_sum(grad_pre_RH, offs_E) if bias1 else None
+    grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E) if input_grad else None
+    return grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2
+
+
 class GroupedMLP(torch.autograd.Function):
     """y = act(x W1[e] + b1[e]) W2[e] + b2[e] for each expert's block of rows (ends in offs_E, on the
     device; rows past the last offset give 0), on the grouped GEMM op."""
@@ -83,15 +102,9 @@ class GroupedMLP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_RD):
         x_RD, saved_RH, offs_E, w1_EDH, w2_EHD = ctx.saved_tensors
-        grad_y_RD = grad_y_RD.contiguous()
-        grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
-        act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, ctx.activation)
-        del grad_act_RH
-        grad_w2 = ops.grouped_mm(act_RH.t(), grad_y_RD, offs_E)
-        grad_b2 = ops.grouped_sum(grad_y_RD, offs_E) if ctx.bias2 else None
-        grad_w1 = ops.grouped_mm(x_RD.t(), grad_pre_RH, offs_E)
-        grad_b1 = ops.grouped_sum(grad_pre_RH, offs_E) if ctx.bias1 else None
-        grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
+        grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2 = mlp_backward(
+            grad_y_RD.contiguous(), saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
+            lambda: x_RD, ctx.needs_input_grad[0])
         return grad_x_RD, None, None, grad_w1, grad_b1, grad_w2, grad_b2
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .experts import activate, activation_backward
+from .experts import activate, mlp_backward
 
 
 class FusedMoE(torch.autograd.Function):
@@ -42,21 +42,10 @@ class FusedMoE(torch.autograd.Function):
         # every routed row's output gradient, scaled by its gate, and the gate gradients <g, expert output>
         grad_RD, grad_gate_TK = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, gate_TK,
                                                  expert_y_RD if ctx.needs_input_grad[1] else None, R)
-        grad_act_RH = ops.grouped_mm(grad_RD, w2_EHD.transpose(1, 2), offs_E)
-        act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, ctx.activation)
-        del grad_act_RH
-        grad_w2_EHD = ops.grouped_mm(act_RH.t(), grad_RD, offs_E)
-        grad_b2_ED = ops.grouped_sum(grad_RD, offs_E) if ctx.bias2 else None
-        del act_RH
-
-        x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0]
-        grad_w1_EDH = ops.grouped_mm(x_RD.t(), grad_pre_RH, offs_E)
-        del x_RD
-        grad_b1_EH = ops.grouped_sum(grad_pre_RH, offs_E) if ctx.bias1 else None
-        grad_x_TD = None
-        if ctx.needs_input_grad[0]:
-            grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E)
-            grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0]
+        grad_x_RD, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED = mlp_backward(
+            grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
+            lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], ctx.needs_input_grad[0])
+        grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if ctx.needs_input_grad[0] else None
 
         grad_gate_TK = grad_gate_TK if ctx.needs_input_grad[1] else None
         return grad_x_TD, grad_gate_TK, None, None, None, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED
