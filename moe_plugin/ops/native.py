@@ -42,13 +42,13 @@ def load() -> Tuple[Optional[ModuleType], str]:
     # one build folder per source version and flags: checkouts of different versions never rebuild over each other
     digest = hashlib.sha1(b"".join(path.read_bytes() for path in sources) + " ".join(CFLAGS).encode())
     name = f"{MODULE_NAME}_{digest.hexdigest()[:10]}"
+    built = f"built from csrc/ with {compiler}"
     try:
         build_dir = Path(cpp_extension._get_build_directory(name, False))
         library = build_dir / f"{name}.so"
         if library.is_file():   # built before: import it without torch's build lock and ninja run
             try:
-                return cpp_extension._import_module_from_library(name, str(build_dir), True), \
-                    f"built from csrc/ with {compiler}"
+                return cpp_extension._import_module_from_library(name, str(build_dir), True), built
             except ImportError:   # a build killed while linking: build again (unless one is running now)
                 if not (build_dir / "lock").exists():
                     library.unlink()
@@ -60,7 +60,7 @@ def load() -> Tuple[Optional[ModuleType], str]:
     except Exception as error:  # any build or load failure means: use the torch path and say why
         detail = str(error).strip().splitlines()
         return None, f"building csrc/ failed: {detail[-1] if detail else type(error).__name__}"
-    return module, f"built from csrc/ with {compiler}"
+    return module, built
 
 
 def _clear_stale_lock(lock: Path) -> None:
