@@ -268,3 +268,35 @@ def test_swapped_bf16_model_stays_bf16_and_close_to_hf(fresh_seed):
     with torch.no_grad():
         expected, actual = model(ids).logits.float(), swapped(ids).logits.float()
     assert max_rel_err(actual, expected) < 0.05
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swapped_model_under_bf16_autocast_is_as_close_to_fp32_as_hf_is(family, fresh_seed):
+    """fp32 parameters under torch.autocast(bf16), as GPU training runs: against the exact fp32 result, the
+    swapped model's logits and gradients are no further off than HF's own model under the same autocast
+    (twice its error, or bf16's resolution when HF happens to be closer); gradients stay fp32."""
+    model = build_model(family, fresh_seed, experts_implementation="eager")   # HF's grouped_mm: 16-byte strides
+    swapped = swapped_copy(model)
+    ids = tokens(fresh_seed + 1)
+
+    def run(m, autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(ids, labels=ids)
+        m.zero_grad(set_to_none=True)
+        out.loss.backward()
+        return out.logits.detach().float(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    exact_logits, exact_grads = run(model, False)
+    hf_logits, hf_grads = run(model, True)
+    ours_logits, _ = run(swapped, True)
+    ours_grads = hf_named_grads(swapped)
+    assert {g.dtype for g in ours_grads.values()} == {torch.float32}
+
+    def grad_error(grads):
+        diff = torch.cat([(grads[n].double() - g.double()).flatten() for n, g in exact_grads.items()])
+        return float(diff.norm() / torch.cat([g.double().flatten() for g in exact_grads.values()]).norm())
+
+    hf_error, ours_error = max_rel_err(hf_logits, exact_logits), max_rel_err(ours_logits, exact_logits)
+    assert ours_error <= max(2 * hf_error, 0.03), f"logits: ours {ours_error:.3g}, HF {hf_error:.3g}"
+    hf_error, ours_error = grad_error(hf_grads), grad_error(ours_grads)
+    assert ours_error <= max(2 * hf_error, 0.02), f"gradients: ours {ours_error:.3g}, HF {hf_error:.3g}"
