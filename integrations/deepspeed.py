@@ -476,6 +476,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         raise ValueError("initialize needs a model")
     ds_config = _config_dict(args, config, config_params)
     section = read_moe_section(ds_config)
+    autoep = ds_config.get("expert_parallel")
+    if section is not None and isinstance(autoep, Mapping) and autoep.get("enabled", False):
+        raise ValueError("the DeepSpeed config has a \"moe\" section (moe_plugin) and an enabled \"expert_parallel\" "
+                         "section (DeepSpeed's AutoEP): both replace the model's MoE blocks; keep one (remove "
+                         "\"expert_parallel\" or set its \"enabled\": false; its autoep_size is \"moe.ep_size\" here)")
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
     swap_hf = section is not None and not has_moe
     if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for

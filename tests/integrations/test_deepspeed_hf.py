@@ -197,6 +197,19 @@ def test_checkpoint_loads_on_another_number_of_processes(save_world, load_world,
 # errors, in this process: they are raised before DeepSpeed starts anything
 
 
+def test_a_moe_section_next_to_an_enabled_autoep_section_is_an_error():
+    """AutoEP would look for the blocks ours replaced and fail with "no MoE layers detected"; say why first."""
+    import moe_plugin.integrations.deepspeed as dsi
+    autoep = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+    config = {**BASE, "moe": {"backend": "tutel", "ep_size": 2}, "expert_parallel": autoep}
+    with pytest.raises(ValueError, match=r"\"moe\" section .* enabled \"expert_parallel\" section .* keep one"):
+        dsi.initialize(model=build_model("mixtral", seed=0), config=config)
+    model = build_model("mixtral", seed=0)    # AutoEP switched off: ours swaps as usual (checked up to DeepSpeed)
+    with pytest.raises(ValueError, match="zero_optimization.stage=3"):
+        dsi.initialize(model=model, config={**config, "expert_parallel": {**autoep, "enabled": False},
+                                            "zero_optimization": {"stage": 3}})
+
+
 def test_a_section_on_a_model_without_a_recognised_moe_block_is_an_error():
     import transformers
 
