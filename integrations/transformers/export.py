@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,19 +32,33 @@ def full_layer_state(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def hf_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """model.state_dict() in the HF names and layouts of its family, every expert included (a collective
-    under expert parallelism: every rank must call it)."""
+def hf_state_dict(model: nn.Module, state: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """model.state_dict() (or state, a state dict of model) in the HF names and layouts of its family, every
+    expert included: the blocks' entries come from the blocks themselves (a collective under expert
+    parallelism: every rank must call it), the others from state."""
     family = require_family(model)
-    state = {}
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
-    for name, tensor in model.state_dict().items():
-        if not any(name.startswith(f"{b}.") for b in blocks):
-            state[name] = tensor
+    state = model.state_dict() if state is None else state
+    hf_state = {name: tensor for name, tensor in state.items() if not any(name.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
         for key, tensor in layer_to_hf(family, full_layer_state(block)).items():
-            state[f"{name}.{key}"] = tensor.contiguous()
-    return state
+            hf_state[f"{name}.{key}"] = tensor.contiguous()
+    return hf_state
+
+
+def save_pretrained_in_hf_names(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+    """A swapped model's save_pretrained (swap_moe_blocks installs it on the model): HF's own, writing the
+    blocks in HF names and layouts, so that plain transformers' from_pretrained loads the folder (HF Trainer
+    saves through it). With the experts spread over processes a single rank cannot write them all (Trainer
+    calls save_pretrained on one rank only): it then writes the swapped names and warns; use export_hf."""
+    hf_save = type(model).save_pretrained
+    if any(block.moe.is_parallel for block in model.modules() if isinstance(block, HFMoEBlock)):
+        warnings.warn("save_pretrained of a model whose experts are spread over processes writes this rank's "
+                      "share in moe_plugin's names, which plain transformers cannot load; call "
+                      "moe_plugin.integrations.transformers.export_hf(model, directory) on every rank for an "
+                      "HF checkpoint", stacklevel=2)
+        return hf_save(model, save_directory, *args, state_dict=state_dict, **kwargs)
+    return hf_save(model, save_directory, *args, state_dict=hf_state_dict(model, state_dict), **kwargs)
 
 
 def export_hf(model: nn.Module, directory: Union[str, os.PathLike]) -> Path:

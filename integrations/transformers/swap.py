@@ -1,6 +1,7 @@
 """swap_moe_blocks: every sparse-MoE block of a supported HF model becomes an HFMoEBlock on an MoELayer."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from moe_plugin import MoEConfig, MoELayer
 
 from .block import block_type, router_logits_class
+from .export import save_pretrained_in_hf_names
 from .families import Family, hf_config_of, hf_to_layer, require_family
 
 # fields the HF weights fix: an override may not contradict them
@@ -50,6 +52,8 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
         setattr(model.get_submodule(parent), attr, new_block(family, config, hf_block, model.config, tap_class,
                                                             ep_group, block_class))
     _hook_new_router_logits(model)
+    if hasattr(type(model), "save_pretrained"):   # a PreTrainedModel: its folders stay loadable by plain transformers
+        model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
     return model
 
 

@@ -4,8 +4,9 @@ TrainingArguments(deepspeed=...), CPU and gloo), with what the test checks writt
     torchrun --nproc_per_node 2 hf_trainer_worker.py OUT_DIR ZERO_STAGE EP_SIZE STEPS
 
 Writes batch<rank>.pt (the first batch this rank trained on), step1.pt (every parameter after the first step in
-HF names, all experts gathered) and result<rank>.json (losses, whether the engine runs the blocks as MoE), and
-params<rank>.pt (the parameters this rank holds at the end).
+HF names, all experts gathered) and result<rank>.json (losses, whether the engine runs the blocks as MoE, how far
+plain transformers' load of trainer.save_model's folder is from the trained model), and params<rank>.pt (the
+parameters this rank holds at the end).
 """
 import json
 import os
@@ -67,8 +68,18 @@ def main(out_dir, stage, ep_size, steps):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(out_dir, f"params{rank}.pt"))
+    final = os.path.join(out_dir, "final")
+    trainer.save_model(final)       # save_pretrained on rank 0: HF names unless the experts are spread
+    reload_error = None
+    if rank == 0 and ep_size == 1:
+        from transformers import MixtralForCausalLM
+        probe = torch.stack([row["input_ids"] for row in dataset(4)])
+        model.eval()
+        with torch.no_grad():
+            reload_error = (MixtralForCausalLM.from_pretrained(final)(input_ids=probe).logits
+                            - model(input_ids=probe).logits).abs().max().item()
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
-        json.dump({"losses": losses, "has_moe_layers": trainer.model_wrapped.has_moe_layers,
+        json.dump({"losses": losses, "has_moe_layers": trainer.model_wrapped.has_moe_layers, "reload_error": reload_error,
                    "engine": type(trainer.model_wrapped).__name__,
                    "blocks": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "moe")})}, file)
 

@@ -314,7 +314,8 @@ def test_swapped_blocks_are_deepspeed_moe_layers_with_per_expert_state_names():
 def test_hf_trainer_with_deepspeed_under_torchrun(stage, ep_size, tmp_path):
     """The README recipe: swap_moe_blocks(model, ep_size=N), transformers.Trainer with TrainingArguments(deepspeed=...)
     on 2 gloo processes. The engine runs the blocks as MoE; the first step equals one process's SGD step on both
-    ranks' batches (experts reduced over the expert-data group only, the rest over all ranks); the loss falls."""
+    ranks' batches (experts reduced over the expert-data group only, the rest over all ranks); the loss falls;
+    with ep_size 1, plain transformers loads trainer.save_model's folder as the trained model."""
     import subprocess
 
     import hf_trainer_worker as worker
@@ -328,6 +329,8 @@ def test_hf_trainer_with_deepspeed_under_torchrun(stage, ep_size, tmp_path):
         assert result["has_moe_layers"] and result["blocks"] == ["DeepSpeedHFMoEBlock"], result
         losses = result["losses"]
         assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    if ep_size == 1:
+        assert results[0]["reload_error"] is not None and results[0]["reload_error"] < 1e-5, results[0]
     reference = worker.build_model()
     batch = torch.cat([torch.load(tmp_path / f"batch{rank}.pt") for rank in (0, 1)])
     reference(input_ids=batch, labels=batch).loss.backward()

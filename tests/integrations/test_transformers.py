@@ -300,3 +300,23 @@ def test_swapped_model_under_bf16_autocast_is_as_close_to_fp32_as_hf_is(family, 
     assert ours_error <= max(2 * hf_error, 0.03), f"logits: ours {ours_error:.3g}, HF {hf_error:.3g}"
     hf_error, ours_error = grad_error(hf_grads), grad_error(ours_grads)
     assert ours_error <= max(2 * hf_error, 0.02), f"gradients: ours {ours_error:.3g}, HF {hf_error:.3g}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_of_a_swapped_model_loads_in_plain_transformers(family, fresh_seed, tmp_path):
+    """HF Trainer and users save with model.save_pretrained: the folder holds HF names and layouts, so plain
+    from_pretrained gives the same model (also when a state dict is passed, as Trainer does, and for a copy)."""
+    swapped = swapped_copy(build_model(family, fresh_seed))
+    with torch.no_grad():    # the copy's own weights, not the original's, must be what its save writes
+        for p in swapped.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    copy_of_it = __import__("copy").deepcopy(swapped)
+    ids = tokens(fresh_seed + 1)
+    for i, (model, kwargs) in enumerate([(swapped, {}), (swapped, {"state_dict": swapped.state_dict()}),
+                                         (copy_of_it, {})]):
+        model.save_pretrained(tmp_path / str(i), **kwargs)
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(i), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert not any(isinstance(m, hf_moe.HFMoEBlock) for m in loaded.modules())
+        with torch.no_grad():
+            assert_close_rel(loaded(ids).logits, model(ids).logits, TOL, f"logits after save {i}")
