@@ -69,7 +69,21 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
         param.data = param.data.to(reference.dtype)
     block = (block_class or block_type())(layer, family.model_type, tap_class() if tap_class else None,
                                           family.jitter_noise(hf_config))
+    block.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family))
     return block.train(hf_block.training)
+
+
+def _from_hf_names(family: Family, block: nn.Module, state: Dict[str, torch.Tensor], prefix: str, *args) -> None:
+    """load_state_dict takes the block in HF's names and layouts too (an unswapped model's state_dict(),
+    hf_state_dict's output): the HF tensors load into the layer (this rank's share of the experts) and
+    stand in the state under the layer's own names."""
+    keys = [f"{prefix}{name}" for m in family.weights for name in m.hf]
+    if not all(key in state for key in keys):
+        return
+    hf_state = {key[len(prefix):]: state.pop(key) for key in keys}
+    layer = block.moe
+    layer.load_full_state_dict(_with_layer_extras(layer, hf_to_layer(family, hf_state)))
+    state.update({f"{prefix}moe.{key}": tensor for key, tensor in layer.state_dict().items()})
 
 
 def _with_layer_extras(layer: MoELayer, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

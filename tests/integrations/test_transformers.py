@@ -320,3 +320,26 @@ def test_save_pretrained_of_a_swapped_model_loads_in_plain_transformers(family, 
         assert not any(isinstance(m, hf_moe.HFMoEBlock) for m in loaded.modules())
         with torch.no_grad():
             assert_close_rel(loaded(ids).logits, model(ids).logits, TOL, f"logits after save {i}")
+
+
+@pytest.mark.parametrize("block_class", ["default", "HFMoEBlock"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_swapped_model_loads_a_state_dict_in_hf_names(family, block_class, fresh_seed):
+    """load_state_dict takes the blocks in HF's names and layouts (an unswapped model's state_dict(), or
+    hf_state_dict of a swapped one), strictly, for the default block (DeepSpeed's MoE subclass when
+    DeepSpeed is installed) and the plain one; its own names still load."""
+    options = {} if block_class == "default" else {"block_class": hf_moe.HFMoEBlock}
+    hf_model = build_model(family, fresh_seed)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    trained = swapped_copy(hf_model, **options)
+    ids = tokens(fresh_seed + 2)
+    with torch.no_grad():
+        expected = trained(ids).logits
+    for source in (hf_model.state_dict(), hf_moe.hf_state_dict(trained), trained.state_dict()):
+        resumed = swapped_copy(build_model(family, fresh_seed + 1), **options)
+        resumed.load_state_dict(source, strict=True)
+        with torch.no_grad():
+            assert torch.equal(resumed(ids).logits, expected)
+        assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), trained.state_dict().values()))
