@@ -343,3 +343,14 @@ def test_a_swapped_model_loads_a_state_dict_in_hf_names(family, block_class, fre
         with torch.no_grad():
             assert torch.equal(resumed(ids).logits, expected)
         assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), trained.state_dict().values()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_with_the_kv_cache_equals_hf(family, fresh_seed):
+    """Inference as users run it after training: generate() decodes token by token (a few tokens per
+    block call, through HF's KV cache); greedy output equals the unswapped model's."""
+    model = build_model(family, fresh_seed).eval()
+    swapped = swapped_copy(model).eval()
+    ids = tokens(fresh_seed + 1, batch=2, length=6)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(swapped.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), expected)
