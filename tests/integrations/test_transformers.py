@@ -1,9 +1,11 @@
 """moe_plugin.integrations.transformers against the Hugging Face blocks it replaces (CPU, tiny configs)."""
+import copy
 import math
 
 import pytest
 import torch
 
+from moe_plugin import update_expert_bias
 from hf_helpers import (FAMILIES, assert_close_rel, build_model, family_config, forward_backward,
                         hf_moe, hf_named_grads, max_rel_err, needs_transformers, swapped_copy, tokens,
                         transformers)
@@ -310,7 +312,7 @@ def test_save_pretrained_of_a_swapped_model_loads_in_plain_transformers(family, 
     with torch.no_grad():    # the copy's own weights, not the original's, must be what its save writes
         for p in swapped.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    copy_of_it = __import__("copy").deepcopy(swapped)
+    copy_of_it = copy.deepcopy(swapped)
     ids = tokens(fresh_seed + 1)
     for i, (model, kwargs) in enumerate([(swapped, {}), (swapped, {"state_dict": swapped.state_dict()}),
                                          (copy_of_it, {})]):
@@ -354,3 +356,43 @@ def test_greedy_generation_with_the_kv_cache_equals_hf(family, fresh_seed):
     ids = tokens(fresh_seed + 1, batch=2, length=6)
     expected = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(swapped.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), expected)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_gives_hf_loss_and_gradients(family, reentrant, fresh_seed):
+    """model.gradient_checkpointing_enable(): the blocks run again in backward; loss and every gradient still
+    equal the unswapped model's under the same checkpointing."""
+    model = build_model(family, fresh_seed)
+    swapped = swapped_copy(model)
+    for m in (model, swapped):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+    ids = tokens(fresh_seed + 1)
+    losses = []
+    for m in (model, swapped):
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert_close_rel(losses[1], losses[0], TOL, "loss")
+    grads = hf_named_grads(swapped)
+    for name, param in model.named_parameters():
+        assert_close_rel(grads[name], param.grad, TOL, f"grad of {name}")
+
+
+def test_bias_balancing_under_gradient_checkpointing_moves_the_bias_as_without(fresh_seed):
+    """Recomputing the blocks counts their choices twice: the sign update of the expert bias is unchanged."""
+    moved = []
+    for checkpointing in (False, True):
+        swapped = swapped_copy(build_model("deepseek_v3", fresh_seed), expert_bias_update_rate=0.01)
+        if checkpointing:
+            swapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        swapped.train()
+        ids = tokens(fresh_seed + 1)
+        swapped(ids, labels=ids, use_cache=False).loss.backward()
+        before = [b.clone() for n, b in swapped.named_buffers() if n.endswith("expert_bias_E")]
+        assert update_expert_bias(swapped) == 2
+        after = [b for n, b in swapped.named_buffers() if n.endswith("expert_bias_E")]
+        moved.append([a - b for a, b in zip(after, before)])
+    assert all(m.abs().sum() > 0 for m in moved[0])
+    assert all(torch.equal(a, b) for a, b in zip(*moved))
