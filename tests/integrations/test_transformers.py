@@ -396,3 +396,18 @@ def test_bias_balancing_under_gradient_checkpointing_moves_the_bias_as_without(f
         moved.append([a - b for a, b in zip(after, before)])
     assert all(m.abs().sum() > 0 for m in moved[0])
     assert all(torch.equal(a, b) for a, b in zip(*moved))
+
+
+def test_torch_compile_of_a_whole_swapped_model_gives_hf_loss_and_gradients(fresh_seed):
+    """torch.compile(model) as users compile HF models (DeepSeek-V3: groups, bias, shared experts)."""
+    model = build_model("deepseek_v3", fresh_seed)
+    swapped = swapped_copy(model)
+    ids = tokens(fresh_seed + 1)
+    out = torch.compile(swapped)(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    expected = model(ids, labels=ids, use_cache=False)
+    expected.loss.backward()
+    assert_close_rel(out.loss, expected.loss, TOL, "loss")
+    grads = hf_named_grads(swapped)
+    for name, param in model.named_parameters():
+        assert_close_rel(grads[name], param.grad, TOL, f"grad of {name}")
