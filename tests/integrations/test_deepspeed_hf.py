@@ -194,6 +194,53 @@ def test_checkpoint_loads_on_another_number_of_processes(save_world, load_world,
         assert report["loss"] == report["loss"], report    # finite, not NaN
 
 
+def unbiased_deepseek():
+    """DeepSeek-V3 with a zero e_score_correction_bias: the choices follow the scores, which differ by token."""
+    model = build_model("deepseek_v3", seed=4)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.zero_()
+    return model
+
+
+def bias_worker(rank, world):
+    """DeepSeek-V3 with aux-loss-free balancing (which AutoEP rejects), ep_size 2: one engine step; the expert
+    bias of each block before and after, and this rank's batch."""
+    setup_worker(rank, world)
+    from moe_plugin.integrations.deepspeed import initialize
+    config = ds_config(1, {"type": "SGD", "params": {"lr": 0.1}}, ep_size=2, expert_bias_update_rate=0.01)
+    engine = initialize(model=unbiased_deepseek(), config=config)[0]
+    # lists: tensors would travel through shared memory that dies with this process
+    biases = lambda: [m.moe.router.expert_bias_E.tolist() for m in engine.module.modules() if hasattr(m, "moe")]
+    before = biases()
+    ids = tokens(seed=30 + rank)
+    step(engine, ids)
+    return {"before": before, "after": biases(), "ids": ids.tolist()}
+
+
+@pytest.mark.timeout(300)
+def test_expert_bias_balancing_on_an_hf_model_updates_from_every_rank_s_choices():
+    """engine.step() moves each block's bias by rate * sign(mean load - load) over the choices of both ranks'
+    batches, the same on both ranks; the loads counted here by one process on both batches."""
+    from moe_plugin.integrations.transformers import swap_moe_blocks
+    reports = run_workers(bias_worker, 2, timeout=250)
+    reference = swap_moe_blocks(unbiased_deepseek(), expert_bias_update_rate=0.01).train()
+    reference(input_ids=torch.tensor([row for r in reports for row in r["ids"]]))
+    routers = [m.moe.router for m in reference.modules() if hasattr(m, "moe")]
+    totals = [router.take_load() for router in routers]
+    reference(input_ids=torch.tensor(reports[0]["ids"]))          # rank 0's batch alone would move it otherwise
+    alone = [router.take_load() for router in routers]
+    sign = lambda load_E: torch.sign(load_E.sum() - load_E.numel() * load_E)
+    assert any(not torch.equal(sign(a), sign(t)) for a, t in zip(alone, totals))
+    for i, (router, load_E) in enumerate(zip(routers, totals)):
+        expected = 0.01 * torch.sign(load_E.sum() - load_E.numel() * load_E).float()
+        for r in reports:
+            before, after = torch.tensor(r["before"][i]), torch.tensor(r["after"][i])
+            assert torch.equal(before, router.expert_bias_E), "the bias starts from HF's"
+            assert torch.allclose(after - before, expected, atol=1e-7), (i, after - before, expected)
+        assert expected.abs().sum() > 0
+
+
 # errors, in this process: they are raised before DeepSpeed starts anything
 
 
