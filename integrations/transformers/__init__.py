@@ -4,6 +4,7 @@
     export_hf(model, directory)                    an HF folder that AutoModelForCausalLM loads
     FAMILIES, family_of(model)                     the family table (families.py)
     hf_to_layer / layer_to_hf                      the weight mappings, both ways
+    ExpertBiasUpdate()                             HF Trainer callback: the expert bias update every step
 """
 from .torchaudio_guard import hide_unloadable_torchaudio
 
@@ -17,4 +18,11 @@ from .swap import moe_config, swap_moe_blocks  # noqa: E402
 
 __all__ = ["swap_moe_blocks", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock", "RouterLogits",
            "block_type", "FAMILIES", "Family", "WeightMap", "family_of", "hf_config_of", "require_family", "hf_to_layer",
-           "layer_to_hf", "hide_unloadable_torchaudio"]
+           "layer_to_hf", "hide_unloadable_torchaudio", "ExpertBiasUpdate"]
+
+
+def __getattr__(name):
+    if name == "ExpertBiasUpdate":   # on first use: importing transformers' Trainer machinery takes about a second
+        from .callbacks import ExpertBiasUpdate
+        return ExpertBiasUpdate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,6 +62,15 @@ def build_model(family: str, seed: int, dtype=torch.float32, experts_implementat
     return model
 
 
+def unbiased_deepseek():
+    """DeepSeek-V3 with a zero e_score_correction_bias: the choices follow the scores, which differ by token."""
+    model = build_model("deepseek_v3", seed=4)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.zero_()
+    return model
+
+
 def tokens(seed: int, batch: int = 2, length: int = 13):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 pytest.importorskip("deepspeed")
-from hf_helpers import FAMILIES, build_model, needs_transformers, tokens  # noqa: E402
+from hf_helpers import FAMILIES, build_model, needs_transformers, tokens, unbiased_deepseek  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 from launch import run_workers  # noqa: E402
@@ -192,15 +192,6 @@ def test_checkpoint_loads_on_another_number_of_processes(save_world, load_world,
     for report in run_workers(cluster_worker, load_world, str(tmp_path), "deepseek_v3", "load", timeout=200):
         assert report["fresh differs"] > 1e-3 and report["restored"] < 1e-5, report
         assert report["loss"] == report["loss"], report    # finite, not NaN
-
-
-def unbiased_deepseek():
-    """DeepSeek-V3 with a zero e_score_correction_bias: the choices follow the scores, which differ by token."""
-    model = build_model("deepseek_v3", seed=4)
-    for name, buffer in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buffer.zero_()
-    return model
 
 
 def bias_worker(rank, world):

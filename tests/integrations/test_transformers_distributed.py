@@ -1,9 +1,12 @@
-"""Swapped HF models with ep_size 2 on 2 gloo processes equal one process (the unswapped HF model)."""
+"""Swapped HF models with ep_size 2 on 2 gloo processes equal one process (the unswapped HF model); HF Trainer
+with the expert bias callback, in a process of its own."""
+import tempfile
+
 import pytest
 import torch
 
 from hf_helpers import (FAMILIES, assert_close_rel, build_model, forward_backward, hf_moe, needs_transformers,
-                        tokens, transformers)
+                        tokens, transformers, unbiased_deepseek)
 from launch import run_workers
 
 pytestmark = [needs_transformers, pytest.mark.timeout(600)]
@@ -68,3 +71,33 @@ def test_ep2_on_two_processes_equals_one_process_and_exports_every_expert(family
         assert_close_rel(loaded(ids).logits, model(ids).logits, TOL, "logits of the exported model")
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def trainer_bias_worker(rank, world, with_callback):
+    """One HF Trainer step (no DeepSpeed, learning rate 0) of the unbiased DeepSeek-V3 with the bias on."""
+    from transformers import Trainer, TrainingArguments
+
+    from moe_plugin.integrations.transformers import ExpertBiasUpdate, swap_moe_blocks
+    model = swap_moe_blocks(unbiased_deepseek(), expert_bias_update_rate=0.01)
+    data = [{"input_ids": row, "labels": row} for row in tokens(seed=7, batch=4)]
+    batches = []
+    model.register_forward_pre_hook(lambda module, a, kw: batches.append(kw["input_ids"].tolist()), with_kwargs=True)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=4,
+                             max_steps=1, learning_rate=0.0, save_strategy="no", report_to=[], logging_strategy="no")
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[ExpertBiasUpdate()] if with_callback else []).train()
+    return {"bias": [m.moe.router.expert_bias_E.tolist() for m in model.modules() if hasattr(m, "moe")],
+            "batch": batches[0]}
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_hf_trainer_updates_the_expert_bias_with_the_callback_only(with_callback):
+    """HF Trainer has no bias update of its own: with ExpertBiasUpdate each step moves the bias by the sign rule
+    over the step's choices; without it the bias stays (why the README asks for the callback)."""
+    from moe_plugin.integrations.transformers import swap_moe_blocks
+    report = run_workers(trainer_bias_worker, 1, with_callback, timeout=200)[0]
+    reference = swap_moe_blocks(unbiased_deepseek(), expert_bias_update_rate=0.01).train()
+    reference(input_ids=torch.tensor(report["batch"]))
+    for bias, router in zip(report["bias"], [m.moe.router for m in reference.modules() if hasattr(m, "moe")]):
+        load_E = router.take_load()
+        expected = 0.01 * torch.sign(load_E.sum() - load_E.numel() * load_E).float() if with_callback else 0
+        assert torch.allclose(torch.tensor(bias), router.expert_bias_E + expected, atol=1e-7), bias
