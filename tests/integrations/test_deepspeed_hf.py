@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -230,6 +231,25 @@ def test_expert_bias_balancing_on_an_hf_model_updates_from_every_rank_s_choices(
             assert torch.equal(before, router.expert_bias_E), "the bias starts from HF's"
             assert torch.allclose(after - before, expected, atol=1e-7), (i, after - before, expected)
         assert expected.abs().sum() > 0
+
+
+def test_hf_trainer_resumes_from_its_deepspeed_checkpoint():
+    """Trainer + DeepSpeed ZeRO-1, ep_size 2 on 2 processes: resuming at step 2 of 4 (from other starting weights)
+    ends on the same parameters, experts and Adam state included, as the run that never stopped."""
+    import subprocess
+
+    import hf_trainer_resume_worker as worker
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   worker.__file__, out]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=400,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        finals = [torch.load(os.path.join(out, f"final{rank}.pt")) for rank in (0, 1)]
+    for final in finals:
+        assert final["first"].keys() == final["resumed"].keys()
+        for name, first in final["first"].items():
+            assert torch.equal(final["resumed"][name], first), name
 
 
 # errors, in this process: they are raised before DeepSpeed starts anything
