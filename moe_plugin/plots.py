@@ -91,5 +91,6 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
                 load = loads[layer]
                 lines.append(f"  {topic:<{width}} " + " ".join(f"{_percent(n, load):3.0f}" for n in load))
     pictures = "loss.png, expert_load.png, " if result.get("plots", True) else ""
-    lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, {pictures}checkpoints/")
+    hf = ", hf_model/ (AutoModelForCausalLM.from_pretrained loads it)" if result.get("hf_model") else ""
+    lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, {pictures}checkpoints/{hf}")
     return "\n".join(lines) + "\n"

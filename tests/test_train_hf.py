@@ -47,8 +47,20 @@ def test_mixtral_tiny_learns_and_writes_the_usual_outputs(tmp_path, fresh_seed):
     assert sum(last["tokens_per_expert"][0]) == 5 * 4 * 32 * 2       # 5 steps of 4 x 32 tokens, top-2
     assert last["dropped_fraction"] == 0.0 and last["aux_loss"] > 0   # dropless; switch balance loss
     assert "model_type: mixtral" in (out / "config.yaml").read_text()
+    assert "hf_model/" in (out / "summary.txt").read_text()
     state = checkpoint.nest(checkpoint.full_state(out / "checkpoints" / "step_000020"))["model"]
     assert state["hf.model.layers.1.mlp.moe.experts.w1_EDH"].shape == (8, 32, 80)
+    # hf_model/: the trained model for plain transformers, computing what the run's checkpoint computes
+    from moe_plugin.train.hf_model import build_hf_model
+    cfg = train.load_config(str(MIXTRAL_TINY), TINY)
+    trained = build_hf_model(cfg)
+    trained.load_state_dict(state)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_model")
+    assert not any(isinstance(m, hf_moe.HFMoEBlock) for m in plain.modules())
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        expected = trained(ids)
+        assert (plain(input_ids=ids).logits - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_the_model_is_the_hf_architecture_on_the_layer(fresh_seed):
@@ -125,6 +137,8 @@ def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     # the checkpoint holds every expert: one process loads it and gets the run's last validation loss
     state = checkpoint.nest(checkpoint.full_state(out / "checkpoints" / "step_000008"))["model"]
     assert state["hf.model.layers.0.mlp.moe.experts.w1_EDH"].shape[0] == 8
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_model")   # every expert, gathered
+    assert plain.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
     from moe_plugin.data import make_data
     from moe_plugin.train.hf_model import build_hf_model
     cfg = train.load_config(str(MIXTRAL_TINY), TINY)

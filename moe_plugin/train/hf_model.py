@@ -108,3 +108,9 @@ def build_hf_model(cfg) -> HFCausalLM:
     # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
     hf_moe.swap_moe_blocks(model, block_class=hf_moe.HFMoEBlock, **swap_overrides(cfg, config))
     return HFCausalLM(model)
+
+
+def export_hf_model(model: HFCausalLM, directory) -> None:
+    """The trained model as an HF folder: AutoModelForCausalLM.from_pretrained(directory) loads it (unswapped).
+    Under expert parallelism every process must call it; rank 0 writes."""
+    _integration().export_hf(model.hf, directory)

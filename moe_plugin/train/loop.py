@@ -151,11 +151,15 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     experts = [name for name, _ in expert_parameters(model)]
     hashes = gather(procs, (parameter_hash(model), parameter_hash(model, skip=experts)))
     routing = topic_routing(model, data.topics, procs.device)  # every rank runs the same topic rows
+    if cfg.hf is not None:   # an HF architecture: a folder plain transformers loads (every rank: experts gathered)
+        from .hf_model import export_hf_model
+        export_hf_model(model, out_dir / "hf_model")
     if not is_main:
         return {}
     log.close()
     result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
     result["topic_routing"] = routing
+    result["hf_model"] = cfg.hf is not None
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     from .. import plots
     if cfg.log.plots:
