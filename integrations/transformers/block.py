@@ -4,6 +4,7 @@ Legend: B batch, L sequence length, T tokens (B*L), D model dim, E experts.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -36,6 +37,11 @@ class RouterLogits(nn.Module):
     def e_score_correction_bias(self):
         return self._router.expert_bias_E
 
+    def __reduce_ex__(self, protocol):
+        if type(self) is RouterLogits:
+            return super().__reduce_ex__(protocol)
+        return _new_tap, (type(self).__bases__[1], self.index), self.__dict__
+
     def forward(self, logits_TE: torch.Tensor):
         out = [None] * (self.index + 1)
         out[self.index] = logits_TE
@@ -49,7 +55,19 @@ def router_logits_class(model_class: type) -> Optional[type]:
     if spec is None:
         return None
     target, index = (spec, 1) if isinstance(spec, type) else (spec.target_class, spec.index)
+    return _tap_class(target, index)
+
+
+@functools.lru_cache(maxsize=None)
+def _tap_class(target: type, index: int) -> type:
+    """One class per HF router class (made at run time, so pickle finds it through _new_tap)."""
     return type(f"MoEPlugin{target.__name__}", (RouterLogits, target), {"index": index})
+
+
+def _new_tap(target: type, index: int) -> RouterLogits:
+    """An empty instance of _tap_class(target, index), for unpickling (its state follows)."""
+    cls = _tap_class(target, index)
+    return cls.__new__(cls)
 
 
 class HFMoEBlock(nn.Module):

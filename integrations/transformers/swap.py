@@ -11,7 +11,7 @@ from moe_plugin import MoEConfig, MoELayer
 
 from .block import block_type, router_logits_class
 from .export import save_pretrained_in_hf_names
-from .families import Family, hf_config_of, hf_to_layer, require_family
+from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_family
 
 # fields the HF weights fix: an override may not contradict them
 FIXED_BY_WEIGHTS = ("model_dim", "hidden_size", "num_experts", "activation", "bias", "shared_hidden_size",
@@ -69,14 +69,15 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
         param.data = param.data.to(reference.dtype)
     block = (block_class or block_type())(layer, family.model_type, tap_class() if tap_class else None,
                                           family.jitter_noise(hf_config))
-    block.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family))
+    block.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family.model_type))   # a name: picklable
     return block.train(hf_block.training)
 
 
-def _from_hf_names(family: Family, block: nn.Module, state: Dict[str, torch.Tensor], prefix: str, *args) -> None:
+def _from_hf_names(model_type: str, block: nn.Module, state: Dict[str, torch.Tensor], prefix: str, *args) -> None:
     """load_state_dict takes the block in HF's names and layouts too (an unswapped model's state_dict(),
     hf_state_dict's output): the HF tensors load into the layer (this rank's share of the experts) and
     stand in the state under the layer's own names."""
+    family = FAMILIES[model_type]
     keys = [f"{prefix}{name}" for m in family.weights for name in m.hf]
     if not all(key in state for key in keys):
         return

@@ -411,3 +411,21 @@ def test_torch_compile_of_a_whole_swapped_model_gives_hf_loss_and_gradients(fres
     grads = hf_named_grads(swapped)
     for name, param in model.named_parameters():
         assert_close_rel(grads[name], param.grad, TOL, f"grad of {name}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_whole_swapped_model_pickles_into_a_fresh_interpreter(family, fresh_seed, tmp_path):
+    """torch.save(model) (and multiprocessing, which pickles too): loaded by a new Python, same logits."""
+    import subprocess
+    import sys
+    swapped = swapped_copy(build_model(family, fresh_seed))
+    ids = tokens(fresh_seed + 1)
+    torch.save({"model": swapped, "ids": ids}, tmp_path / "model.pt")
+    script = ("import torch, moe_plugin.integrations.transformers\n"
+              f"saved = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+              "with torch.no_grad():\n"
+              f"    torch.save(saved['model'](saved['ids']).logits, {str(tmp_path / 'logits.pt')!r})\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "logits.pt"), swapped(ids).logits)
