@@ -63,7 +63,7 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
     state = hf_block.state_dict()
     reference = state[family.weights[1].hf[0]]           # the routed experts' dtype and device
     layer = MoELayer(config, ep_group=ep_group)
-    layer.load_full_state_dict(_with_layer_extras(layer, hf_to_layer(family, state)))
+    _load_hf_tensors(layer, family, state)
     layer.to(device=reference.device)
     for param in layer.parameters():
         param.data = param.data.to(reference.dtype)
@@ -81,16 +81,15 @@ def _from_hf_names(model_type: str, block: nn.Module, state: Dict[str, torch.Ten
     keys = [f"{prefix}{name}" for m in family.weights for name in m.hf]
     if not all(key in state for key in keys):
         return
-    hf_state = {key[len(prefix):]: state.pop(key) for key in keys}
-    layer = block.moe
-    layer.load_full_state_dict(_with_layer_extras(layer, hf_to_layer(family, hf_state)))
-    state.update({f"{prefix}moe.{key}": tensor for key, tensor in layer.state_dict().items()})
+    _load_hf_tensors(block.moe, family, {key[len(prefix):]: state.pop(key) for key in keys})
+    state.update({f"{prefix}moe.{key}": tensor for key, tensor in block.moe.state_dict().items()})
 
 
-def _with_layer_extras(layer: MoELayer, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Entries of the layer's state that no HF tensor maps to (none today) keep the layer's own values."""
+def _load_hf_tensors(layer: MoELayer, family: Family, hf_state: Dict[str, torch.Tensor]) -> None:
+    """An HF block's tensors (names relative to the block, every expert) into the layer (this rank's share);
+    entries of the layer's state that no HF tensor maps to (none today) keep the layer's own values."""
     own = {k: v for k, v in layer.state_dict().items() if not k.startswith("experts.")}
-    return {**own, **state}
+    layer.load_full_state_dict({**own, **hf_to_layer(family, hf_state)})
 
 
 def _hook_new_router_logits(model: nn.Module) -> None:
