@@ -71,6 +71,11 @@ def unbiased_deepseek():
     return model
 
 
+def bias_sign_step(load_E: torch.Tensor) -> torch.Tensor:
+    """The aux-loss-free update's direction per expert, sign(mean load - load), written out independently."""
+    return torch.sign(load_E.sum() - load_E.numel() * load_E).float()
+
+
 def tokens(seed: int, batch: int = 2, length: int = 13):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 

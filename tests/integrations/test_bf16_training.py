@@ -16,18 +16,23 @@ SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capa
            "min_capacity": 0}
 
 
-def deepspeed_bf16_worker(rank, world, stage):
+def start_deepspeed(rank, world):
+    """DeepSpeed's process setup on a rank spawned by run_workers (gloo), its logger quiet."""
     import logging
 
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import logger
-
-    import moe_plugin.integrations.deepspeed as dsi
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss, synthetic_batch
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def deepspeed_bf16_worker(rank, world, stage):
+    from deepspeed.accelerator import get_accelerator
+
+    import moe_plugin.integrations.deepspeed as dsi
+    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss, synthetic_batch
+    start_deepspeed(rank, world)
     assert get_accelerator().is_bf16_supported(), "DeepSpeed's CPU accelerator says it has no bf16"
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -59,16 +64,10 @@ def test_deepspeed_bf16_trains_on_the_cpu_accelerator(stage):
 def deepspeed_bf16_hf_worker(rank, world, stage, families):
     """Per family: the first loss of the bf16 engine (ep_size 2) and of HF's own bf16 model on this rank's
     batch, then 12 steps on that batch."""
-    import logging
-
-    import deepspeed
-    from deepspeed.utils import logger
     from hf_helpers import build_model, tokens
 
     from moe_plugin.integrations.deepspeed import initialize
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo")
+    start_deepspeed(rank, world)
     report = {}
     for family in families:
         model = build_model(family, seed=5)

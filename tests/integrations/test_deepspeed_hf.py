@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 pytest.importorskip("deepspeed")
-from hf_helpers import FAMILIES, build_model, needs_transformers, tokens, unbiased_deepseek  # noqa: E402
+from hf_helpers import (FAMILIES, bias_sign_step, build_model, needs_transformers, tokens,  # noqa: E402
+                        unbiased_deepseek)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 from launch import run_workers  # noqa: E402
@@ -100,6 +101,15 @@ def test_zero_stages_equal_one_process_and_train(stage, families):
         assert all((r0["shared"][n] == r1["shared"][n]).all() for n in r0["shared"]), family
 
 
+def probe_logits(engine, ids):
+    """The engine's logits on ids in eval mode (collective under expert parallelism: every rank calls it)."""
+    engine.eval()
+    with torch.no_grad():
+        out = engine(input_ids=ids).logits
+    engine.train()
+    return out
+
+
 def checkpoint_worker(rank, world, directory, family):
     setup_worker(rank, world)
     import torch.distributed as dist
@@ -110,23 +120,16 @@ def checkpoint_worker(rank, world, directory, family):
     def engine_from(seed):
         return initialize(model=build_model(family, seed=seed), config=copy.deepcopy(config))[0]
 
-    def logits(engine, ids):
-        engine.eval()
-        with torch.no_grad():
-            out = engine(input_ids=ids).logits
-        engine.train()
-        return out
-
     probe = tokens(seed=50 + rank)
     engine = engine_from(seed=1)
     for i in range(3):
         step(engine, tokens(seed=10 * i + rank))
     engine.save_checkpoint(directory, tag="t")
-    saved = logits(engine, probe)
+    saved = probe_logits(engine, probe)
     resumed = engine_from(seed=2)
-    fresh = logits(resumed, probe)
+    fresh = probe_logits(resumed, probe)
     resumed.load_checkpoint(directory, tag="t")
-    report = {"restored": (logits(resumed, probe) - saved).abs().max().item(),
+    report = {"restored": (probe_logits(resumed, probe) - saved).abs().max().item(),
               "fresh differs": (fresh - saved).abs().max().item()}
     more = [tokens(seed=70 + 10 * i + rank) for i in range(2)]
     report["losses"] = [[step(e, ids) for ids in more] for e in (engine, resumed)]
@@ -160,27 +163,19 @@ def cluster_worker(rank, world, directory, family, action):
     config = ds_config(1, {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, ep_size=world)
     engine = initialize(model=build_model(family, seed=1 if action == "save" else 2), config=config)[0]
     probe = tokens(seed=60)
-
-    def logits():
-        engine.eval()
-        with torch.no_grad():
-            out = engine(input_ids=probe).logits
-        engine.train()
-        return out
-
     if action == "save":
         for i in range(3):
             step(engine, tokens(seed=10 * i + rank))
         engine.save_checkpoint(directory, tag="t")
-        saved = logits()     # on every rank: the experts' all-to-all is collective
+        saved = probe_logits(engine, probe)     # on every rank: the experts' all-to-all is collective
         if rank == 0:
             torch.save(saved, os.path.join(directory, "probe_logits.pt"))
         dist.barrier()
         return None
-    fresh = logits()
+    fresh = probe_logits(engine, probe)
     engine.load_checkpoint(directory, tag="t", load_module_only=True)
     saved = torch.load(os.path.join(directory, "probe_logits.pt"))
-    report = {"restored": (logits() - saved).abs().max().item(), "fresh differs": (fresh - saved).abs().max().item()}
+    report = {"restored": (probe_logits(engine, probe) - saved).abs().max().item(), "fresh differs": (fresh - saved).abs().max().item()}
     report["loss"] = step(engine, tokens(seed=90 + rank))      # and it trains on, with a fresh optimizer
     return report
 
@@ -222,10 +217,9 @@ def test_expert_bias_balancing_on_an_hf_model_updates_from_every_rank_s_choices(
     totals = [router.take_load() for router in routers]
     reference(input_ids=torch.tensor(reports[0]["ids"]))          # rank 0's batch alone would move it otherwise
     alone = [router.take_load() for router in routers]
-    sign = lambda load_E: torch.sign(load_E.sum() - load_E.numel() * load_E)
-    assert any(not torch.equal(sign(a), sign(t)) for a, t in zip(alone, totals))
+    assert any(not torch.equal(bias_sign_step(a), bias_sign_step(t)) for a, t in zip(alone, totals))
     for i, (router, load_E) in enumerate(zip(routers, totals)):
-        expected = 0.01 * torch.sign(load_E.sum() - load_E.numel() * load_E).float()
+        expected = 0.01 * bias_sign_step(load_E)
         for r in reports:
             before, after = torch.tensor(r["before"][i]), torch.tensor(r["after"][i])
             assert torch.equal(before, router.expert_bias_E), "the bias starts from HF's"
