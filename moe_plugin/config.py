@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 ROUTERS = ("softmax", "sigmoid", "cosine")
-ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "identity")
 AUX_LOSSES = ("gshard", "switch", "none", "seq")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
 A2A_KINDS = ("flat", "2dh")

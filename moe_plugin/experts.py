@@ -17,12 +17,13 @@ from . import ops
 from .config import MoEConfig
 
 
-ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": ops.swiglu}
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": ops.swiglu, "identity": lambda h: h}
 
 
 def activate(pre_RH: torch.Tensor, activation: str):
     """(activations, what backward needs): relu works in place and keeps its output as its own
-    mask; the others keep the pre-activation and recompute in backward."""
+    mask; identity keeps the pre-activation, which is the activation; the others keep the
+    pre-activation and recompute in backward."""
     if activation == "relu":
         act_RH = pre_RH.relu_()
         return act_RH, act_RH
@@ -32,6 +33,8 @@ def activate(pre_RH: torch.Tensor, activation: str):
 def activation_backward(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activation: str):
     """From what activate() kept and the activations' gradient: (the activations, grad of the
     pre-activation). Written out op by op (no autograd inside backward), so torch.compile traces it."""
+    if activation == "identity":
+        return saved_RH, grad_act_RH
     if activation == "relu":
         return saved_RH, torch.ops.aten.threshold_backward.grad_input(grad_act_RH, saved_RH, 0, grad_input=grad_act_RH)
     if activation == "gelu":

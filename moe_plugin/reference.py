@@ -95,7 +95,7 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         gate_ECH, up_ECH = h_ECH.chunk(2, dim=-1)
         h_ECH = F.silu(gate_ECH) * up_ECH
     else:
-        h_ECH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[cfg.activation](h_ECH)
+        h_ECH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[cfg.activation](h_ECH)
     y_ECD = torch.einsum("ech,ehd->ecd", h_ECH, experts.w2_EHD)
     if experts.b2_ED is not None:
         y_ECD = y_ECD + experts.b2_ED[:, None, :]
@@ -145,7 +145,7 @@ def _shared(shared, activation, x_TD):
         half = h.shape[1] // 2
         h = F.silu(h[:, :half]) * h[:, half:]
     else:
-        h = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h)
+        h = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[activation](h)
     y = torch.einsum("th,hd->td", h, shared.w2_HD)
     if shared.b2_D is not None:
         y = y + shared.b2_D

@@ -42,7 +42,7 @@ class SharedExpert(nn.Module):
             gate_TH, up_TH = h_TH.chunk(2, dim=-1)
             h_TH = F.silu(gate_TH) * up_TH
         else:
-            h_TH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[self.activation](h_TH)
+            h_TH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[self.activation](h_TH)
         y_TD = F.linear(h_TH, self.w2_HD.t(), self.b2_D)
         if self.gate_D is not None:
             y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_D).unsqueeze(-1)
