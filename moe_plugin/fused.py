@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import dispatch, ops
 from .experts import activate, mlp_backward
+from .module_experts import ModuleExperts
 
 
 class FusedMoE(torch.autograd.Function):
@@ -52,5 +53,7 @@ class FusedMoE(torch.autograd.Function):
 
 
 def fused_moe(x_TD, gate_TK, plan, experts) -> torch.Tensor:
+    if isinstance(experts, ModuleExperts):   # the general path: encode, each expert's module, decode
+        return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
     return FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, plan.offs_E, experts.activation,
                           experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED)

@@ -14,6 +14,7 @@ from . import dispatch
 from .config import MoEConfig
 from .experts import Experts, cast_weights
 from .fused import fused_moe
+from .module_experts import ModuleExperts
 from .parallel.expert_parallel import expert_parallel_moe
 from .parallel.groups import build_groups
 from .parallel.tuner import Tuner
@@ -32,8 +33,12 @@ class MoELayer(nn.Module):
     from device tensors: the training forward itself never waits for the device).
     """
 
-    def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, ep_group=None, **kwargs):
-        """ep_group: a host framework's expert-parallel process group (default: built from the world)."""
+    def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, ep_group=None,
+                 expert: Optional[nn.Module] = None, **kwargs):
+        """ep_group: a host framework's expert-parallel process group (default: built from the world).
+        expert: any module mapping [rows, model_dim] to [rows, model_dim]; every expert starts as a copy
+        of it and runs on the general path (module_experts.py; hidden_size and activation then unused).
+        Without it the experts are the fast path's Linear -> activation -> Linear."""
         super().__init__()
         if config is None:
             config = MoEConfig(**kwargs)
@@ -48,7 +53,10 @@ class MoELayer(nn.Module):
         self.groups = build_groups(config.num_experts, config.hidden_size, config.ep_size, config.node_size,
                                    ep_group)
         layout = self.groups.layout
-        self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
+        if expert is None:
+            self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
+        else:
+            self.experts = ModuleExperts(config, expert, layout.first_expert, layout.local_experts, layout.slices)
         self.shared_expert = SharedExpert(config) if config.shared_hidden_size else None
         self.tuner = Tuner(self._candidates(), group=self.groups.ep_group) if self.is_parallel else None
         self.aux_loss = torch.zeros((), device="cpu")
@@ -91,6 +99,8 @@ class MoELayer(nn.Module):
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share."""
+        if isinstance(self.experts, ModuleExperts):
+            return self.load_state_dict(self.experts.local_share(state))
         layout, local = self.groups.layout, {}
         experts = range(layout.first_expert, layout.first_expert + layout.local_experts)
         names = {"w1": "experts.w1_EDH", "b1": "experts.b1_EH", "w2": "experts.w2_EHD", "b2": "experts.b2_ED"}
@@ -128,7 +138,8 @@ class MoELayer(nn.Module):
 
         # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
         shared = _SharedOutput(self.shared_expert, x_TD)
-        x_TD, gate_TK, experts = x_TD.to(dtype), gate_TK.to(dtype), cast_weights(self.experts, dtype)
+        experts = self.experts if isinstance(self.experts, ModuleExperts) else cast_weights(self.experts, dtype)
+        x_TD, gate_TK = x_TD.to(dtype), gate_TK.to(dtype)
         if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
             with autocast_off(x.device.type):   # the expert path runs in dtype already
                 y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree,
@@ -151,7 +162,8 @@ class MoELayer(nn.Module):
         """The autocast dtype under autocast; else the input's, which must be the parameters'."""
         if autocast_on(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-        param_dtype = self.experts.w1_EDH.dtype
+        param_dtype = self.experts.parameter_dtype(self.router.weight_ED.dtype) \
+            if isinstance(self.experts, ModuleExperts) else self.experts.w1_EDH.dtype
         if x.dtype != param_dtype:
             raise TypeError(f"MoELayer got an input of dtype {x.dtype} but its parameters are {param_dtype}: "
                             f"cast the input or the layer (layer.to({x.dtype})), or run under torch.autocast")

@@ -88,17 +88,7 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         combine_TEC = combine_TEC + g[:, None, None] * place_TEC
 
     x_ECD = torch.einsum("tec,td->ecd", dispatch_TEC, x_TD)
-    h_ECH = torch.einsum("ecd,edh->ech", x_ECD, experts.w1_EDH)
-    if experts.b1_EH is not None:
-        h_ECH = h_ECH + experts.b1_EH[:, None, :]
-    if cfg.activation == "swiglu":
-        gate_ECH, up_ECH = h_ECH.chunk(2, dim=-1)
-        h_ECH = F.silu(gate_ECH) * up_ECH
-    else:
-        h_ECH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[cfg.activation](h_ECH)
-    y_ECD = torch.einsum("ech,ehd->ecd", h_ECH, experts.w2_EHD)
-    if experts.b2_ED is not None:
-        y_ECD = y_ECD + experts.b2_ED[:, None, :]
+    y_ECD = _modules(experts, x_ECD) if hasattr(experts, "local") else _mlp(experts, cfg.activation, x_ECD)
     y_TD = torch.einsum("tec,ecd->td", combine_TEC.to(x.dtype), y_ECD)
     if layer.shared_expert is not None:
         y_TD = y_TD + _shared(layer.shared_expert, cfg.activation, x_TD)
@@ -107,6 +97,26 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     aux = _balance(cfg.aux_loss, probs_TE, masks, E, seq_len) if T else probs_TE.new_zeros(())
     z = torch.logsumexp(logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)), 1).pow(2).mean() if (T and cfg.z_loss_coef > 0) else 0.0
     return y_TD.reshape(x.shape), cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+
+
+def _modules(experts, x_ECD):
+    """Any expert module (module_experts.py): expert e's own module on its C slots."""
+    return torch.stack([expert(x_CD) for expert, x_CD in zip(experts.local, x_ECD)])
+
+
+def _mlp(experts, activation, x_ECD):
+    h_ECH = torch.einsum("ecd,edh->ech", x_ECD, experts.w1_EDH)
+    if experts.b1_EH is not None:
+        h_ECH = h_ECH + experts.b1_EH[:, None, :]
+    if activation == "swiglu":
+        gate_ECH, up_ECH = h_ECH.chunk(2, dim=-1)
+        h_ECH = F.silu(gate_ECH) * up_ECH
+    else:
+        h_ECH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[activation](h_ECH)
+    y_ECD = torch.einsum("ech,ehd->ecd", h_ECH, experts.w2_EHD)
+    if experts.b2_ED is not None:
+        y_ECD = y_ECD + experts.b2_ED[:, None, :]
+    return y_ECD
 
 
 def _capacity(layer, load_E: torch.Tensor, T: int) -> int:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .. import dispatch, ops
 from ..experts import GroupedMLP
 from ..fused import fused_moe
+from ..module_experts import ModuleExperts
 from .all_to_all import PendingAllToAll, all_to_all_2dh, gather_sum, ranges, segment_permutation
 from .groups import ExpertGroups
 
@@ -46,6 +47,11 @@ def chunk_of(counts: torch.Tensor, d: int, c: int):
 def gathered_experts(experts, groups: ExpertGroups, r: int):
     """The weights this rank computes with under degree r (gathered where needed; differentiable)."""
     layout = groups.layout
+    if isinstance(experts, ModuleExperts):
+        if r != 1:
+            raise ValueError(f"parallel degree {r} is not supported with expert module {experts.module_name} "
+                             f"(the general path runs expert parallel only: parallel=1)")
+        return experts
     group = groups.gather_groups[r]
     use_b2 = layout.computes_first_slice(r) if r else True
     if r == layout.slices:
@@ -105,9 +111,12 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
         x_in_RD = pending[c].wait()
         if chunk.group_by_expert is not None:
             x_in_RD = x_in_RD.index_select(0, chunk.group_by_expert)
-        offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
-        y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
-                                   weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED)
+        if isinstance(weights, ModuleExperts):
+            y_in_RD = weights(x_in_RD, chunk.rows_per_local_expert)
+        else:
+            offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
+            y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
+                                       weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED)
         if chunk.group_by_expert is not None:
             y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
         returns.append(_start(y_in_RD, chunk.reversed(), groups, a2a))
