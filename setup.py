@@ -19,7 +19,8 @@ setup(
     python_requires=">=3.9",
     # every package under moe_plugin/, plus the adapters in integrations/ (installed as moe_plugin.integrations)
     packages=find_packages(include=["moe_plugin", "moe_plugin.*"])
-    + ["moe_plugin.integrations", "moe_plugin.integrations.fairseq_moe", "moe_plugin.integrations.transformers"],
+    + ["moe_plugin.integrations", "moe_plugin.integrations.deepspeed", "moe_plugin.integrations.fairseq_moe",
+       "moe_plugin.integrations.transformers"],
     package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"]},
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],

@@ -49,7 +49,7 @@ def bench(args):
     from deepspeed.utils import logger
 
     from moe_plugin.integrations.deepspeed import initialize
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss, synthetic_batch
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss, synthetic_batch
     logger.setLevel(logging.ERROR)
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

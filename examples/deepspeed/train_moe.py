@@ -17,7 +17,7 @@ import torch
 from deepspeed.utils import logger
 
 from moe_plugin.integrations.deepspeed import initialize, read_moe_section
-from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss, synthetic_batch
+from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss, synthetic_batch
 
 
 def parse_args():

@@ -31,7 +31,7 @@ def deepspeed_bf16_worker(rank, world, stage):
     from deepspeed.accelerator import get_accelerator
 
     import moe_plugin.integrations.deepspeed as dsi
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss, synthetic_batch
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss, synthetic_batch
     start_deepspeed(rank, world)
     assert get_accelerator().is_bf16_supported(), "DeepSpeed's CPU accelerator says it has no bf16"
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},

@@ -7,7 +7,7 @@ pytest.importorskip("deepspeed")
 import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
 from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
-from moe_plugin.integrations.deepspeed_model import MoETransformerLM  # noqa: E402
+from moe_plugin.integrations.deepspeed.model import MoETransformerLM  # noqa: E402
 
 D, H, E = 8, 16, 4
 

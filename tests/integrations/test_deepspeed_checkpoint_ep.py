@@ -21,7 +21,7 @@ SECTION = {"backend": "tutel", "num_experts": 4, "top_k": 2, "capacity_factor": 
 
 def _engine(ep_size, seed):
     import moe_plugin.integrations.deepspeed as dsi
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM
     section = {**SECTION, "ep_size": ep_size}
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -32,7 +32,7 @@ def _engine(ep_size, seed):
 
 
 def _train(engine, seed, steps):
-    from moe_plugin.integrations.deepspeed_model import lm_loss, synthetic_batch
+    from moe_plugin.integrations.deepspeed.model import lm_loss, synthetic_batch
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         loss = lm_loss(engine, synthetic_batch(generator, 8, 32, 64))
@@ -41,7 +41,7 @@ def _train(engine, seed, steps):
 
 
 def _outputs(engine, seed):
-    from moe_plugin.integrations.deepspeed_model import synthetic_batch
+    from moe_plugin.integrations.deepspeed.model import synthetic_batch
     tokens = synthetic_batch(torch.Generator().manual_seed(seed), 8, 32, 64)
     engine.eval()
     with torch.no_grad():

@@ -29,7 +29,7 @@ def setup_worker(rank, world):
 
 def build_engine(backend, stage, seed, lr=1e-2, batch=8):
     import moe_plugin.integrations.deepspeed as dsi
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM
     section = {"backend": backend, **SECTION}
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
@@ -40,7 +40,7 @@ def build_engine(backend, stage, seed, lr=1e-2, batch=8):
 
 
 def train(engine, batches):
-    from moe_plugin.integrations.deepspeed_model import lm_loss
+    from moe_plugin.integrations.deepspeed.model import lm_loss
     losses = []
     for tokens in batches:
         loss = lm_loss(engine, tokens)
@@ -51,7 +51,7 @@ def train(engine, batches):
 
 
 def batches(seed, count, batch=8):
-    from moe_plugin.integrations.deepspeed_model import synthetic_batch
+    from moe_plugin.integrations.deepspeed.model import synthetic_batch
     generator = torch.Generator().manual_seed(seed)
     return [synthetic_batch(generator, batch, 32, 64) for _ in range(count)]
 

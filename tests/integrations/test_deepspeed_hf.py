@@ -49,7 +49,7 @@ def zero_worker(rank, world, stage, families):
     """Per family: one SGD step of the engine against one process on both ranks' batches, then training."""
     setup_worker(rank, world)
     from moe_plugin.integrations.deepspeed import initialize
-    from moe_plugin.integrations.deepspeed_hf import DeepSpeedHFMoEBlock
+    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock
     from moe_plugin.integrations.transformers import hf_state_dict
     report = {}
     for family in families:
@@ -326,7 +326,7 @@ def test_a_model_swapped_before_initialize_must_match_the_section():
     ({"capacity_factor": 0.5, "eval_capacity_factor": 2.0}, (0.5, 2.0))])
 def test_capacity_keys_map_as_for_native_layers_and_drop_tokens(section, capacity):
     """HF models stay dropless unless the section asks for a capacity (DeepSpeed's drop_tokens semantics)."""
-    from moe_plugin.integrations.deepspeed_hf import check_section_for_model
+    from moe_plugin.integrations.deepspeed.hf import check_section_for_model
     from moe_plugin.integrations.transformers import swap_moe_blocks
     model = build_model("mixtral", seed=0)
     config = check_section_for_model(model, {"backend": "tutel", "min_capacity": 0, **section})

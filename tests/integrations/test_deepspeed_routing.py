@@ -37,7 +37,7 @@ def accumulation_worker(rank, world, accumulation, micro_batches):
     from test_deepspeed_distributed import batches, setup_worker
 
     import moe_plugin.integrations.deepspeed as dsi
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
     setup_worker(rank, world)
     section = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.0,
                "min_capacity": 0, "router": "sigmoid", **EXTRAS}
@@ -78,7 +78,7 @@ def checkpoint_worker(rank, world, directory):
     from test_deepspeed_distributed import batches, setup_worker
 
     import moe_plugin.integrations.deepspeed as dsi
-    from moe_plugin.integrations.deepspeed_model import MoETransformerLM, lm_loss
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
     setup_worker(rank, world)
     section = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.0,
                "min_capacity": 0, "router": "sigmoid", **EXTRAS}

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoEConfig
-from moe_plugin.integrations.deepspeed import (MoE, NativeMoE, _expert_parallel_group, hide_from_expert_files,
-                                               unhide_from_expert_files)
+from moe_plugin.integrations.deepspeed.native import (MoE, NativeMoE, _expert_parallel_group, hide_from_expert_files,
+                                                      unhide_from_expert_files)
 from moe_plugin.integrations.transformers import FAMILIES, family_of, moe_config, swap_moe_blocks
 from moe_plugin.integrations.transformers.block import HFMoEBlock
 

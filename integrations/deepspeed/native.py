@@ -1,9 +1,8 @@
-"""DeepSpeed backend: `"moe": {"backend": "tutel", ...}` in the DeepSpeed JSON runs moe_plugin's layer.
+"""The native layer: `MoE`, a deepspeed.moe.layer.MoE running moe_plugin's layer, and `swap_moe_layers`,
+which applies a "moe" section to a model's native MoE layers.
 
 `MoE` is a deepspeed.moe.layer.MoE (the engine, ZeRO 0-2, its gradient reduction and its checkpoints
-treat it as a native MoE layer) whose `deepspeed_moe` is an MoELayer. `initialize` has
-deepspeed.initialize's signature: it reads the "moe" section, swaps every native MoE layer for this
-one (weights carried over), builds the MoE optimizer groups and calls deepspeed.initialize.
+treat it as a native MoE layer) whose `deepspeed_moe` is an MoELayer.
 
 The adapter only translates: DeepSpeed's arguments -> one MoEConfig (`moe_config`). DeepSpeed's gating
 maps onto it as: fixed capacity max(ceil(k * cf * T / E), min_capacity), drop_tokens=False -> dropless,
@@ -18,107 +17,27 @@ files and a native checkpoint loads into this backend (and back).
 """
 from __future__ import annotations
 
-import difflib
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-try:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
-    from deepspeed.moe.layer import MoE as NativeMoE
-    from deepspeed.moe.utils import configure_moe_param_groups, is_moe_param
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-    from deepspeed.utils import groups
-    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(f"moe_plugin.integrations.deepspeed needs DeepSpeed ({error}); "
-                      f"install it with: pip install 'moe_plugin[deepspeed]'") from error
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.layer import MoE as NativeMoE
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
-from moe_plugin import MoEConfig, MoELayer, update_expert_bias
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.integrations.deepspeed.section import SECTION_TO_ARGUMENT, _is_int, section_key
 
-__all__ = ["MoE", "initialize", "read_moe_section", "moe_config", "swap_moe_layers", "SECTION_KEYS"]
+__all__ = ["MoE", "DeepSpeedMoELayer", "moe_config", "swap_moe_layers"]
 
-BACKENDS = ("tutel", "deepspeed")
 ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu"}
 EXPERT_NAMES = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
-
 NATIVE_GATE_KEYS = ("k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens")
-SECTION_TO_ARGUMENT = {"top_k": "k"}   # section key -> MoE constructor argument, where they differ
-
-
-def _is_int(value, minimum):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _is_number(value, positive):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    return ok and (value > 0 if positive else value >= 0)
-
-
-# "moe" section key -> (check, what is allowed). Routing keys override every MoE layer's own setting.
-SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
-    "backend": (lambda v: v in BACKENDS, "\"tutel\" or \"deepspeed\""),
-    "num_experts": (lambda v: _is_int(v, 1), "an integer >= 1 equal to every MoE layer's num_experts"),
-    "ep_size": (lambda v: _is_int(v, 1), "an integer >= 1 equal to every MoE layer's ep_size"),
-    "top_k": (lambda v: _is_int(v, 1), "an integer between 1 and num_experts"),
-    "capacity_factor": (lambda v: _is_number(v, positive=True), "a number > 0"),
-    "eval_capacity_factor": (lambda v: _is_number(v, positive=True), "a number > 0"),
-    "min_capacity": (lambda v: _is_int(v, 0), "an integer >= 0"),
-    "drop_tokens": (lambda v: isinstance(v, bool), "true or false"),
-    "router": (lambda v: v in ("softmax", "sigmoid", "cosine"),
-               "\"softmax\", \"sigmoid\" or \"cosine\" (backend tutel; deepspeed has softmax only)"),
-    "aux_loss_coef": (lambda v: _is_number(v, positive=False), "a number >= 0"),
-    "parallel": (lambda v: v == "auto" or _is_int(v, 0), "\"auto\" or an integer >= 0"),
-    "overlap_degree": (lambda v: v == "auto" or _is_int(v, 1), "\"auto\" or an integer >= 1"),
-    "a2a": (lambda v: v in ("flat", "2dh"), "\"flat\" or \"2dh\""),
-    "node_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
-    "expert_bias_update_rate": (lambda v: _is_number(v, positive=False) and v != float("inf"),
-                                "a finite number >= 0 (backend tutel)"),
-    "num_groups": (lambda v: _is_int(v, 1), "an integer >= 1 dividing num_experts (backend tutel)"),
-    "topk_groups": (lambda v: _is_int(v, 1), "an integer between 1 and num_groups (backend tutel)"),
-    "route_scale": (lambda v: _is_number(v, positive=True) and v != float("inf"),
-                    "a finite number > 0 (backend tutel)"),
-    "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
-}
-TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss")
-
-
-def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
-    """The validated "moe" section of a DeepSpeed config dict (None when there is none).
-
-    Only the keys given are returned; "backend" is required.
-    """
-    section = config.get("moe")
-    if section is None:
-        return None
-    if not isinstance(section, Mapping):
-        raise ValueError(f"DeepSpeed config \"moe\" must be an object, got {type(section).__name__}")
-    for key in section:
-        if key not in SECTION_KEYS:
-            close = difflib.get_close_matches(str(key), list(SECTION_KEYS), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"DeepSpeed config \"moe\" has no key {key!r}{hint}; known keys: "
-                             f"{', '.join(SECTION_KEYS)}")
-    if "backend" not in section:
-        raise ValueError("DeepSpeed config \"moe.backend\" is required: \"tutel\" (moe_plugin's layer) or "
-                         "\"deepspeed\" (DeepSpeed's native layer)")
-    for key, value in section.items():
-        check, allowed = SECTION_KEYS[key]
-        if not check(value):
-            raise ValueError(f"DeepSpeed config \"moe.{key}\"={value!r} is invalid: must be {allowed}")
-    if section["backend"] == "deepspeed" and section.get("router", "softmax") != "softmax":
-        raise ValueError(f"DeepSpeed config \"moe.router\"={section['router']!r} needs \"moe.backend\": \"tutel\"; "
-                         f"DeepSpeed's native gate is softmax")
-    if section["backend"] == "deepspeed":
-        for key in TUTEL_ONLY_KEYS:
-            if key in section:
-                raise ValueError(f"DeepSpeed config \"moe.{key}\"={section[key]!r} needs \"moe.backend\": "
-                                 f"\"tutel\"; DeepSpeed's native gate has no {key}")
-    return dict(section)
 
 
 def moe_config(model_dim: int, hidden_size: int, num_experts: int, ep_size: int, k: int, capacity_factor: float,
@@ -368,7 +287,7 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
     """
     overrides = {SECTION_TO_ARGUMENT.get(key, key): value for key, value in section.items()
                  if key not in ("backend", "num_experts", "ep_size")}
-    from moe_plugin.integrations.deepspeed_hf import DeepSpeedHFMoEBlock, check_swapped_block
+    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock, check_swapped_block
     replaced: Dict[int, List[nn.Parameter]] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, NativeMoE):
@@ -411,10 +330,6 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
     return model, replaced
 
 
-def section_key(argument: str) -> str:
-    return {v: k for k, v in SECTION_TO_ARGUMENT.items()}.get(argument, argument)
-
-
 def _rebuild(old: NativeMoE, settings: Dict[str, Any]) -> MoE:
     """Our layer with old's settings and weights (loaded through the native names)."""
     expert = old.mlp if old.use_residual else old.deepspeed_moe.experts.deepspeed_experts[0]
@@ -435,102 +350,3 @@ def _parameter_map(old: nn.Module, new: nn.Module) -> Dict[int, List[nn.Paramete
     fresh_shared = [p for p in fresh if not is_moe_param(p)]
     return {id(p): [p] if id(p) in kept else (fresh_experts if is_moe_param(p) else fresh_shared)
             for p in old.parameters()}
-
-
-def _remap(params, replaced: Dict[int, List[nn.Parameter]]) -> list:
-    """Parameters (or param-group dicts) with the swapped layers' parameters replaced, each kept once."""
-    out, seen = [], set()
-    for item in params:
-        if isinstance(item, Mapping):
-            out.append({**item, "params": _remap(item["params"], replaced)})
-            continue
-        for param in replaced.get(id(item), [item]):
-            if id(param) not in seen:
-                seen.add(id(param))
-                out.append(param)
-    return out
-
-
-def _config_dict(args, config, config_params) -> Dict[str, Any]:
-    """The DeepSpeed config deepspeed.initialize will read, as a dict."""
-    config = config if config is not None else config_params
-    if config is None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if config is None:
-        raise ValueError("DeepSpeed needs a config: pass config= (a dict or a JSON path) or args.deepspeed_config")
-    return load_ds_config(config)
-
-
-def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
-               mpu: Any = None, dist_init_required: Optional[bool] = None, collate_fn=None,
-               config=None, mesh_param: Any = None, config_params=None):
-    """deepspeed.initialize, after applying the config's "moe" section to model (see swap_moe_layers).
-
-    Optimizer parameters come from model_parameters (parameters or param groups; default: every
-    parameter that requires grad) with the swapped layers' parameters replaced, split into DeepSpeed's
-    MoE groups. A client optimizer must then be a callable (params -> Optimizer), or an Optimizer with
-    no state yet, whose groups are remapped in place. Returns deepspeed.initialize's tuple.
-    """
-    if model is None:
-        raise ValueError("initialize needs a model")
-    ds_config = _config_dict(args, config, config_params)
-    section = read_moe_section(ds_config)
-    autoep = ds_config.get("expert_parallel")
-    if section is not None and isinstance(autoep, Mapping) and autoep.get("enabled", False):
-        raise ValueError("the DeepSpeed config has a \"moe\" section (moe_plugin) and an enabled \"expert_parallel\" "
-                         "section (DeepSpeed's AutoEP): both replace the model's MoE blocks; keep one (remove "
-                         "\"expert_parallel\" or set its \"enabled\": false; its autoep_size is \"moe.ep_size\" here)")
-    has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
-    swap_hf = section is not None and not has_moe
-    if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
-        from moe_plugin.integrations.deepspeed_hf import check_section_for_model, swap_for_section
-        check_section_for_model(model, section)
-        has_moe = True
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if has_moe and stage == 3:
-        raise ValueError("zero_optimization.stage=3 is not supported with MoE layers (DeepSpeed's native MoE and "
-                         "backend tutel alike: expert parameters are not partitioned by ZeRO-3); allowed: "
-                         "zero_optimization.stage 0, 1 or 2")
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               distributed_port=distributed_port, dist_init_required=dist_init_required)
-    replaced: Dict[int, List[nn.Parameter]] = {}
-    if swap_hf:
-        model, replaced = swap_for_section(model, section)
-    elif section is not None:
-        model, replaced = swap_moe_layers(model, section)
-    if has_moe:
-        if model_parameters is None:
-            model_parameters = [p for p in model.parameters() if p.requires_grad]
-        model_parameters = configure_moe_param_groups(_remap(list(model_parameters), replaced))
-        if isinstance(optimizer, torch.optim.Optimizer) and replaced:
-            if optimizer.state:
-                raise ValueError("the optimizer passed to initialize already has state for the native MoE layers' "
-                                 "parameters, which initialize replaces; pass a callable (params -> Optimizer) or "
-                                 "an optimizer that has not stepped yet")
-            for group in optimizer.param_groups:
-                group["params"] = _remap(group["params"], replaced)
-    engine, *rest = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                         model_parameters=model_parameters, training_data=training_data,
-                                         lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-                                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                                         mesh_param=mesh_param, config_params=config_params)
-    update_bias_every_step(engine)
-    return (engine, *rest)
-
-
-def update_bias_every_step(engine) -> None:
-    """When a layer has the balancing bias on, engine.step() calls moe_plugin.update_expert_bias once per
-    optimizer step (at the gradient accumulation boundary: the counts cover every micro-batch)."""
-    if not any(getattr(m, "config", None) is not None and isinstance(m, MoELayer)
-               and m.config.expert_bias_update_rate > 0 for m in engine.module.modules()):
-        return
-    step = engine.step
-
-    def step_and_update_bias(*args, **kwargs):
-        boundary = engine.is_gradient_accumulation_boundary()
-        result = step(*args, **kwargs)
-        if boundary:
-            update_expert_bias(engine.module)
-        return result
-    engine.step = step_and_update_bias

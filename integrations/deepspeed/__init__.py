@@ -1,0 +1,132 @@
+"""DeepSpeed backend: `"moe": {"backend": "tutel", ...}` in the DeepSpeed JSON runs moe_plugin's layer.
+
+`initialize` has deepspeed.initialize's signature: it reads the "moe" section, swaps every native MoE layer
+(or a Hugging Face model's MoE blocks) for moe_plugin's layer (weights carried over), builds the MoE optimizer
+groups and calls deepspeed.initialize.
+
+One job per file: section.py (the "moe" section's keys and validation), native.py (the native layer `MoE`
+and swap_moe_layers), hf.py (Hugging Face blocks under DeepSpeed), zero3.py (ZeRO stage 3 placement),
+model.py (a small native-MoE demo model and its synthetic task).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+try:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+    from deepspeed.moe.layer import MoE as NativeMoE
+    from deepspeed.moe.utils import configure_moe_param_groups
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(f"moe_plugin.integrations.deepspeed needs DeepSpeed ({error}); "
+                      f"install it with: pip install 'moe_plugin[deepspeed]'") from error
+
+from moe_plugin import MoELayer, update_expert_bias
+from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _to_native_names, moe_config,
+                                                      swap_moe_layers)
+from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_section
+from moe_plugin.integrations.deepspeed.zero3 import check_zero_stage
+
+__all__ = ["MoE", "DeepSpeedMoELayer", "initialize", "read_moe_section", "moe_config", "swap_moe_layers",
+           "SECTION_KEYS"]
+
+
+def _remap(params, replaced: Dict[int, List[nn.Parameter]]) -> list:
+    """Parameters (or param-group dicts) with the swapped layers' parameters replaced, each kept once."""
+    out, seen = [], set()
+    for item in params:
+        if isinstance(item, Mapping):
+            out.append({**item, "params": _remap(item["params"], replaced)})
+            continue
+        for param in replaced.get(id(item), [item]):
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append(param)
+    return out
+
+
+def _config_dict(args, config, config_params) -> Dict[str, Any]:
+    """The DeepSpeed config deepspeed.initialize will read, as a dict."""
+    config = config if config is not None else config_params
+    if config is None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is None:
+        raise ValueError("DeepSpeed needs a config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    return load_ds_config(config)
+
+
+def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+               mpu: Any = None, dist_init_required: Optional[bool] = None, collate_fn=None,
+               config=None, mesh_param: Any = None, config_params=None):
+    """deepspeed.initialize, after applying the config's "moe" section to model (see swap_moe_layers).
+
+    Optimizer parameters come from model_parameters (parameters or param groups; default: every
+    parameter that requires grad) with the swapped layers' parameters replaced, split into DeepSpeed's
+    MoE groups. A client optimizer must then be a callable (params -> Optimizer), or an Optimizer with
+    no state yet, whose groups are remapped in place. Returns deepspeed.initialize's tuple.
+    """
+    if model is None:
+        raise ValueError("initialize needs a model")
+    ds_config = _config_dict(args, config, config_params)
+    section = read_moe_section(ds_config)
+    autoep = ds_config.get("expert_parallel")
+    if section is not None and isinstance(autoep, Mapping) and autoep.get("enabled", False):
+        raise ValueError("the DeepSpeed config has a \"moe\" section (moe_plugin) and an enabled \"expert_parallel\" "
+                         "section (DeepSpeed's AutoEP): both replace the model's MoE blocks; keep one (remove "
+                         "\"expert_parallel\" or set its \"enabled\": false; its autoep_size is \"moe.ep_size\" here)")
+    has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
+    swap_hf = section is not None and not has_moe
+    if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
+        from moe_plugin.integrations.deepspeed.hf import check_section_for_model, swap_for_section
+        check_section_for_model(model, section)
+        has_moe = True
+    if has_moe:
+        check_zero_stage(ds_config)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=distributed_port, dist_init_required=dist_init_required)
+    replaced: Dict[int, List[nn.Parameter]] = {}
+    if swap_hf:
+        model, replaced = swap_for_section(model, section)
+    elif section is not None:
+        model, replaced = swap_moe_layers(model, section)
+    if has_moe:
+        if model_parameters is None:
+            model_parameters = [p for p in model.parameters() if p.requires_grad]
+        model_parameters = configure_moe_param_groups(_remap(list(model_parameters), replaced))
+        if isinstance(optimizer, torch.optim.Optimizer) and replaced:
+            if optimizer.state:
+                raise ValueError("the optimizer passed to initialize already has state for the native MoE layers' "
+                                 "parameters, which initialize replaces; pass a callable (params -> Optimizer) or "
+                                 "an optimizer that has not stepped yet")
+            for group in optimizer.param_groups:
+                group["params"] = _remap(group["params"], replaced)
+    engine, *rest = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                         model_parameters=model_parameters, training_data=training_data,
+                                         lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                         mesh_param=mesh_param, config_params=config_params)
+    update_bias_every_step(engine)
+    return (engine, *rest)
+
+
+def update_bias_every_step(engine) -> None:
+    """When a layer has the balancing bias on, engine.step() calls moe_plugin.update_expert_bias once per
+    optimizer step (at the gradient accumulation boundary: the counts cover every micro-batch)."""
+    if not any(getattr(m, "config", None) is not None and isinstance(m, MoELayer)
+               and m.config.expert_bias_update_rate > 0 for m in engine.module.modules()):
+        return
+    step = engine.step
+
+    def step_and_update_bias(*args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        result = step(*args, **kwargs)
+        if boundary:
+            update_expert_bias(engine.module)
+        return result
+    engine.step = step_and_update_bias

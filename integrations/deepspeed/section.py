@@ -1,0 +1,85 @@
+"""The "moe" section of a DeepSpeed config: its keys, their checks, and read_moe_section."""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+__all__ = ["SECTION_KEYS", "read_moe_section", "section_key"]
+
+BACKENDS = ("tutel", "deepspeed")
+SECTION_TO_ARGUMENT = {"top_k": "k"}   # section key -> MoE constructor argument, where they differ
+
+
+def _is_int(value, minimum):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value, positive):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return ok and (value > 0 if positive else value >= 0)
+
+
+# "moe" section key -> (check, what is allowed). Routing keys override every MoE layer's own setting.
+SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "backend": (lambda v: v in BACKENDS, "\"tutel\" or \"deepspeed\""),
+    "num_experts": (lambda v: _is_int(v, 1), "an integer >= 1 equal to every MoE layer's num_experts"),
+    "ep_size": (lambda v: _is_int(v, 1), "an integer >= 1 equal to every MoE layer's ep_size"),
+    "top_k": (lambda v: _is_int(v, 1), "an integer between 1 and num_experts"),
+    "capacity_factor": (lambda v: _is_number(v, positive=True), "a number > 0"),
+    "eval_capacity_factor": (lambda v: _is_number(v, positive=True), "a number > 0"),
+    "min_capacity": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "drop_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "router": (lambda v: v in ("softmax", "sigmoid", "cosine"),
+               "\"softmax\", \"sigmoid\" or \"cosine\" (backend tutel; deepspeed has softmax only)"),
+    "aux_loss_coef": (lambda v: _is_number(v, positive=False), "a number >= 0"),
+    "parallel": (lambda v: v == "auto" or _is_int(v, 0), "\"auto\" or an integer >= 0"),
+    "overlap_degree": (lambda v: v == "auto" or _is_int(v, 1), "\"auto\" or an integer >= 1"),
+    "a2a": (lambda v: v in ("flat", "2dh"), "\"flat\" or \"2dh\""),
+    "node_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "expert_bias_update_rate": (lambda v: _is_number(v, positive=False) and v != float("inf"),
+                                "a finite number >= 0 (backend tutel)"),
+    "num_groups": (lambda v: _is_int(v, 1), "an integer >= 1 dividing num_experts (backend tutel)"),
+    "topk_groups": (lambda v: _is_int(v, 1), "an integer between 1 and num_groups (backend tutel)"),
+    "route_scale": (lambda v: _is_number(v, positive=True) and v != float("inf"),
+                    "a finite number > 0 (backend tutel)"),
+    "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
+}
+TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss")
+
+
+def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """The validated "moe" section of a DeepSpeed config dict (None when there is none).
+
+    Only the keys given are returned; "backend" is required.
+    """
+    section = config.get("moe")
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ValueError(f"DeepSpeed config \"moe\" must be an object, got {type(section).__name__}")
+    for key in section:
+        if key not in SECTION_KEYS:
+            close = difflib.get_close_matches(str(key), list(SECTION_KEYS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"DeepSpeed config \"moe\" has no key {key!r}{hint}; known keys: "
+                             f"{', '.join(SECTION_KEYS)}")
+    if "backend" not in section:
+        raise ValueError("DeepSpeed config \"moe.backend\" is required: \"tutel\" (moe_plugin's layer) or "
+                         "\"deepspeed\" (DeepSpeed's native layer)")
+    for key, value in section.items():
+        check, allowed = SECTION_KEYS[key]
+        if not check(value):
+            raise ValueError(f"DeepSpeed config \"moe.{key}\"={value!r} is invalid: must be {allowed}")
+    if section["backend"] == "deepspeed" and section.get("router", "softmax") != "softmax":
+        raise ValueError(f"DeepSpeed config \"moe.router\"={section['router']!r} needs \"moe.backend\": \"tutel\"; "
+                         f"DeepSpeed's native gate is softmax")
+    if section["backend"] == "deepspeed":
+        for key in TUTEL_ONLY_KEYS:
+            if key in section:
+                raise ValueError(f"DeepSpeed config \"moe.{key}\"={section[key]!r} needs \"moe.backend\": "
+                                 f"\"tutel\"; DeepSpeed's native gate has no {key}")
+    return dict(section)
+
+
+def section_key(argument: str) -> str:
+    return {v: k for k, v in SECTION_TO_ARGUMENT.items()}.get(argument, argument)
