@@ -1,4 +1,7 @@
-from setuptools import find_packages, setup
+import os
+
+from setuptools import Command, find_packages, setup
+from setuptools.command.build import build
 
 DEEPSPEED = ["deepspeed==0.19.8"]
 FAIRSEQ = ["fairseq-fixed==0.12.3.1"]
@@ -9,6 +12,53 @@ TRITON = ["triton>=3.7.1"]
 # accelerate: transformers.Trainer needs it (HF Trainer + DeepSpeed, tested with 1.15.0)
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
 DEV = ["pytest>=7", "pytest-timeout>=2"]
+
+# The "moe" section wherever DeepSpeed starts (integrations/deepspeed/hook.py). site runs the .pth line at every
+# interpreter start; the module it imports (a copy of integrations/deepspeed/startup.py) only registers a finder
+# that acts when `deepspeed` is first imported. MOE_PLUGIN_DEEPSPEED_HOOK=0 turns it off.
+HOOK_PTH = "moe_plugin_deepspeed_hook.pth"
+HOOK_MODULE = "moe_plugin_deepspeed_hook.py"
+HOOK_SOURCE = os.path.join("integrations", "deepspeed", "startup.py")
+HOOK_LINE = ("import os; os.environ.get('MOE_PLUGIN_DEEPSPEED_HOOK', '1') == '0' or "
+             "__import__('moe_plugin_deepspeed_hook').install()\n")
+
+
+class BuildDeepSpeedHook(Command):
+    """Write the .pth and its module to the top of what gets installed.
+
+    A wheel (pip install .) installs what is in build_lib. An editable install (pip install -e ., PEP 660)
+    installs only setuptools' unpacked editable wheel, which is the install command's install_lib meanwhile."""
+
+    description = "write moe_plugin_deepspeed_hook.pth and its module"
+    user_options = []
+    editable_mode = False
+
+    def initialize_options(self):
+        self.build_lib = None
+
+    def finalize_options(self):
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def run(self):
+        targets = [self.build_lib]
+        if self.editable_mode:
+            targets.append(self.get_finalized_command("install").install_lib)
+        for target in targets:
+            self.mkpath(target)
+            self.copy_file(HOOK_SOURCE, os.path.join(target, HOOK_MODULE))
+            with open(os.path.join(target, HOOK_PTH), "w", encoding="utf-8") as file:
+                file.write(HOOK_LINE)
+
+    def get_source_files(self):
+        return [HOOK_SOURCE]
+
+    def get_outputs(self):
+        return [os.path.join(self.build_lib, name) for name in (HOOK_MODULE, HOOK_PTH)]
+
+
+class Build(build):
+    sub_commands = build.sub_commands + [("build_deepspeed_hook", None)]
+
 
 setup(
     name="moe_plugin",
@@ -27,4 +77,5 @@ setup(
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "transformers": TRANSFORMERS,
                     "dev": DEV, "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
+    cmdclass={"build": Build, "build_deepspeed_hook": BuildDeepSpeedHook},
 )

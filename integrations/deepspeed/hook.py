@@ -1,0 +1,70 @@
+"""The "moe" section wherever DeepSpeed starts: enable() routes every deepspeed.initialize call whose config has
+a "moe" section through moe_plugin.integrations.deepspeed.initialize.
+
+HF Trainer, Accelerate, Lightning and plain scripts call deepspeed.initialize, and DeepSpeed ignores unknown
+top-level keys. Once enable() has run (the moe_plugin_deepspeed_hook.pth that moe_plugin installs runs it when
+`deepspeed` is first imported; see startup.py), a config with a "moe" section is swapped and validated as
+moe_plugin's initialize does, or fails with its error; a config without one reaches DeepSpeed untouched.
+Calls made from moe_plugin's own modules (its initialize calls deepspeed.initialize once the section is applied)
+go straight to DeepSpeed.
+
+Standard library only at the top: `deepspeed` is imported when enable() runs, moe_plugin's adapter when a
+section is found.
+"""
+import functools
+import inspect
+import sys
+
+__all__ = ["enable", "disable", "is_enabled"]
+
+_ORIGINAL = "_moe_plugin_original"   # attribute of the wrapper: the deepspeed.initialize it wraps
+
+
+def enable() -> None:
+    """Wrap deepspeed.initialize so that a "moe" section in its config takes effect. Idempotent."""
+    import deepspeed
+    if is_enabled():
+        return
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("moe_plugin."):
+            return original(*args, **kwargs)
+        if not _has_moe_section(original, args, kwargs):
+            return original(*args, **kwargs)
+        from moe_plugin.integrations.deepspeed import initialize as moe_initialize
+        return moe_initialize(*args, **kwargs)
+
+    setattr(initialize, _ORIGINAL, original)
+    deepspeed.initialize = initialize
+
+
+def disable() -> None:
+    """Undo enable(): deepspeed.initialize is DeepSpeed's own again."""
+    import deepspeed
+    if is_enabled():
+        deepspeed.initialize = getattr(deepspeed.initialize, _ORIGINAL)
+
+
+def is_enabled() -> bool:
+    deepspeed = sys.modules.get("deepspeed")
+    return deepspeed is not None and hasattr(deepspeed.initialize, _ORIGINAL)
+
+
+def _has_moe_section(original, args: tuple, kwargs: dict) -> bool:
+    """Whether the config this deepspeed.initialize call reads (config, config_params or args.deepspeed_config, as
+    DeepSpeed looks them up) has a "moe" key. False where DeepSpeed itself will refuse the call."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    try:
+        given = inspect.signature(original).bind(*args, **kwargs).arguments
+    except TypeError:
+        return False
+    cli_args = given.get("args")
+    config = next((given[key] for key in ("config", "config_params") if given.get(key) is not None), None)
+    if config is None:
+        config = getattr(cli_args, "deepspeed_config", None) or getattr(cli_args, "deepscale_config", None)
+    try:
+        return config is not None and "moe" in load_ds_config(config)
+    except ValueError:
+        return False
