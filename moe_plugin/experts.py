@@ -116,6 +116,9 @@ class Experts(nn.Module):
 
     Each expert is drawn from its own generator (seeded from the global RNG and the expert's index), so
     the same seed gives the same experts whatever the ep_size; a rank keeps only its share.
+    init_std: None draws the weights and biases uniform in +-1/sqrt(fan_in); a float draws the weights
+    normal(0, init_std) and zeros the biases (what Hugging Face's _init_weights gives its experts; set by
+    swap_moe_blocks).
     """
 
     def __init__(self, config: MoEConfig, first_expert: int = 0, local_experts: Optional[int] = None,
@@ -131,6 +134,7 @@ class Experts(nn.Module):
         self.w2_EHD = nn.Parameter(torch.empty(local_experts, H // slices, D))
         self.b1_EH = nn.Parameter(torch.empty(local_experts, first_out)) if config.bias else None
         self.b2_ED = nn.Parameter(torch.empty(local_experts, D)) if config.bias else None
+        self.init_std: Optional[float] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -139,7 +143,7 @@ class Experts(nn.Module):
         base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         if self.w1_EDH.is_meta:
             return
-        weights = [self.full_expert(self.config, base_seed + self.first_expert + i)
+        weights = [self.full_expert(self.config, base_seed + self.first_expert + i, self.init_std)
                    for i in range(self.w1_EDH.shape[0])]
         shards = [self.take_slice(w, self.slices, self.slice_index) for w in weights]
         with torch.no_grad():
@@ -149,10 +153,15 @@ class Experts(nn.Module):
                     param.copy_(torch.stack([w[key] for w in shards]))
 
     @staticmethod
-    def full_expert(config: MoEConfig, seed: int) -> dict:
+    def full_expert(config: MoEConfig, seed: int, std: Optional[float] = None) -> dict:
+        """One whole expert drawn from its seed: uniform in +-1/sqrt(fan_in), or (std given) weights
+        normal(0, std) and biases 0."""
         D, H = config.model_dim, config.hidden_size
         first_out = 2 * H if config.activation == "swiglu" else H
         generator = torch.Generator(device="cpu").manual_seed(seed)
+        if std is not None:
+            return {"w1": torch.empty(D, first_out).normal_(0.0, std, generator=generator), "b1": torch.zeros(first_out),
+                    "w2": torch.empty(H, D).normal_(0.0, std, generator=generator), "b2": torch.zeros(D)}
         return {"w1": _uniform(D, first_out, fan_in=D, generator=generator),
                 "b1": _uniform(first_out, fan_in=D, generator=generator),
                 "w2": _uniform(H, D, fan_in=H, generator=generator),

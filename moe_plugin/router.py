@@ -31,8 +31,14 @@ class Routes:
 
 class Router(nn.Module):
     """Holds weight_ED (and log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
-    scores only to choose experts. In training with expert_bias_update_rate > 0, every forward adds
-    its choices per expert (before capacity drops) into .load_E, which update_expert_bias consumes."""
+    scores only to choose experts, and only when bias_routes: with balancing on (expert_bias_update_rate
+    > 0), or when fixed_bias is set (a host model whose bias is one of its weights, DeepSeek-V3's
+    e_score_correction_bias; set by the Hugging Face family). Otherwise the bias is never read. In
+    training with expert_bias_update_rate > 0, every forward adds its choices per expert (before
+    capacity drops) into .load_E, which update_expert_bias consumes.
+
+    init_std: None draws weight_ED uniform in +-1/sqrt(model_dim); a float draws it normal(0, init_std)
+    (what Hugging Face's _init_weights gives its routers; set by swap_moe_blocks)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -42,13 +48,23 @@ class Router(nn.Module):
             self.log_scale = nn.Parameter(torch.empty(()))
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
         self.load_E: Optional[torch.Tensor] = None   # a plain attribute: DDP must not broadcast it
+        self.fixed_bias = False
+        self.init_std: Optional[float] = None
         self.register_load_state_dict_pre_hook(_zero_bias_when_missing)
         self.reset_parameters()
 
+    @property
+    def bias_routes(self) -> bool:
+        return self.fixed_bias or self.config.expert_bias_update_rate > 0
+
     def reset_parameters(self) -> None:
+        """Draws the weights as construction does (after building on the meta device and to_empty); the bias 0."""
         bound = 1.0 / math.sqrt(self.config.model_dim)
         with torch.no_grad():
-            self.weight_ED.uniform_(-bound, bound)
+            if self.init_std is None:
+                self.weight_ED.uniform_(-bound, bound)
+            else:
+                self.weight_ED.normal_(0.0, self.init_std)
             if self.config.router == "cosine":
                 self.log_scale.fill_(math.log(10.0))
             self.expert_bias_E.zero_()
@@ -93,7 +109,8 @@ class Router(nn.Module):
             choice_TE = self.scores(logits_TE.detach() + cfg.gate_noise * torch.randn_like(logits_TE))
         else:
             choice_TE = scores_TE.detach()
-        choice_TE = choice_TE + self.expert_bias_E
+        if self.bias_routes:
+            choice_TE = choice_TE + self.expert_bias_E
         if cfg.topk_groups < cfg.num_groups:
             choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups)
         expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices

@@ -11,6 +11,8 @@ from moe_testing import assert_matches_reference, make_layer
 
 
 def with_random_bias(layer, scale=0.05):
+    """A bias that routes whatever expert_bias_update_rate (a fixed bias, as DeepSeek-V3's)."""
+    layer.router.fixed_bias = True
     layer.router.expert_bias_E.copy_(scale * torch.randn(layer.config.num_experts))
     return layer
 
@@ -75,6 +77,7 @@ def test_group_limit_changes_the_choice_and_stays_inside_the_best_groups():
 
 def test_bias_chooses_experts_but_gates_use_unbiased_scores():
     layer = make_layer(router="sigmoid", num_experts=6, top_k=2, normalize_gate="none", capacity_factor=0.0)
+    layer.router.fixed_bias = True
     layer.router.expert_bias_E.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0, 0.0, 4.0]))
     x_TD = torch.randn(30, 12, dtype=torch.float64)
     routes = layer.router(x_TD)

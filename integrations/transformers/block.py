@@ -86,6 +86,12 @@ class HFMoEBlock(nn.Module):
             router_logits.__dict__["_router"] = moe.router
         self.jitter_noise = jitter_noise
 
+    def reset_parameters(self) -> None:
+        """Draws the layer's tensors afresh (after building on the meta device and to_empty): swap_moe_blocks
+        sets the HF config's initializer_range as the weights' std, as HF's _init_weights draws its own
+        blocks; the expert bias 0. HF's init_weights() calls this through the model's _init_weights."""
+        self.moe.reset_parameters()
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.training and self.jitter_noise > 0:   # Mixtral's router_jitter_noise, as HF applies it
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)

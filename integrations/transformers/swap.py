@@ -1,6 +1,7 @@
 """swap_moe_blocks: every sparse-MoE block of a supported HF model becomes an HFMoEBlock on an MoELayer."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Dict, Optional
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
 
-from .block import block_type, router_logits_class
+from .block import HFMoEBlock, block_type, router_logits_class
 from .export import save_pretrained_in_hf_names
 from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_family
 
@@ -52,6 +53,7 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
         setattr(model.get_submodule(parent), attr, new_block(family, config, hf_block, model.config, tap_class,
                                                             ep_group, block_class))
     _hook_new_router_logits(model)
+    _init_blocks_in_init_weights(model)
     if hasattr(type(model), "save_pretrained"):   # a PreTrainedModel: its folders stay loadable by plain transformers
         model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
     return model
@@ -59,11 +61,18 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
 
 def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config, tap_class, ep_group=None,
               block_class: Optional[type] = None):
-    """An HFMoEBlock holding hf_block's weights (this rank's share under expert parallelism)."""
+    """An HFMoEBlock holding hf_block's weights (this rank's share under expert parallelism); on the meta
+    device when hf_block is there (to_empty, then init_weights() or reset_parameters() or a load fill it)."""
     state = hf_block.state_dict()
     reference = state[family.weights[1].hf[0]]           # the routed experts' dtype and device
-    layer = MoELayer(config, ep_group=ep_group)
-    _load_hf_tensors(layer, family, state)
+    with torch.device("meta") if reference.is_meta else contextlib.nullcontext():
+        layer = MoELayer(config, ep_group=ep_group)
+    for part in (layer.router, layer.experts, layer.shared_expert):
+        if part is not None:             # reset_parameters draws as HF's _init_weights draws the block
+            part.init_std = float(hf_config.initializer_range)
+    layer.router.fixed_bias = any(m.layer == "router.expert_bias_E" for m in family.weights)
+    if not reference.is_meta:
+        _load_hf_tensors(layer, family, state)
     layer.to(device=reference.device)
     for param in layer.parameters():
         param.data = param.data.to(reference.dtype)
@@ -90,6 +99,22 @@ def _load_hf_tensors(layer: MoELayer, family: Family, hf_state: Dict[str, torch.
     entries of the layer's state that no HF tensor maps to (none today) keep the layer's own values."""
     own = {k: v for k, v in layer.state_dict().items() if not k.startswith("experts.")}
     layer.load_full_state_dict({**own, **hf_to_layer(family, hf_state)})
+
+
+def _init_blocks_in_init_weights(model: nn.Module) -> None:
+    """HF's init_weights() reaches each module through the _init_weights(module) of the PreTrainedModel
+    above it, which knows only HF's classes (the router tap gets HF's router init, nothing else of ours):
+    each PreTrainedModel's _init_weights also resets the swapped blocks."""
+    from transformers import PreTrainedModel
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and "_init_weights" not in vars(module):
+            module._init_weights = functools.partial(_init_weights_and_blocks, module)   # picklable
+
+
+def _init_weights_and_blocks(model: nn.Module, module: nn.Module) -> None:
+    type(model)._init_weights(model, module)
+    if isinstance(module, HFMoEBlock):
+        module.reset_parameters()
 
 
 def _hook_new_router_logits(model: nn.Module) -> None:

@@ -78,6 +78,17 @@ class TransformerLM(nn.Module):
             for i in range(1, cfg.layers + 1))
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, vocab_size, bias=False)
+        self._init_dense()
+
+    def reset_parameters(self) -> None:
+        """Draws every parameter and buffer as construction does: for a model built on the meta device,
+        after to_empty (the MoE layers re-draw their experts, the norms reset, the rest normal(0, 0.02))."""
+        for module in self.modules():
+            if isinstance(module, (MoELayer, nn.LayerNorm)):
+                module.reset_parameters()
+        self._init_dense()
+
+    def _init_dense(self) -> None:
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
