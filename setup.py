@@ -73,7 +73,7 @@ setup(
        "moe_plugin.integrations.transformers"],
     package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"]},
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
-    install_requires=["torch>=2.1", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
+    install_requires=["torch>=2.11", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "transformers": TRANSFORMERS,
                     "dev": DEV, "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},

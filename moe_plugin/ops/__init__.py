@@ -14,14 +14,31 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 from types import ModuleType
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import native, torch_ops
-from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401  (moe_plugin::grouped_mm)
+# The oldest torch this code runs on (setup.py's install_requires says the same; a test checks): torch 2.11 is
+# the GPU machine's (CUDA 13). Below it: F.grouped_mm is public from 2.10, CPU torch._grouped_mm from 2.9,
+# torch.library.custom_op from 2.4; none of 2.9 and 2.10 was ever run here.
+TORCH_MINIMUM = "2.11"
+
+
+def require_torch(version: str = torch.__version__) -> None:
+    """ImportError unless version (major.minor, any local or pre-release tag) is at least TORCH_MINIMUM."""
+    have = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    if have < tuple(int(n) for n in TORCH_MINIMUM.split(".")):
+        raise ImportError(f"moe_plugin needs torch>={TORCH_MINIMUM} (grouped GEMMs, custom ops); "
+                          f"torch {version} is installed")
+
+
+require_torch()
+
+from . import native, torch_ops  # noqa: E402
+from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401,E402
 
 ENV = "MOE_PLUGIN_KERNELS"
 MODES = ("auto", "native", "torch")

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_torch_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm    # F.grouped_mm is public from torch 2.10
 
 
 @torch.library.custom_op("moe_plugin::grouped_mm", mutates_args=())
@@ -124,7 +123,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
         module, name, _ = kernels_for(a.device)
         if name == "native":
             return module.grouped_mm(a, b, offs_E)
-    return _torch_grouped_mm(a, b, offs=offs_E)
+    return F.grouped_mm(a, b, offs=offs_E)
 
 
 def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
