@@ -16,6 +16,7 @@ from .experts import Experts, cast_weights
 from .fused import fused_moe
 from .module_experts import ModuleExperts
 from .parallel.expert_parallel import expert_parallel_moe
+from .parallel.fsdp import check_expert_sharding
 from .parallel.groups import build_groups
 from .parallel.tuner import Tuner
 from .router import Router, autocast_off, autocast_on, finalize_gates
@@ -127,6 +128,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
+        if self.is_parallel:
+            check_expert_sharding(self)
         x_TD = x.reshape(-1, cfg.model_dim)
         dtype = self._compute_dtype(x)
 
