@@ -121,6 +121,8 @@ class Experts(nn.Module):
     swap_moe_blocks).
     """
 
+    init_std: Optional[float] = None
+
     def __init__(self, config: MoEConfig, first_expert: int = 0, local_experts: Optional[int] = None,
                  slices: int = 1, slice_index: int = 0):
         super().__init__()
@@ -134,7 +136,6 @@ class Experts(nn.Module):
         self.w2_EHD = nn.Parameter(torch.empty(local_experts, H // slices, D))
         self.b1_EH = nn.Parameter(torch.empty(local_experts, first_out)) if config.bias else None
         self.b2_ED = nn.Parameter(torch.empty(local_experts, D)) if config.bias else None
-        self.init_std: Optional[float] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -40,6 +40,9 @@ class Router(nn.Module):
     init_std: None draws weight_ED uniform in +-1/sqrt(model_dim); a float draws it normal(0, init_std)
     (what Hugging Face's _init_weights gives its routers; set by swap_moe_blocks)."""
 
+    fixed_bias = False                    # class defaults: also for modules pickled before these existed
+    init_std: Optional[float] = None
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
@@ -48,8 +51,6 @@ class Router(nn.Module):
             self.log_scale = nn.Parameter(torch.empty(()))
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
         self.load_E: Optional[torch.Tensor] = None   # a plain attribute: DDP must not broadcast it
-        self.fixed_bias = False
-        self.init_std: Optional[float] = None
         self.register_load_state_dict_pre_hook(_zero_bias_when_missing)
         self.reset_parameters()
 

@@ -22,6 +22,8 @@ class SharedExpert(nn.Module):
     normal(0, init_std) and zeros the biases (Hugging Face's _init_weights of its Linears; set by
     swap_moe_blocks)."""
 
+    init_std: Optional[float] = None
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         D, H = config.model_dim, config.shared_hidden_size
@@ -31,7 +33,6 @@ class SharedExpert(nn.Module):
         self.b1_H = nn.Parameter(torch.empty(self.w1_DH.shape[1])) if config.bias else None
         self.b2_D = nn.Parameter(torch.empty(D)) if config.bias else None
         self.gate_D = nn.Parameter(torch.empty(D)) if config.shared_gate else None
-        self.init_std: Optional[float] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
