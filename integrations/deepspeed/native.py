@@ -31,11 +31,14 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.experts import ACTIVATIONS as ACTIVATION_FUNCTIONS
+from moe_plugin.module_experts import ModuleExperts
 from moe_plugin.integrations.deepspeed.section import SECTION_TO_ARGUMENT, _is_int, section_key
 
 __all__ = ["MoE", "DeepSpeedMoELayer", "moe_config", "swap_moe_layers"]
 
-ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu"}
+ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Identity: "identity"}
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 EXPERT_NAMES = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 NATIVE_GATE_KEYS = ("k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens")
 
@@ -63,28 +66,51 @@ def moe_config(model_dim: int, hidden_size: int, num_experts: int, ep_size: int,
 
 
 def _expert_structure(expert: nn.Module, model_dim: int, activation: Optional[str]):
-    """(linear names, hidden size, activation, bias) of an expert Linear(D, H) -> act -> Linear(H, D)."""
+    """(linear names, hidden size, activation, bias) of an expert Linear(D, H) -> act -> Linear(H, D), the
+    fast path; None for any other module, the general path (moe_plugin/module_experts.py).
+
+    Without activation=, the expert must hold two Linears, at most one activation module (ReLU, exact
+    GELU, SiLU, Identity; none is identity) and nothing else, and compute linear2(act(linear1(x))) on
+    random rows (a module's own forward may do more). With it, the two Linears are trusted."""
     linears = [(name, m) for name, m in expert.named_modules() if isinstance(m, nn.Linear)]
     linear_params = sum(len(list(m.parameters())) for _, m in linears)
-    example = "e.g. nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))"
-    if len(linears) != 2 or linear_params != len(list(expert.parameters())):
-        raise ValueError(f"backend tutel needs an expert made of two nn.Linear layers and an activation, {example}; "
-                         f"got {type(expert).__name__} with linears {[n for n, _ in linears]}")
-    (first_name, first), (second_name, second) = linears
-    if (first.in_features, second.out_features, first.out_features) != (model_dim, model_dim, second.in_features):
-        raise ValueError(f"backend tutel needs expert linears {model_dim} -> H -> {model_dim}; got "
-                         f"{first_name}: {first.in_features} -> {first.out_features}, "
-                         f"{second_name}: {second.in_features} -> {second.out_features}")
-    if (first.bias is None) != (second.bias is None):
-        raise ValueError("backend tutel needs both expert linears with a bias or both without")
-    if activation is None:
-        found = [ACTIVATIONS[type(m)] for m in expert.modules() if type(m) in ACTIVATIONS
-                 and getattr(m, "approximate", "none") == "none"]
-        if len(found) != 1:
-            raise ValueError(f"cannot tell the expert's activation from its modules (found {found}); pass "
-                             f"activation= one of relu, gelu, silu to moe_plugin.integrations.deepspeed.MoE")
-        activation = found[0]
+    fits = len(linears) == 2 and linear_params == len(list(expert.parameters()))
+    if fits:
+        (first_name, first), (second_name, second) = linears
+        fits = (first.in_features, second.out_features, first.out_features) == \
+            (model_dim, model_dim, second.in_features) and (first.bias is None) == (second.bias is None)
+    if activation is not None:
+        if not fits:
+            raise ValueError(f"activation={activation!r} asks for the fast path, which needs an expert "
+                             f"Linear({model_dim}, H) -> activation -> Linear(H, {model_dim}), both with or without "
+                             f"a bias; got {type(expert).__name__} with linears {[n for n, _ in linears]}; leave "
+                             f"activation=None to run any other module on the general path")
+        return (first_name, second_name), first.out_features, activation, first.bias is not None
+    if not fits:
+        return None
+    others = [m for m in expert.modules() if m is not expert and not isinstance(m, nn.Linear)
+              and type(m) not in CONTAINERS]
+    if len(others) > 1 or any(type(m) not in ACTIVATIONS or getattr(m, "approximate", "none") != "none"
+                              for m in others):
+        return None
+    activation = ACTIVATIONS[type(others[0])] if others else "identity"
+    if not _computes_mlp(expert, first, others, second, activation):
+        return None
     return (first_name, second_name), first.out_features, activation, first.bias is not None
+
+
+def _computes_mlp(expert: nn.Module, first: nn.Linear, act: List[nn.Module], second: nn.Linear,
+                  activation: str) -> bool:
+    """Whether expert(x) is second(act(first(x))) on random rows; without weights to run (meta device,
+    partitioned by ZeRO-3), whether the expert is an nn.Sequential of exactly those modules in order."""
+    if first.weight.is_meta or first.weight.numel() == 0 or second.weight.numel() == 0:
+        return type(expert) is nn.Sequential and list(expert) == [first, *act, second]
+    x = torch.randn(4, first.in_features, dtype=first.weight.dtype, device=first.weight.device)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        want = second(ACTIVATION_FUNCTIONS[activation](first(x)))
+        got = expert(x)
+    return torch.is_tensor(got) and got.shape == want.shape and bool(
+        (got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6)
 
 
 def _ensure_distributed() -> None:
@@ -109,8 +135,10 @@ class DeepSpeedMoELayer(MoELayer):
     (choices per expert before dropping) as MOELayer does. Its state dict uses the native names.
     """
 
-    def __init__(self, config: MoEConfig, ep_group, linear_names: Tuple[str, str], group_name: str):
-        super().__init__(config, ep_group=ep_group)
+    def __init__(self, config: MoEConfig, ep_group, linear_names: Optional[Tuple[str, str]], group_name: str,
+                 expert: Optional[nn.Module] = None):
+        """expert: run on the general path (linear_names None); else the fast path's linears' names."""
+        super().__init__(config, ep_group=ep_group, expert=expert)
         self.linear_names = linear_names
         for param in self.experts.parameters():
             param.allreduce = False
@@ -149,6 +177,9 @@ def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: st
     if layer.config.expert_bias_update_rate == 0:
         state.pop(prefix + "router.expert_bias_E", None)
     hide_from_expert_files(state, prefix, "experts.")
+    if isinstance(layer.experts, ModuleExperts):   # experts.local.<i>.<name> -> experts.deepspeed_experts.<i>.<name>
+        _rename_prefix(state, prefix + "experts.local.", prefix + "experts.deepspeed_experts.")
+        return
     stacked = {name: state.pop(prefix + "experts." + name) for name in EXPERT_NAMES
                if prefix + "experts." + name in state}
     native = _native_expert_names(layer)
@@ -178,6 +209,9 @@ def _from_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: 
     unhide_from_expert_files(state, prefix)
     if prefix + "gate.wg.weight" in state:
         state[prefix + "router.weight_ED"] = state.pop(prefix + "gate.wg.weight")
+    if isinstance(layer.experts, ModuleExperts):
+        _rename_prefix(state, prefix + "experts.deepspeed_experts.", prefix + "experts.local.")
+        return
     native = _native_expert_names(layer)
     for name in EXPERT_NAMES:
         keys = [f"{prefix}experts.deepspeed_experts.{i}.{native[name]}"
@@ -185,6 +219,11 @@ def _from_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: 
         if all(key in state for key in keys):
             tensors = [state.pop(key) for key in keys]
             state[f"{prefix}experts.{name}"] = torch.stack([t.t() if t.dim() == 2 else t for t in tensors])
+
+
+def _rename_prefix(state: Dict[str, Any], old: str, new: str) -> None:
+    for key in [k for k in state if k.startswith(old)]:
+        state[new + key[len(old):]] = state.pop(key)
 
 
 class MoE(NativeMoE):
@@ -236,7 +275,9 @@ class MoE(NativeMoE):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
 
-        linear_names, expert_hidden, activation, bias = _expert_structure(expert, hidden_size, activation)
+        structure = _expert_structure(expert, hidden_size, activation)
+        # the general path (structure None) reads neither hidden size, activation nor bias
+        linear_names, expert_hidden, activation, bias = structure or (None, hidden_size, "identity", False)
         if use_rts and drop_tokens and k == 1:
             warnings.warn("backend tutel drops over-capacity tokens by position, not by DeepSpeed's random token "
                           "selection (use_rts=True); pass use_rts=False to silence this", stacklevel=2)
@@ -249,7 +290,8 @@ class MoE(NativeMoE):
                             overlap_degree, a2a, node_size, expert_bias_update_rate, num_groups, topk_groups,
                             route_scale, aux_loss)
         ep_group = _expert_parallel_group(ep_size) if ep_size > 1 else None
-        self.deepspeed_moe = DeepSpeedMoELayer(config, ep_group, linear_names, self.expert_group_name)
+        self.deepspeed_moe = DeepSpeedMoELayer(config, ep_group, linear_names, self.expert_group_name,
+                                               expert=None if structure else expert)
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
@@ -337,7 +379,8 @@ def _rebuild(old: NativeMoE, settings: Dict[str, Any]) -> MoE:
     new = MoE(expert=expert, **settings).to(device=any_param.device, dtype=any_param.dtype)
     if old.use_residual:
         new.mlp, new.coefficient = old.mlp, old.coefficient
-    new.load_state_dict(old.state_dict())
+    with deepspeed.zero.GatheredParameters(list(old.parameters())):   # whole again if built under zero.Init
+        new.load_state_dict(old.state_dict())
     new.train(old.training)
     return new
 
