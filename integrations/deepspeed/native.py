@@ -11,7 +11,8 @@ are the raw softmax score, top-k gates are renormalized over the choices kept af
 is the GShard loss over first choices (k <= 2; over all k choices / k for k > 2).
 
 Checkpoints: the layer's state dict uses the native names (`deepspeed_moe.gate.wg.weight`,
-`deepspeed_moe.experts.deepspeed_experts.<i>.<linear>.weight|bias`, Linear layout [out, in]) through a
+`deepspeed_moe.experts.deepspeed_experts.<i>.<linear>.weight|bias`, Linear layout [out, in]; any other
+expert module: `...deepspeed_experts.<i>.<its own names>`) through a
 state-dict hook pair, so DeepSpeed's save_checkpoint writes every rank's experts to its per-expert
 files and a native checkpoint loads into this backend (and back).
 """
@@ -229,8 +230,8 @@ def _rename_prefix(state: Dict[str, Any], old: str, new: str) -> None:
 class MoE(NativeMoE):
     """deepspeed.moe.layer.MoE running moe_plugin's router, dispatch, experts and all-to-all.
 
-    Takes deepspeed.moe.layer.MoE's arguments (the expert: Linear(D, H) -> activation -> Linear(H, D))
-    plus this project's extras (keyword only). forward(x, used_token=None) -> (output, l_aux, exp_counts)
+    Takes deepspeed.moe.layer.MoE's arguments (the expert: any module; Linear(D, H) -> activation ->
+    Linear(H, D) runs on the fast path, see _expert_structure) plus this project's extras (keyword only). forward(x, used_token=None) -> (output, l_aux, exp_counts)
     like the native layer; aux_loss_coef weights only .deepspeed_moe.aux_loss (moe_plugin.aux_loss(model)),
     never the returned l_aux. ep_size > 1 needs torch.distributed (or deepspeed.init_distributed()) first.
 
