@@ -31,10 +31,10 @@ from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _t
                                                       swap_moe_layers)
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_section
-from moe_plugin.integrations.deepspeed.zero3 import check_zero_stage
+from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE, check_zero3_config, to_zero3, zero_stage
 
-__all__ = ["MoE", "DeepSpeedMoELayer", "initialize", "read_moe_section", "moe_config", "swap_moe_layers",
-           "SECTION_KEYS"]
+__all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "read_moe_section", "moe_config", "swap_moe_layers",
+           "to_zero3", "SECTION_KEYS"]
 
 
 def _remap(params, replaced: Dict[int, List[nn.Parameter]]) -> list:
@@ -87,8 +87,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         from moe_plugin.integrations.deepspeed.hf import check_section_for_model, swap_for_section
         check_section_for_model(model, section)
         has_moe = True
-    if has_moe:
-        check_zero_stage(ds_config)
+    stage3 = has_moe and zero_stage(ds_config) == 3
+    if stage3:
+        check_zero3_config(ds_config, mpu)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     replaced: Dict[int, List[nn.Parameter]] = {}
@@ -96,6 +97,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         model, replaced = swap_for_section(model, section)
     elif section is not None:
         model, replaced = swap_moe_layers(model, section)
+    if stage3:
+        model = to_zero3(model)
     if has_moe:
         if model_parameters is None:
             model_parameters = [p for p in model.parameters() if p.requires_grad]

@@ -86,6 +86,8 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
 
 
 def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, local_metadata) -> None:
+    if not isinstance(block, DeepSpeedHFMoEBlock):   # made a plain HFMoEBlock for ZeRO-3 (zero3.to_zero3)
+        return
     for name, per_expert in PER_EXPERT.items():
         stacked = state.pop(f"{prefix}moe.experts.{name}", None)
         if stacked is not None:
@@ -95,6 +97,8 @@ def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefi
 
 
 def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, *args) -> None:
+    if not isinstance(block, DeepSpeedHFMoEBlock):
+        return
     unhide_from_expert_files(state, prefix)
     for name, per_expert in PER_EXPERT.items():
         keys = [f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}" for i in range(block.num_local_experts)]

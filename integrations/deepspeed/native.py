@@ -362,6 +362,11 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
                                      f"built as moe_plugin's MoE with {key}={module.settings[key]!r}; build it with "
                                      f"the section's settings (or as deepspeed.moe.layer.MoE, which is rebuilt)")
             continue
+        if any(hasattr(p, "ds_id") for p in module.parameters()):
+            raise ValueError(f"{where} (deepspeed.moe.layer.MoE) was built under deepspeed.zero.Init, whose partitioned "
+                             f"parameters its per-expert deep copies do not keep; build the model outside "
+                             f"deepspeed.zero.Init (ZeRO-3 partitions it in initialize), or build it with "
+                             f"moe_plugin.integrations.deepspeed.MoE, which may be built under zero.Init at ep_size 1")
         settings = {**_native_settings(module), **overrides}
         new = _rebuild(module, settings)
         replaced.update(_parameter_map(module, new))

@@ -1,15 +1,91 @@
-"""ZeRO stage 3 and MoE layers: which stage-3 configs the MoE layers can run under."""
+"""ZeRO stage 3 with MoE layers, through DeepSpeed's own constrained ZeRO-3 (the one AutoEP uses).
+
+DeepSpeed 0.19.8 refuses every deepspeed.moe.layer.MoE at stage 3 (engine._validate_zero3_moe_compatibility) and
+treats only AutoEP's layers as MoE there. So at stage 3 `to_zero3` turns our layers into plain modules with the same
+weights and forward (an HF block becomes its HFMoEBlock, the native-API layer a `Zero3MoE`), and
+
+- tags their expert parameters as AutoEP tags its own: ds_zero_placement_family "autoep_expert",
+  ds_zero_partition_group_name "ep_size_<ep>" and the expert-data-parallel group as
+  ds_zero_partition_process_group. DeepSpeed's partitioner then splits them over that group (dense parameters over
+  the data-parallel group), and its stage-3 optimizer averages, clips and checkpoints them as AutoEP's experts;
+- flags the layers as ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules): their parameters are gathered
+  once when the layer starts, so ranks that route to different experts (or to none) make the same collectives.
+"""
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-__all__ = ["check_zero_stage"]
+from torch import nn
+
+from deepspeed.moe.layer import MoE as NativeMoE
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups, set_z3_leaf_modules
+
+from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group
+
+__all__ = ["Zero3MoE", "check_zero3_config", "to_zero3", "zero_stage"]
+
+EXPERT_FAMILY = "autoep_expert"   # DeepSpeed's placement family for parameters split over an expert-data group
 
 
-def check_zero_stage(ds_config: Mapping[str, Any]) -> None:
-    """Refuse a config the model's MoE layers cannot train under (called only when the model has MoE layers)."""
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3:
-        raise ValueError("zero_optimization.stage=3 is not supported with MoE layers (DeepSpeed's native MoE and "
-                         "backend tutel alike: expert parameters are not partitioned by ZeRO-3); allowed: "
-                         "zero_optimization.stage 0, 1 or 2")
+class Zero3MoE(nn.Module):
+    """moe_plugin.integrations.deepspeed.MoE as it runs under ZeRO stage 3: the same attributes, weights and
+    forward(x, used_token=None) -> (output, l_aux, exp_counts), without the deepspeed.moe.layer.MoE base class."""
+
+    forward = NativeMoE.forward
+
+
+def zero_stage(ds_config: Mapping[str, Any]) -> int:
+    return ds_config.get("zero_optimization", {}).get("stage", 0)
+
+
+def check_zero3_config(ds_config: Mapping[str, Any], mpu: Any = None) -> None:
+    """Stage-3 options DeepSpeed's constrained ZeRO-3 refuses for expert placement, refused here by their key."""
+    zero = ds_config.get("zero_optimization", {})
+    refused = {"zero_optimization.zero_hpz_partition_size": (zero.get("zero_hpz_partition_size", 1), 1),
+               "zero_optimization.zero_quantized_gradients": (zero.get("zero_quantized_gradients", False), False),
+               "sequence_parallel_size": (ds_config.get("sequence_parallel_size", 1), 1)}
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        refused["sequence_parallel_size"] = (mpu.get_sequence_parallel_world_size(), 1)
+    for key, (value, allowed) in refused.items():
+        if value not in (allowed, None):
+            raise ValueError(f"DeepSpeed config {key}={value!r} is not supported with MoE layers at "
+                             f"zero_optimization.stage 3: DeepSpeed places expert parameters (split over their "
+                             f"expert-data-parallel group) only without it; allowed: {allowed!r} (or stage 1/2)")
+
+
+def to_zero3(model: nn.Module) -> nn.Module:
+    """Make every MoE layer of ours in model run under ZeRO stage 3 (see the module doc), in place.
+
+    Call before deepspeed.initialize, after torch.distributed starts. Returns model."""
+    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock
+    from moe_plugin.integrations.transformers.block import HFMoEBlock
+    layers = [m for m in model.modules() if isinstance(m, (DeepSpeedHFMoEBlock, MoE))]
+    native = [name for name, m in model.named_modules()
+              if isinstance(m, NativeMoE) and not isinstance(m, (DeepSpeedHFMoEBlock, MoE))]
+    if native:
+        raise ValueError(f"DeepSpeed's native MoE layers ({', '.join(native[:3])}) do not run under "
+                         f"zero_optimization.stage 3 (DeepSpeed refuses them); set \"moe\": {{\"backend\": \"tutel\"}} "
+                         f"to run them as moe_plugin's layer, or use stage 0, 1 or 2")
+    for layer in layers:
+        _place_experts(layer)
+        layer.__class__ = HFMoEBlock if isinstance(layer, DeepSpeedHFMoEBlock) else Zero3MoE
+    if any(isinstance(m, (HFMoEBlock, Zero3MoE)) for m in model.modules()):
+        set_z3_leaf_modules(model, [HFMoEBlock, Zero3MoE])
+    return model
+
+
+def _place_experts(layer: nn.Module) -> None:
+    name = layer.expert_group_name
+    _expert_parallel_group(layer.ep_size)   # DeepSpeed's expert and expert-data groups exist
+    expert_data_group = groups._get_expert_data_parallel_group(name)
+    for param_name, param in layer.named_parameters():
+        if not is_moe_param(param):
+            continue
+        if hasattr(param, "ds_id") and layer.ep_size > 1:
+            raise ValueError(f"expert parameter {param_name!r} was partitioned over all ranks by deepspeed.zero.Init; "
+                             f"with ep_size={layer.ep_size} it must be split over its expert-data-parallel group: "
+                             f"build the model outside deepspeed.zero.Init (ZeRO-3 partitions it in initialize)")
+        param.ds_zero_placement_family = EXPERT_FAMILY
+        param.ds_zero_partition_group_name = name
+        param.ds_zero_partition_process_group = expert_data_group

@@ -179,12 +179,16 @@ def test_optimizer_groups_follow_the_swap():
         set(map(id, new_model["moe"].deepspeed_moe.experts.parameters()))
 
 
-def test_zero_stage_3_and_bad_sections_fail_before_anything_starts():
+def test_zero_stage_3_options_and_bad_sections_fail_before_anything_starts():
     model = MoETransformerLM({"num_experts": 4, "top_k": 1})
     base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3 is not supported with MoE layers .* "
-                                         r"allowed: zero_optimization.stage 0, 1 or 2"):
-        dsi.initialize(model=model, config={**base, "zero_optimization": {"stage": 3}, "moe": {"backend": "tutel"}})
+    for key, zero, extra in [("zero_optimization.zero_hpz_partition_size=2", {"zero_hpz_partition_size": 2}, {}),
+                             ("zero_optimization.zero_quantized_gradients=True", {"zero_quantized_gradients": True},
+                              {}),
+                             ("sequence_parallel_size=2", {}, {"sequence_parallel_size": 2})]:
+        with pytest.raises(ValueError, match=rf"{key} is not supported with MoE layers at zero_optimization.stage 3"):
+            dsi.initialize(model=model, config={**base, **extra, "zero_optimization": {"stage": 3, **zero},
+                                                "moe": {"backend": "tutel"}})
     with pytest.raises(ValueError, match=r"\"moe.top_k\"=0 is invalid"):
         dsi.initialize(model=model, config={**base, "moe": {"backend": "tutel", "top_k": 0}})
     with pytest.raises(ValueError, match="needs a config"):

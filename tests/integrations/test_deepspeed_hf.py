@@ -257,9 +257,9 @@ def test_a_moe_section_next_to_an_enabled_autoep_section_is_an_error():
     with pytest.raises(ValueError, match=r"\"moe\" section .* enabled \"expert_parallel\" section .* keep one"):
         dsi.initialize(model=build_model("mixtral", seed=0), config=config)
     model = build_model("mixtral", seed=0)    # AutoEP switched off: ours swaps as usual (checked up to DeepSpeed)
-    with pytest.raises(ValueError, match="zero_optimization.stage=3"):
+    with pytest.raises(ValueError, match="zero_optimization.zero_quantized_gradients=True is not supported"):
         dsi.initialize(model=model, config={**config, "expert_parallel": {**autoep, "enabled": False},
-                                            "zero_optimization": {"stage": 3}})
+                                            "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
 
 
 def test_a_section_on_a_model_without_a_recognised_moe_block_is_an_error():
@@ -295,8 +295,10 @@ def test_backend_deepspeed_zero_3_and_bad_values_on_an_hf_model_fail_clearly():
     with pytest.raises(ValueError, match=r"\"moe.backend\"='deepspeed' needs deepspeed.moe.layer.MoE layers; the "
                                          r"qwen3_moe model's Hugging Face MoE blocks run on backend \"tutel\""):
         dsi.initialize(model=model, config={**BASE, "moe": {"backend": "deepspeed"}})
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3 is not supported with MoE layers"):
-        dsi.initialize(model=model, config={**BASE, "zero_optimization": {"stage": 3}, "moe": {"backend": "tutel"}})
+    with pytest.raises(ValueError, match=r"zero_optimization.zero_hpz_partition_size=2 is not supported with MoE "
+                                         r"layers at zero_optimization.stage 3"):
+        dsi.initialize(model=model, config={**BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
+                                            "moe": {"backend": "tutel"}})
     with pytest.raises(ValueError, match=r"\"moe.ep_size\"=4 is invalid for the qwen3_moe model's 6 experts: must "
                                          r"divide them, one of \[1, 2, 3, 6\]"):
         dsi.initialize(model=model, config={**BASE, "moe": {"backend": "tutel", "ep_size": 4}})
