@@ -385,8 +385,7 @@ def _rebuild(old: NativeMoE, settings: Dict[str, Any]) -> MoE:
     new = MoE(expert=expert, **settings).to(device=any_param.device, dtype=any_param.dtype)
     if old.use_residual:
         new.mlp, new.coefficient = old.mlp, old.coefficient
-    with deepspeed.zero.GatheredParameters(list(old.parameters())):   # whole again if built under zero.Init
-        new.load_state_dict(old.state_dict())
+    new.load_state_dict(old.state_dict())
     new.train(old.training)
     return new
 
