@@ -153,6 +153,17 @@ class Experts(nn.Module):
                 if param is not None:
                     param.copy_(torch.stack([w[key] for w in shards]))
 
+    def _apply(self, fn, recurse=True):
+        """to_empty (meta -> a device) makes new parameter objects: the attributes hosts set on the old ones
+        (DeepSpeed's allreduce and group_name, which mark expert parameters) move to the new ones."""
+        tags = {name: dict(vars(param)) for name, param in self.named_parameters() if vars(param)}
+        super()._apply(fn, recurse)
+        for name, param in self.named_parameters():
+            for key, value in tags.get(name, {}).items():
+                if not hasattr(param, key):
+                    setattr(param, key, value)
+        return self
+
     @staticmethod
     def full_expert(config: MoEConfig, seed: int, std: Optional[float] = None) -> dict:
         """One whole expert drawn from its seed: uniform in +-1/sqrt(fan_in), or (std given) weights

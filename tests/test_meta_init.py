@@ -130,3 +130,18 @@ def test_native_model_reset_draws_as_its_construction():
         assert torch.isfinite(b).all(), name
         a, b = a.detach(), b.detach()
         assert float(b.abs().max()) <= 1.5 * float(a.abs().max()) + 1e-6 and float(b.std()) < 2 * float(a.std()) + 1e-6, name
+
+
+def test_expert_parameter_tags_survive_to_empty():
+    """to_empty makes new parameter objects; DeepSpeed's tags on the expert parameters (allreduce=False:
+    reduce over the expert-data-parallel group only) move to them, else an expert's gradient would be
+    averaged with other ranks' different experts."""
+    with torch.device("meta"):
+        layer = MoELayer(config(bias=True))
+    for param in layer.experts.parameters():
+        param.allreduce, param.group_name = False, "ep_size_2"
+    old = list(layer.experts.parameters())
+    layer.to_empty(device="cpu").reset_parameters()
+    assert all(p is not o for p, o in zip(layer.experts.parameters(), old))
+    assert all(p.allreduce is False and p.group_name == "ep_size_2" for p in layer.experts.parameters())
+    assert not any(hasattr(p, "allreduce") for p in layer.router.parameters())

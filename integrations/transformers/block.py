@@ -92,17 +92,6 @@ class HFMoEBlock(nn.Module):
         blocks; the expert bias 0. HF's init_weights() calls this through the model's _init_weights."""
         self.moe.reset_parameters()
 
-    def _apply(self, fn, recurse=True):
-        """to_empty (meta -> a device) makes new parameter objects: the attributes hosts set on the old ones
-        (DeepSpeed's allreduce and group_name, which mark the expert parameters) move to the new ones."""
-        tags = {name: dict(vars(param)) for name, param in self.named_parameters() if vars(param)}
-        super()._apply(fn, recurse)
-        for name, param in self.named_parameters():
-            for key, value in tags.get(name, {}).items():
-                if not hasattr(param, key):
-                    setattr(param, key, value)
-        return self
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.training and self.jitter_noise > 0:   # Mixtral's router_jitter_noise, as HF applies it
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
