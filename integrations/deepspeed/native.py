@@ -277,6 +277,10 @@ class MoE(NativeMoE):
         self.num_local_experts = num_experts // ep_size
 
         structure = _expert_structure(expert, hidden_size, activation)
+        if structure is None and any(hasattr(p, "ds_id") for p in expert.parameters()):
+            raise ValueError(f"expert module {type(expert).__name__} runs on the general path (each expert a copy of "
+                             f"the module), which cannot copy parameters partitioned by deepspeed.zero.Init; build "
+                             f"the model outside deepspeed.zero.Init (ZeRO-3 partitions it in initialize)")
         # the general path (structure None) reads neither hidden size, activation nor bias
         linear_names, expert_hidden, activation, bias = structure or (None, hidden_size, "identity", False)
         if use_rts and drop_tokens and k == 1:

@@ -220,6 +220,14 @@ def _ep_worker(rank, world, directory):
         from_native.load_checkpoint(directory, tag="native", load_optimizer_states=False)
         report["native -> tutel"] = (from_native(probe)[0] - native(probe)[0]).abs().max().item()
     report["resumed steps"] = max((_step(resumed, *d) - _step(tutel, *d)).abs().max().item() for d in data[2:])
+    import deepspeed
+    with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+                                                  "zero_optimization": {"stage": 3}}):
+        try:
+            dsi.MoE(D, nn.Linear(D, D), num_experts=E, ep_size=2, k=1, use_rts=False)
+            report["zero.Init"] = "built"
+        except ValueError as error:
+            report["zero.Init"] = str(error)
     return report
 
 
@@ -227,8 +235,11 @@ def _ep_worker(rank, world, directory):
 def test_expert_parallel_training_and_checkpoints(tmp_path):
     """ep_size 2: two training steps give the native layers' outputs; engine.save_checkpoint writes the
     general path's experts to DeepSpeed's per-expert files, load_checkpoint restores them (and a native
-    checkpoint loads), and training resumes exactly."""
+    checkpoint loads), and training resumes exactly; under deepspeed.zero.Init the general path refuses
+    clearly."""
     for report in run_workers(_ep_worker, 2, str(tmp_path), timeout=240):
         assert report["steps"] < 1e-4, report
         assert report["tutel -> tutel"] == 0.0 and report["resumed steps"] == 0.0, report
         assert report["native -> tutel"] < TOLERANCE, report
+        assert "expert module Linear runs on the general path" in report["zero.Init"] and \
+            "partitioned by deepspeed.zero.Init" in report["zero.Init"], report
