@@ -69,23 +69,41 @@ def expert_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
 def expert_pieces(layer: nn.Module, name: str, tensor: torch.Tensor, writing: bool) -> ExpertPieces:
     """The pieces of one expert tensor (a parameter or a same-shaped optimizer state) of `layer`.
 
+    Under FSDP2 (a DTensor) this rank holds only a shard of its expert stack: the pieces are the shard's.
     writing: leave out what this rank must not write (b2 of hidden slices other than 0)."""
+    full = list(tensor.shape)               # a DTensor's shape is the rank's whole stack
+    tensor, at = _local_shard(tensor)
     layout = layer.groups.layout
     E, S, s, first = layout.num_experts, layout.slices, layout.slice_index, layout.first_expert
-    shape = list(tensor.shape)
+    lead = (first + at[0],) + tuple(at[1:-1])       # offsets in the expert dim and the middle dims
     if S == 1:
-        size = [E] + shape[1:]
-        return ExpertPieces(size, [((first,) + (0,) * (len(shape) - 1), tensor)])
+        return _pieces([E] + full[1:], [((first + at[0],) + tuple(at[1:]), tensor)])
     h = layout.local_hidden   # E_local is 1 here
     if name == "w2_EHD":
-        return ExpertPieces([E, h * S] + shape[2:], [((first, s * h, 0), tensor)])
+        return _pieces([E, h * S] + full[2:], [((first + at[0], s * h + at[1], at[2]), tensor)])
     if name == "b2_ED":
-        return ExpertPieces([E] + shape[1:], [] if writing and s else [((first, 0), tensor)])
-    halves = shape[-1] // h                       # w1 and b1: A halves of h columns each
-    size = [E] + shape[1:-1] + [halves * h * S]
-    pieces = [((first,) + (0,) * (len(shape) - 2) + (a * h * S + s * h,), tensor[..., a * h:(a + 1) * h])
-              for a in range(halves)]
-    return ExpertPieces(size, pieces)
+        return _pieces([E] + full[1:], [] if writing and s else [((first + at[0], at[1]), tensor)])
+    halves = full[-1] // h                        # w1 and b1: A halves of h columns each
+    start, end, pieces = at[-1], at[-1] + tensor.shape[-1], []   # the columns of the stack held here
+    for a in range(halves):
+        lo, hi = max(start, a * h), min(end, (a + 1) * h)
+        if lo < hi:
+            pieces.append((lead + (a * h * S + s * h + lo - a * h,), tensor[..., lo - start:hi - start]))
+    return _pieces([E] + full[1:-1] + [halves * h * S], pieces)
+
+
+def _pieces(size, pieces) -> ExpertPieces:
+    return ExpertPieces(size, [(o, t) for o, t in pieces if t.numel()])   # an FSDP2 shard may be empty
+
+
+def _local_shard(tensor: torch.Tensor) -> Tuple[torch.Tensor, Offsets]:
+    """(the part this rank holds, its offsets in the rank's whole tensor): a DTensor's local shard, or tensor."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), tuple(offsets)
 
 
 def expert_tensor_names(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
@@ -108,7 +126,7 @@ def _entries(tensors: List[Tuple[str, str, torch.Tensor]], writing: bool,
                 out[key] = tensor
             continue
         pieces = expert_pieces(layer, name, tensor, writing)
-        if pieces.pieces:
+        if pieces.pieces or not writing:   # reading none (an empty FSDP2 shard) still reads the key
             out[key] = pieces
     return out
 

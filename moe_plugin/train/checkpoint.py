@@ -32,6 +32,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, List, Tuple
 
 import torch
@@ -91,14 +92,23 @@ def read_meta(path: Path) -> dict:
 
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> dict:
-    """model.state_dict() with every expert, as one process holding all experts has it (a collective)."""
-    state = model.state_dict()
+    """model.state_dict() with every expert, as one process holding all experts has it (a collective).
+    FSDP2 shards are gathered first (an expert's over the ranks holding it, then over its ep group)."""
+    state = {k: whole(v) for k, v in model.state_dict().items()}
     for prefix, layer in expert_layers(model):
-        full = gathered_experts(layer.experts, layer.groups, 0)
+        local = SimpleNamespace(activation=layer.experts.activation,
+                                **{n: state.get(f"{prefix}experts.{n}") for n in sharded.EXPERT_NAMES})
+        full = gathered_experts(local, layer.groups, 0)
         for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED"):
             if getattr(full, name) is not None:
                 state[f"{prefix}experts.{name}"] = getattr(full, name)
     return state
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP2 shard) gathered into the tensor it shards (a collective); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def load_full_state_dict(model: torch.nn.Module, state: dict) -> None:

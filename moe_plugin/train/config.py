@@ -41,6 +41,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     ep_size: int = 1                 # expert-parallel group size
+    fsdp: bool = False               # FSDP2 (fully_shard_moe) instead of DDP: parameters, gradients and optimizer
+                                     # state sharded (experts over the ranks holding them); needs >= 2 processes
 
 
 @dataclass

@@ -45,9 +45,17 @@ def topic_routing(model: TransformerLM, topics: Dict[str, torch.Tensor], device:
     return routing
 
 
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
 def parameter_hash(model: torch.nn.Module, skip: Sequence[str] = ()) -> str:
+    """Of this rank's whole tensors (FSDP2 shards gathered first: a collective then)."""
+    from torch.distributed.tensor import DTensor
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if name in skip:
             continue
         digest.update(name.encode())
@@ -61,6 +69,9 @@ def train(cfg: ExperimentConfig) -> dict:
     procs = start_processes(cfg.train.device)
     try:
         ep_size = cfg.parallel.ep_size
+        if cfg.parallel.fsdp and procs.world_size == 1:
+            raise ValueError("parallel.fsdp=true is invalid with 1 process: FSDP2 shards over torchrun processes "
+                             "(launch with torchrun --nproc_per_node N, N >= 2), or set parallel.fsdp=false")
         if procs.world_size % ep_size:
             raise ValueError(f"parallel.ep_size={ep_size} is invalid: must divide the number of processes, "
                              f"{procs.world_size} (launch with torchrun --nproc_per_node N, N a multiple of {ep_size})")
@@ -74,7 +85,15 @@ def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_s
     """clip_grad_norm_ by the norm of the whole model's gradient; returns that norm.
 
     Under expert parallelism each rank holds other experts: their squares are summed over the world,
-    where world_size / ep_size ranks hold each expert with the same gradient."""
+    where world_size / ep_size ranks hold each expert with the same gradient. Under FSDP2 every
+    gradient element lives on one rank: the squares of the local shards are summed over the world."""
+    if _is_sharded(model):
+        grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+        square = torch.nn.utils.get_total_norm(grads).square()
+        dist.all_reduce(square)
+        norm = square.sqrt()
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))   # as clip_grads_with_norm_
+        return norm
     experts = {id(p): p for _, p in expert_parameters(model)}
     if not experts:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -10,6 +10,7 @@ import torch
 from ..data import VOCAB_SIZE, Data, make_data
 from ..models import TransformerLM
 from ..parallel.expert_grads import hook_expert_grads
+from ..parallel.fsdp import fully_shard_moe
 from .config import ExperimentConfig, TrainConfig, moe_config
 from .processes import Processes
 
@@ -48,6 +49,8 @@ def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
         model = build_hf_model(cfg).to(procs.device)
     else:
         model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
+    if cfg.parallel.fsdp:   # sharded before the optimizer is built: it holds the shards
+        fully_shard_moe(model)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg.train, step))
     data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches,
@@ -57,8 +60,10 @@ def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
 
 
 def data_parallel(model: TransformerLM, procs: Processes) -> torch.nn.Module:
-    """DDP over the world, but for the experts of expert-parallel layers (each rank holds its own; hooked instead)."""
-    if procs.world_size == 1:
+    """DDP over the world, but for the experts of expert-parallel layers (each rank holds its own; hooked instead).
+    A model sharded by FSDP2 (build() with parallel.fsdp) is returned as it is."""
+    from torch.distributed.fsdp import FSDPModule
+    if procs.world_size == 1 or isinstance(model, FSDPModule):
         return model
     experts = hook_expert_grads(model, procs.world_size)
     DDP = torch.nn.parallel.DistributedDataParallel
