@@ -14,14 +14,17 @@ TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
 DEV = ["pytest>=7", "pytest-timeout>=2"]
 
 # The "moe" section wherever DeepSpeed starts (integrations/deepspeed/hook.py). site runs the .pth line at every
-# interpreter start; the module it imports (a copy of integrations/deepspeed/startup.py) only registers a finder
-# that acts when `deepspeed` is first imported. MOE_PLUGIN_DEEPSPEED_HOOK=0 turns it off.
+# interpreter start: unless MOE_PLUGIN_DEEPSPEED_HOOK=0, it puts an import finder at the head of sys.meta_path that
+# answers None to every name but "deepspeed", and for that one imports the module (a copy of
+# integrations/deepspeed/startup.py, whose DeepSpeedImportHook this stands in for) and asks it.
 HOOK_PTH = "moe_plugin_deepspeed_hook.pth"
 HOOK_MODULE = "moe_plugin_deepspeed_hook.py"
 HOOK_SOURCE = os.path.join("integrations", "deepspeed", "startup.py")
-HOOK_LINE = ("import os; os.environ.get('MOE_PLUGIN_DEEPSPEED_HOOK', '1') == '0' or "
-             "__import__('moe_plugin_deepspeed_hook').install()\n")
-
+HOOK_LINE = ("import os, sys; os.environ.get('MOE_PLUGIN_DEEPSPEED_HOOK', '1') == '0' "
+             # once: site reads a venv's lib64 -> lib link as a second site dir
+             "or any(type(f).__name__ == 'DeepSpeedImportHook' for f in sys.meta_path) or sys.meta_path.insert(0, "
+             "type('DeepSpeedImportHook', (), {'find_spec': staticmethod(lambda name, *args: "
+             "__import__('moe_plugin_deepspeed_hook').find_spec(name, *args) if name == 'deepspeed' else None)})())\n")
 
 class BuildDeepSpeedHook(Command):
     """Write the .pth and its module to the top of what gets installed.

@@ -21,7 +21,8 @@ REINSTALL = "moe_plugin_deepspeed_hook.pth is not installed: run `pip install -e
 PROBE = """
 import importlib.util, json, sys
 start = {"hook": [type(f).__name__ for f in sys.meta_path].count("DeepSpeedImportHook"),
-         "imported": sorted(m for m in ("torch", "moe_plugin", "deepspeed") if m in sys.modules)}
+         "imported": sorted(m for m in ("torch", "moe_plugin", "deepspeed", "moe_plugin_deepspeed_hook")
+                            if m in sys.modules)}
 importlib.util.find_spec("deepspeed")   # transformers' is_deepspeed_available looks it up without importing it
 import deepspeed
 print(json.dumps({**start, "enabled": hasattr(deepspeed.initialize, "_moe_plugin_original"),
@@ -54,7 +55,7 @@ def test_the_installed_pth_hooks_deepspeed_when_first_imported_and_can_be_turned
                           env={**env, "OMP_NUM_THREADS": "1"}, cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
-    assert probe["imported"] == [], probe    # the start imports neither torch nor moe_plugin
+    assert probe["imported"] == [], probe    # the start imports neither torch, moe_plugin nor the hook's module
     on = switch is None
     assert probe == {"hook": int(on), "imported": [], "enabled": on, "hook_after": 0}, probe
 
