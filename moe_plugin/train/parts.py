@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, List
 
 import torch
+from torch import nn
 
 from ..data import VOCAB_SIZE, Data, make_data
 from ..models import TransformerLM
@@ -42,11 +43,43 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
             {"params": [p for n, p in named if not is_matrix(n, p)], "weight_decay": 0.0}]
 
 
+def materialize_from_meta(make: Callable[[], TransformerLM], device: torch.device) -> TransformerLM:
+    """make() on the meta device, then to_empty on device and every module's reset_parameters() in the order
+    TransformerLM's construction draws them, from the RNG state make() started with: make()'s weights."""
+    rng = torch.get_rng_state()
+    with torch.device("meta"):
+        model = make()
+    model.to_empty(device=device)
+    torch.set_rng_state(rng)
+    for module in _construction_order(model):
+        if hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
+            module.reset_parameters()
+    for module in model.modules():   # TransformerLM's own initialization (models/transformer.py), again
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+    return model
+
+
+def _construction_order(model: TransformerLM) -> List[nn.Module]:
+    """A block's FFN is built before the block (it is an argument of Block)."""
+    order = [model.token_embedding, model.position_embedding]
+    for block in model.blocks:
+        order += [*block.ffn.modules(), block.attn_norm, *block.attn.modules(), block.ffn_norm]
+    order += [model.norm] + ([model.head] if model.head is not None else [])
+    owners = {m for m in model.modules() if any(True for _ in m.parameters(recurse=False))}
+    assert owners <= set(order), "a TransformerLM module with parameters is missing from the order"
+    return order
+
+
 def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
     if cfg.hf is not None:
         from .hf_model import build_hf_model   # imports transformers
         model = build_hf_model(cfg).to(procs.device)
+    elif cfg.parallel.fsdp:
+        model = materialize_from_meta(lambda: TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE), procs.device)
     else:
         model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
     if cfg.parallel.fsdp:   # sharded before the optimizer is built: it holds the shards

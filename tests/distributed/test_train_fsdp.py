@@ -156,3 +156,22 @@ def test_fsdp_checkpoint_resumes_on_another_number_of_processes(tmp_path, fresh_
     for step, errors, expert_layer_count in results:
         assert step == 3 and errors == []
         assert expert_layer_count == (1 if dst_world > 1 else 0)
+
+
+@pytest.mark.parametrize("extra", [[], ["moe.shared_hidden_size=16", "moe.router=cosine", "moe.activation=swiglu",
+                                        "moe.bias=true", "model.tie_embeddings=false"]])
+def test_fsdp_mode_builds_on_meta_the_weights_of_a_plain_construction(extra, fresh_seed):
+    """parallel.fsdp builds the model on the meta device (then to_empty and reset_parameters): every parameter and
+    buffer equals the plain construction's from the same seed."""
+    from moe_plugin.data import VOCAB_SIZE
+    from moe_plugin.models import TransformerLM
+    from moe_plugin.train.parts import materialize_from_meta
+    cfg = train.load_config(None, [*TINY, *extra])
+    torch.manual_seed(fresh_seed)
+    plain = TransformerLM(cfg.model, train.moe_config(cfg), VOCAB_SIZE)
+    torch.manual_seed(fresh_seed)
+    built = materialize_from_meta(lambda: TransformerLM(cfg.model, train.moe_config(cfg), VOCAB_SIZE),
+                                  torch.device("cpu"))
+    state = built.state_dict()
+    assert all(not t.is_meta for t in state.values())
+    assert [k for k, v in plain.state_dict().items() if not torch.equal(v, state[k])] == []
