@@ -1,7 +1,9 @@
 """ZeRO stage 3 (gloo, 2 and 4 processes): swapped HF blocks and moe_plugin's native-API layer train with the
 losses of HF's own blocks / ZeRO-1 under the same config and of one process; ranks routing to disjoint experts or
-to none do not hang; expert parameters are split over their expert-data-parallel group (ep_size 2)."""
+to none do not hang; expert parameters are split over their expert-data-parallel group (ep_size 2); checkpoints
+round-trip and consolidate; HF Trainer with a stage-3 JSON trains and saves a folder plain transformers loads."""
 import copy
+import json
 import os
 import sys
 
@@ -79,8 +81,9 @@ def hf_worker(rank, world, steps):
     report["section"] = train(initialize(model=build_model("mixtral", seed=3),
                                          config=config(3, lr, {"backend": "tutel"}))[0])
     capacity = {"backend": "tutel", "capacity_factor": 1.0}
-    report["capacity zero3"] = train(initialize(model=build_model("mixtral", seed=3), config=config(3, lr, capacity))[0])
-    report["capacity zero1"] = train(initialize(model=build_model("mixtral", seed=3), config=config(1, lr, capacity))[0])
+    for stage in (3, 1):
+        engine = initialize(model=build_model("mixtral", seed=3), config=config(stage, lr, capacity))[0]
+        report[f"capacity zero{stage}"] = train(engine)
     return report
 
 
@@ -316,3 +319,33 @@ def test_checkpoints_under_zero3(ep_size, tmp_path):
     if ep_size == 1:
         errors = consolidate(str(tmp_path))
         assert max(errors.values()) < 1e-5, errors
+
+
+@needs_transformers
+def test_hf_trainer_under_zero3_equals_hf_own_blocks_and_save_model_loads(tmp_path):
+    """transformers.Trainer, a stage-3 JSON with "moe": {"backend": "tutel"} and a model swapped by swap_moe_blocks,
+    under torchrun on 2 gloo ranks: the losses of HF's own blocks under the same Trainer config, and
+    save_model's folder (stage3_gather_16bit_weights_on_model_save) loads with plain from_pretrained as HF's."""
+    import subprocess
+
+    import hf_trainer_worker
+    import hf_trainer_zero3_worker as worker
+    from transformers import MixtralForCausalLM
+    results = {}
+    for mode in ("ours", "hf"):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   worker.__file__, str(tmp_path / mode), mode, "6"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=500,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        results[mode] = [json.loads((tmp_path / mode / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    for ours, hf in zip(results["ours"], results["hf"]):
+        assert ours["blocks"] == ["HFMoEBlock"] and hf["blocks"] == [], (ours, hf)
+        assert len(ours["losses"]) == 6, ours
+        assert all(relative(a, b) < TOLERANCE for a, b in zip(ours["losses"], hf["losses"])), (ours, hf)
+    probe = torch.stack([row["input_ids"] for row in hf_trainer_worker.dataset(4)])
+    with torch.no_grad():
+        logits = {mode: MixtralForCausalLM.from_pretrained(tmp_path / mode / "final")(input_ids=probe).logits
+                  for mode in ("ours", "hf")}
+        untrained = hf_trainer_worker.build_model()(input_ids=probe).logits
+    assert (logits["ours"] - logits["hf"]).abs().max() < 1e-4 * (logits["hf"] - untrained).abs().max(), logits
