@@ -227,5 +227,5 @@ def test_example_runs_under_torchrun():
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=170,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "backend tutel: moe_plugin.integrations.deepspeed.MoE, world 2" in done.stdout
+    assert "backend tutel: moe_plugin.integrations.deepspeed.native.MoE, world 2" in done.stdout
     assert "step 4 loss" in done.stdout
