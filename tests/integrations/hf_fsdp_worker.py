@@ -1,0 +1,58 @@
+"""Run under torchrun by test_transformers_fsdp.py: a swapped HF model sharded with fully_shard_moe, trained
+by transformers.Trainer with Accelerate's FSDP2 (fsdp_version 2), CPU and gloo.
+
+    torchrun --nproc_per_node 2 hf_fsdp_worker.py OUT_DIR EP_SIZE STEPS     (EP_SIZE 0: HF's own blocks)
+
+Writes result<rank>.json: the logged losses and the block classes. (trainer.save_model under this CPU FSDP
+state hangs for HF's own blocks as for ours, and export_hf does not yet gather FSDP2 shards: not run here.)
+"""
+import json
+import os
+import sys
+
+import torch
+
+import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
+from hf_trainer_worker import build_model, dataset
+
+
+def on_fsdp(trainer):
+    """Accelerate 1.15 takes its FSDP path only on accelerator devices (on CPU it falls back to DDP, which
+    cannot hold DTensors): here, on CPU, the state is switched to FSDP with the plugin Trainer made from
+    fsdp_config, so that Accelerate's and Trainer's FSDP2 code (fsdp2_prepare_model, which leaves a model that
+    is already an FSDPModule as it is; the FSDP2 state dicts of save_model) runs as it does on GPUs."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    state = trainer.accelerator.state
+    if state.distributed_type != DistributedType.FSDP:
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+        trainer.is_fsdp_enabled = True
+
+
+def main(out_dir, ep_size, steps):
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+    from moe_plugin.parallel import fully_shard_moe
+
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), use_cpu=True, fsdp="full_shard",
+                             fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
+                                          # a model sharded beforehand: Accelerate wraps nothing more
+                                          **({"auto_wrap_policy": "NO_WRAP"} if ep_size else {})},
+                             per_device_train_batch_size=4, max_steps=steps, learning_rate=0.5, optim="sgd",
+                             lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+                             report_to=[], seed=0)
+    model = build_model()
+    if ep_size:   # after TrainingArguments: distributed is up
+        model = fully_shard_moe(hf_moe.swap_moe_blocks(model, ep_size=ep_size))
+    trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    on_fsdp(trainer)
+    trainer.train()
+    rank = dist.get_rank()
+    result = {"losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+              "blocks": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "moe")})}
+    with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
+        json.dump(result, file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,32 @@
+"""A swapped HF model sharded with fully_shard_moe trains under transformers.Trainer with Accelerate's FSDP2
+(fsdp_version 2) on 2 gloo processes, at ep_size 1 and 2, with the losses of HF's own blocks sharded by
+Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def launch(out, ep_size, steps=4):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(HERE / "hf_fsdp_worker.py"), str(out), str(ep_size), str(steps)]
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent.parent}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"result{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_trainer_with_accelerate_fsdp2_trains_a_sharded_swapped_model_as_hf_own_blocks(tmp_path):
+    own = launch(tmp_path / "hf", 0)
+    assert own[0]["blocks"] == [] and len(own[0]["losses"]) == 4
+    assert own[0]["losses"][-1] < own[0]["losses"][0] - 0.3
+    for ep_size in (1, 2):
+        swapped = launch(tmp_path / f"ep{ep_size}", ep_size)
+        for rank in range(2):
+            assert swapped[rank]["blocks"] and swapped[rank]["losses"] == pytest.approx(own[rank]["losses"], rel=1e-5)
