@@ -34,7 +34,7 @@ from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_sec
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE, check_zero3_config, to_zero3, zero_stage
 
 __all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "read_moe_section", "moe_config", "swap_moe_layers",
-           "to_zero3", "SECTION_KEYS"]
+           "to_zero3", "SECTION_KEYS", "enable"]
 
 
 def _remap(params, replaced: Dict[int, List[nn.Parameter]]) -> list:
@@ -92,6 +92,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         check_zero3_config(ds_config, mpu)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
+    use_pipeline_topology(model)
     replaced: Dict[int, List[nn.Parameter]] = {}
     if swap_hf:
         model, replaced = swap_for_section(model, section)
@@ -110,6 +111,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                                  "an optimizer that has not stepped yet")
             for group in optimizer.param_groups:
                 group["params"] = _remap(group["params"], replaced)
+        if isinstance(optimizer, torch.optim.Optimizer) and zero_stage(ds_config) in (1, 2):
+            split_client_optimizer(optimizer)
     engine, *rest = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                          model_parameters=model_parameters, training_data=training_data,
                                          lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
@@ -134,3 +137,30 @@ def update_bias_every_step(engine) -> None:
             update_expert_bias(engine.module)
         return result
     engine.step = step_and_update_bias
+
+
+def split_client_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Give a client optimizer's expert parameters groups of their own, as ZeRO 1/2 asks of MoE models (each
+    group's settings kept). A scheduler built on the optimizer before would miss the new groups: refused."""
+    if any("moe" in group for group in optimizer.param_groups):
+        return
+    groups = configure_moe_param_groups([{**group, "name": group.get("name", f"group_{i}")}
+                                         for i, group in enumerate(optimizer.param_groups)])
+    groups = [group for group in groups if group["params"]]
+    if len(groups) != len(optimizer.param_groups) and getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        raise ValueError("the optimizer passed to initialize already has a learning-rate scheduler, built on its "
+                         f"{len(optimizer.param_groups)} param groups; ZeRO stage 1/2 needs the MoE layers' expert "
+                         f"parameters in groups of their own ({len(groups)} groups), which the scheduler would not "
+                         "see. Build the scheduler after initialize (accelerator.prepare), or let DeepSpeed build "
+                         "the optimizer (an \"optimizer\" section)")
+    optimizer.param_groups[:] = groups
+
+
+def use_pipeline_topology(model: nn.Module) -> None:
+    """A PipelineModule's MoE layers exchange tokens and reduce expert gradients inside their pipeline stage:
+    DeepSpeed makes its expert groups follow the pipeline grid (groups.mpu), which its engine sets only after
+    initialize has built moe_plugin's layers (and their groups). Set it first, as the engine will."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.utils import groups
+    if isinstance(model, PipelineModule) and groups.mpu is None:
+        groups.mpu = model.mpu()

@@ -376,7 +376,11 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
         replaced.update(_parameter_map(module, new))
         if name:
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, new)
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, new)
+            funcs = getattr(parent, "forward_funcs", None)   # a PipelineModule calls its stage's layers from here
+            if funcs is not None:
+                funcs[:] = [new if f is module else f for f in funcs]
         else:
             model = new
     return model, replaced

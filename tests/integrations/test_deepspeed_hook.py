@@ -190,11 +190,10 @@ def test_a_plain_script_s_deepspeed_initialize_applies_the_section(tmp_path):
 # HF Trainer and Accelerate under torchrun (2 gloo ranks): the scripts name only the JSON's path
 
 HOST_CONFIGS = {
-    # DeepSpeed builds the optimizer (ZeRO-1 needs the expert parameters in groups of their own)
-    "trainer": {"zero_optimization": {"stage": 1},
-                "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True, "weight_decay": 0.0}}},
-    # a torch Adam the script made from model.parameters() before accelerator.prepare (remapped by initialize)
-    "accelerate": {"zero_optimization": {"stage": 0}},
+    # HF Trainer's own AdamW (weight decay 0) and a torch Adam the script made from model.parameters() before
+    # accelerator.prepare: initialize remaps them and gives the expert parameters groups of their own (ZeRO-1)
+    "trainer": {"zero_optimization": {"stage": 1}},
+    "accelerate": {"zero_optimization": {"stage": 1}},
 }
 
 

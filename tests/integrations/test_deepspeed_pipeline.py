@@ -74,9 +74,6 @@ def one_process(batches_by_dp, aux_coef):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs moe_plugin.integrations.deepspeed.initialize to set DeepSpeed's "
-                   "groups.mpu to the PipelineModule's grid before it builds the layers (ds-hook report); without it "
-                   "the expert-data groups span the stages and the engine mixes the stages' experts")
 def test_a_pipeline_with_moe_stages_equals_the_layers_without_pipelining():
     """2 stages x 2 data-parallel ranks, ep_size 2 inside each stage, ZeRO-1, 2 micro-batches per step: every rank
     reports the one-process losses of the same layers on both data-parallel ranks' micro-batches, aux loss
