@@ -1,0 +1,151 @@
+"""FSDP2 (fully_shard_moe) against DDP on gloo CPU processes: bytes held per rank and step time.
+
+    python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf]
+
+For each world size W and ep_size: the moe-plugin train model (TransformerLM, the sizes below) in DDP mode
+(parts.data_parallel: DDP plus the expert-gradient hooks) and in FSDP2 mode (fully_shard_moe), one AdamW step
+each to create the optimizer state, then the bytes this rank holds (parameters, gradients, AdamW state: the
+local shards under FSDP2) and the median step time of --steps steps. Both modes run in the same processes,
+one after the other. --hf: a tiny-but-not-noise Mixtral, swapped (fully_shard_moe) against HF's own blocks
+under the same FSDP2 sharding (plain fully_shard per decoder layer, then the root), at ep_size 1; step time.
+Prints one table row per case, ratios FSDP2 / DDP and swapped / HF.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+DIM, LAYERS, HEADS, SEQ, FFN, EXPERTS, HIDDEN, BATCH = 256, 4, 4, 64, 1024, 8, 1024, 4
+
+
+def _bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _native(rank, world, ep, fsdp, steps):
+    from moe_plugin import aux_loss, train
+    overrides = [f"model.dim={DIM}", f"model.layers={LAYERS}", f"model.heads={HEADS}", f"model.seq_len={SEQ}",
+                 f"model.ffn_hidden={FFN}", f"moe.num_experts={EXPERTS}", f"moe.hidden_size={HIDDEN}",
+                 f"train.batch_size={BATCH}", f"parallel.ep_size={ep}", f"parallel.fsdp={str(fsdp).lower()}"]
+    cfg = train.load_config(None, overrides)
+    procs = train.Processes(rank, world, torch.device("cpu"), False)
+    parts = train.build(cfg, procs)
+    model, optimizer = parts.model, parts.optimizer
+    wrapped = train.data_parallel(model, procs)
+    times = []
+    for _ in range(steps + 1):
+        x_BS, y_BS = parts.data.train.next()
+        dist.barrier()
+        tick = time.perf_counter()
+        loss = F.cross_entropy(wrapped(x_BS).flatten(0, 1), y_BS.flatten()) + aux_loss(model)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - tick)
+    params = list(model.parameters())
+    state = [v for p in params for v in optimizer.state[p].values() if v.dim() > 0]
+    return {"params": _bytes(params), "grads": _bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _bytes(state), "step_s": statistics.median(times[1:])}
+
+
+def _hf(rank, world, swapped, steps):
+    import moe_plugin.integrations.transformers as hf_moe
+    from torch.distributed.fsdp import fully_shard
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from moe_plugin.parallel import fully_shard_moe
+    config = MixtralConfig(vocab_size=256, hidden_size=DIM, intermediate_size=HIDDEN // 2, num_hidden_layers=2,
+                           num_attention_heads=HEADS, num_key_value_heads=HEADS, num_local_experts=EXPERTS,
+                           num_experts_per_tok=2, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    if swapped:
+        fully_shard_moe(hf_moe.swap_moe_blocks(model))
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(steps + 1):
+        ids = torch.randint(0, 256, (BATCH, SEQ), generator=generator)
+        dist.barrier()
+        tick = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - tick)
+    return {"step_s": statistics.median(times[1:])}
+
+
+def _worker(rank, world, port, cases, steps, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = []
+    for kind, ep, flag in cases:
+        out.append(_native(rank, world, ep, flag, steps) if kind == "native" else _hf(rank, world, flag, steps))
+    queue.put((rank, out))
+    dist.destroy_process_group()
+
+
+def run(world, cases, steps):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_worker, args=(r, world, port, cases, steps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in range(world))
+    for p in procs:
+        p.join()
+    return results[0]   # rank 0's figures (ranks hold the same amounts; step times are barrier-aligned)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--eps", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--hf", action="store_true")
+    args = parser.parse_args()
+    mib = 2 ** 20
+    print(f"model: dim {DIM}, layers {LAYERS} (MoE every 2nd), experts {EXPERTS} x hidden {HIDDEN}, "
+          f"batch {BATCH}x{SEQ} per rank; MiB per rank (rank 0), step = median of {args.steps}")
+    print(f"{'W':>2} {'ep':>2}  {'mode':5} {'params':>8} {'grads':>8} {'adam':>8} {'total':>8} {'step s':>7}  "
+          f"{'total/DDP':>9} {'step/DDP':>8}")
+    for world in args.worlds:
+        cases = [("native", ep, fsdp) for ep in args.eps if world % ep == 0 for fsdp in (False, True)]
+        results = run(world, cases, args.steps)
+        for (_, ep, fsdp), r in zip(cases, results):
+            total = r["params"] + r["grads"] + r["optimizer"]
+            if not fsdp:
+                ddp_total, ddp_step = total, r["step_s"]
+            print(f"{world:>2} {ep:>2}  {'fsdp2' if fsdp else 'ddp':5} {r['params'] / mib:8.2f} "
+                  f"{r['grads'] / mib:8.2f} {r['optimizer'] / mib:8.2f} {total / mib:8.2f} {r['step_s']:7.3f}  "
+                  f"{total / ddp_total:9.3f} {r['step_s'] / ddp_step:8.3f}")
+    if args.hf:
+        results = run(2, [("hf", 1, False), ("hf", 1, True)], args.steps)
+        own, swapped = results[0]["step_s"], results[1]["step_s"]
+        print(f"Mixtral under FSDP2 on 2 processes, ep_size 1: HF's own {own:.3f} s, swapped {swapped:.3f} s, "
+              f"swapped / HF = {swapped / own:.3f}")
+
+
+if __name__ == "__main__":
+    main()
