@@ -21,7 +21,9 @@ def main(out_dir, mode, steps):
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
                  "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
-                 "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+                 # every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by default)
+                 "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                                       "stage3_param_persistence_threshold": 0}}
     if mode == "ours":
         ds_config["moe"] = {"backend": "tutel"}
     args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), use_cpu=True, deepspeed=ds_config,

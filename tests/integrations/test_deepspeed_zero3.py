@@ -24,8 +24,13 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "
 
 
 def config(stage, lr, moe=None):
-    out = {**BASE, "optimizer": {"type": "SGD", "params": {"lr": lr}}, "zero_optimization": {"stage": stage}}
+    out = {**BASE, "optimizer": {"type": "SGD", "params": {"lr": lr}}, "zero_optimization": zero(stage)}
     return out if moe is None else {**out, "moe": moe}
+
+
+def zero(stage):
+    """ZeRO at stage; at 3 every parameter partitioned (by default DeepSpeed keeps those under 1e5 elements whole)."""
+    return {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
 
 
 def setup_worker(rank, world):
@@ -264,7 +269,7 @@ def checkpoint_worker(rank, world, directory, ep_size):
 
     from moe_plugin.integrations.deepspeed import initialize
     adam = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-            "zero_optimization": {"stage": 3}, "moe": {"backend": "tutel", "ep_size": ep_size}}
+            "zero_optimization": zero(3), "moe": {"backend": "tutel", "ep_size": ep_size}}
 
     def engine_from(seed):
         return initialize(model=build_model("mixtral", seed=seed), config=copy.deepcopy(adam))[0]
