@@ -110,7 +110,21 @@ def build_hf_model(cfg) -> HFCausalLM:
     return HFCausalLM(model)
 
 
-def export_hf_model(model: HFCausalLM, directory) -> None:
+def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
     """The trained model as an HF folder: AutoModelForCausalLM.from_pretrained(directory) loads it (unswapped).
-    Under expert parallelism every process must call it; rank 0 writes."""
-    _integration().export_hf(model.hf, directory)
+    Under expert parallelism every process must call it; rank 0 writes. An FSDP2-sharded model (parallel.fsdp,
+    cfg needed) is gathered whole by every process, and rank 0 exports it from an unsharded copy."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(model, FSDPModule):
+        return _integration().export_hf(model.hf, directory)
+    import dataclasses
+    import torch.distributed as dist
+    from .checkpoint import full_state_dict
+    from .config import ParallelConfig
+    state = full_state_dict(model)   # a collective
+    if dist.get_rank() == 0:
+        plain = build_hf_model(dataclasses.replace(cfg, parallel=ParallelConfig(ep_size=1)))
+        plain.load_state_dict(state)
+        _integration().export_hf(plain.hf, directory)   # it ends with a barrier over the world
+    else:
+        dist.barrier()

@@ -172,7 +172,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     routing = topic_routing(model, data.topics, procs.device)  # every rank runs the same topic rows
     if cfg.hf is not None:   # an HF architecture: a folder plain transformers loads (every rank: experts gathered)
         from .hf_model import export_hf_model
-        export_hf_model(model, out_dir / "hf_model")
+        export_hf_model(model, out_dir / "hf_model", cfg)
     if not is_main:
         return {}
     log.close()

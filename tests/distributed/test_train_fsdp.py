@@ -175,3 +175,40 @@ def test_fsdp_mode_builds_on_meta_the_weights_of_a_plain_construction(extra, fre
     state = built.state_dict()
     assert all(not t.is_meta for t in state.values())
     assert [k for k, v in plain.state_dict().items() if not torch.equal(v, state[k])] == []
+
+
+def _hf_run(rank, world, out, seed):
+    from moe_plugin.train.command import main   # noqa: F401  (the command's imports, as torchrun runs it)
+    import moe_plugin.integrations.transformers  # noqa: F401  hides an unloadable torchaudio first
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    root = Path(__file__).resolve().parents[2]
+    train.train(train.load_config(str(root / "configs" / "experiments" / "mixtral_tiny.yaml"), [*HF_TINY,
+                f"log.out_dir={out}", f"train.seed={seed}", "parallel.ep_size=2", "parallel.fsdp=true"]))
+
+
+HF_TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
+           "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.warmup_steps=2",
+           "train.steps=4", "train.eval_every=4", "log.progress=false", "log.plots=false"]
+
+
+@pytest.mark.slow
+def test_fsdp_training_of_an_hf_architecture_exports_a_folder_plain_transformers_loads(tmp_path, fresh_seed):
+    import moe_plugin.integrations.transformers  # noqa: F401  hides an unloadable torchaudio first
+    transformers = pytest.importorskip("transformers")
+    from moe_plugin import checkpoint
+    from moe_plugin.data import make_data
+    from moe_plugin.train.hf_model import build_hf_model
+    out = tmp_path / "hf"
+    run_workers(_hf_run, 2, str(out), fresh_seed, timeout=300)
+    result = json.loads((out / "result.json").read_text())
+    root = Path(__file__).resolve().parents[2]
+    cfg = train.load_config(str(root / "configs" / "experiments" / "mixtral_tiny.yaml"), HF_TINY)
+    model = build_hf_model(cfg)   # one process, every expert: the checkpoint's model
+    model.load_state_dict(checkpoint.nest(checkpoint.full_state(out / "checkpoints" / "step_000004"))["model"])
+    data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches)
+    assert train.evaluate(model, data.val, torch.device("cpu")) == pytest.approx(result["val_loss_last"], rel=1e-5)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_model")
+    x_BS = data.val[0][0]
+    with torch.no_grad():
+        want, got = model(x_BS), plain(input_ids=x_BS).logits
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
