@@ -21,7 +21,8 @@ _ORIGINAL = "_moe_plugin_original"   # attribute of the wrapper: the deepspeed.i
 
 
 def enable() -> None:
-    """Wrap deepspeed.initialize so that a "moe" section in its config takes effect. Idempotent."""
+    """Wrap deepspeed.initialize so that a "moe" section in its config takes effect, and a model already holding
+    moe_plugin's layers goes through moe_plugin's initialize (ZeRO-3 placement, MoE optimizer groups). Idempotent."""
     import deepspeed
     if is_enabled():
         return
@@ -31,7 +32,7 @@ def enable() -> None:
     def initialize(*args, **kwargs):
         if sys._getframe(1).f_globals.get("__name__", "").startswith("moe_plugin."):
             return original(*args, **kwargs)
-        if not _has_moe_section(original, args, kwargs):
+        if not (_has_moe_section(original, args, kwargs) or _holds_moe_plugin_layers(original, args, kwargs)):
             return original(*args, **kwargs)
         from moe_plugin.integrations.deepspeed import initialize as moe_initialize
         return moe_initialize(*args, **kwargs)
@@ -50,6 +51,17 @@ def disable() -> None:
 def is_enabled() -> bool:
     deepspeed = sys.modules.get("deepspeed")
     return deepspeed is not None and hasattr(deepspeed.initialize, _ORIGINAL)
+
+
+def _holds_moe_plugin_layers(original, args: tuple, kwargs: dict) -> bool:
+    """Whether the model of this call was swapped beforehand (swap_moe_blocks, moe_plugin's MoE): DeepSpeed alone
+    refuses such a model at ZeRO stage 3 and, at stages 1/2, a client optimizer without DeepSpeed's MoE groups."""
+    from moe_plugin import MoELayer
+    try:
+        model = inspect.signature(original).bind(*args, **kwargs).arguments.get("model")
+    except TypeError:
+        return False
+    return model is not None and any(isinstance(m, MoELayer) for m in model.modules())
 
 
 def _has_moe_section(original, args: tuple, kwargs: dict) -> bool:

@@ -12,6 +12,8 @@ import types
 import pytest
 import torch
 
+from moe_plugin import MoELayer
+
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 from launch import run_workers  # noqa: E402
@@ -108,10 +110,16 @@ def test_calls_are_routed_by_their_config_and_moe_plugin_s_own_calls_pass_throug
     assert calls[2][1] == (None, model) and calls[2][2] == {"config": str(path)}
     assert calls[3][2] == {"args": cli, "model": model}
 
+    swapped = torch.nn.Sequential(torch.nn.Linear(4, 4), MoELayer(model_dim=4, hidden_size=6, num_experts=2))
+    assert deepspeed.initialize(model=swapped, config=plain) == "ours"   # no section, but moe_plugin's layers
+    assert calls[-1] == ("moe_plugin", (), {"model": swapped, "config": plain})
+    calls.clear()
+
     inside = types.ModuleType("moe_plugin.integrations.deepspeed.somewhere")   # as moe_plugin's initialize calls
     exec("def call(deepspeed, **kw):\n    return deepspeed.initialize(**kw)", inside.__dict__)
     assert inside.call(deepspeed, model=model, config=str(path)) == "engine"
-    assert calls[-1] == ("deepspeed", model, str(path), None, None)
+    assert inside.call(deepspeed, model=swapped, config=plain) == "engine"
+    assert calls == [("deepspeed", model, str(path), None, None), ("deepspeed", swapped, plain, None, None)]
 
 
 @pytest.mark.parametrize("section, match", [({"backend": "tutl"}, r"moe\.backend.*'tutl'"),
