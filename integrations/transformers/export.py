@@ -6,11 +6,13 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe_plugin.parallel.expert_parallel import gathered_experts
 
@@ -24,11 +26,18 @@ EXPERT_TENSORS = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 def full_layer_state(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
     """The block's MoELayer state with every expert (a collective over its expert-parallel group)."""
     layer = block.moe
-    state = layer.state_dict()
+    state = {name: _whole(tensor) for name, tensor in layer.state_dict().items()}
     if layer.is_parallel:
-        full = gathered_experts(layer.experts, layer.groups, 0)
+        local = SimpleNamespace(activation=layer.experts.activation,
+                                **{n: state.get(f"experts.{n}") for n in EXPERT_TENSORS})
+        full = gathered_experts(local, layer.groups, 0)
         state.update({f"experts.{n}": getattr(full, n) for n in EXPERT_TENSORS if getattr(full, n) is not None})
     return state
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard (a DTensor) as the whole tensor (a collective over its mesh); other tensors as they are."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
@@ -39,7 +48,8 @@ def hf_state_dict(model: nn.Module, state: Optional[Mapping[str, torch.Tensor]] 
     family = require_family(model)
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     state = model.state_dict() if state is None else state
-    hf_state = {name: tensor for name, tensor in state.items() if not any(name.startswith(f"{b}.") for b in blocks)}
+    hf_state = {name: _whole(tensor) for name, tensor in state.items()
+                if not any(name.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
         for key, tensor in layer_to_hf(family, full_layer_state(block)).items():
             hf_state[f"{name}.{key}"] = tensor.contiguous()

@@ -3,8 +3,9 @@ by transformers.Trainer with Accelerate's FSDP2 (fsdp_version 2), CPU and gloo.
 
     torchrun --nproc_per_node 2 hf_fsdp_worker.py OUT_DIR EP_SIZE STEPS     (EP_SIZE 0: HF's own blocks)
 
-Writes result<rank>.json: the logged losses and the block classes. (trainer.save_model under this CPU FSDP
-state hangs for HF's own blocks as for ours, and export_hf does not yet gather FSDP2 shards: not run here.)
+Writes result<rank>.json: the logged losses, the block classes and, for a swapped model, the largest difference
+between the trained model's logits and those of the folder export_hf wrote from its FSDP2 shards, loaded by plain
+from_pretrained. (trainer.save_model under this CPU FSDP state hangs for HF's own blocks as for ours: not run.)
 """
 import json
 import os
@@ -50,8 +51,26 @@ def main(out_dir, ep_size, steps):
     rank = dist.get_rank()
     result = {"losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
               "blocks": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "moe")})}
+    if ep_size:
+        result["export_logits_diff"] = exported_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
         json.dump(result, file)
+
+
+def exported_logits_diff(model, directory):
+    """export_hf on every rank (it gathers the FSDP2 shards and the experts); rank 0 loads the folder with plain
+    transformers and compares its logits with the trained model's on the same tokens (None on other ranks)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    hf_moe.export_hf(model, directory)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        live = model(input_ids=ids).logits          # every rank: FSDP2 gathers, the experts exchange tokens
+        if dist.get_rank() != 0:
+            return None
+        loaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+        return float((loaded(input_ids=ids).logits - live).abs().max())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A swapped HF model sharded with fully_shard_moe trains under transformers.Trainer with Accelerate's FSDP2
 (fsdp_version 2) on 2 gloo processes, at ep_size 1 and 2, with the losses of HF's own blocks sharded by
-Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py)."""
+Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the sharded model gives a folder plain
+from_pretrained loads as the trained model."""
 import json
 import os
 import subprocess
@@ -30,3 +31,4 @@ def test_trainer_with_accelerate_fsdp2_trains_a_sharded_swapped_model_as_hf_own_
         swapped = launch(tmp_path / f"ep{ep_size}", ep_size)
         for rank in range(2):
             assert swapped[rank]["blocks"] and swapped[rank]["losses"] == pytest.approx(own[rank]["losses"], rel=1e-5)
+        assert swapped[0]["export_logits_diff"] < 1e-4   # export_hf of the FSDP2 shards loads as the trained model
