@@ -68,7 +68,7 @@ class MoEArgs(FairseqDataclass):
 
 
 SECOND_EXPERT_POLICIES = ("all",)
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu"}   # fairseq --activation-fn -> MoEConfig
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "linear": "identity"}   # fairseq --activation-fn -> MoEConfig
 FLAG_OF_FIELD = {
     "num_experts": "--moe-expert-count", "top_k": "--moe-top-k", "capacity_factor": "--moe-capacity-factor",
     "eval_capacity_factor": "--moe-eval-capacity-token-fraction", "hidden_size": "--moe-expert-ffn-dim",

@@ -34,7 +34,7 @@ from torch import nn
 
 __all__ = ["build_deepspeed_moe", "deepspeed_version", "DeepSpeedMoEBaseline"]
 
-_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "identity": nn.Identity}
 _INSTALL_HINT = "pip install 'moe_plugin[deepspeed]'"
 
 

@@ -39,6 +39,11 @@ def test_flags_map_onto_one_moe_config(adapter):
     assert (config.aux_loss, config.aux_loss_coef) == ("gshard", 1.0)   # weighed by --moe-gate-loss-wt
 
 
+def test_a_linear_activation_fn_is_the_identity_activation(adapter):
+    config = adapter.config.moe_config_from_args(moe_args(adapter, activation_fn="linear"), model_dim=8, ffn_dim=12)
+    assert config.activation == "identity"
+
+
 def test_defaults_follow_fairseqs_moe_branch(adapter):
     config = adapter.config.moe_config_from_args(moe_args(adapter, moe_expert_ffn_dim=48), model_dim=32, ffn_dim=128)
     assert config.hidden_size == 48 and config.num_experts == 8 and config.top_k == 2
