@@ -111,7 +111,22 @@ class GroupedMLP(torch.autograd.Function):
         return grad_x_RD, None, None, grad_w1, grad_b1, grad_w2, grad_b2
 
 
-class Experts(nn.Module):
+class KeepsParameterTags(nn.Module):
+    """Experts (stacked or module copies) whose parameters keep the attributes hosts set on them across to_empty."""
+
+    def _apply(self, fn, recurse=True):
+        """to_empty (meta -> a device) makes new parameter objects: the attributes hosts set on the old ones
+        (DeepSpeed's allreduce and group_name, which mark expert parameters) move to the new ones."""
+        tags = {name: dict(vars(param)) for name, param in self.named_parameters() if vars(param)}
+        super()._apply(fn, recurse)
+        for name, param in self.named_parameters():
+            for key, value in tags.get(name, {}).items():
+                if not hasattr(param, key):
+                    setattr(param, key, value)
+        return self
+
+
+class Experts(KeepsParameterTags):
     """This rank's experts, stacked: w1_EDH [E_local, D, H_local (x2 for swiglu)], w2_EHD [E_local, H_local, D].
 
     Each expert is drawn from its own generator (seeded from the global RNG and the expert's index), so
@@ -152,17 +167,6 @@ class Experts(nn.Module):
                 param = getattr(self, name)
                 if param is not None:
                     param.copy_(torch.stack([w[key] for w in shards]))
-
-    def _apply(self, fn, recurse=True):
-        """to_empty (meta -> a device) makes new parameter objects: the attributes hosts set on the old ones
-        (DeepSpeed's allreduce and group_name, which mark expert parameters) move to the new ones."""
-        tags = {name: dict(vars(param)) for name, param in self.named_parameters() if vars(param)}
-        super()._apply(fn, recurse)
-        for name, param in self.named_parameters():
-            for key, value in tags.get(name, {}).items():
-                if not hasattr(param, key):
-                    setattr(param, key, value)
-        return self
 
     @staticmethod
     def full_expert(config: MoEConfig, seed: int, std: Optional[float] = None) -> dict:

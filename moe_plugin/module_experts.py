@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
+from .experts import KeepsParameterTags
 
 PROBE_ROWS = 3
 
 
-class ModuleExperts(nn.Module):
+class ModuleExperts(KeepsParameterTags):
     """This rank's experts [first_expert, first_expert + local_experts), each a copy of `module` (as
     DeepSpeed's Experts: copies, so every expert starts from the module's weights)."""
 

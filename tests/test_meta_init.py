@@ -1,5 +1,7 @@
 """Building on the meta device: to_empty, then reset_parameters() draws every parameter and buffer as a
 plain construction does (same seed, same tensors); the router never reads its bias with balancing off."""
+import warnings
+
 import pytest
 import torch
 
@@ -132,12 +134,15 @@ def test_native_model_reset_draws_as_its_construction():
         assert float(b.abs().max()) <= 1.5 * float(a.abs().max()) + 1e-6 and float(b.std()) < 2 * float(a.std()) + 1e-6, name
 
 
-def test_expert_parameter_tags_survive_to_empty():
+@pytest.mark.parametrize("general_path", [False, True])
+def test_expert_parameter_tags_survive_to_empty(general_path):
     """to_empty makes new parameter objects; DeepSpeed's tags on the expert parameters (allreduce=False:
     reduce over the expert-data-parallel group only) move to them, else an expert's gradient would be
-    averaged with other ranks' different experts."""
-    with torch.device("meta"):
-        layer = MoELayer(config(bias=True))
+    averaged with other ranks' different experts. Stacked experts and expert modules (the general path) alike."""
+    cfg = config(bias=True)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the general path's "slower path" warning
+        layer = MoELayer(cfg, expert=torch.nn.Linear(cfg.model_dim, cfg.model_dim) if general_path else None)
     for param in layer.experts.parameters():
         param.allreduce, param.group_name = False, "ep_size_2"
     old = list(layer.experts.parameters())
