@@ -15,6 +15,7 @@ from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
 from launch import run_workers  # noqa: E402
 from moe_plugin.experts import Experts  # noqa: E402
 from moe_plugin.module_experts import ModuleExperts  # noqa: E402
+from test_deepspeed_distributed import TorchWithStableTopk  # noqa: E402
 
 D, H, E = 8, 12, 4
 TOLERANCE = 1e-5   # fp32: DeepSpeed's gate computes in fp32
@@ -62,14 +63,6 @@ def quiet():
 def stable_topk(monkeypatch):
     """DeepSpeed's top-1 capacity selection takes torch.topk over a 0/1 mask, whose order among ties torch
     leaves open; by position (ours) is one allowed outcome, made certain here."""
-    class TorchWithStableTopk:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def topk(x, k, dim=-1, largest=True, sorted=True):
-            values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
-            return values.narrow(dim, 0, int(k)), indices.narrow(dim, 0, int(k))
     monkeypatch.setattr(sharded_moe, "torch", TorchWithStableTopk())
 
 

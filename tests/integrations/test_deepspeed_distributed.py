@@ -80,6 +80,18 @@ def test_training_with_zero_stages(stage):
             assert (value == params1[name]).all(), f"{name}: shared weights must stay identical across ranks"
 
 
+class TorchWithStableTopk:
+    """torch, with a topk that breaks ties by position (for deepspeed.moe.sharded_moe)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+        return values.narrow(dim, 0, int(k)), indices.narrow(dim, 0, int(k))
+
+
 def stable_topk():
     """Break ties in DeepSpeed's top-1 capacity selection by position.
 
@@ -87,15 +99,6 @@ def stable_topk():
     ties torch leaves unspecified; by position is one of DeepSpeed's allowed outcomes and is ours.
     """
     import deepspeed.moe.sharded_moe as sharded_moe
-
-    class TorchWithStableTopk:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def topk(x, k, dim=-1, largest=True, sorted=True):
-            values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
-            return values.narrow(dim, 0, int(k)), indices.narrow(dim, 0, int(k))
     sharded_moe.torch = TorchWithStableTopk()
 
 
