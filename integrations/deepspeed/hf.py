@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Tuple
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -174,10 +173,9 @@ def swap_for_section(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.M
     ep_size = check_section_for_model(model, section).ep_size
     family = family_of(model)
     old_blocks = {name: m for name, m in model.named_modules() if isinstance(m, family.block_class())}
-    # built under deepspeed.zero.Init (HF's from_pretrained at stage 3): the blocks' weights are whole while swapped
-    with deepspeed.zero.GatheredParameters([p for block in old_blocks.values() for p in block.parameters()]):
-        swap_moe_blocks(model, ep_group=_expert_parallel_group(ep_size) if ep_size > 1 else None,
-                        **section_overrides(section))
+    # a model built under deepspeed.zero.Init (HF's from_pretrained at stage 3): swap_moe_blocks gathers its blocks
+    swap_moe_blocks(model, ep_group=_expert_parallel_group(ep_size) if ep_size > 1 else None,
+                    **section_overrides(section))
     replaced: Dict[int, List[nn.Parameter]] = {}
     for name, old in old_blocks.items():
         new = model.get_submodule(name).moe

@@ -50,13 +50,24 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
     tap_class = router_logits_class(type(model))
     for name, hf_block in blocks:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, new_block(family, config, hf_block, model.config, tap_class,
-                                                            ep_group, block_class))
+        with _whole_parameters(hf_block):
+            block = new_block(family, config, hf_block, model.config, tap_class, ep_group, block_class)
+        setattr(model.get_submodule(parent), attr, block)
     _hook_new_router_logits(model)
     _init_blocks_in_init_weights(model)
     if hasattr(type(model), "save_pretrained"):   # a PreTrainedModel: its folders stay loadable by plain transformers
         model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
     return model
+
+
+def _whole_parameters(module: nn.Module):
+    """A context in which the parameters of a module built under deepspeed.zero.Init (HF's from_pretrained at
+    ZeRO stage 3: partitioned, each with a ds_id) are whole (a collective); nothing for any other module."""
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(partitioned)
 
 
 def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config, tap_class, ep_group=None,

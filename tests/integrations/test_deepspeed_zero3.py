@@ -50,8 +50,8 @@ def relative(a, b):
 def hf_worker(rank, world, steps):
     """Tiny Mixtral under ZeRO-3: HF's own blocks (plain deepspeed.initialize), blocks swapped by swap_moe_blocks
     and by the "moe" section (our initialize), one process with SGD on both ranks' batches; with a fixed capacity,
-    the section's model under ZeRO-3 and ZeRO-1; built under deepspeed.zero.Init as HF does at stage 3, HF's blocks
-    and the section's at ep_size 2."""
+    the section's model under ZeRO-3 and ZeRO-1; built under deepspeed.zero.Init as HF does at stage 3, HF's blocks,
+    the section's at ep_size 2 and blocks swapped by hand (swap_moe_blocks gathers the partitioned weights)."""
     setup_worker(rank, world)
     import deepspeed
 
@@ -95,13 +95,16 @@ def hf_worker(rank, world, steps):
     report["zero.Init hf"] = train(deepspeed.initialize(model=build_model("mixtral", seed=3), config=config(3, lr))[0])
     report["zero.Init section ep 2"] = train(initialize(model=build_model("mixtral", seed=3),
                                                         config=config(3, lr, {"backend": "tutel", "ep_size": 2}))[0])
+    report["zero.Init swapped"] = train(initialize(model=swap_moe_blocks(build_model("mixtral", seed=3)),
+                                                   config=config(3, lr))[0])
     del zero3
     return report
 
 
 @needs_transformers
 def test_hf_blocks_under_zero3_equal_hf_own_blocks_and_one_process():
-    """Also for a model HF built under deepspeed.zero.Init (the section swaps its gathered blocks, ep_size 2)."""
+    """Also for a model HF built under deepspeed.zero.Init (the section swaps its gathered blocks, ep_size 2, and
+    swap_moe_blocks by hand does the same)."""
     for report in run_workers(hf_worker, 2, 3, timeout=600):
         for name in ("hf", "swapped", "section"):
             assert all(relative(a, b) < TOLERANCE for a, b in zip(report[name], report["one process"])), report
@@ -109,8 +112,8 @@ def test_hf_blocks_under_zero3_equal_hf_own_blocks_and_one_process():
             report
         assert report["capacity zero3"] != report["section"], report   # the capacity dropped tokens
         assert report["zero.Init hf"] != report["hf"], report   # HF draws other weights under zero.Init
-        assert all(relative(a, b) < TOLERANCE for a, b in zip(report["zero.Init section ep 2"],
-                                                               report["zero.Init hf"])), report
+        for name in ("zero.Init section ep 2", "zero.Init swapped"):
+            assert all(relative(a, b) < TOLERANCE for a, b in zip(report[name], report["zero.Init hf"])), report
 
 
 class Routed(nn.Module):
