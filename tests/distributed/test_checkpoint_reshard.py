@@ -19,6 +19,7 @@ from moe_plugin.data import make_data
 from moe_plugin.experts import Experts
 from moe_plugin.parallel.expert_grads import expert_layers
 from moe_plugin.parallel.expert_parallel import gathered_experts
+from moe_plugin.train.checkpoint import whole
 
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=16", "model.ffn_hidden=48",
         "moe.hidden_size=24", "moe.num_experts=4", "train.batch_size=3", "train.eval_batches=1",
@@ -34,7 +35,8 @@ def _parts(rank, world_size, overrides):
 
 
 def _train_and_save(rank, world_size, overrides, out, steps):
-    """`steps` training steps as the trainer takes them, a checkpoint, and the whole state (on every rank)."""
+    """`steps` training steps as the trainer takes them, a checkpoint, and the whole state (on every rank;
+    gathered from the shards under parallel.fsdp)."""
     cfg, procs, parts = _parts(rank, world_size, overrides)
     model = parts.model
     wrapped = train.data_parallel(model, procs)
@@ -52,12 +54,12 @@ def _train_and_save(rank, world_size, overrides, out, steps):
     full = {"model": train.full_state_dict(model)}
     names = {id(p): n for n, p in model.named_parameters()}
     for key in MOMENTS + ("step",):
-        full[key] = {names[id(p)]: parts.optimizer.state[p][key].clone() for p in model.parameters()}
+        full[key] = {names[id(p)]: whole(parts.optimizer.state[p][key]).clone() for p in model.parameters()}
     for prefix, layer in expert_layers(model):
         for key in MOMENTS:
             local = {n: full[key].get(f"{prefix}experts.{n}") for n in SHORT}
-            whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
-            full[key].update({f"{prefix}experts.{n}": getattr(whole, n) for n in SHORT if local[n] is not None})
+            gathered = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
+            full[key].update({f"{prefix}experts.{n}": getattr(gathered, n) for n in SHORT if local[n] is not None})
     full["lr"] = [group["lr"] for group in parts.optimizer.param_groups]
     if rank == 0:   # tensors cannot come back through the launcher's queue once the worker is gone
         torch.save(full, Path(out) / "reference.pt")
@@ -82,12 +84,11 @@ def _restore_and_compare(rank, world_size, overrides, path, reference):
     def expect(name, got, want_by_name):
         prefix, _, short = name.rpartition("experts.")
         if prefix in layers:
-            whole = {f"{n}": want_by_name[f"{prefix}experts.{n}"] for n in SHORT
-                     if f"{prefix}experts.{n}" in want_by_name}
-            want = _share(whole, short, layers[prefix].groups.layout)
+            want = _share({n: want_by_name[f"{prefix}experts.{n}"] for n in SHORT
+                           if f"{prefix}experts.{n}" in want_by_name}, short, layers[prefix].groups.layout)
         else:
             want = want_by_name[name]
-        if not torch.equal(got, want):
+        if not torch.equal(whole(got), want):
             errors.append(name)
 
     for name, tensor in model.state_dict().items():
