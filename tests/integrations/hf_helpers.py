@@ -118,3 +118,22 @@ def forward_backward(model, ids):
 
 def swapped_copy(model, **overrides):
     return hf_moe.swap_moe_blocks(copy.deepcopy(model), **overrides)
+
+
+def save_and_resume(engine_from, step, logits, directory, rank, probe):
+    """3 training steps, engine.save_checkpoint, then a fresh engine (another seed) loads it. Returns the report
+    (how far the restored and the fresh engine's logits on probe are from the saved ones; both engines' next two
+    losses), the saved logits and both engines. step(engine, ids) -> loss; logits(engine, ids) -> logits."""
+    engine = engine_from(seed=1)
+    for i in range(3):
+        step(engine, tokens(seed=10 * i + rank))
+    engine.save_checkpoint(directory, tag="t")
+    saved = logits(engine, probe)
+    resumed = engine_from(seed=2)
+    fresh = logits(resumed, probe)
+    resumed.load_checkpoint(directory, tag="t")
+    report = {"restored": (logits(resumed, probe) - saved).abs().max().item(),
+              "fresh differs": (fresh - saved).abs().max().item()}
+    more = [tokens(seed=70 + 10 * i + rank) for i in range(2)]
+    report["losses"] = [[step(e, ids) for ids in more] for e in (engine, resumed)]
+    return report, saved, engine, resumed

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 pytest.importorskip("deepspeed")
-from hf_helpers import (FAMILIES, bias_sign_step, build_model, needs_transformers, tokens,  # noqa: E402
-                        unbiased_deepseek)
+from hf_helpers import (FAMILIES, bias_sign_step, build_model, needs_transformers, save_and_resume,  # noqa: E402
+                        tokens, unbiased_deepseek)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 from launch import run_workers  # noqa: E402
@@ -120,19 +120,8 @@ def checkpoint_worker(rank, world, directory, family):
     def engine_from(seed):
         return initialize(model=build_model(family, seed=seed), config=copy.deepcopy(config))[0]
 
-    probe = tokens(seed=50 + rank)
-    engine = engine_from(seed=1)
-    for i in range(3):
-        step(engine, tokens(seed=10 * i + rank))
-    engine.save_checkpoint(directory, tag="t")
-    saved = probe_logits(engine, probe)
-    resumed = engine_from(seed=2)
-    fresh = probe_logits(resumed, probe)
-    resumed.load_checkpoint(directory, tag="t")
-    report = {"restored": (probe_logits(resumed, probe) - saved).abs().max().item(),
-              "fresh differs": (fresh - saved).abs().max().item()}
-    more = [tokens(seed=70 + 10 * i + rank) for i in range(2)]
-    report["losses"] = [[step(e, ids) for ids in more] for e in (engine, resumed)]
+    report, _, engine, resumed = save_and_resume(engine_from, step, probe_logits, directory, rank,
+                                                 tokens(seed=50 + rank))
     report["buffers equal"] = all(torch.equal(a, b) for a, b in zip(engine.module.buffers(), resumed.module.buffers()))
     dist.barrier()
     report["files"] = sorted(os.listdir(os.path.join(directory, "t")))

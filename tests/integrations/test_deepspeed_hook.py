@@ -148,7 +148,8 @@ def plain_script_worker(rank, world, path):
     from deepspeed.utils import logger
 
     from moe_plugin.integrations.deepspeed import MoE, hook, initialize
-    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss, synthetic_batch
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, synthetic_batch
+    from test_deepspeed_distributed import train
     enabled_at_start = hook.is_enabled()   # by the .pth: nothing in this process called enable()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     logger.setLevel(logging.ERROR)
@@ -161,12 +162,7 @@ def plain_script_worker(rank, world, path):
         model = MoETransformerLM(SECTION, seed=0)
         engine = start(args=argparse.Namespace(deepspeed_config=path, local_rank=rank), model=model,
                        model_parameters=model.parameters())[0]
-        losses = []
-        for tokens in batches:
-            loss = lm_loss(engine, tokens)
-            engine.backward(loss + 0.01 * engine.module.l_aux())
-            engine.step()
-            losses.append(loss.item())
+        losses = train(engine, batches)
         classes = {f"{type(m).__module__}.{type(m).__name__}" for m in engine.module.modules() if isinstance(m, NativeMoE)}
         return sorted(classes), losses
 

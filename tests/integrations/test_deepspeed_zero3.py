@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 pytest.importorskip("deepspeed")
-from hf_helpers import build_model, needs_transformers, tokens  # noqa: E402
+from hf_helpers import build_model, needs_transformers, save_and_resume, tokens  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 from launch import run_workers  # noqa: E402
@@ -287,19 +287,7 @@ def checkpoint_worker(rank, world, directory, ep_size):
         with torch.no_grad():
             return engine(input_ids=ids).logits
 
-    probe = tokens(seed=50)
-    engine = engine_from(seed=1)
-    for i in range(3):
-        step(engine, tokens(seed=10 * i + rank))
-    engine.save_checkpoint(directory, tag="t")
-    saved = logits(engine, probe)
-    resumed = engine_from(seed=2)
-    fresh = logits(resumed, probe)
-    resumed.load_checkpoint(directory, tag="t")
-    report = {"restored": (logits(resumed, probe) - saved).abs().max().item(),
-              "fresh differs": (fresh - saved).abs().max().item()}
-    more = [tokens(seed=70 + 10 * i + rank) for i in range(2)]
-    report["losses"] = [[step(e, ids) for ids in more] for e in (engine, resumed)]
+    report, saved, _, _ = save_and_resume(engine_from, step, logits, directory, rank, tokens(seed=50))
     dist.barrier()
     if rank == 0:
         torch.save(saved, os.path.join(directory, "saved_logits.pt"))
