@@ -15,7 +15,7 @@ from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
 from launch import run_workers  # noqa: E402
 from moe_plugin.experts import Experts  # noqa: E402
 from moe_plugin.module_experts import ModuleExperts  # noqa: E402
-from test_deepspeed_distributed import TorchWithStableTopk  # noqa: E402
+from test_deepspeed_distributed import TorchWithStableTopk, native_named_grads as named_grads  # noqa: E402
 
 D, H, E = 8, 12, 4
 TOLERANCE = 1e-5   # fp32: DeepSpeed's gate computes in fp32
@@ -72,15 +72,6 @@ def distinct_native(kind, **kwargs):
         for p in native.deepspeed_moe.experts.parameters():
             p.copy_(torch.randn_like(p) * 0.4)
     return native
-
-
-def named_grads(layer):
-    """Parameter gradients under the native layer's names (ours through the layer's own renaming)."""
-    if not isinstance(layer, dsi.MoE):
-        return {name: p.grad for name, p in layer.named_parameters()}
-    grads = {name: p.grad for name, p in layer.deepspeed_moe.named_parameters()}
-    dsi._to_native_names(layer.deepspeed_moe, grads, "", None)
-    return {f"deepspeed_moe.{name}": grad for name, grad in grads.items()}
 
 
 @pytest.mark.parametrize("kind", sorted(EXPERTS))
