@@ -2,95 +2,19 @@
 
 An entry says how to find the family's sparse-MoE blocks (the class in its modeling module), how
 its router, experts and shared expert map to MoEConfig (a function of the HF config), and how the
-weights map both ways (one WeightMap per MoELayer tensor). Tensor names are relative to the block
-on the HF side and to the MoELayer on ours. Adding a family is adding one entry to FAMILIES.
-
-Legend: E experts, D model dim, H expert hidden dim, S shared expert hidden dim.
-HF keeps routed experts as gate_up_proj [E, 2H, D] (rows [gate | up]) and down_proj [E, D, H];
-the layer keeps w1_EDH [E, D, 2H] (columns [gate | up]) and w2_EHD [E, H, D]. The shared expert is
-an HF MLP of three Linears (gate_proj, up_proj [S, D], down_proj [D, S]); ours is w1_DH [D, 2S]
-(columns [gate | up]) and w2_HD [S, D]; Qwen2-MoE's shared gate Linear(D, 1) is our gate_D [D].
+weights map both ways (one WeightMap per MoELayer tensor; see family.py). Tensor names are relative
+to the block on the HF side and to the MoELayer on ours. Adding a family is adding one entry to
+FAMILIES; entries that need the layer's newer expert and router features are in families_featured.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional
 
 import torch
 
-ACTIVATIONS = {"silu": "swiglu"}   # HF hidden_act of a gated MLP -> our activation
-
-
-@dataclass(frozen=True)
-class WeightMap:
-    """One tensor of the layer and the HF tensor(s) it is made of; to_layer and to_hf invert each other."""
-    layer: str
-    hf: Tuple[str, ...]
-    to_layer: Callable[..., torch.Tensor]
-    to_hf: Callable[[torch.Tensor], Tuple[torch.Tensor, ...]]
-
-
-def same(layer: str, hf: str) -> WeightMap:
-    return WeightMap(layer, (hf,), lambda t: t, lambda t: (t,))
-
-
-def transposed(layer: str, hf: str) -> WeightMap:
-    """The last two dimensions swapped: HF's [out, in] (per expert) against our [in, out]."""
-    return WeightMap(layer, (hf,), lambda t: t.transpose(-1, -2), lambda t: (t.transpose(-1, -2),))
-
-
-def gate_and_up(layer: str, gate: str, up: str) -> WeightMap:
-    """Two HF Linear weights [S, D] against one [D, 2S] = [gate | up] columns."""
-    return WeightMap(layer, (gate, up), lambda g, u: torch.cat([g.t(), u.t()], dim=1),
-                     lambda t: tuple(half.t() for half in t.chunk(2, dim=1)))
-
-
-def routed_experts(router: str = "gate.weight", experts: str = "experts") -> Tuple[WeightMap, ...]:
-    return (same("router.weight_ED", router),
-            transposed("experts.w1_EDH", f"{experts}.gate_up_proj"),
-            transposed("experts.w2_EHD", f"{experts}.down_proj"))
-
-
-def shared_mlp(hf: str) -> Tuple[WeightMap, ...]:
-    return (gate_and_up("shared_expert.w1_DH", f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
-            transposed("shared_expert.w2_HD", f"{hf}.down_proj.weight"))
-
-
-def row(layer: str, hf: str) -> WeightMap:
-    """HF's Linear(D, 1) weight [1, D] against our vector [D]."""
-    return WeightMap(layer, (hf,), lambda t: t.reshape(-1), lambda t: (t.reshape(1, -1),))
-
-
-@dataclass(frozen=True)
-class Family:
-    model_type: str
-    module: str                                   # the modeling module holding the block class
-    block: str                                    # the sparse-MoE block class in it
-    moe_config: Callable[[Any], Dict[str, Any]]   # HF config -> MoEConfig fields
-    weights: Tuple[WeightMap, ...]
-    jitter_noise: Callable[[Any], float] = lambda config: 0.0   # Mixtral's input jitter in training
-
-    def block_class(self) -> type:
-        import importlib
-        return getattr(importlib.import_module(self.module), self.block)
-
-
-def activation(config) -> str:
-    act = config.hidden_act
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{config.model_type}: hidden_act={act!r} is not supported by the MoE layer; "
-                         f"supported: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[act]
-
-
-def _common(config, hidden_size: int, num_experts: int, normalize: bool) -> Dict[str, Any]:
-    """What every family shares: dropless, no expert biases, no balance loss of the layer's own
-    (the HF model computes its aux loss from the recorded router logits)."""
-    return dict(model_dim=config.hidden_size, hidden_size=hidden_size, num_experts=num_experts,
-                top_k=config.num_experts_per_tok, router="softmax",
-                normalize_gate="before_drop" if normalize else "none",
-                activation=activation(config), bias=False, capacity_factor=0.0, aux_loss="none",
-                aux_loss_coef=0.0)
+from .family import (Family, WeightMap, _common, routed_experts,  # noqa: F401 (WeightMap: re-exported)
+                     row, same, shared_mlp)
+from .families_featured import FEATURED_FAMILIES
 
 
 def _mixtral(c):
@@ -129,7 +53,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", _deepseek_v3,
            routed_experts() + shared_mlp("shared_experts")
            + (same("router.expert_bias_E", "gate.e_score_correction_bias"),)),
-)}
+) + FEATURED_FAMILIES}
 
 
 def hf_config_of(model_or_config):
