@@ -212,7 +212,6 @@ def expert_parallel_worker(rank, world, steps):
     """The native demo model, ep_size 2 (dropless): ZeRO-3 against ZeRO-1 and, for the first step's expert
     gradients, one process on every rank's batch; where ZeRO-3 put each parameter."""
     setup_worker(rank, world)
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import groups, safe_get_full_grad
 
