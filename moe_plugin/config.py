@@ -11,7 +11,8 @@ ROUTERS = ("softmax", "sigmoid", "cosine")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "identity")
 AUX_LOSSES = ("gshard", "switch", "none", "seq")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
-A2A_KINDS = ("flat", "2dh")
+A2A_KINDS = ("flat", "2dh", "auto")
+AUTO = ("auto", "auto_once")
 
 
 def gate_normalization(value: Any, top_k: Any) -> Any:
@@ -33,11 +34,13 @@ class MoEConfig:
       The strings apply at every top_k: a normalized top-1 gate is 1 (as in HF Mixtral with one expert).
     ep_size: processes the experts are spread over (1: every process holds all experts).
     parallel: 0 = experts gathered (data parallel), 1 = expert parallel, r > 1 = each expert sliced
-      over r processes (needs ep_size > num_experts); "auto" times the candidates and keeps the fastest.
+      over r processes (needs ep_size > num_experts); "auto" picks r per step's load, re-tuned as the load
+      drifts (parallel/tuner.py); "auto_once" times the candidates once at the start and keeps the fastest.
     overlap_degree: the exchange is cut into this many chunks so one chunk's all-to-all overlaps
-      another's expert compute; "auto" times the candidates.
+      another's expert compute; "auto" / "auto_once" as for parallel.
     a2a: "flat" or "2dh" (exchange inside a node, then across nodes; node_size from the config or
-      LOCAL_WORLD_SIZE).
+      LOCAL_WORLD_SIZE); "auto" lets the tuner pick one (with parallel / overlap_degree "auto" or
+      "auto_once"; alone it means "auto").
     aux_loss: "gshard" counts first choices, "switch" all top-k choices, "seq" is DeepSeek-V3's
       sequence-wise loss (switch per sequence of an input [..., S, D], averaged over sequences).
     expert_bias_update_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias
@@ -109,6 +112,10 @@ class MoEConfig:
         _check_int_or_auto("parallel", self.parallel, minimum=0)
         _check_int_or_auto("overlap_degree", self.overlap_degree, minimum=1)
         _check_choice("a2a", self.a2a, A2A_KINDS)
+        modes = {name: getattr(self, name) for name in ("parallel", "overlap_degree") if getattr(self, name) in AUTO}
+        if len(set(modes.values())) > 1:
+            raise ValueError(f"MoEConfig.parallel={self.parallel!r} and overlap_degree={self.overlap_degree!r} mix "
+                             f"the tuners: use \"auto\" for both (per-load, re-tuned) or \"auto_once\" for both")
         if self.node_size is not None:
             _check_int("node_size", self.node_size, minimum=1)
         self._check_routing_extras()
@@ -187,10 +194,11 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _check_int_or_auto(name: str, value: Any, minimum: int) -> None:
-    if value == "auto" and isinstance(value, str):
+    if isinstance(value, str) and value in AUTO:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be \"auto\" or an integer >= {minimum}")
+        raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be \"auto\", \"auto_once\" or an integer "
+                         f">= {minimum}")
 
 
 def _check_float(name: str, value: Any, minimum: Optional[float] = None) -> float:
