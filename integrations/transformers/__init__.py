@@ -15,8 +15,9 @@ from .export import export_hf, hf_state_dict  # noqa: E402
 from .families import (FAMILIES, Family, WeightMap, family_of, hf_config_of, hf_to_layer, layer_to_hf,
                        require_family)  # noqa: E402
 from .swap import moe_config, swap_moe_blocks  # noqa: E402
+from .upcycle import mlp_sites, upcycle  # noqa: E402
 
-__all__ = ["swap_moe_blocks", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock", "RouterLogits",
+__all__ = ["swap_moe_blocks", "upcycle", "mlp_sites", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock", "RouterLogits",
            "block_type", "FAMILIES", "Family", "WeightMap", "family_of", "hf_config_of", "require_family", "hf_to_layer",
            "layer_to_hf", "hide_unloadable_torchaudio", "ExpertBiasUpdate"]
 
