@@ -76,7 +76,11 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike]) -> Path:
 
     `AutoModelForCausalLM.from_pretrained(directory)` loads it with plain transformers. Under expert
     parallelism every rank must call it; global rank 0 writes. The folder is written atomically.
+    An upcycled dense model (upcycle.py) is written by upcycle_export.export_upcycled.
     """
+    from .upcycle_export import export_upcycled, is_upcycled
+    if is_upcycled(model):
+        return export_upcycled(model, directory)
     state = hf_state_dict(model)
     directory = Path(directory)
     if not dist.is_initialized() or dist.get_rank() == 0:
