@@ -1,0 +1,246 @@
+"""upcycle (integrations/transformers/upcycle.py) and the export of upcycled models (upcycle_export.py).
+
+References: the dense HF model itself (step 0 of an exact upcycling computes what it computes, outputs and
+gradients), a one-process run (expert parallelism), plain from_pretrained of the exported folder.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import moe_plugin
+from moe_plugin.integrations.transformers import HFMoEBlock, export_hf, mlp_sites, upcycle
+from moe_plugin.integrations.transformers.upcycle import upcycled_blocks
+from moe_plugin.integrations.transformers.upcycle_export import EXPERTS_FILE, load_upcycled, moe_family_target
+
+transformers = pytest.importorskip("transformers")
+
+DECODER = dict(vocab_size=61, hidden_size=24, intermediate_size=36, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+FAMILIES = ["llama", "llama_bias", "qwen2", "mistral", "vit", "swinv2"]
+
+
+def dense_model(family: str, **extra):
+    """A tiny random dense HF model and its inputs (as keyword arguments)."""
+    if family in ("llama", "llama_bias", "qwen2", "mistral"):
+        model_type = "llama" if family == "llama_bias" else family
+        more = dict(mlp_bias=True, attention_bias=True) if family == "llama_bias" else {}
+        config = transformers.AutoConfig.for_model(model_type, **{**DECODER, **more, **extra})
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        return model, lambda: {"input_ids": torch.randint(0, 61, (2, 11))}
+    if family == "vit":
+        config = transformers.ViTConfig(image_size=12, patch_size=4, hidden_size=20, num_hidden_layers=3,
+                                        num_attention_heads=2, intermediate_size=28, num_labels=3, **extra)
+        model = transformers.ViTForImageClassification(config)
+        return model, lambda: {"pixel_values": torch.randn(3, 3, 12, 12)}
+    config = transformers.Swinv2Config(image_size=16, patch_size=2, embed_dim=8, depths=[2, 2, 4], num_heads=[1, 2, 2],
+                                       window_size=2, num_labels=3, **extra)
+    model = transformers.Swinv2ForImageClassification(config)
+    return model, lambda: {"pixel_values": torch.randn(2, 3, 16, 16)}
+
+
+def out(model, inputs):
+    return model(**inputs).logits
+
+
+def dense_grads(site, kind):
+    """The dense MLP's weight gradients in the layer's layout (w1 [D, H or 2H], b1, w2 [H, D], b2)."""
+    if kind == "gated":
+        first, up, last = site.gate_proj, site.up_proj, site.down_proj
+    elif kind == "plain":
+        first, up, last = site.fc1, None, site.fc2
+    else:
+        first, up, last = site.intermediate.dense, None, site.output.dense
+    firsts = [first] if up is None else [first, up]
+    grads = {"w1_EDH": torch.cat([lin.weight.grad.t() for lin in firsts], dim=1), "w2_EHD": last.weight.grad.t()}
+    if first.bias is not None:
+        grads.update(b1_EH=torch.cat([lin.bias.grad for lin in firsts]), b2_ED=last.bias.grad)
+    return grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step0_computes_the_dense_model(family):
+    """Exact copies, normalized gates, dropless: the upcycled model's outputs and gradients are the dense
+    model's; each dense MLP weight's gradient is the sum of its experts' gradients; the router's is 0."""
+    dense, inputs = dense_model(family)
+    dense = dense.double().eval()   # dropout and stochastic depth off
+    x = inputs()
+    x = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
+    sites = mlp_sites(dense)
+    moe = upcycle(copy.deepcopy(dense), num_experts=5, top_k=3, every=2, capacity_factor=0.0)
+    assert [n for n, _ in getattr(moe, "moe_plugin_upcycled")["sites"]] == [n for n, _ in sites[1::2]]
+    probe = None
+    for model in (dense, moe):
+        y = out(model, x)
+        probe = torch.randn_like(y) if probe is None else probe
+        (y * probe).sum().backward()
+    torch.testing.assert_close(out(moe, x), out(dense, x), rtol=1e-12, atol=1e-12)
+    blocks = {name: block for name, _, block in upcycled_blocks(moe)}
+    moe_params = dict(moe.named_parameters())
+    for name, param in dense.named_parameters():
+        if name in moe_params:
+            torch.testing.assert_close(moe_params[name].grad, param.grad, rtol=1e-10, atol=1e-12, msg=name)
+    for name, kind in sites[1::2]:
+        layer = blocks[name].moe
+        for key, grad in dense_grads(dense.get_submodule(name), kind).items():
+            summed = getattr(layer.experts, key).grad.sum(0)
+            torch.testing.assert_close(summed, grad, rtol=1e-10, atol=1e-12, msg=f"{name} {key}")
+        assert layer.router.weight_ED.grad.abs().max() < 1e-12
+    for name, _ in sites[0::2]:   # the others stay dense
+        assert not isinstance(moe.get_submodule(name), HFMoEBlock)
+
+
+def test_swin_layer_numbering_and_pair_replacement():
+    """Swinv2 blocks are numbered over all stages; the pair (intermediate, output) is replaced as documented."""
+    model, _ = dense_model("swinv2")
+    names = [n for n, _ in mlp_sites(model)]
+    assert names == [f"swinv2.encoder.layers.{s}.blocks.{b}" for s, depth in enumerate([2, 2, 4]) for b in range(depth)]
+    upcycle(model, num_experts=4, top_k=1, every=2, layers=range(2, 8), router="cosine", capacity_factor=1.25,
+            batch_prioritized_routing=True)
+    assert getattr(model, "moe_plugin_upcycled")["layers"] == [3, 5, 7]
+    for index, name in enumerate(names):
+        block = model.get_submodule(name)
+        if index in (3, 5, 7):
+            assert isinstance(block.intermediate, HFMoEBlock) and isinstance(block.output.dense, torch.nn.Identity)
+            assert block.intermediate.moe.config.router == "cosine"
+        else:
+            assert isinstance(block.intermediate.dense, torch.nn.Linear)
+
+
+def test_noise_and_reinit_fraction():
+    dense, _ = dense_model("llama", initializer_range=0.05)
+    site = dense.model.layers[0].mlp
+    w1 = torch.cat([site.gate_proj.weight, site.up_proj.weight]).t().detach()
+    w2 = site.down_proj.weight.t().detach()
+    H = w2.shape[0]
+
+    noisy = upcycle(copy.deepcopy(dense), num_experts=6, top_k=2, noise=0.1)
+    experts = noisy.model.layers[0].mlp.moe.experts
+    deviation = (experts.w1_EDH.detach() - w1) / w1.std()
+    assert 0.08 < deviation.std() < 0.12
+    assert not torch.equal(experts.w1_EDH[0], experts.w1_EDH[1])
+
+    partial = upcycle(copy.deepcopy(dense), num_experts=6, top_k=2, reinit_fraction=0.25)
+    experts = partial.model.layers[0].mlp.moe.experts
+    changed = []
+    for e in range(6):
+        w2_changed = (experts.w2_EHD[e].detach() != w2).any(1)
+        gate_changed, up_changed = (experts.w1_EDH[e].detach() != w1).any(0).chunk(2)
+        assert int(w2_changed.sum()) == round(0.25 * H)
+        assert torch.equal(gate_changed, w2_changed) and torch.equal(up_changed, w2_changed)
+        changed.append(w2_changed)
+    assert any(not torch.equal(changed[0], c) for c in changed[1:])
+
+    fresh = upcycle(copy.deepcopy(dense), num_experts=6, top_k=2, reinit_fraction=1.0)
+    experts = fresh.model.layers[0].mlp.moe.experts
+    assert (experts.w2_EHD.detach() != w2).all()
+    assert abs(float(experts.w1_EDH.detach().std()) - 0.05) < 0.005
+    assert not torch.equal(experts.w1_EDH[0], experts.w1_EDH[1])
+
+
+def test_reinit_with_biases_and_router_init():
+    dense, _ = dense_model("vit", initializer_range=0.03)
+    model = upcycle(dense, num_experts=3, top_k=1, reinit_fraction=1.0)
+    layer = model.vit.layers[0].mlp.moe
+    assert torch.equal(layer.experts.b1_EH, torch.zeros_like(layer.experts.b1_EH))
+    assert torch.equal(layer.experts.b2_ED, torch.zeros_like(layer.experts.b2_ED))
+    router = torch.stack([b.moe.router.weight_ED.detach() for _, _, b in upcycled_blocks(model)])
+    assert abs(float(router.std()) - 0.03) < 0.01   # normal(0, initializer_range)
+
+
+def test_bad_input():
+    dense, _ = dense_model("llama")
+    with pytest.raises(ValueError, match="top_k=5 is invalid: must be at most num_experts=4"):
+        upcycle(copy.deepcopy(dense), num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match=r"layers=\[2, 4\] has \[4\] out of range.*numbered 0..3"):
+        upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, layers=[2, 4])
+    with pytest.raises(ValueError, match="every=0 is invalid"):
+        upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, every=0)
+    with pytest.raises(ValueError, match="hidden_size=8 cannot be overridden: it is set by the dense MLP"):
+        upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, hidden_size=8)
+    with pytest.raises(ValueError, match="reinit_fraction=1.5 is invalid"):
+        upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, reinit_fraction=1.5)
+    with pytest.raises(ValueError, match="no dense MLP upcycle recognises"):
+        upcycle(torch.nn.Sequential(torch.nn.Linear(4, 4)), num_experts=4, top_k=2)
+    gelu_tanh, _ = dense_model("llama", hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="computes none of relu, gelu, silu"):
+        upcycle(gelu_tanh, num_experts=4, top_k=2)
+    upcycle(dense, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="upcycled already"):
+        upcycle(dense, num_experts=4, top_k=2)
+
+
+def test_capacity_balancing_and_state_dict_round_trip():
+    """The MoE settings reach the layers (drops, aux loss, expert-bias balancing); state_dict loads back
+    into a model upcycled alike (with other random draws) and gives the same outputs."""
+    dense, inputs = dense_model("qwen2")
+    settings = dict(num_experts=4, top_k=2, every=1, noise=0.2, capacity_factor=0.5, aux_loss="switch",
+                    aux_loss_coef=0.1, expert_bias_update_rate=0.01)
+    model = upcycle(copy.deepcopy(dense), **settings)
+    x = inputs()
+    loss = out(model, x).logsumexp(-1).mean() + moe_plugin.aux_loss(model)
+    loss.backward()
+    stats = model.model.layers[0].mlp.moe.stats
+    assert stats["dropped_fraction"] > 0
+    assert float(moe_plugin.aux_loss(model)) > 0
+    assert model.model.layers[0].mlp.moe.router.weight_ED.grad.abs().max() > 0
+    bias_before = model.model.layers[0].mlp.moe.router.expert_bias_E.clone()
+    moe_plugin.update_expert_bias(model)
+    assert not torch.equal(model.model.layers[0].mlp.moe.router.expert_bias_E, bias_before)
+
+    other = upcycle(copy.deepcopy(dense), **settings)
+    other.load_state_dict(model.state_dict())
+    model.eval(), other.eval()
+    torch.testing.assert_close(out(other, x), out(model, x), rtol=0, atol=0)
+
+
+def test_deepspeed_blocks_and_hf_blocks():
+    """With DeepSpeed installed the blocks are DeepSpeed's MoE instances (the engine's MoE handling);
+    block_class=HFMoEBlock gives plain blocks (the main job's)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.moe.layer import MoE
+    dense, _ = dense_model("mistral")
+    model = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2)
+    assert all(isinstance(b, MoE) for _, _, b in upcycled_blocks(model))
+    plain = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, block_class=HFMoEBlock)
+    assert all(type(b) is HFMoEBlock for _, _, b in upcycled_blocks(plain))
+
+
+@pytest.mark.parametrize("family,target,layers", [("llama", "mixtral", None), ("mistral", "mixtral", None),
+                                                  ("qwen2", "qwen2_moe", [0, 2, 3]), ("llama", None, [1, 3]),
+                                                  ("llama_bias", None, None), ("vit", None, None),
+                                                  ("swinv2", None, [3, 5, 7])])
+def test_export(tmp_path, family, target, layers):
+    """An HF MoE family's folder where the architecture matches (plain from_pretrained, same outputs), else
+    the dense folder with moe_plugin's expert files (load_upcycled gives the same outputs; plain
+    from_pretrained loads the dense model with the experts' mean)."""
+    dense, inputs = dense_model(family)
+    model = upcycle(dense, num_experts=4, top_k=2, layers=layers, noise=0.3, capacity_factor=0.0).eval()
+    assert moe_family_target(model) == target
+    x = inputs()
+    expected = out(model, x)
+    export_hf(model, tmp_path / "folder")
+    if target is not None:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folder")
+        assert loaded.config.model_type == target
+        torch.testing.assert_close(out(loaded.eval(), x), expected, rtol=1e-5, atol=1e-5)
+        return
+    assert (tmp_path / "folder" / EXPERTS_FILE).is_file()
+    loaded = load_upcycled(tmp_path / "folder").eval()
+    torch.testing.assert_close(out(loaded, x), expected, rtol=1e-5, atol=1e-5)
+    plain = type(dense).from_pretrained(tmp_path / "folder")
+    name, kind = getattr(model, "moe_plugin_upcycled")["sites"][0]
+    w1 = upcycled_blocks(model)[0][2].moe.experts.w1_EDH.mean(0).t()
+    first = {"gated": "gate_proj", "plain": "fc1", "pair": "intermediate.dense"}[kind]
+    torch.testing.assert_close(plain.get_submodule(f"{name}.{first}").weight, w1[:plain.get_submodule(
+        f"{name}.{first}").weight.shape[0]])
+
+
+def test_export_warns_when_the_model_drops_tokens(tmp_path):
+    dense, _ = dense_model("llama")
+    model = upcycle(dense, num_experts=4, top_k=2, capacity_factor=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_hf(model, tmp_path / "folder")
+    assert any("computes the dropless output" in str(w.message) for w in caught)
