@@ -1,7 +1,11 @@
-"""What a finished `moe-plugin train` run leaves for people: loss.png, expert_load.png and the summary text.
+"""What a finished `moe-plugin train` run leaves for people: loss.png, expert_load.png (and for an image
+classifier accuracy.png) and the summary text.
 
 Records are the metrics.jsonl objects: {"step", "loss", "aux_loss", "dropped_fraction",
-"tokens_per_s", "tokens_per_expert": [[per expert] per MoE layer], "val_loss" (at eval steps)}.
+"tokens_per_s", "tokens_per_expert": [[per expert] per MoE layer], "val_loss" (at eval steps)}; an
+image classifier's have "images_per_s" instead of "tokens_per_s", and "accuracy", "val_accuracy".
+Routing maps each topic of the synthetic corpus (each class of an image data set) to its tokens per
+expert in each MoE layer.
 """
 from __future__ import annotations
 
@@ -16,21 +20,32 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[int]]]) -> None:
+def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[int]]], task: str = "lm") -> None:
     """loss.png: train and validation loss, dropped tokens. expert_load.png: per MoE layer, the share of
-    tokens per expert over the steps, and (synthetic corpus) the share of each topic's tokens per expert."""
+    tokens per expert over the steps, and (synthetic corpus, image classes) the share of each topic's
+    tokens per expert. accuracy.png (an image classifier): train and validation accuracy."""
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
+    image = task == "image"
+    topic = "class" if image else "topic"
 
     figure = _figure(10, 3.6)
     loss_ax, drop_ax = figure.subplots(1, 2)
     loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-    loss_ax.set(title="LM loss (nats per byte)", xlabel="step")
+    loss_ax.set(title="cross-entropy loss (nats per image)" if image else "LM loss (nats per byte)", xlabel="step")
     loss_ax.legend()
     drop_ax.plot([r["step"] for r in train], [100 * r["dropped_fraction"] for r in train])
     drop_ax.set(title="dropped tokens (% of routed choices)", xlabel="step", ylim=(0, None))
     figure.savefig(out_dir / "loss.png")
+    if image:
+        figure = _figure(5, 3.6)
+        ax = figure.subplots()
+        ax.plot([r["step"] for r in train], [100 * r["accuracy"] for r in train], label="train")
+        ax.plot([r["step"] for r in val], [100 * r["val_accuracy"] for r in val], "o-", label="validation")
+        ax.set(title="accuracy (%)", xlabel="step", ylim=(0, 100))
+        ax.legend()
+        figure.savefig(out_dir / "accuracy.png")
 
     num_layers = len(train[0]["tokens_per_expert"]) if train else 0
     if not num_layers:
@@ -56,7 +71,7 @@ def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[
             for e, share in enumerate(shares_E):
                 color = "white" if share > 0.6 * darkest else "black"
                 ax.text(e, t, f"{share:.0f}", ha="center", va="center", color=color)
-        ax.set(title=f"MoE layer {layer + 1}: each topic's tokens per expert (%)", xlabel="expert",
+        ax.set(title=f"MoE layer {layer + 1}: each {topic}'s tokens per expert (%)", xlabel="expert",
                xticks=range(0, len(shares_TE[0]), 4 if many else 1), yticks=range(len(routing)),
                yticklabels=list(routing))
     figure.savefig(out_dir / "expert_load.png")
@@ -70,18 +85,24 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
     last = train[-1]
+    image = result.get("task") == "image"
+    unit = "images" if image else "tokens"
     lines = [
         f"run {name}: {result['steps']} steps, {result['world_size']} process(es), "
-        f"{result['tokens']:,} tokens, {result['seconds']:.0f} s ({last['tokens_per_s']:,.0f} tokens/s at the end)",
+        f"{result[unit]:,} {unit}, {result['seconds']:.0f} s ({last[unit + '_per_s']:,.0f} {unit}/s at the end)",
         f"validation loss {val[0]['val_loss']:.3f} (step {val[0]['step']}) -> {val[-1]['val_loss']:.3f} "
         f"(step {val[-1]['step']}); train loss {train[0]['loss']:.3f} -> {last['loss']:.3f}",
-        f"dropped tokens {100 * last['dropped_fraction']:.1f}%, aux loss {last['aux_loss']:.4f} (last record)",
     ]
+    if image:
+        lines.append(f"validation accuracy {100 * val[0]['val_accuracy']:.1f}% -> {100 * val[-1]['val_accuracy']:.1f}%; "
+                     f"train accuracy {100 * train[0]['accuracy']:.1f}% -> {100 * last['accuracy']:.1f}%")
+    lines.append(f"dropped tokens {100 * last['dropped_fraction']:.1f}%, aux loss {last['aux_loss']:.4f} (last record)")
     for layer, load in enumerate(last["tokens_per_expert"]):
         shares = " ".join(f"{_percent(n, load):.0f}" for n in load)
         lines.append(f"MoE layer {layer + 1}: share of tokens per expert (%, last record): {shares}")
     if routing:
-        lines.append("share of each topic's tokens per expert (%, validation text):")
+        lines.append("share of each class's tokens (patches) per expert (%, validation images):" if image else
+                     "share of each topic's tokens per expert (%, validation text):")
         num_experts = len(next(iter(routing.values()))[0])
         width = max(len(topic) for topic in routing)
         for layer in range(len(next(iter(routing.values())))):
@@ -90,7 +111,9 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
             for topic, loads in routing.items():
                 load = loads[layer]
                 lines.append(f"  {topic:<{width}} " + " ".join(f"{_percent(n, load):3.0f}" for n in load))
-    pictures = "loss.png, expert_load.png, " if result.get("plots", True) else ""
+    pictures = ("loss.png, accuracy.png, " if image else "loss.png, ") + \
+        ("expert_load.png, " if last["tokens_per_expert"] else "")
+    pictures = pictures if result.get("plots", True) else ""
     hf = ", hf_model/ (AutoModelForCausalLM.from_pretrained loads it)" if result.get("hf_model") else ""
     lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, {pictures}checkpoints/{hf}")
     return "\n".join(lines) + "\n"

@@ -55,6 +55,16 @@ class LogConfig:
 
 
 @dataclass
+class UpcycleConfig:
+    """upcycle()'s options (moe_plugin.integrations.transformers): the HF model's dense MLPs in the chosen layers
+    become MoE blocks of moe.num_experts experts (top moe.top_k; the moe section's other keys apply)."""
+    every: int = 1                       # layers every-1, 2*every-1, ... of those in `layers` (1: all of them)
+    layers: Optional[List[int]] = None   # the layer numbers considered (mlp_sites order); null: all
+    noise: float = 0.0                   # each expert's weights get normal noise, std noise x the dense weight's std
+    reinit_fraction: float = 0.0         # the share of each expert's hidden units drawn afresh; 1.0: independent
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MOE))  # MoEConfig fields but those above
@@ -64,6 +74,8 @@ class ExperimentConfig:
     log: LogConfig = field(default_factory=LogConfig)
     # an HF config (model_type and its fields): train that Hugging Face MoE architecture (hf_model.py)
     hf: Optional[Dict[str, Any]] = None
+    # the HF model's dense MLPs become MoE blocks (hf_image.py; null: the model as the hf section builds it)
+    upcycle: Optional[UpcycleConfig] = None
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -96,6 +108,8 @@ def _valid_keys(section: Optional[str]) -> List[str]:
         return [f.name for f in dataclasses.fields(ExperimentConfig)]
     if section == "moe":
         return [name for name in field_names() if name not in MOE_KEYS_SET_ELSEWHERE]
+    if section == "upcycle":
+        return [f.name for f in dataclasses.fields(UpcycleConfig)]
     return [f.name for f in dataclasses.fields(getattr(ExperimentConfig(), section))]
 
 
@@ -148,15 +162,22 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
     check_data_config(cfg.data)
-    if cfg.hf is not None:
+    if cfg.data.task == "image":
+        from .hf_image import image_moe_configs   # imports transformers
+        moes = image_moe_configs(cfg)
+    elif cfg.upcycle is not None:
+        raise ValueError("upcycle is invalid with data.task='lm': it applies to the image classifiers "
+                         "(data.task='image') only (leave it out)")
+    elif cfg.hf is not None:
         from .hf_model import hf_moe_config   # imports transformers
-        moe = hf_moe_config(cfg)
+        moes = [hf_moe_config(cfg)]
     else:
-        moe = moe_config(cfg)
-    try:
-        check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
-    except ValueError as error:
-        raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
+        moes = [moe_config(cfg)]
+    for moe in moes:
+        try:
+            check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
+        except ValueError as error:
+            raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

@@ -34,8 +34,29 @@ def evaluate(model: TransformerLM, batches, device: torch.device) -> float:
 
 
 @torch.no_grad()
+def evaluate_images(model: torch.nn.Module, batches, device: torch.device) -> Tuple[float, float]:
+    """(mean loss, accuracy) over every image of the batches (the last batch may be smaller)."""
+    model.eval()
+    loss = correct = count = 0
+    for x_BCHW, y_B in batches:
+        logits_BL, y_B = model(x_BCHW.to(device)), y_B.to(device)
+        loss += F.cross_entropy(logits_BL, y_B, reduction="sum").item()
+        correct += int((logits_BL.argmax(-1) == y_B).sum())
+        count += len(y_B)
+    model.train()
+    return loss / count, correct / count
+
+
+def validation(model: torch.nn.Module, batches, device: torch.device, task: str) -> dict:
+    if task == "image":
+        loss, accuracy = evaluate_images(model, batches, device)
+        return {"val_loss": loss, "val_accuracy": accuracy}
+    return {"val_loss": evaluate(model, batches, device)}
+
+
+@torch.no_grad()
 def topic_routing(model: TransformerLM, topics: Dict[str, torch.Tensor], device: torch.device) -> dict:
-    """Per topic of the synthetic corpus: tokens per expert in each MoE layer."""
+    """Per topic of the synthetic corpus (per class of an image data set): tokens per expert in each MoE layer."""
     model.eval()
     routing = {}
     for topic, x_BS in topics.items():
@@ -125,22 +146,25 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
         log = MetricsLog(out_dir, step if resume_path else None)
+    task = cfg.data.task
     if step == 0:
-        val_loss = evaluate(model, data.val, procs.device)
+        val = validation(model, data.val, procs.device, task)
         if log:
-            log.write({"step": 0, "val_loss": val_loss})
+            log.write({"step": 0, **val})
 
     last = cfg.train.stop_at or cfg.train.steps
     bar = tqdm(total=last, initial=step, unit="step", disable=not (is_main and cfg.log.progress),
                dynamic_ncols=True, file=sys.stderr)
     start = time.perf_counter()
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    unit, items_per_step = ("images", cfg.train.batch_size) if task == "image" else \
+        ("tokens", cfg.train.batch_size * cfg.model.seq_len)
     while step < last:
         step += 1
         tick = time.perf_counter()
-        x_BS, y_BS = (t.to(procs.device) for t in data.train.next())
-        logits_BSV = wrapped(x_BS)
-        lm_loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
+        x, y = (t.to(procs.device) for t in data.train.next())   # x_BS, y_BS tokens; or x_BCHW, y_B images
+        logits = wrapped(x)                                        # logits_BSV; or logits_BL
+        lm_loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+        correct = int((logits.argmax(-1) == y).sum()) if task == "image" else 0
         router_loss = aux_loss(model)
         optimizer.zero_grad(set_to_none=True)
         (lm_loss + router_loss).backward()
@@ -150,17 +174,18 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         update_expert_bias(model)
         scheduler.step()
         window.add(lm_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
-                   tokens_per_step, time.perf_counter() - tick)
+                   items_per_step, time.perf_counter() - tick, correct)
 
         is_eval = step % cfg.train.eval_every == 0 or step == last
         if step % cfg.log.every == 0 or is_eval:
-            record = window.record(procs, step, optimizer.param_groups[0]["lr"])
+            record = window.record(procs, step, optimizer.param_groups[0]["lr"], unit)
             window = Window()
             if is_eval:
-                record["val_loss"] = evaluate(model, data.val, procs.device)
+                record.update(validation(model, data.val, procs.device, task))
             if log:
                 log.write(record)
-            bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {record['tokens_per_s']:.0f} "
+            accuracy = f"acc {record['accuracy']:.1%} " if "accuracy" in record else ""
+            bar.set_postfix_str(f"loss {record['loss']:.3f} {accuracy}{unit[:3]}/s {record[unit + '_per_s']:.0f} "
                                 f"drop {record['dropped_fraction']:.1%}", refresh=False)
         bar.update(1)
         if step == last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
@@ -169,8 +194,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
 
     experts = [name for name, _ in expert_parameters(model)]
     hashes = gather(procs, (parameter_hash(model), parameter_hash(model, skip=experts)))
-    routing = topic_routing(model, data.topics, procs.device)  # every rank runs the same topic rows
-    if cfg.hf is not None:   # an HF architecture: a folder plain transformers loads (every rank: experts gathered)
+    routing = topic_routing(model, data.topics, procs.device) if model.moe_layers() else {}  # same rows everywhere
+    if cfg.hf is not None and task == "lm":   # an HF language model: a folder plain transformers loads (every rank: experts gathered)
         from .hf_model import export_hf_model
         export_hf_model(model, out_dir / "hf_model", cfg)
     if not is_main:
@@ -178,11 +203,11 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     log.close()
     result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
     result["topic_routing"] = routing
-    result["hf_model"] = cfg.hf is not None
+    result["hf_model"] = cfg.hf is not None and task == "lm"
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     from .. import plots
     if cfg.log.plots:
-        plots.save_plots(log.records, out_dir, routing)
+        plots.save_plots(log.records, out_dir, routing, task)
     summary = plots.summary(cfg.log.name, result, log.records, routing)
     (out_dir / "summary.txt").write_text(summary)
     print(summary, end="")
@@ -193,10 +218,14 @@ def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes
             seconds: float, out_dir: Path) -> dict:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     train_records = [r for r in records if "loss" in r]
-    return {"name": cfg.log.name, "out_dir": str(out_dir), "plots": cfg.log.plots, "world_size": procs.world_size,
-            "steps": records[-1]["step"], "seconds": seconds,
-            "tokens": records[-1]["step"] * cfg.train.batch_size * cfg.model.seq_len * procs.world_size,
-            "val_loss_first": val[0][1], "val_loss_last": val[-1][1],
+    image = cfg.data.task == "image"
+    unit, per_row = ("images", 1) if image else ("tokens", cfg.model.seq_len)
+    accuracy = {"val_accuracy_first": records[0]["val_accuracy"], "val_accuracy_last": records[-1]["val_accuracy"]} \
+        if image else {}
+    return {"name": cfg.log.name, "task": cfg.data.task, "out_dir": str(out_dir), "plots": cfg.log.plots,
+            "world_size": procs.world_size, "steps": records[-1]["step"], "seconds": seconds,
+            unit: records[-1]["step"] * cfg.train.batch_size * per_row * procs.world_size,
+            "val_loss_first": val[0][1], "val_loss_last": val[-1][1], **accuracy,
             "loss_first": train_records[0]["loss"] if train_records else None,
             "loss_last": train_records[-1]["loss"] if train_records else None,
             "param_sha256_per_rank": [full for full, _ in hashes],

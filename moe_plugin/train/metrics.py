@@ -18,7 +18,9 @@ class Window:
     """The steps since the last metrics record, summed (over this rank).
 
     A layer's tokens_per_expert counts this rank's tokens for every expert (wherever the expert
-    lives), so their sum over the ranks in record() is the whole load, with or without ep."""
+    lives), so their sum over the ranks in record() is the whole load, with or without ep.
+    `tokens` counts the step's items: tokens of a language model, images of an image classifier,
+    of which `correct` were classified right."""
     steps: int = 0
     loss: float = 0.0
     aux_loss: float = 0.0
@@ -26,33 +28,39 @@ class Window:
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_expert: List[List[int]] = field(default_factory=list)
+    correct: int = 0
 
-    def add(self, loss: float, aux: float, stats: List[dict], tokens: int, seconds: float) -> None:
+    def add(self, loss: float, aux: float, stats: List[dict], tokens: int, seconds: float, correct: int = 0) -> None:
         self.steps += 1
         self.loss += loss
         self.aux_loss += aux
         self.dropped_fraction += sum(s["dropped_fraction"] for s in stats) / max(1, len(stats))
         self.tokens += tokens
         self.seconds += seconds
+        self.correct += correct
         loads = [s["tokens_per_expert"] for s in stats]
         self.tokens_per_expert = loads if not self.tokens_per_expert else \
             [[a + b for a, b in zip(old, new)] for old, new in zip(self.tokens_per_expert, loads)]
 
-    def record(self, procs: Processes, step: int, lr: float) -> dict:
-        """The window averaged over its steps and over the ranks (a collective: every rank calls it)."""
+    def record(self, procs: Processes, step: int, lr: float, unit: str = "tokens") -> dict:
+        """The window averaged over its steps and over the ranks (a collective: every rank calls it).
+        unit "images" (an image classifier): images_per_s and the training accuracy instead of tokens_per_s."""
         loads = [n for layer in self.tokens_per_expert for n in layer]
-        sums = torch.tensor([self.loss, self.aux_loss, self.dropped_fraction, self.tokens, self.seconds] + loads,
-                            dtype=torch.float64, device=procs.device)
+        sums = torch.tensor([self.loss, self.aux_loss, self.dropped_fraction, self.tokens, self.seconds,
+                             self.correct] + loads, dtype=torch.float64, device=procs.device)
         if procs.world_size > 1:
             dist.all_reduce(sums)
         sums = sums.tolist()
         n = self.steps * procs.world_size
         seconds = sums[4] / procs.world_size
         per_layer = len(self.tokens_per_expert[0]) if self.tokens_per_expert else 0
-        return {"step": step, "lr": lr, "loss": sums[0] / n, "aux_loss": sums[1] / n,
-                "dropped_fraction": sums[2] / n, "tokens_per_s": sums[3] / seconds if seconds else 0.0,
-                "tokens_per_expert": [[int(v) for v in sums[5 + i * per_layer:5 + (i + 1) * per_layer]]
-                                      for i in range(len(self.tokens_per_expert))]}
+        record = {"step": step, "lr": lr, "loss": sums[0] / n, "aux_loss": sums[1] / n,
+                  "dropped_fraction": sums[2] / n, f"{unit}_per_s": sums[3] / seconds if seconds else 0.0,
+                  "tokens_per_expert": [[int(v) for v in sums[6 + i * per_layer:6 + (i + 1) * per_layer]]
+                                        for i in range(len(self.tokens_per_expert))]}
+        if unit == "images":
+            record["accuracy"] = sums[5] / sums[3]
+        return record
 
 
 def tensorboard_writer(log_dir: Path):

@@ -34,10 +34,10 @@ class Parts:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """Weight decay on the weight matrices only: not on norms, biases, nor the experts' stacked
-    biases ([E, H], [E, D]: 2-D, but biases)."""
+    """Weight decay on the weight matrices only: not on norms, biases, the experts' stacked
+    biases ([E, H], [E, D]: 2-D, but biases), nor Swinv2's attention temperatures (logit_scale, [heads, 1, 1])."""
     def is_matrix(name: str, param: torch.nn.Parameter) -> bool:
-        return param.dim() >= 2 and not name.endswith(("b1_EH", "b2_ED"))
+        return param.dim() >= 2 and not name.endswith(("b1_EH", "b2_ED", "logit_scale"))
     named = list(model.named_parameters())
     return [{"params": [p for n, p in named if is_matrix(n, p)], "weight_decay": weight_decay},
             {"params": [p for n, p in named if not is_matrix(n, p)], "weight_decay": 0.0}]
@@ -75,7 +75,10 @@ def _construction_order(model: TransformerLM) -> List[nn.Module]:
 
 def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
-    if cfg.hf is not None:
+    if cfg.data.task == "image":
+        from .hf_image import build_image_model   # imports transformers
+        model = build_image_model(cfg).to(procs.device)
+    elif cfg.hf is not None:
         from .hf_model import build_hf_model   # imports transformers
         model = build_hf_model(cfg).to(procs.device)
     elif cfg.parallel.fsdp:
@@ -86,7 +89,7 @@ def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
         fully_shard_moe(model)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg.train, step))
-    data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches,
+    data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches,   # seq_len: lm
                      procs.rank, procs.world_size)
     torch.manual_seed(cfg.train.seed + 1_000_003 * (procs.rank + 1))  # router noise differs per rank
     return Parts(model, optimizer, scheduler, data)
