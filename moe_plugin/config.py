@@ -7,8 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
-ROUTERS = ("softmax", "sigmoid", "cosine")
-ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "identity")
+ROUTERS = ("softmax", "sigmoid", "cosine", "sqrt_softplus")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "identity", "geglu", "geglu_tanh", "relu2", "swiglu_oai")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai")   # the first projection gives [gate | up]
+LIMITED_ACTIVATIONS = ("swiglu", "swiglu_oai")                         # those activation_limit applies to
+GROUP_SCORES = ("top2_sum", "max")
 AUX_LOSSES = ("gshard", "switch", "none", "seq")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
 A2A_KINDS = ("flat", "2dh", "auto")
@@ -51,6 +54,19 @@ class MoEConfig:
     route_scale: multiplies the final gates (after normalization and dropping).
     shared_hidden_size > 0: a shared expert FFN of that width applied to every token and added to the
       output; shared_gate multiplies it per token by sigmoid(x . w).
+    activation: relu, gelu (exact), silu, identity, relu2 (relu(h)^2) act on the hidden layer; the gated ones
+      split the first projection's 2H columns into [gate | up]: swiglu silu(gate) * up, geglu gelu(gate) * up
+      (exact erf GELU), geglu_tanh (tanh-approximate GELU), swiglu_oai (gpt-oss)
+      (clamp(up, -L, L) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=L).
+    activation_limit: L. With swiglu: gate clamped to at most L, up to [-L, L] (GLM-5-Next, DeepSeek-V4,
+      HY-V4); required by swiglu_oai. clamp_shared=False keeps the shared expert unclamped (HY-V4).
+    activation_alpha: swiglu_oai's alpha (gpt-oss: 1.702); only with swiglu_oai, which requires it.
+    router: softmax, sigmoid, cosine, or sqrt_softplus (DeepSeek-V4: sqrt(softplus(logits)), used like sigmoid).
+    router_bias: the router's logits add a learned per-expert bias, router.bias_E (gpt-oss).
+    gate_on_input: the gate multiplies the chosen expert's input, not its output (Llama 4); top-1 only.
+    group_score: how a group of experts is scored for topk_groups: "top2_sum" (DeepSeek-V3: the sum of its two
+      best scores) or "max" (DeepSeek-V2 group_limited_greedy: its best score); "max" needs topk_groups <
+      num_groups.
     """
 
     model_dim: int
@@ -81,6 +97,12 @@ class MoEConfig:
     route_scale: float = 1.0
     shared_hidden_size: int = 0
     shared_gate: bool = False
+    activation_limit: Optional[float] = None
+    activation_alpha: Optional[float] = None
+    clamp_shared: bool = True
+    router_bias: bool = False
+    gate_on_input: bool = False
+    group_score: str = "top2_sum"
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -119,6 +141,7 @@ class MoEConfig:
         if self.node_size is not None:
             _check_int("node_size", self.node_size, minimum=1)
         self._check_routing_extras()
+        self._check_expert_features()
 
     def _check_routing_extras(self):
         self.expert_bias_update_rate = _check_float("expert_bias_update_rate", self.expert_bias_update_rate,
@@ -144,6 +167,41 @@ class MoEConfig:
         if self.shared_gate and self.shared_hidden_size == 0:
             raise ValueError("MoEConfig.shared_gate=True is invalid with shared_hidden_size=0: the gate "
                              "multiplies the shared expert; set shared_hidden_size > 0 or shared_gate=False")
+
+    def _check_expert_features(self):
+        for name in ("activation_limit", "activation_alpha"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_float(name, value)
+                if value <= 0:
+                    raise ValueError(f"MoEConfig.{name}={value!r} is invalid: must be a finite number > 0 or None")
+                setattr(self, name, value)
+        if self.activation_limit is not None and self.activation not in LIMITED_ACTIVATIONS:
+            raise ValueError(f"MoEConfig.activation_limit={self.activation_limit!r} is invalid with "
+                             f"activation={self.activation!r}: the limit clamps only {' and '.join(LIMITED_ACTIVATIONS)}")
+        if self.activation == "swiglu_oai" and (self.activation_limit is None or self.activation_alpha is None):
+            raise ValueError(f"MoEConfig.activation='swiglu_oai' needs activation_limit and activation_alpha "
+                             f"(gpt-oss: 7.0 and 1.702); got activation_limit={self.activation_limit!r}, "
+                             f"activation_alpha={self.activation_alpha!r}")
+        if self.activation_alpha is not None and self.activation != "swiglu_oai":
+            raise ValueError(f"MoEConfig.activation_alpha={self.activation_alpha!r} is invalid with "
+                             f"activation={self.activation!r}: alpha belongs to activation='swiglu_oai' only")
+        for name in ("clamp_shared", "router_bias", "gate_on_input"):
+            _check_bool(name, getattr(self, name))
+        if not self.clamp_shared and self.activation_limit is None:
+            raise ValueError("MoEConfig.clamp_shared=False is invalid with activation_limit=None: it exempts the "
+                             "shared expert from the limit; set activation_limit or clamp_shared=True")
+        if self.router_bias and self.router == "cosine":
+            raise ValueError("MoEConfig.router_bias=True is invalid with router='cosine' (its logits are bounded "
+                             "cosine similarities); use router_bias=False or another router")
+        if self.gate_on_input and self.top_k != 1:
+            raise ValueError(f"MoEConfig.gate_on_input=True is invalid with top_k={self.top_k}: gating the expert "
+                             f"input is supported for top_k=1 (Llama 4)")
+        _check_choice("group_score", self.group_score, GROUP_SCORES)
+        if self.group_score != "top2_sum" and self.topk_groups >= self.num_groups:
+            raise ValueError(f"MoEConfig.group_score={self.group_score!r} is invalid with num_groups="
+                             f"{self.num_groups}, topk_groups={self.topk_groups}: groups are scored only when "
+                             f"topk_groups < num_groups")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "MoEConfig":

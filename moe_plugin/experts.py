@@ -1,7 +1,7 @@
 """Stacked expert FFN weights and their compute on the routed rows only.
 
 Legend: R routed rows (grouped by expert), D model dim, H expert hidden dim, E experts.
-With swiglu the first projection gives 2H columns: [gate | up].
+With a gated activation (swiglu, geglu, ...) the first projection gives 2H columns: [gate | up].
 """
 from __future__ import annotations
 
@@ -10,39 +10,16 @@ from types import SimpleNamespace
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .activations import activate, activation_backward, first_width, of_config  # noqa: F401
+from .activations import forward as activation_forward
+from .config import ACTIVATIONS as ACTIVATION_NAMES
 from .config import MoEConfig
 
-
-ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": ops.swiglu, "identity": lambda h: h}
-
-
-def activate(pre_RH: torch.Tensor, activation: str):
-    """(activations, what backward needs): relu works in place and keeps its output as its own
-    mask; identity keeps the pre-activation, which is the activation; the others keep the
-    pre-activation and recompute in backward."""
-    if activation == "relu":
-        act_RH = pre_RH.relu_()
-        return act_RH, act_RH
-    return ACTIVATIONS[activation](pre_RH), pre_RH
-
-
-def activation_backward(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activation: str):
-    """From what activate() kept and the activations' gradient: (the activations, grad of the
-    pre-activation). Written out op by op (no autograd inside backward), so torch.compile traces it."""
-    if activation == "identity":
-        return saved_RH, grad_act_RH
-    if activation == "relu":
-        return saved_RH, torch.ops.aten.threshold_backward.grad_input(grad_act_RH, saved_RH, 0, grad_input=grad_act_RH)
-    if activation == "gelu":
-        return F.gelu(saved_RH), torch.ops.aten.gelu_backward(grad_act_RH, saved_RH)
-    if activation == "silu":
-        return F.silu(saved_RH), torch.ops.aten.silu_backward(grad_act_RH, saved_RH)
-    grad_pre_RH2, act_RH = ops.swiglu_backward(grad_act_RH, saved_RH)
-    return act_RH, grad_pre_RH2
+# name -> function of the pre-activation, for the activations without parameters (hosts match modules by it)
+ACTIVATIONS = {name: (lambda pre, name=name: activation_forward(pre, name)) for name in ACTIVATION_NAMES if name != "swiglu_oai"}
 
 
 class _Cast(torch.autograd.Function):
@@ -127,7 +104,8 @@ class KeepsParameterTags(nn.Module):
 
 
 class Experts(KeepsParameterTags):
-    """This rank's experts, stacked: w1_EDH [E_local, D, H_local (x2 for swiglu)], w2_EHD [E_local, H_local, D].
+    """This rank's experts, stacked: w1_EDH [E_local, D, H_local (x2 for gated activations)], w2_EHD [E_local,
+    H_local, D]. .activation is an activations.Activation (the name and its limit and alpha).
 
     Each expert is drawn from its own generator (seeded from the global RNG and the expert's index), so
     the same seed gives the same experts whatever the ep_size; a rank keeps only its share.
@@ -144,9 +122,9 @@ class Experts(KeepsParameterTags):
         D, H = config.model_dim, config.hidden_size
         local_experts = config.num_experts if local_experts is None else local_experts
         self.config, self.first_expert = config, first_expert
-        self.activation = config.activation
+        self.activation = of_config(config)
         self.slices, self.slice_index = slices, slice_index
-        first_out = (2 * H if config.activation == "swiglu" else H) // slices
+        first_out = first_width(config.activation, H) // slices
         self.w1_EDH = nn.Parameter(torch.empty(local_experts, D, first_out))
         self.w2_EHD = nn.Parameter(torch.empty(local_experts, H // slices, D))
         self.b1_EH = nn.Parameter(torch.empty(local_experts, first_out)) if config.bias else None
@@ -173,7 +151,7 @@ class Experts(KeepsParameterTags):
         """One whole expert drawn from its seed: uniform in +-1/sqrt(fan_in), or (std given) weights
         normal(0, std) and biases 0."""
         D, H = config.model_dim, config.hidden_size
-        first_out = 2 * H if config.activation == "swiglu" else H
+        first_out = first_width(config.activation, H)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         if std is not None:
             return {"w1": torch.empty(D, first_out).normal_(0.0, std, generator=generator), "b1": torch.zeros(first_out),
@@ -185,7 +163,7 @@ class Experts(KeepsParameterTags):
 
     @staticmethod
     def take_slice(expert: dict, slices: int, index: int) -> dict:
-        """Hidden slice `index` of `slices` of one expert's tensors (swiglu's [gate | up] sliced alike)."""
+        """Hidden slice `index` of `slices` of one expert's tensors (a gated [gate | up] sliced alike)."""
         if slices == 1:
             return expert
         hidden = expert["w2"].shape[0]

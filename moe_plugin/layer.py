@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from . import dispatch
-from .config import MoEConfig
+from .config import AUTO, MoEConfig
 from .experts import Experts, cast_weights
 from .fused import fused_moe
 from .module_experts import ModuleExperts
-from .parallel.expert_parallel import expert_parallel_moe
+from .parallel.expert_parallel import expert_parallel_moe, route_counts
 from .parallel.fsdp import check_expert_sharding
 from .parallel.groups import build_groups
-from .parallel.tuner import Tuner
+from .parallel.tuner import OnceTuner, Tuner
 from .router import Router, autocast_off, autocast_on, finalize_gates
 from .shared_expert import SharedExpert
 
@@ -59,7 +59,7 @@ class MoELayer(nn.Module):
         else:
             self.experts = ModuleExperts(config, expert, layout.first_expert, layout.local_experts, layout.slices)
         self.shared_expert = SharedExpert(config) if config.shared_hidden_size else None
-        self.tuner = Tuner(self._candidates(), group=self.groups.ep_group) if self.is_parallel else None
+        self.tuner = self._make_tuner() if self.is_parallel else None
         self.aux_loss = torch.zeros((), device="cpu")
         self._routing = None          # (load_E, kept_E, capacity info) of the last forward, for .stats
         self._parallel_stats: dict = {}
@@ -91,12 +91,28 @@ class MoELayer(nn.Module):
         return self.groups.ep_group is not None
 
     def _candidates(self):
+        """(r, d, a2a) settings the configuration allows; the a2a of r = 0 (no exchange) is moot."""
         cfg, layout = self.config, self.groups.layout
-        degrees = layout.degrees() if cfg.parallel == "auto" else [cfg.parallel]
+        degrees = [cfg.parallel] if cfg.parallel not in AUTO else \
+            [1] if isinstance(self.experts, ModuleExperts) else layout.degrees()
         for r in degrees:
             layout.check_degree(r)
-        overlaps = [1, 2, 4] if cfg.overlap_degree == "auto" else [cfg.overlap_degree]
-        return [(r, d) for r in degrees for d in overlaps if r != 0 or d == 1]
+        overlaps = [1, 2, 4] if cfg.overlap_degree in AUTO else [cfg.overlap_degree]
+        two_step = 1 < self.groups.node_size < layout.ep_size
+        a2as = (["flat", "2dh"] if two_step else ["flat"]) if cfg.a2a == "auto" else [cfg.a2a]
+        return [(r, d, a) for r in degrees for d in overlaps for a in a2as if r != 0 or (d == 1 and a == a2as[0])]
+
+    def _make_tuner(self):
+        """Tuner (per-load, re-tuned) for "auto"; OnceTuner for "auto_once" and for fixed settings."""
+        cfg = self.config
+        if "auto_once" in (cfg.parallel, cfg.overlap_degree):
+            return OnceTuner(self._candidates(), group=self.groups.ep_group)
+        if "auto" in (cfg.parallel, cfg.overlap_degree, cfg.a2a):
+            shape = dict(ep_size=cfg.ep_size, node_size=self.groups.node_size, model_dim=cfg.model_dim,
+                         hidden_size=cfg.hidden_size, num_experts=cfg.num_experts,
+                         matrices=3 if cfg.activation.startswith(("swiglu", "geglu")) else 2)
+            return Tuner(self._candidates(), shape)
+        return OnceTuner(self._candidates())
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share."""
@@ -110,6 +126,8 @@ class MoELayer(nn.Module):
         for key, name in names.items():
             if name in state:
                 local[name] = torch.stack([shard[key] for shard in shards])
+        if isinstance(self.tuner, Tuner) and "tuner._extra_state" not in state:
+            local["tuner._extra_state"] = self.tuner.get_extra_state()
         self.load_state_dict({**{k: v for k, v in state.items() if not k.startswith("experts.")}, **local})
 
     def capacity_factor(self) -> float:
@@ -143,6 +161,8 @@ class MoELayer(nn.Module):
         shared = _SharedOutput(self.shared_expert, x_TD)
         experts = self.experts if isinstance(self.experts, ModuleExperts) else cast_weights(self.experts, dtype)
         x_TD, gate_TK = x_TD.to(dtype), gate_TK.to(dtype)
+        if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
+            x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
         if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
             with autocast_off(x.device.type):   # the expert path runs in dtype already
                 y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree,
@@ -157,8 +177,8 @@ class MoELayer(nn.Module):
         self._routing = (plan.load_E.detach(), plan.kept_E.detach(), plan.capacity_factor, plan.fixed,
                          x_TD.shape[0], cfg.top_k)
         if degrees is not None:
-            self._parallel_stats = dict(parallel=degrees[0], overlap_degree=degrees[1],
-                                        tuned=None if self.tuner.chosen is None else list(self.tuner.chosen))
+            self._parallel_stats = dict(parallel=degrees[0], overlap_degree=degrees[1], a2a=degrees[2],
+                                        **self.tuner.stats())
         return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
@@ -174,15 +194,24 @@ class MoELayer(nn.Module):
 
     def _parallel_forward(self, x_TD, gate_TK, plan, experts, parallel, overlap_degree, in_flight):
         tuning = parallel is None and overlap_degree is None and self.training and torch.is_grad_enabled()
-        r, d = self.tuner.current()
+        tuner = self.tuner
+        if isinstance(tuner, Tuner):    # the setting follows this step's counts (gathered before any weight)
+            counts_WE, times_W = route_counts(plan, self.groups.ep_group, x_TD.device, extra=tuner.outgoing())
+            r, d, a2a = tuner.choose(counts_WE, times_W, x_TD.dtype, measure=tuning)
+            r = r if parallel is None else parallel
+            d = d if overlap_degree is None else overlap_degree
+            x_TD, gate_TK = tuner.enter(x_TD, gate_TK)
+            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, a2a, in_flight=in_flight,
+                                       counts_WE=counts_WE)
+            return tuner.leave(y_TD), (r, d, a2a)
+        r, d, a2a = tuner.current()
         r = r if parallel is None else parallel
         d = d if overlap_degree is None else overlap_degree
-        with self.tuner.timed() as timer:
-            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, self.config.a2a,
-                                       in_flight=in_flight)
+        with tuner.timed() as timer:
+            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, a2a, in_flight=in_flight)
         if tuning:
-            self.tuner.record((r, d), timer.seconds)
-        return y_TD, (r, d)
+            tuner.record((r, d, a2a), timer.seconds)
+        return y_TD, (r, d, a2a)
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -6,7 +6,8 @@ tokens x experts x capacity.
 
 Covers the DeepSeek-V3 features too: the balancing bias (router.expert_bias_E, added to the scores
 only to choose), group-limited choice, route_scale, the (gated) shared expert and the sequence-wise
-aux loss.
+aux loss; and the router bias, sqrt(softplus) scores, groups scored by their best expert, gating on the
+expert input and the activations with their clamp limits, each written out from its formula.
 
 Legend: T tokens, D model dim, H hidden, E experts, K top-k, C capacity per expert, G expert groups,
 M experts per group, S tokens per sequence.
@@ -42,15 +43,17 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
             logits_TE = torch.einsum("td,ed->te", unit_x, unit_w) * scale
         else:
             logits_TE = torch.einsum("td,ed->te", xr_TD, wr_ED)
-    if cfg.router == "sigmoid":
-        scores_TE = torch.sigmoid(logits_TE)
+        if cfg.router_bias:
+            logits_TE = logits_TE + router.bias_E.to(logits_TE.dtype)
+    if cfg.router in ("sigmoid", "sqrt_softplus"):
+        scores_TE = torch.sigmoid(logits_TE) if cfg.router == "sigmoid" else torch.sqrt(torch.log1p(torch.exp(logits_TE)))
         probs_TE = scores_TE / scores_TE.sum(1, keepdim=True)
     else:
         scores_TE = probs_TE = torch.softmax(logits_TE, dim=1)
 
     choice_TE = scores_TE.detach() + router.expert_bias_E
     if cfg.num_groups > 1:
-        choice_TE = _inside_best_groups(choice_TE, cfg.num_groups, cfg.topk_groups)
+        choice_TE = _inside_best_groups(choice_TE, cfg.num_groups, cfg.topk_groups, cfg.group_score)
     expert_TK = torch.topk(choice_TE, K, dim=1).indices
     masks = [F.one_hot(expert_TK[:, k], E).to(scores_TE.dtype) for k in range(K)]    # K x [T, E]
     gates = [(scores_TE * m).sum(1) for m in masks]                                  # K x [T]
@@ -84,14 +87,19 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     for keep, loc, g in zip(keeps, locations, kept_gates):
         slot_TC = F.one_hot((loc * keep).sum(1).long(), max(capacity, 1))[:, :capacity].to(scores_TE.dtype)
         place_TEC = keep[:, :, None] * slot_TC[:, None, :]
-        dispatch_TEC = dispatch_TEC + place_TEC.to(x.dtype)
-        combine_TEC = combine_TEC + g[:, None, None] * place_TEC
+        if cfg.gate_on_input:     # the gate scales what the expert receives; its output is added unweighted
+            dispatch_TEC = dispatch_TEC + (g[:, None, None] * place_TEC).to(x.dtype)
+            combine_TEC = combine_TEC + place_TEC
+        else:
+            dispatch_TEC = dispatch_TEC + place_TEC.to(x.dtype)
+            combine_TEC = combine_TEC + g[:, None, None] * place_TEC
 
     x_ECD = torch.einsum("tec,td->ecd", dispatch_TEC, x_TD)
-    y_ECD = _modules(experts, x_ECD) if hasattr(experts, "local") else _mlp(experts, cfg.activation, x_ECD)
+    y_ECD = _modules(experts, x_ECD) if hasattr(experts, "local") else _mlp(experts, cfg, x_ECD)
     y_TD = torch.einsum("tec,ecd->td", combine_TEC.to(x.dtype), y_ECD)
     if layer.shared_expert is not None:
-        y_TD = y_TD + _shared(layer.shared_expert, cfg.activation, x_TD)
+        shared_limit = cfg.activation_limit if cfg.clamp_shared else None
+        y_TD = y_TD + _shared(layer.shared_expert, cfg, shared_limit, x_TD)
 
     seq_len = x.shape[-2] if x.dim() >= 3 else T
     aux = _balance(cfg.aux_loss, probs_TE, masks, E, seq_len) if T else probs_TE.new_zeros(())
@@ -104,15 +112,33 @@ def _modules(experts, x_ECD):
     return torch.stack([expert(x_CD) for expert, x_CD in zip(experts.local, x_ECD)])
 
 
-def _mlp(experts, activation, x_ECD):
+def _act(h, cfg, limit):
+    """The activation from its formula; a gated one splits the last dim into [gate | up]."""
+    name = cfg.activation
+    if name not in ("swiglu", "geglu", "geglu_tanh", "swiglu_oai"):
+        plain = {"relu": torch.relu, "silu": lambda v: v * torch.sigmoid(v), "identity": lambda v: v,
+                 "gelu": lambda v: 0.5 * v * (1 + torch.erf(v / math.sqrt(2))),
+                 "relu2": lambda v: torch.relu(v) ** 2}
+        return plain[name](h)
+    half = h.shape[-1] // 2
+    gate, up = h[..., :half], h[..., half:]
+    if name == "geglu":
+        return 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2))) * up
+    if name == "geglu_tanh":
+        return 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+    if limit is not None:
+        gate = torch.minimum(gate, torch.full_like(gate, limit))
+        up = torch.maximum(torch.minimum(up, torch.full_like(up, limit)), torch.full_like(up, -limit))
+    if name == "swiglu":
+        return gate * torch.sigmoid(gate) * up
+    return (up + 1) * gate * torch.sigmoid(cfg.activation_alpha * gate)
+
+
+def _mlp(experts, cfg, x_ECD):
     h_ECH = torch.einsum("ecd,edh->ech", x_ECD, experts.w1_EDH)
     if experts.b1_EH is not None:
         h_ECH = h_ECH + experts.b1_EH[:, None, :]
-    if activation == "swiglu":
-        gate_ECH, up_ECH = h_ECH.chunk(2, dim=-1)
-        h_ECH = F.silu(gate_ECH) * up_ECH
-    else:
-        h_ECH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[activation](h_ECH)
+    h_ECH = _act(h_ECH, cfg, cfg.activation_limit)
     y_ECD = torch.einsum("ech,ehd->ecd", h_ECH, experts.w2_EHD)
     if experts.b2_ED is not None:
         y_ECD = y_ECD + experts.b2_ED[:, None, :]
@@ -132,13 +158,14 @@ def _capacity(layer, load_E: torch.Tensor, T: int) -> int:
     return min(largest, fixed)
 
 
-def _inside_best_groups(choice_TE, G, topk_groups):
-    """Keep the experts of the topk_groups groups whose two best choice scores sum highest; -inf elsewhere."""
+def _inside_best_groups(choice_TE, G, topk_groups, group_score):
+    """Keep the experts of the topk_groups groups whose two best choice scores sum highest (group_score
+    "max": whose best score is highest); -inf elsewhere."""
     M = choice_TE.shape[1] // G
     group_scores = []
     for g in range(G):
         ranked = torch.sort(choice_TE[:, g * M:(g + 1) * M], dim=1, descending=True).values
-        group_scores.append(ranked[:, :min(2, M)].sum(1))
+        group_scores.append(ranked[:, 0] if group_score == "max" else ranked[:, :min(2, M)].sum(1))
     best_groups = torch.argsort(torch.stack(group_scores, 1), dim=1, descending=True, stable=True)[:, :topk_groups]
     allowed_TE = torch.zeros_like(choice_TE, dtype=torch.bool)
     for g in range(G):
@@ -147,15 +174,11 @@ def _inside_best_groups(choice_TE, G, topk_groups):
     return torch.where(allowed_TE, choice_TE, torch.full_like(choice_TE, -math.inf))
 
 
-def _shared(shared, activation, x_TD):
+def _shared(shared, cfg, limit, x_TD):
     h = torch.einsum("td,dh->th", x_TD, shared.w1_DH)
     if shared.b1_H is not None:
         h = h + shared.b1_H
-    if activation == "swiglu":
-        half = h.shape[1] // 2
-        h = F.silu(h[:, :half]) * h[:, half:]
-    else:
-        h = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[activation](h)
+    h = _act(h, cfg, limit)
     y = torch.einsum("th,hd->td", h, shared.w2_HD)
     if shared.b2_D is not None:
         y = y + shared.b2_D

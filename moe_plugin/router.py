@@ -30,15 +30,16 @@ class Routes:
 
 
 class Router(nn.Module):
-    """Holds weight_ED (and log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
+    """Holds weight_ED (bias_E with router_bias, log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
     scores only to choose experts, and only when bias_routes: with balancing on (expert_bias_update_rate
     > 0), or when fixed_bias is set (a host model whose bias is one of its weights, DeepSeek-V3's
     e_score_correction_bias; set by the Hugging Face family). Otherwise the bias is never read. In
     training with expert_bias_update_rate > 0, every forward adds its choices per expert (before
     capacity drops) into .load_E, which update_expert_bias consumes.
 
-    init_std: None draws weight_ED uniform in +-1/sqrt(model_dim); a float draws it normal(0, init_std)
-    (what Hugging Face's _init_weights gives its routers; set by swap_moe_blocks)."""
+    init_std: None draws weight_ED (and bias_E) uniform in +-1/sqrt(model_dim); a float draws weight_ED
+    normal(0, init_std) and zeros bias_E (what Hugging Face's _init_weights gives its routers; set by
+    swap_moe_blocks)."""
 
     fixed_bias = False                    # class defaults: also for modules pickled before these existed
     init_std: Optional[float] = None
@@ -49,6 +50,7 @@ class Router(nn.Module):
         self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.model_dim))
         if config.router == "cosine":
             self.log_scale = nn.Parameter(torch.empty(()))
+        self.bias_E = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
         self.load_E: Optional[torch.Tensor] = None   # a plain attribute: DDP must not broadcast it
         self.register_load_state_dict_pre_hook(_zero_bias_when_missing)
@@ -66,6 +68,10 @@ class Router(nn.Module):
                 self.weight_ED.uniform_(-bound, bound)
             else:
                 self.weight_ED.normal_(0.0, self.init_std)
+            if self.bias_E is not None and self.init_std is None:
+                self.bias_E.uniform_(-bound, bound)
+            elif self.bias_E is not None:
+                self.bias_E.zero_()
             if self.config.router == "cosine":
                 self.log_scale.fill_(math.log(10.0))
             self.expert_bias_E.zero_()
@@ -83,17 +89,23 @@ class Router(nn.Module):
         if self.config.fp32_router:    # in fp32 under autocast too: routes must not flip with rounding
             dtype = torch.promote_types(x_TD.dtype, torch.float32)
             with autocast_off(x_TD.device.type):
-                return self._logits(x_TD.to(dtype), self.weight_ED.to(dtype))
-        return self._logits(x_TD, self.weight_ED)
+                return self._logits(x_TD.to(dtype), self.weight_ED.to(dtype),
+                                    None if self.bias_E is None else self.bias_E.to(dtype))
+        return self._logits(x_TD, self.weight_ED, self.bias_E)
 
-    def _logits(self, x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         if self.config.router == "cosine":
             scale = self.log_scale.clamp(max=math.log(COSINE_MAX_SCALE)).exp()
             return F.normalize(x_TD, dim=-1) @ F.normalize(weight_ED, dim=-1).t() * scale.to(x_TD.dtype)
-        return x_TD @ weight_ED.t()
+        return x_TD @ weight_ED.t() if bias_E is None else F.linear(x_TD, weight_ED, bias_E)
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits_TE) if self.config.router == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+        if self.config.router == "sigmoid":
+            return torch.sigmoid(logits_TE)
+        if self.config.router == "sqrt_softplus":
+            return F.softplus(logits_TE).sqrt()
+        return torch.softmax(logits_TE, dim=-1)
 
     def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None,
                 sequence_T: Optional[torch.Tensor] = None) -> Routes:
@@ -103,7 +115,7 @@ class Router(nn.Module):
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
         probs_TE = scores_TE
-        if cfg.router == "sigmoid":
+        if cfg.router in ("sigmoid", "sqrt_softplus"):   # scores that do not sum to 1: normalized for the aux loss
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
 
         if self.training and cfg.gate_noise > 0:
@@ -113,7 +125,7 @@ class Router(nn.Module):
         if self.bias_routes:
             choice_TE = choice_TE + self.expert_bias_E
         if cfg.topk_groups < cfg.num_groups:
-            choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups)
+            choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups, cfg.group_score)
         expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
         gate_TK = scores_TE.gather(1, expert_TK)
         if cfg.normalize_gate == "before_drop":
@@ -152,13 +164,16 @@ def _zero_bias_when_missing(module, state_dict, prefix, *args) -> None:
     state_dict.setdefault(prefix + "expert_bias_E", torch.zeros_like(module.expert_bias_E))
 
 
-def best_groups_only(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+def best_groups_only(choice_TE: torch.Tensor, num_groups: int, topk_groups: int,
+                     group_score: str = "top2_sum") -> torch.Tensor:
     """choice_TE with -inf outside each token's topk_groups best groups of consecutive experts.
 
-    A group scores the sum of its two best choice scores (its best when it has one expert)."""
+    A group scores the sum of its two best choice scores (its best when it has one expert), or with
+    group_score "max" its best."""
     T, E = choice_TE.shape
     choice_TGM = choice_TE.view(T, num_groups, E // num_groups)
-    group_TG = choice_TGM.topk(min(2, E // num_groups), dim=-1).values.sum(-1)
+    best = 1 if group_score == "max" else min(2, E // num_groups)
+    group_TG = choice_TGM.topk(best, dim=-1).values.sum(-1)
     best_TG = group_TG.topk(topk_groups, dim=-1).indices
     outside_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, False)
     return choice_TGM.masked_fill(outside_TG.unsqueeze(-1), -math.inf).view(T, E)

@@ -1,7 +1,8 @@
 """The shared expert: one dense FFN applied to every token beside the routed experts (DeepSeek's
 shared experts, Qwen2-MoE's gated shared expert).
 
-Legend: T tokens, D model dim, H shared hidden width. With swiglu w1_DH holds 2H columns: [gate | up].
+Legend: T tokens, D model dim, H shared hidden width. With a gated activation w1_DH holds 2H columns:
+[gate | up]. The activation is the routed experts' (with its limit unless config.clamp_shared is False).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .activations import first_width, forward, of_config
 from .config import MoEConfig
 
 
@@ -27,8 +29,8 @@ class SharedExpert(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         D, H = config.model_dim, config.shared_hidden_size
-        self.activation = config.activation
-        self.w1_DH = nn.Parameter(torch.empty(D, 2 * H if config.activation == "swiglu" else H))
+        self.activation = of_config(config, shared=True)
+        self.w1_DH = nn.Parameter(torch.empty(D, first_width(config.activation, H)))
         self.w2_HD = nn.Parameter(torch.empty(H, D))
         self.b1_H = nn.Parameter(torch.empty(self.w1_DH.shape[1])) if config.bias else None
         self.b2_D = nn.Parameter(torch.empty(D)) if config.bias else None
@@ -50,12 +52,7 @@ class SharedExpert(nn.Module):
                     tensor.normal_(0.0, self.init_std)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        h_TH = F.linear(x_TD, self.w1_DH.t(), self.b1_H)
-        if self.activation == "swiglu":
-            gate_TH, up_TH = h_TH.chunk(2, dim=-1)
-            h_TH = F.silu(gate_TH) * up_TH
-        else:
-            h_TH = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "identity": lambda h: h}[self.activation](h_TH)
+        h_TH = forward(F.linear(x_TD, self.w1_DH.t(), self.b1_H), self.activation)
         y_TD = F.linear(h_TH, self.w2_HD.t(), self.b2_D)
         if self.gate_D is not None:
             y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_D).unsqueeze(-1)

@@ -8,7 +8,11 @@ while chunk c is computed, and chunk c's results travel back while chunk c + 1 i
 
 The one host synchronization of the layer's forward is here, in route_counts: all-to-all needs
 the split sizes (rows per destination rank, and per source rank on arrival) as host ints, so the
-gathered counts C[w, e] are copied to the host once per forward. The single-process path has none.
+gathered counts C[w, e] are copied to the host once per forward. The degrees are chosen from them
+(parallel/tuner.py) before any weight is gathered. The single-process path has none.
+
+With 2DH each exchange has two steps; chunk c + 2 starts its first step while chunk c + 1 runs its
+second and chunk c is computed, so both steps overlap expert compute.
 
 Legend: T tokens, D model dim, E experts, W ranks, R routed rows on this rank, C[w, e] rows that
 rank w routes to expert e (kept ones), S slices per expert, G ranks gathered per compute slice.
@@ -16,24 +20,31 @@ rank w routes to expert e (kept ones), S slices per expert, G ranks gathered per
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from .. import dispatch, ops
+from ..activations import as_activation
 from ..experts import GroupedMLP
 from ..fused import fused_moe
 from ..module_experts import ModuleExperts
-from .all_to_all import PendingAllToAll, all_to_all_2dh, gather_sum, ranges, segment_permutation
+from .all_to_all import Pending2DH, PendingAllToAll, gather_sum, ranges, segment_permutation
 from .groups import ExpertGroups
 
 
-def route_counts(plan: dispatch.Plan, group, device) -> torch.Tensor:
-    """C[w, e]: kept rows of every rank for every expert (one small all-gather), on the host: the
-    all-to-all split sizes come from it (the layer's one host synchronization)."""
+def route_counts(plan: dispatch.Plan, group, device, extra: Optional[int] = None):
+    """(C[w, e], extra_W): kept rows of every rank for every expert (one small all-gather), on the host:
+    the all-to-all split sizes come from it (the layer's one host synchronization). extra: one host int
+    per rank that rides on the same all-gather (the tuner's timings); extra_W is None without it."""
     mine_E = plan.kept_E.to(device=device, dtype=torch.long)
+    if extra is not None:
+        mine_E = torch.cat([mine_E, torch.tensor([extra], dtype=torch.long, device=device)])
     all_WE = mine_E.new_empty((dist.get_world_size(group),) + tuple(mine_E.shape))
     dist.all_gather(list(all_WE.unbind(0)), mine_E, group=group)
-    return all_WE.cpu()
+    all_WE = all_WE.cpu()
+    return (all_WE, None) if extra is None else (all_WE[:, :-1], all_WE[:, -1])
 
 
 def chunk_of(counts: torch.Tensor, d: int, c: int):
@@ -60,7 +71,7 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
     G = dist.get_world_size(group)
     experts_in = max(1, G // layout.slices) if layout.slices > 1 else G * layout.local_experts
     slices_in = G // experts_in if layout.slices > 1 else 1
-    swiglu = experts.activation == "swiglu"
+    gated = as_activation(experts.activation).gated
 
     def join(tensor, hidden_dim):
         """[G, E_local, ...] gathered -> [experts_in, ...] with the hidden slices concatenated."""
@@ -73,7 +84,7 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
         if hidden_dim is None:            # b2: the first slice owns it
             return gathered[:, 0]
         parts = gathered.unbind(1)
-        if swiglu and hidden_dim == -1:
+        if gated and hidden_dim == -1:
             gates, ups = zip(*(p.chunk(2, dim=-1) for p in parts))
             return torch.cat(list(gates) + list(ups), dim=-1)
         return torch.cat(parts, dim=hidden_dim)
@@ -84,17 +95,21 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
 
 
 def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,
-                        groups: ExpertGroups, r: int, d: int, a2a: str, in_flight=None) -> torch.Tensor:
-    """in_flight: a callable run once while the first all-to-all is in flight (before it, when r = 0)."""
+                        groups: ExpertGroups, r: int, d: int, a2a: str, in_flight=None,
+                        counts_WE: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """in_flight: a callable run once while the first all-to-all is in flight (before it, when r = 0).
+    counts_WE: route_counts' C[w, e] when the caller has it already (to choose r, d and a2a from it)."""
     in_flight = in_flight or (lambda: None)
     layout = groups.layout
     layout.check_degree(r)
-    weights = gathered_experts(experts, groups, r)
     if r == 0:
+        weights = gathered_experts(experts, groups, r)
         in_flight()
         return fused_moe(x_TD, gate_TK, plan, weights)   # all experts are here: no token exchange
 
-    counts_WE = route_counts(plan, groups.ep_group, x_TD.device)
+    if counts_WE is None:
+        counts_WE, _ = route_counts(plan, groups.ep_group, x_TD.device)
+    weights = gathered_experts(experts, groups, r)
     x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
     row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
     chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
@@ -103,12 +118,15 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
         rows_RD = x_RD if chunk.sends_all_in_order else x_RD.index_select(0, chunk.send_index)
         return _start(rows_RD, chunk, groups, a2a)
 
-    pending, returns = [send(chunks[0])], []
+    ahead = 2 if _two_step(groups, a2a) else 1     # chunks in flight ahead of the one computed
+    pending, returns = [send(chunk) for chunk in chunks[:ahead]], []
     in_flight()
     for c, chunk in enumerate(chunks):
-        if c + 1 < d:
-            pending.append(send(chunks[c + 1]))
+        if c + ahead < d:
+            pending.append(send(chunks[c + ahead]))
         x_in_RD = pending[c].wait()
+        if c + 1 < d:
+            pending[c + 1].progress()
         if chunk.group_by_expert is not None:
             x_in_RD = x_in_RD.index_select(0, chunk.group_by_expert)
         if isinstance(weights, ModuleExperts):
@@ -119,6 +137,8 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
                                        weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED)
         if chunk.group_by_expert is not None:
             y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
+        if returns:
+            returns[-1].progress()
         returns.append(_start(y_in_RD, chunk.reversed(), groups, a2a))
 
     if len(chunks) == 1 and chunks[0].sends_all_in_order:
@@ -169,16 +189,13 @@ def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
                           sends_all_in_order=(d == 1 and layout.slices == 1))
 
 
+def _two_step(groups: ExpertGroups, a2a: str) -> bool:
+    """2DH runs as two steps only with several nodes of several ranks; otherwise it is the flat exchange."""
+    return a2a == "2dh" and groups.node_size not in (1, groups.layout.ep_size)
+
+
 def _start(rows_RD, chunk, groups: ExpertGroups, a2a: str):
-    if a2a == "2dh" and groups.node_size not in (1, groups.layout.ep_size):
-        return _Done(all_to_all_2dh(rows_RD, chunk.counts_WW, groups.layout.ep_rank, groups.node_size,
-                                    groups.intra_node_group, groups.inter_node_group))
+    if _two_step(groups, a2a):
+        return Pending2DH(rows_RD, chunk.counts_WW, groups.layout.ep_rank, groups.node_size,
+                          groups.intra_node_group, groups.inter_node_group)
     return PendingAllToAll(rows_RD, chunk.send_counts, chunk.recv_counts, groups.ep_group)
-
-
-class _Done:
-    def __init__(self, rows_RD):
-        self.rows_RD = rows_RD
-
-    def wait(self):
-        return self.rows_RD

@@ -1,0 +1,122 @@
+"""The expert FFN's activations: forward, and backward from what forward kept, written out op by op (no
+autograd inside backward, so torch.compile traces it). Plain SwiGLU runs the one-pass native kernels
+where they load (ops.swiglu); the others are torch compositions.
+
+Legend: R rows, H hidden width. A gated activation takes pre_RH2 [R, 2H] = [gate | up] and gives [R, H];
+the others map [R, H] to [R, H]. L the clamp limit, a swiglu_oai's alpha.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .config import GATED_ACTIVATIONS, MoEConfig
+
+
+class Activation(NamedTuple):
+    """An activation and its parameters (a tuple: hashable, a constant to torch.compile)."""
+    name: str
+    limit: Optional[float] = None
+    alpha: Optional[float] = None
+
+    @property
+    def gated(self) -> bool:
+        return self.name in GATED_ACTIVATIONS
+
+
+def of_config(config: MoEConfig, shared: bool = False) -> Activation:
+    """The routed experts' activation, or (shared) the shared expert's (unclamped when not clamp_shared)."""
+    limit = config.activation_limit if not shared or config.clamp_shared else None
+    return Activation(config.activation, limit, config.activation_alpha)
+
+
+def as_activation(value: Union[str, Activation]) -> Activation:
+    """A name alone (modules pickled before Activation existed, callers passing a string) has no parameters."""
+    return value if isinstance(value, Activation) else Activation(value)
+
+
+def first_width(activation: Union[str, Activation], hidden: int) -> int:
+    """Columns of the first projection: 2H = [gate | up] for gated activations."""
+    return 2 * hidden if as_activation(activation).gated else hidden
+
+
+_GELU_APPROXIMATE = {"geglu": "none", "geglu_tanh": "tanh"}
+
+
+def forward(pre: torch.Tensor, activation: Union[str, Activation]) -> torch.Tensor:
+    """The activation as a torch composition, differentiable by autograd (the shared expert's path)."""
+    act = as_activation(activation)
+    name = act.name
+    if name == "identity":
+        return pre
+    if name in ("relu", "gelu", "silu"):
+        return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[name](pre)
+    if name == "relu2":
+        return F.relu(pre).square()
+    gate, up = pre.chunk(2, dim=-1)
+    if name in _GELU_APPROXIMATE:
+        return F.gelu(gate, approximate=_GELU_APPROXIMATE[name]) * up
+    if act.limit is not None:
+        gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
+    if name == "swiglu":
+        return F.silu(gate) * up
+    return (up + 1) * gate * torch.sigmoid(act.alpha * gate)     # swiglu_oai
+
+
+def activate(pre: torch.Tensor, activation: Union[str, Activation]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(activations, what backward needs): relu works in place and keeps its output as its own mask;
+    identity keeps the pre-activation, which is the activation; the others keep the pre-activation and
+    recompute in backward."""
+    act = as_activation(activation)
+    if act.name == "relu":
+        out = pre.relu_()
+        return out, out
+    if act.name == "swiglu" and act.limit is None:
+        return ops.swiglu(pre), pre
+    return forward(pre, act), pre
+
+
+def activation_backward(saved: torch.Tensor, grad_act: torch.Tensor, activation: Union[str, Activation]
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """From what activate() kept and the activations' gradient: (the activations, grad of the pre-activation).
+    A clamp passes the gradient where its input lies inside [min, max], bounds included (as torch.clamp)."""
+    act = as_activation(activation)
+    name = act.name
+    if name == "identity":
+        return saved, grad_act
+    if name == "relu":
+        return saved, torch.ops.aten.threshold_backward.grad_input(grad_act, saved, 0, grad_input=grad_act)
+    if name == "gelu":
+        return F.gelu(saved), torch.ops.aten.gelu_backward(grad_act, saved)
+    if name == "silu":
+        return F.silu(saved), torch.ops.aten.silu_backward(grad_act, saved)
+    if name == "relu2":
+        relu = F.relu(saved)
+        return relu.square(), grad_act * relu * 2
+    if name == "swiglu" and act.limit is None:
+        grad_pre, out = ops.swiglu_backward(grad_act, saved)
+        return out, grad_pre
+    gate, up = saved.chunk(2, dim=-1)
+    if name in _GELU_APPROXIMATE:
+        gelu = F.gelu(gate, approximate=_GELU_APPROXIMATE[name])
+        grad_gate = torch.ops.aten.gelu_backward(grad_act * up, gate, approximate=_GELU_APPROXIMATE[name])
+        return gelu * up, torch.cat([grad_gate, grad_act * gelu], dim=-1)
+    limit = act.limit
+    gate_c, up_c = (gate, up) if limit is None else (gate.clamp(max=limit), up.clamp(-limit, limit))
+    if name == "swiglu":
+        silu = F.silu(gate_c)
+        out, grad_gate, grad_up = silu * up_c, torch.ops.aten.silu_backward(grad_act * up_c, gate_c), grad_act * silu
+    else:   # swiglu_oai: (u + 1) * g * s, s = sigmoid(alpha g); d(g s)/dg = s + alpha g s (1 - s)
+        sig = torch.sigmoid(act.alpha * gate_c)
+        glu = gate_c * sig
+        out = (up_c + 1) * glu
+        grad_gate = grad_act * (up_c + 1) * (sig + act.alpha * glu * (1 - sig))
+        grad_up = grad_act * glu
+    if limit is not None:
+        zero = grad_gate.new_zeros(())
+        grad_gate = torch.where(gate <= limit, grad_gate, zero)
+        grad_up = torch.where((up >= -limit) & (up <= limit), grad_up, zero)
+    return out, torch.cat([grad_gate, grad_up], dim=-1)
