@@ -1,188 +1,373 @@
-"""Analytic cost of one expert-parallel all-to-all: flat vs 2D-hierarchical (2DH).
+"""Fit, check and project the all-to-all / layer cost model of moe_plugin/parallel/cost_model.py.
 
-Legend (all per rank, one all-to-all):
-    S       bytes a rank sends in total, split evenly over all W ranks (S/W per peer)
-    W       world size (ranks = GPUs), W = N * L
-    N       nodes
-    L       GPUs (ranks) per node
-    a_i     intra-node per-message latency (alpha), seconds      (NVLink)
-    b_i     intra-node bandwidth per direction per GPU, bytes/s  (NVLink)
-    a_e     inter-node per-message latency, seconds              (InfiniBand)
-    b_e     inter-node bandwidth per GPU (its own NIC), bytes/s  (InfiniBand)
-    b_m     local copy rate, bytes copied per second             (HBM)
-    m(k, x, a, b) = k * (a + x / b)     k messages of x bytes issued back to back on one link
+    python benchmarks/a2a_cost_model.py                  # flat vs 2DH on the paper's cluster, 8..4,096 GPUs
+    python benchmarks/a2a_cost_model.py --paper          # model vs every figure the Tutel paper states in text
+    python benchmarks/a2a_cost_model.py --measure        # time flat / 2DH / intra-node exchanges on 4 gloo
+                                                         # processes (node_size 2) here, fit GLOO_HERE
+    python benchmarks/a2a_cost_model.py --drift          # a drifting load at 64 and 2,048 GPUs: per-phase best
+                                                         # (r, d, algorithm), adaptive vs best static
+Add --json for machine-readable output. Sizes are MiB (2**20 bytes) per rank, as in the paper.
 
-Flat all-to-all (one send per peer, e.g. NCCL send/recv in a group):
-    L-1 peers share the node, W-L do not; every message carries S/W bytes.
-    intra = m(L-1, S/W, a_i, b_i)
-    inter = m(W-L, S/W, a_e, b_e)
-    flat  = max(intra, inter)      the two link levels work in parallel (default)
-          = intra + inter          with serial=True (--serial): one engine issues both levels
-
-2DH all-to-all (Tutel, "Tutel: Adaptive Mixture-of-Experts at Scale"). Rank (n, l) starts with
-chunks ordered by destination rank (n', l'), node-major, and must end with chunks ordered by
-source rank, node-major:
-    copy 1   stride copy [n'][l'] -> [l'][n']: the N chunks for local peer l' become contiguous
-    phase 1  intra-node all-to-all: to each local peer l', its N chunks, S/L bytes in one message
-             -> now holds, for every local source l'', the chunks for (n', l): layout [l''][n']
-    copy 2   stride copy [l''][n'] -> [n'][l'']: the L chunks for node n' become contiguous
-    phase 2  inter-node all-to-all among the ranks with the same l: to each other node, S/N bytes
-             -> receives from node n'' its L chunks [l''], so the buffer is [n''][l''] = the
-                source-rank order a flat all-to-all produces; no third copy is needed
-    2dh = m(L-1, S/L, a_i, b_i) + 2 * S / b_m + m(N-1, S/N, a_e, b_e)
-Both copies are transposes of an N x L (or L x N) grid of chunks, so they are identities when
-N = 1 or L = 1 and cost nothing there; 2DH then equals flat exactly (Tutel's kernel also falls
-back to the flat all-to-all in those cases). The inter-node bytes are the same for both,
-S * (W-L)/W = S * (N-1)/N; 2DH trades W-L inter-node latencies for N-1, paying for it with
-larger intra-node traffic (S*(L-1)/L instead of S*(L-1)/W) and two local copies.
-
-Assumptions:
-    - Uniform traffic: every rank sends S/W bytes to every rank (itself included).
-    - The chunk a rank keeps for itself costs nothing in flat (it is S/W at memory speed); in 2DH
-      it rides along in the two copies, which move all S bytes.
-    - Each GPU has its own NIC (one 200 Gb/s NIC per GPU = 25 GB/s); no contention in the
-      network core; links are full duplex, so sends and receives overlap.
-    - Messages to different peers on one link level go back to back (no pipelining of the
-      alpha terms across peers); this is what makes many tiny messages expensive.
-    - Units: MB = 1e6 bytes, GB/s = 1e9 bytes/s (bytes, not bits).
-Defaults: NVLink a_i = 3 us, b_i = 150 GB/s; InfiniBand a_e = 10 us, b_e = 25 GB/s; b_m = 1000 GB/s.
-
-    python benchmarks/a2a_cost_model.py --message-mb 1 16 64 --gpus-per-node 8 [--json]
+Legend: S bytes one rank sends in one all-to-all, W ranks, L ranks per node, N = W / L nodes.
 """
+from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
 
-MB = 1e6
-GB = 1e9
-US = 1e-6
+from moe_plugin.parallel import cost_model as cm
 
-
-@dataclass(frozen=True)
-class Links:
-    """Latency (microseconds) and bandwidth (GB/s) of each link level; see the module legend."""
-
-    intra_latency_us: float = 3.0
-    intra_gbps: float = 150.0
-    inter_latency_us: float = 10.0
-    inter_gbps: float = 25.0
-    mem_gbps: float = 1000.0
-
-    def __post_init__(self):
-        for name in ("intra_latency_us", "inter_latency_us"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("intra_gbps", "inter_gbps", "mem_gbps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+MiB = 2 ** 20
+THETA = ("call_s", "startup_s", "per_peer_s", "inv_gbps", "inv_copy_gbps")
 
 
-def _check(message_bytes, world_size, gpus_per_node):
-    if not message_bytes > 0:
-        raise ValueError(f"message_bytes must be > 0, got {message_bytes!r}")
-    for name, value in (("gpus_per_node", gpus_per_node), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if world_size % gpus_per_node:
-        raise ValueError(
-            f"world_size ({world_size}) must be a multiple of gpus_per_node ({gpus_per_node})")
+# ---------------------------------------------------------------- projection tables
 
-
-def _messages(count, nbytes, latency_us, gbps):
-    """m(k, x, a, b): `count` messages of `nbytes` each, back to back on one link, in seconds."""
-    return count * (latency_us * US + nbytes / (gbps * GB))
-
-
-def flat_seconds(message_bytes, world_size, gpus_per_node, links=Links(), serial=False):
-    """Seconds for a flat all-to-all where each rank sends `message_bytes` in total."""
-    _check(message_bytes, world_size, gpus_per_node)
-    W, L, S = world_size, gpus_per_node, message_bytes
-    intra = _messages(L - 1, S / W, links.intra_latency_us, links.intra_gbps)
-    inter = _messages(W - L, S / W, links.inter_latency_us, links.inter_gbps)
-    return intra + inter if serial else max(intra, inter)
-
-
-def hier_seconds(message_bytes, world_size, gpus_per_node, links=Links()):
-    """Seconds for a 2DH all-to-all: copy, intra-node phase, copy, inter-node phase."""
-    _check(message_bytes, world_size, gpus_per_node)
-    W, L, S = world_size, gpus_per_node, message_bytes
-    N = W // L
-    phase1 = _messages(L - 1, S / L, links.intra_latency_us, links.intra_gbps)
-    copies = 0.0 if N == 1 or L == 1 else 2 * S / (links.mem_gbps * GB)
-    phase2 = _messages(N - 1, S / N, links.inter_latency_us, links.inter_gbps)
-    return phase1 + copies + phase2
-
-
-def table(message_mb, gpus_per_node=8, max_gpus=2048, links=Links(), serial=False):
-    """Rows for W = L, 2L, 4L, ... <= max_gpus at one message size (MB per rank)."""
-    if not message_mb > 0:
-        raise ValueError(f"message_mb must be > 0, got {message_mb!r}")
-    _check(message_mb * MB, gpus_per_node, gpus_per_node)
-    if not max_gpus >= gpus_per_node:
-        raise ValueError(f"max_gpus ({max_gpus!r}) must be >= gpus_per_node ({gpus_per_node!r})")
+def flat_vs_2dh(sizes_mib, node_size=8, max_gpus=4096, params=cm.NDM_A100_V4):
     rows = []
-    world_size = gpus_per_node
-    while world_size <= max_gpus:
-        flat = flat_seconds(message_mb * MB, world_size, gpus_per_node, links, serial)
-        hier = hier_seconds(message_mb * MB, world_size, gpus_per_node, links)
-        rows.append({
-            "message_mb": message_mb,
-            "gpus": world_size,
-            "nodes": world_size // gpus_per_node,
-            "flat_ms": flat * 1e3,
-            "2dh_ms": hier * 1e3,
-            "speedup": flat / hier if hier else 1.0,  # W = 1: nothing moves
-        })
-        world_size *= 2
+    for mib in sizes_mib:
+        world = node_size
+        while world <= max_gpus:
+            flat = cm.a2a_seconds("flat", mib * MiB, world, node_size, params)
+            hier = cm.a2a_seconds("2dh", mib * MiB, world, node_size, params)
+            rows.append({"size_mib": mib, "gpus": world, "flat_ms": flat * 1e3, "2dh_ms": hier * 1e3,
+                         "flat_over_2dh": flat / hier})
+            world *= 2
     return rows
 
 
-def format_table(rows):
-    lines = [f"{'W':>6} {'nodes':>6} {'flat ms':>10} {'2dh ms':>10} {'flat/2dh':>9}"]
+def crossover_gpus(size_mib, node_size=8, max_gpus=65536, params=cm.NDM_A100_V4):
+    """The smallest W (powers of two times node_size) from which 2DH is faster than flat."""
+    world = 2 * node_size
+    while world <= max_gpus:
+        if cm.a2a_seconds("2dh", size_mib * MiB, world, node_size, params) < \
+                cm.a2a_seconds("flat", size_mib * MiB, world, node_size, params):
+            return world
+        world *= 2
+    return None
+
+
+# ---------------------------------------------------------------- the paper's statements
+
+def paper_layer(world_size):
+    """Section 5.2's layer: 16,384 tokens/step per GPU, f = 1, D = H = 2048, 2 experts per GPU, top-2,
+    r = 1, fp16: every GPU sends 2 * 16384 rows of 2048 halves = 128 MiB per all-to-all."""
+    return cm.Workload(rows_per_rank=2 * 16384, model_dim=2048, hidden_dim=2048, num_experts=2 * world_size)
+
+
+def layer_gain_2dh(world_size, params, node_size=8):
+    """flat / 2DH, one layer (forward + backward), r = 1, d = 1 (curves 2 and 3 of the paper's Figure 14)."""
+    w = paper_layer(world_size)
+    return (cm.layer_seconds(1, 1, "flat", w, world_size, node_size, params)
+            / cm.layer_seconds(1, 1, "2dh", w, world_size, node_size, params))
+
+
+def adaptive_pipelining_gain(world_size, params, node_size=8):
+    """best (d, algorithm) / (d = 1, 2DH): curve 5 over curve 4 of Figure 14 (flexible all-to-all is
+    not modelled)."""
+    w = paper_layer(world_size)
+    static = cm.layer_seconds(1, 1, "2dh", w, world_size, node_size, params)
+    (choice, best) = cm.best_candidate([(1, d, a) for d in (1, 2, 4, 8) for a in cm.ALGORITHMS], w,
+                                       world_size, node_size, params)
+    return static / best, choice
+
+
+def naive_aggregation_seconds(bytes_per_rank, world_size, node_size, params):
+    """Appendix A.2's naive local aggregation: the intra-node exchange sends each local peer its N
+    chunks as N separate messages of S/W (no stride copy first)."""
+    N, L = world_size // node_size, node_size
+    return params.call_us * cm.US + (L - 1) * N * (
+        (params.intra_startup_us + params.intra_per_peer_us * (L - 1)) * cm.US
+        + bytes_per_rank / world_size / (params.intra_gbps * cm.GB))
+
+
+def fit_inter_per_peer(target=4.25, params=cm.NDM_A100_V4, world_size=2048):
+    """The inter_per_peer_us at which the 2DH layer gain at world_size equals target (bisection)."""
+    low, high = 0.0, 1.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        if layer_gain_2dh(world_size, params.with_(inter_per_peer_us=mid)) < target:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def paper_rows(params=cm.NDM_A100_V4):
+    """One row per figure the paper states in its text: (where, statement, paper, model, agrees)."""
+    rows = []
+
+    def add(where, statement, paper, model, agrees):
+        rows.append({"where": where, "statement": statement, "paper": paper, "model": model, "agrees": agrees})
+
+    intra = cm.a2a_seconds("flat", 128 * MiB, 8, 8, params)
+    add("A.2", "intra-node all-to-all, S = 128 MiB, 8 GPUs", "~600 us", f"{intra * 1e6:.0f} us",
+        400e-6 <= intra <= 800e-6)
+    naive = naive_aggregation_seconds(128 * MiB, 2048, 8, params)
+    add("A.2", "naive local aggregation (no stride copy), intra-node step, 128 MiB, n = 2048", "~5 ms",
+        f"{naive * 1e3:.1f} ms", 2.5e-3 <= naive <= 10e-3)
+    steps = [cm.a2a_parts("2dh", 128 * MiB, w, 8, params) for w in (16, 2048)]
+    first3 = [p["copies"] + p["intra"] for p in steps]
+    add("A.3", "2DH phases 1-3 (copies + intra-node) do not grow with n (128 MiB, n = 16 vs 2048)",
+        "constant", f"{first3[0] * 1e6:.0f} / {first3[1] * 1e6:.0f} us", abs(first3[1] / first3[0] - 1) < 0.01)
+    small = [r for r in flat_vs_2dh([1], params=params) if r["gpus"] >= 64]
+    add("A.5 / Fig. 18a", "1 MiB: 2DH faster from the smallest scale measured (64 GPUs) up to 4,096",
+        "2DH faster", f"flat/2DH {small[0]['flat_over_2dh']:.2f}x at 64 .. {small[-1]['flat_over_2dh']:.1f}x "
+        f"at 4096", all(r["flat_over_2dh"] > 1 for r in small))
+    for mib in (32, 256):
+        ratio = cm.a2a_seconds("flat", mib * MiB, 64, 8, params) / cm.a2a_seconds("2dh", mib * MiB, 64, 8, params)
+        cross = crossover_gpus(mib, params=params)
+        add(f"A.5 / Fig. 18{'b' if mib == 32 else 'c'}",
+            f"{mib} MiB: 2DH slower on small clusters (64 GPUs), better as the GPU count grows",
+            "flat faster at 64, 2DH later", f"flat/2DH {ratio:.2f}x at 64; 2DH faster from {cross} GPUs",
+            ratio < 1 and cross is not None and cross <= 4096)
+    gain = layer_gain_2dh(2048, params)
+    a2a = (cm.a2a_seconds("flat", 128 * MiB, 2048, 8, params) / cm.a2a_seconds("2dh", 128 * MiB, 2048, 8, params))
+    add("5.2 / Fig. 14", "2DH over linear, whole layer (fwd+bwd, r = 1, d = 1), 128 MiB, 2,048 GPUs", "4.25x",
+        f"{gain:.2f}x (the all-to-all alone {a2a:.2f}x)", gain >= 4.25 * 0.99)
+    for world, paper in ((16, 1.43), (2048, 1.04)):
+        g, choice = adaptive_pipelining_gain(world, params)
+        add("5.2 / Fig. 14", f"adaptive (d, algorithm) over (d = 1, 2DH), whole layer, {world} GPUs",
+            f"{paper}x", f"{g:.2f}x, picks d={choice[1]} {choice[2]}", g >= 1.0)
+    best = max(r["flat_over_2dh"] for r in flat_vs_2dh([1, 32, 128, 256], params=params) if r["gpus"] == 2048)
+    add("v1 (arXiv 2206.03382v1), headline", "2DH all-to-all speedup at 2,048 GPUs (message size not given)",
+        "20.7x", f"{best:.1f}x (largest of 1/32/128/256 MiB, at 1 MiB)", None)
+    return rows
+
+
+# ---------------------------------------------------------------- measuring and fitting here
+
+def _features(algorithm, S, W, L):
+    """Coefficients of THETA in a2a_seconds when both link levels share one resource (gloo on one
+    host) and have the same parameters: the model is linear in THETA there."""
+    N = W // L
+    if algorithm == "flat" or L in (1, W):
+        return [1.0, W - 1.0, (W - 1.0) ** 2, S * (W - 1) / W, 0.0]
+    return [2.0, (L - 1.0) + (N - 1.0), (L - 1.0) ** 2 + (N - 1.0) ** 2, S * (L - 1) / L + S * (N - 1) / N, 2.0 * S]
+
+
+def params_from_theta(theta, compute_tflops=cm.GLOO_HERE.compute_tflops):
+    call, startup, per_peer, inv_b, inv_copy = theta
+    gbps = 1 / max(inv_b, 1e-12) / cm.GB
+    return cm.Params(intra_startup_us=startup / cm.US, intra_per_peer_us=per_peer / cm.US, intra_gbps=gbps,
+                     inter_startup_us=startup / cm.US, inter_per_peer_us=per_peer / cm.US, inter_gbps=gbps,
+                     copy_gbps=1 / max(inv_copy, 1e-12) / cm.GB, call_us=call / cm.US,
+                     compute_tflops=compute_tflops, levels_concurrent=False)
+
+
+def fit_points(points):
+    """Non-negative least squares of THETA on (algorithm, S, W, L, seconds) points, relative error."""
+    from scipy.optimize import nnls
+    A = [[c / sec for c in _features(alg, S, W, L)] for alg, S, W, L, sec in points]
+    scale = [max(abs(row[j]) for row in A) or 1.0 for j in range(len(THETA))]
+    theta, _ = nnls([[row[j] / scale[j] for j in range(len(THETA))] for row in A], [1.0] * len(A))
+    return [t / s for t, s in zip(theta, scale)]
+
+
+def _measure_worker(rank, world_size, sizes, trials, queue_port):
+    import torch
+    import torch.distributed as dist
+    from moe_plugin.parallel.all_to_all import all_to_all, all_to_all_2dh
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(queue_port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    L = 2
+    intra = [dist.new_group([n * L + l for l in range(L)]) for n in range(world_size // L)]
+    inter = [dist.new_group([n * L + l for n in range(world_size // L)]) for l in range(L)]
+    my_intra, my_inter = intra[rank // L], inter[rank % L]
+    D = 256                                        # fp32 rows of 1 KiB
+    results = {}
+    for S in sizes:
+        rows = S // (4 * D)
+        x = torch.randn(rows, D)
+        per = [rows // world_size] * world_size
+        counts = torch.full((world_size, world_size), rows // world_size, dtype=torch.long)
+        half = [rows // L] * L
+        ops = {"flat": lambda: all_to_all(x, per, per, None),
+               "2dh": lambda: all_to_all_2dh(x, counts, rank, L, my_intra, my_inter),
+               "intra": lambda: all_to_all(x, half, half, my_intra)}
+        times = {k: [] for k in ops}
+        for trial in range(trials + 2):            # the first two are warm-up
+            for kind, op in ops.items():
+                dist.barrier()
+                start = time.perf_counter()
+                op()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if trial >= 2:
+                    times[kind].append(float(elapsed))
+        results[S] = {k: statistics.median(v) for k, v in times.items()}
+    dist.destroy_process_group()
+    return results
+
+
+def _spawned(rank, world_size, sizes, trials, port, queue):
+    queue.put((rank, _measure_worker(rank, world_size, sizes, trials, port)))
+
+
+def measure(sizes_bytes, trials=7, world_size=4, timeout=900):
+    """Median (over trials, slowest rank each) seconds of flat, 2DH (node_size 2) and the intra-node
+    exchange (2 ranks) on world_size gloo processes here, interleaved trial by trial."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(r, world_size, list(sizes_bytes), trials, port, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return results[0]
+
+
+def measured_points(results, world_size=4, node_size=2):
+    points = []
+    for S, by_kind in sorted(results.items()):
+        points.append(("flat", S, world_size, node_size, by_kind["flat"]))
+        points.append(("2dh", S, world_size, node_size, by_kind["2dh"]))
+        points.append(("flat", S, node_size, node_size, by_kind["intra"]))
+    return points
+
+
+def compute_tflops_here(threads=1, repeats=5):
+    import torch
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 512), torch.randn(512, 2048)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * 2048 * 512 * 2048 / best / cm.TFLOP
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- a drifting load
+
+DRIFT_PHASES = (1.0, 2.0, 4.0, 8.0, 3.0, 1.5)
+
+
+def drift_workloads(world_size, loads=DRIFT_PHASES, tokens_per_rank=4096, top_k=2, model_dim=2048,
+                    hidden_dim=2048, experts_per_slice=4, dtype_bytes=2):
+    """One Workload per phase. num_experts = world_size / experts_per_slice, so each expert is sliced
+    over experts_per_slice ranks and r can be 0, 1, 2, ...; in a phase of load f the busiest rank
+    exchanges and computes f times the rows a rank routes (skewed routing, capacity following the
+    load), while r = 0 computes only its own rows."""
+    E = max(1, world_size // experts_per_slice)
+    own = top_k * tokens_per_rank
+    return [cm.Workload(rows_per_rank=int(round(f * own)), model_dim=model_dim, hidden_dim=hidden_dim,
+                        num_experts=E, dtype_bytes=dtype_bytes, local_rows=own) for f in loads]
+
+
+def project_schedule(workloads, world_size, node_size, params, steps_per_phase=1,
+                     overlap_degrees=(1, 2, 4, 8)):
+    """Per phase the fastest (r, d, algorithm); the best single static setting over the whole schedule;
+    adaptive (per-phase best) against it."""
+    candidates = [(r, d, a) for r in cm.degrees(world_size, workloads[0].num_experts)
+                  for d in (overlap_degrees if r else (1,)) for a in (cm.ALGORITHMS if r else ("flat",))]
+    table = {c: [cm.layer_seconds(*c, w, world_size, node_size, params) * steps_per_phase for w in workloads]
+             for c in candidates}
+    per_phase = [min(candidates, key=lambda c: table[c][i]) for i in range(len(workloads))]
+    adaptive = sum(table[c][i] for i, c in enumerate(per_phase))
+    static = min(candidates, key=lambda c: sum(table[c]))
+    return {"world_size": world_size, "node_size": node_size,
+            "phases": [{"rows_per_rank": w.rows_per_rank, "best": list(c), "ms": table[c][i] * 1e3 / steps_per_phase}
+                       for i, (w, c) in enumerate(zip(workloads, per_phase))],
+            "adaptive_ms": adaptive * 1e3, "best_static": list(static), "best_static_ms": sum(table[static]) * 1e3,
+            "static_over_adaptive": sum(table[static]) / adaptive}
+
+
+# ---------------------------------------------------------------- command line
+
+def _print_rows(rows, columns):
+    print("  ".join(f"{c:>14}" for c in columns))
     for r in rows:
-        lines.append(f"{r['gpus']:>6} {r['nodes']:>6} {r['flat_ms']:>10.3f} "
-                     f"{r['2dh_ms']:>10.3f} {r['speedup']:>8.2f}x")
-    return "\n".join(lines)
+        print("  ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{str(r[c]):>14}" for c in columns))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--message-mb", type=float, nargs="+", default=[64.0],
-                        help="bytes each rank sends in total, in MB (1e6 bytes); several allowed")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--max-gpus", type=int, default=2048)
-    defaults = Links()
-    parser.add_argument("--intra-latency-us", type=float, default=defaults.intra_latency_us)
-    parser.add_argument("--intra-gbps", type=float, default=defaults.intra_gbps,
-                        help="intra-node GB/s (bytes) per direction per GPU")
-    parser.add_argument("--inter-latency-us", type=float, default=defaults.inter_latency_us)
-    parser.add_argument("--inter-gbps", type=float, default=defaults.inter_gbps,
-                        help="inter-node GB/s (bytes) per GPU")
-    parser.add_argument("--mem-gbps", type=float, default=defaults.mem_gbps,
-                        help="local copy rate in GB/s (bytes copied per second)")
-    parser.add_argument("--serial", action="store_true",
-                        help="flat: sum intra- and inter-node time instead of taking the max")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--paper", action="store_true", help="model vs the paper's statements, and the fit")
+    mode.add_argument("--measure", action="store_true", help="measure gloo here and fit the model to it")
+    mode.add_argument("--drift", action="store_true", help="project a drifting load at 64 and 2,048 GPUs")
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--max-gpus", type=int, default=4096)
+    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--loads", type=float, nargs="+", default=list(DRIFT_PHASES),
+                        help="--drift: the busiest rank's load per phase, in units of a rank's own rows")
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    for name in ("sizes_mib", "loads"):
+        if any(not v > 0 for v in getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} must all be > 0, got {getattr(args, name)}")
+    if args.max_gpus < 8:
+        parser.error(f"--max-gpus must be >= 8 (one node of the paper's cluster), got {args.max_gpus}")
 
-    try:
-        links = Links(args.intra_latency_us, args.intra_gbps, args.inter_latency_us,
-                      args.inter_gbps, args.mem_gbps)
-        tables = [table(mb, args.gpus_per_node, args.max_gpus, links, args.serial)
-                  for mb in args.message_mb]
-    except ValueError as err:
-        parser.error(str(err))
-
+    if args.paper:
+        rows = paper_rows()
+        out = {"params": asdict(cm.NDM_A100_V4), "fitted_inter_per_peer_us": fit_inter_per_peer(), "rows": rows}
+        if args.json:
+            print(json.dumps(out, indent=2))
+            return 0
+        print(f"NDm A100 v4 params: {asdict(cm.NDM_A100_V4)}")
+        print(f"inter_per_peer_us fitted to the 4.25x layer gain at 2,048 GPUs: {out['fitted_inter_per_peer_us']:.5f}")
+        for r in rows:
+            mark = {True: "yes", False: "NO", None: "-"}[r["agrees"]]
+            print(f"[{r['where']}] {r['statement']}\n    paper: {r['paper']}   model: {r['model']}   agrees: {mark}")
+        return 0
+    if args.measure:
+        sizes = [int(m * MiB) for m in (1 / 64, 1 / 16, 1 / 4, 1, 4, 16)]
+        results = measure(sizes, trials=args.trials)
+        points = measured_points(results)
+        theta = fit_points(points)
+        fitted = params_from_theta(theta, compute_tflops=compute_tflops_here())
+        rows = [{"kind": "intra(W=2)" if W == 2 else alg, "size_mib": S / MiB, "measured_ms": sec * 1e3,
+                 "model_ms": cm.a2a_seconds(alg, S, W, L, fitted) * 1e3}
+                for alg, S, W, L, sec in points]
+        if args.json:
+            print(json.dumps({"params": asdict(fitted), "rows": rows}, indent=2))
+            return 0
+        print(f"fitted on 4 gloo processes, node_size 2, this machine: {asdict(fitted)}")
+        _print_rows(rows, ["kind", "size_mib", "measured_ms", "model_ms"])
+        return 0
+    if args.drift:
+        out = [project_schedule(drift_workloads(w, args.loads), w, 8, cm.NDM_A100_V4) for w in (64, 2048)]
+        if args.json:
+            print(json.dumps(out, indent=2))
+            return 0
+        for o in out:
+            print(f"\n{o['world_size']} GPUs (NDm A100 v4), loads {args.loads}:")
+            for w, p in zip(args.loads, o["phases"]):
+                print(f"  load {w:>4g}x  rows {p['rows_per_rank']:>7}  best r={p['best'][0]} d={p['best'][1]} "
+                      f"{p['best'][2]:<4}  {p['ms']:8.2f} ms")
+            print(f"  adaptive {o['adaptive_ms']:.2f} ms; best static {tuple(o['best_static'])} "
+                  f"{o['best_static_ms']:.2f} ms; static/adaptive {o['static_over_adaptive']:.2f}x")
+        return 0
+    rows = flat_vs_2dh(args.sizes_mib, max_gpus=args.max_gpus)
     if args.json:
-        print(json.dumps({"links": asdict(links), "serial": args.serial,
-                          "rows": [row for rows in tables for row in rows]}, indent=2))
-        return
-    print(f"links: {asdict(links)}, flat levels {'serial' if args.serial else 'parallel'}")
-    for mb, rows in zip(args.message_mb, tables):
-        print(f"\n{mb:g} MB per rank, {args.gpus_per_node} GPUs per node")
-        print(format_table(rows))
+        print(json.dumps({"params": asdict(cm.NDM_A100_V4), "rows": rows}, indent=2))
+        return 0
+    print(f"NDm A100 v4 params: {asdict(cm.NDM_A100_V4)}")
+    _print_rows(rows, ["size_mib", "gpus", "flat_ms", "2dh_ms", "flat_over_2dh"])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,142 +1,179 @@
-"""Tests for benchmarks/a2a_cost_model.py: hand-computed cases, limits, CLI, input errors.
+"""The all-to-all / layer cost model (moe_plugin/parallel/cost_model.py) and its driver
+(benchmarks/a2a_cost_model.py): hand-computed cases, the paper's trends, the fits, the drift projection.
 
-Legend: S bytes per rank, W ranks, N nodes, L GPUs per node; times in seconds unless named _ms.
+Legend: S bytes per rank, W ranks, L ranks per node, N nodes; times in seconds unless named _ms.
 """
-
 import importlib.util
 import json
 import pathlib
+import random
 import sys
 
 import pytest
 
+from moe_plugin.parallel import cost_model as cm
+
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "a2a_cost_model.py"
 _spec = importlib.util.spec_from_file_location("a2a_cost_model", _PATH)
-cm = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = cm
-_spec.loader.exec_module(cm)
+drv = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = drv
+_spec.loader.exec_module(drv)
 
-US = 1e-6
-
-
-def test_tiny_case_by_hand_default_links():
-    # W=4, L=2, N=2, S=4e6 bytes: 1e6 bytes per peer.
-    # Links: intra 3 us, 150e9 B/s; inter 10 us, 25e9 B/s; copies at 1000e9 B/s.
-    S, W, L = 4e6, 4, 2
-    intra = 1 * (3 * US + 1e6 / 150e9)          # L-1 = 1 local peer, S/W bytes
-    inter = 2 * (10 * US + 1e6 / 25e9)          # W-L = 2 remote peers, S/W bytes each
-    assert intra == pytest.approx(9.6667 * US, rel=1e-4)
-    assert inter == pytest.approx(100 * US)
-    assert cm.flat_seconds(S, W, L) == pytest.approx(100 * US)
-    assert cm.flat_seconds(S, W, L, serial=True) == pytest.approx(109.6667 * US, rel=1e-4)
-
-    phase1 = 1 * (3 * US + 2e6 / 150e9)         # L-1 = 1 message of S/L = 2e6 bytes
-    copies = 2 * 4e6 / 1000e9                   # two stride copies of S bytes
-    phase2 = 1 * (10 * US + 2e6 / 25e9)         # N-1 = 1 message of S/N = 2e6 bytes
-    assert (phase1, copies, phase2) == pytest.approx((16.3333 * US, 8 * US, 90 * US), rel=1e-4)
-    assert cm.hier_seconds(S, W, L) == pytest.approx(114.3333 * US, rel=1e-4)
+US, GB, MiB = 1e-6, 1e9, 2 ** 20
+PAPER = cm.NDM_A100_V4
+SIMPLE = cm.Params(intra_startup_us=2, intra_per_peer_us=0.5, intra_gbps=100, inter_startup_us=10,
+                   inter_per_peer_us=1, inter_gbps=10, copy_gbps=500, call_us=20, compute_tflops=100)
 
 
-def test_second_case_by_hand_custom_links():
-    # W=8, L=4, N=2, S=8e6: 1e6 bytes per peer; every link parameter differs from the default.
-    links = cm.Links(intra_latency_us=1, intra_gbps=100, inter_latency_us=5, inter_gbps=10,
-                     mem_gbps=500)
-    flat = max(3 * (1 * US + 1e6 / 100e9), 4 * (5 * US + 1e6 / 10e9))        # max(33, 420) us
-    hier = 3 * (1 * US + 2e6 / 100e9) + 2 * 8e6 / 500e9 + 1 * (5 * US + 4e6 / 10e9)  # 63+32+405
-    assert flat == pytest.approx(420 * US)
-    assert hier == pytest.approx(500 * US)
-    assert cm.flat_seconds(8e6, 8, 4, links) == pytest.approx(flat)
-    assert cm.hier_seconds(8e6, 8, 4, links) == pytest.approx(hier)
+def test_a2a_by_hand():
+    # W=8, L=4, N=2, S=8e6: flat sends 3 intra and 4 inter messages of 1e6 bytes, talking to 7 peers.
+    intra = 3 * ((2 + 0.5 * 7) * US + 1e6 / 100e9)            # 3 * 15.5 us = 46.5 us
+    inter = 4 * ((10 + 1 * 7) * US + 1e6 / 10e9)              # 4 * 117 us = 468 us
+    assert cm.a2a_seconds("flat", 8e6, 8, 4, SIMPLE) == pytest.approx(20 * US + max(intra, inter))
+    serial = SIMPLE.with_(levels_concurrent=False)
+    assert cm.a2a_seconds("flat", 8e6, 8, 4, serial) == pytest.approx(20 * US + intra + inter)
+    # 2DH: 2 calls, 2 copies of S, 3 intra messages of S/L (3 peers), 1 inter message of S/N (1 peer).
+    hier = (40 * US + 2 * 8e6 / 500e9 + 3 * ((2 + 1.5) * US + 2e6 / 100e9) + 1 * ((10 + 1) * US + 4e6 / 10e9))
+    assert hier == pytest.approx(40e-6 + 32e-6 + 70.5e-6 + 411e-6)
+    assert cm.a2a_seconds("2dh", 8e6, 8, 4, SIMPLE) == pytest.approx(hier)
+    assert cm.a2a_seconds("2dh", 8e6, 8, 4, serial) == pytest.approx(hier)   # its phases are serial anyway
+    parts = cm.a2a_parts("2dh", 8e6, 8, 4, SIMPLE)
+    assert parts["copies"] == pytest.approx(32e-6) and parts["inter"] == pytest.approx(411e-6)
 
 
-@pytest.mark.parametrize("S", [1e3, 1e6, 64e6])
-def test_single_node_2dh_equals_flat(S):
-    # N = 1: phase 2 and both copies vanish; both are L-1 intra-node messages of S/L.
-    expected = 7 * (3 * US + (S / 8) / 150e9)
-    assert cm.flat_seconds(S, 8, 8) == pytest.approx(expected)
-    assert cm.hier_seconds(S, 8, 8) == pytest.approx(expected)
-    assert cm.flat_seconds(S, 8, 8, serial=True) == pytest.approx(expected)
+@pytest.mark.parametrize("W, L", [(8, 8), (16, 1), (2, 2)])
+def test_2dh_is_flat_on_one_node_or_one_rank_per_node(W, L):
+    S = random.uniform(1e3, 1e8)
+    assert cm.a2a_seconds("2dh", S, W, L, PAPER) == cm.a2a_seconds("flat", S, W, L, PAPER)
+    assert cm.a2a_seconds("flat", S, 1, 1, PAPER) == 0.0
 
 
-def test_one_gpu_per_node_2dh_equals_flat():
-    # L = 1: phase 1 and both copies vanish; both are W-1 inter-node messages of S/W.
-    expected = 15 * (10 * US + (16e6 / 16) / 25e9)
-    assert cm.flat_seconds(16e6, 16, 1) == pytest.approx(expected)
-    assert cm.hier_seconds(16e6, 16, 1) == pytest.approx(expected)
-    assert cm.flat_seconds(16e6, 1, 1) == 0.0
-    assert cm.hier_seconds(16e6, 1, 1) == 0.0
+def test_paper_trends():
+    def ratio(mib, W):
+        return cm.a2a_seconds("flat", mib * MiB, W, 8, PAPER) / cm.a2a_seconds("2dh", mib * MiB, W, 8, PAPER)
+    # 1 MiB: 2DH faster from the paper's smallest scale (64 GPUs) to 4,096, more so as W grows.
+    small = [ratio(1, W) for W in (64, 128, 256, 512, 1024, 2048, 4096)]
+    assert small[0] > 1 and small == sorted(small)
+    # 32 and 256 MiB: flat faster on small clusters, 2DH faster at scale.
+    for mib in (32, 256):
+        assert ratio(mib, 16) < 1 and ratio(mib, 64) < 1
+        assert ratio(mib, 2048) > 1
+        assert drv.crossover_gpus(mib) in (128, 256, 512, 1024, 2048)
+    # 128 MiB on 2,048 GPUs: the all-to-all gains more than the layer's 4.25x, the layer 4.25x.
+    assert ratio(128, 2048) >= 4.25
+    assert drv.layer_gain_2dh(2048, PAPER) == pytest.approx(4.25, rel=0.01)
 
 
-def test_2dh_wins_at_scale_with_small_per_peer_messages():
-    rows = cm.table(1, gpus_per_node=8, max_gpus=2048)
-    assert [r["gpus"] for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert rows[0]["speedup"] == pytest.approx(1.0)
-    speedups = [r["speedup"] for r in rows[1:]]
-    assert speedups == sorted(speedups)
-    # W=2048, S=1e6: flat = 2040 * (10 us + 1e6/2048/25e9); 2dh = 7 * (3 us + 1.25e5/150e9)
-    # + 2e6/1e12 + 255 * (10 us + 1e6/256/25e9).
-    flat = 2040 * (10 * US + 1e6 / 2048 / 25e9)
-    hier = 7 * (3 * US + 1.25e5 / 150e9) + 2e6 / 1e12 + 255 * (10 * US + 1e6 / 256 / 25e9)
-    assert rows[-1]["flat_ms"] == pytest.approx(flat * 1e3)
-    assert rows[-1]["2dh_ms"] == pytest.approx(hier * 1e3)
-    assert rows[-1]["speedup"] > 7
+def test_per_peer_growth_breaks_the_old_ceiling():
+    # Without start-up growth flat/2DH stays under L = 8 (the old model's ceiling); with it, it passes.
+    flat_alpha = PAPER.with_(intra_per_peer_us=0.0, inter_per_peer_us=0.0)
+    for W in (64, 512, 2048, 4096):
+        r = cm.a2a_seconds("flat", 1 * MiB, W, 8, flat_alpha) / cm.a2a_seconds("2dh", 1 * MiB, W, 8, flat_alpha)
+        assert r < 8
+    assert cm.a2a_seconds("flat", MiB, 2048, 8, PAPER) / cm.a2a_seconds("2dh", MiB, 2048, 8, PAPER) > 15
 
 
-def test_without_latency_2dh_only_adds_cost():
-    # Zero alpha: the inter-node bytes are equal, S(W-L)/W = S(N-1)/N, so 2DH pays exactly its
-    # extra intra-node bytes S(L-1)(1/L - 1/W) and its two copies.
-    links = cm.Links(intra_latency_us=0, inter_latency_us=0)
-    S, W, L = 64e6, 256, 8
-    extra = S * (L - 1) * (1 / L - 1 / W) / 150e9 + 2 * S / 1000e9
-    flat = cm.flat_seconds(S, W, L, links, serial=True)
-    assert cm.hier_seconds(S, W, L, links) - flat == pytest.approx(extra)
+def test_paper_preset_is_its_own_fit():
+    assert drv.fit_inter_per_peer(4.25) == pytest.approx(PAPER.inter_per_peer_us, rel=0.02)
+    # The 128 MiB intra-node exchange of 8 GPUs takes ~600 us in the paper.
+    assert 550e-6 < cm.a2a_seconds("flat", 128 * MiB, 8, 8, PAPER) < 700e-6
 
 
-def test_json_output_parses(capsys):
-    cm.main(["--message-mb", "1", "64", "--max-gpus", "64", "--inter-gbps", "50", "--json"])
+def test_features_match_the_model_and_the_fit_recovers_parameters():
+    theta = [300e-6, 40e-6, 7e-6, 1 / 0.8e9, 1 / 0.5e9]
+    params = drv.params_from_theta(theta)
+    cases = [(a, S, W, L) for a in cm.ALGORITHMS for S in (2 ** 14, 2 ** 20, 2 ** 24) for W, L in ((4, 2), (2, 2), (8, 2))]
+    for alg, S, W, L in cases:
+        by_features = sum(c * t for c, t in zip(drv._features(alg, S, W, L), theta))
+        assert by_features == pytest.approx(cm.a2a_seconds(alg, S, W, L, params), rel=1e-12)
+    points = [(alg, S, W, L, cm.a2a_seconds(alg, S, W, L, params)) for alg, S, W, L in cases]
+    assert drv.fit_points(points) == pytest.approx(theta, rel=1e-6)
+
+
+def test_layer_by_hand():
+    # W=8 ranks, E=2 experts sliced 4 ways: degrees 0, 1, 2, 4. 1000 rows of D=100, H=200, fp32.
+    w = cm.Workload(rows_per_rank=1000, model_dim=100, hidden_dim=200, num_experts=2, dtype_bytes=4)
+    assert cm.degrees(8, 2) == [0, 1, 2, 4]
+    f = 2 * 1000 * 100 * 200 * 2 / 100e12                          # forward flops / rate
+    a2a = cm.a2a_seconds("flat", 2 * 400e3 / 4, 8, 4, SIMPLE)     # r=2 sends every row twice, d=4 chunks
+    gather = 2 * cm.allgather_seconds(2 * 100 * 200 * 4 / 2, 2, 4, SIMPLE)   # G = 4/2 ranks, inside a node
+    fwd = 2 * a2a + f / 4 + 3 * max(2 * a2a, f / 4)
+    bwd = 2 * a2a + 2 * f / 4 + 3 * max(2 * a2a, 2 * f / 4)
+    assert cm.layer_seconds(2, 4, "flat", w, 8, 4, SIMPLE) == pytest.approx(gather + fwd + bwd)
+    assert cm.allgather_seconds(80e3, 2, 4, SIMPLE) == pytest.approx(20e-6 + 1 * (2e-6 + 40e3 / 100e9))
+    # r = 4 = W/E: nothing to gather. r = 0: no exchange, own rows only, all experts gathered over W.
+    assert cm.layer_parts(4, 1, "flat", w, 8, 4, SIMPLE)["gather"] == 0.0
+    skewed = cm.Workload(rows_per_rank=5000, model_dim=100, hidden_dim=200, num_experts=2, dtype_bytes=4,
+                         local_rows=1000)
+    everything = 2 * cm.allgather_seconds(2 * 2 * 100 * 200 * 4, 8, 4, SIMPLE)
+    assert cm.layer_seconds(0, 1, "flat", skewed, 8, 4, SIMPLE) == pytest.approx(everything + 3 * f)
+
+
+def test_rank_candidates_orders_by_layer_seconds():
+    w = drv.paper_layer(16)
+    cands = [(1, d, a) for d in (1, 2, 4, 8) for a in cm.ALGORITHMS]
+    ranked = cm.rank_candidates(cands, w, 16, 8, PAPER)
+    assert sorted(c for c, _ in ranked) == sorted(cands)
+    assert [t for _, t in ranked] == sorted(cm.layer_seconds(*c, w, 16, 8, PAPER) for c in cands)
+    assert cm.best_candidate(cands, w, 16, 8, PAPER) == ranked[0]
+    # On 16 GPUs the paper's layer prefers flat with overlap; on 2,048 it prefers 2DH.
+    assert ranked[0][0][2] == "flat" and ranked[0][0][1] > 1
+    assert cm.best_candidate(cands, drv.paper_layer(2048), 2048, 8, PAPER)[0][2] == "2dh"
+
+
+def test_drift_projection():
+    for W in (64, 2048):
+        out = drv.project_schedule(drv.drift_workloads(W), W, 8, PAPER)
+        workloads = drv.drift_workloads(W)
+        cands = [(r, d, a) for r in cm.degrees(W, workloads[0].num_experts) for d in (1, 2, 4, 8)
+                 for a in cm.ALGORITHMS]
+        for phase, w in zip(out["phases"], workloads):
+            best = min(cm.layer_seconds(*c, w, W, 8, PAPER) for c in cands)
+            assert phase["ms"] == pytest.approx(best * 1e3)
+        assert out["adaptive_ms"] == pytest.approx(sum(p["ms"] for p in out["phases"]))
+        assert out["static_over_adaptive"] >= 1.0
+    at64 = drv.project_schedule(drv.drift_workloads(64), 64, 8, PAPER)
+    assert len({tuple(p["best"]) for p in at64["phases"]}) > 1       # the load drift changes the best setting
+    assert at64["static_over_adaptive"] > 1.1
+
+
+def test_cli_json(capsys):
+    drv.main(["--paper", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert out["serial"] is False
-    assert out["links"]["inter_gbps"] == 50.0
-    assert [(r["message_mb"], r["gpus"], r["nodes"]) for r in out["rows"]] == [
-        (mb, w, w // 8) for mb in (1.0, 64.0) for w in (8, 16, 32, 64)]
-    links = cm.Links(inter_gbps=50)
-    row = out["rows"][-1]
-    assert row["flat_ms"] == pytest.approx(cm.flat_seconds(64e6, 64, 8, links) * 1e3)
-    assert row["2dh_ms"] == pytest.approx(cm.hier_seconds(64e6, 64, 8, links) * 1e3)
-    assert row["speedup"] == pytest.approx(row["flat_ms"] / row["2dh_ms"])
+    assert [r["agrees"] for r in out["rows"] if r["agrees"] is not None] and \
+        all(r["agrees"] for r in out["rows"] if r["agrees"] is not None)
+    drv.main(["--sizes-mib", "1", "--max-gpus", "64", "--json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["gpus"] for r in rows] == [8, 16, 32, 64]
+    assert rows[-1]["flat_ms"] == pytest.approx(cm.a2a_seconds("flat", MiB, 64, 8, PAPER) * 1e3)
+    drv.main(["--drift", "--loads", "1", "8", "--json"])
+    assert [len(o["phases"]) for o in json.loads(capsys.readouterr().out)] == [2, 2]
 
 
-def test_text_table(capsys):
-    cm.main(["--message-mb", "64", "--max-gpus", "16"])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-3].split() == ["W", "nodes", "flat", "ms", "2dh", "ms", "flat/2dh"]
-    # W=8: 7 * (3 us + 8e6/150e9) = 0.394 ms; W=16: flat 1.360 ms, 2dh 1.812 ms.
-    assert lines[-2].split() == ["8", "1", "0.394", "0.394", "1.00x"]
-    assert lines[-1].split() == ["16", "2", "1.360", "1.812", "0.75x"]
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes-mib", "0"], "--sizes-mib must all be > 0"),
+    (["--drift", "--loads", "-1"], "--loads must all be > 0"),
+    (["--max-gpus", "4"], "--max-gpus must be >= 8"),
+])
+def test_cli_rejects_bad_input(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        drv.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("call, name", [
-    (lambda: cm.flat_seconds(1e6, 12, 8), "world_size"),
-    (lambda: cm.hier_seconds(1e6, 12, 8), "world_size"),
-    (lambda: cm.flat_seconds(0, 8, 8), "message_bytes"),
-    (lambda: cm.hier_seconds(-1e6, 16, 8), "message_bytes"),
-    (lambda: cm.hier_seconds(1e6, 0, 8), "world_size"),
-    (lambda: cm.flat_seconds(1e6, 8, 0), "gpus_per_node"),
-    (lambda: cm.flat_seconds(1e6, 8.0, 8), "world_size"),
-    (lambda: cm.table(0), "message_mb"),
-    (lambda: cm.table(1, gpus_per_node=8, max_gpus=4), "max_gpus"),
-    (lambda: cm.Links(intra_gbps=0), "intra_gbps"),
-    (lambda: cm.Links(inter_gbps=-25), "inter_gbps"),
-    (lambda: cm.Links(mem_gbps=0), "mem_gbps"),
-    (lambda: cm.Links(inter_latency_us=-1), "inter_latency_us"),
+    (lambda: cm.a2a_seconds("ring", 1e6, 8, 8, PAPER), "algorithm"),
+    (lambda: cm.a2a_seconds("flat", 1e6, 12, 8, PAPER), "world_size"),
+    (lambda: cm.a2a_seconds("flat", -1, 8, 8, PAPER), "bytes_per_rank"),
+    (lambda: cm.a2a_seconds("flat", 1e6, 8, 0, PAPER), "node_size"),
+    (lambda: cm.a2a_seconds("flat", 1e6, 8.0, 8, PAPER), "world_size"),
+    (lambda: PAPER.with_(inter_gbps=0), "inter_gbps"),
+    (lambda: PAPER.with_(call_us=-1), "call_us"),
+    (lambda: cm.Workload(-1, 8, 8, 2), "rows_per_rank"),
+    (lambda: cm.Workload(8, 8, 8, 0), "num_experts"),
+    (lambda: cm.layer_seconds(3, 1, "flat", cm.Workload(8, 8, 8, 2), 8, 4, PAPER), "parallel degree r=3"),
+    (lambda: cm.layer_seconds(1, 0, "flat", cm.Workload(8, 8, 8, 2), 8, 4, PAPER), "overlap_degree"),
 ])
 def test_invalid_inputs_raise_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
-
-
-def test_cli_rejects_bad_input(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cm.main(["--message-mb", "0"])
-    assert exc.value.code == 2
-    assert "message_mb must be > 0" in capsys.readouterr().err

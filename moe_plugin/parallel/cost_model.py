@@ -38,7 +38,7 @@ hidden); with compute-bound chunks only the first dispatch and the last combine 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 ALGORITHMS = ("flat", "2dh")
 US = 1e-6
@@ -86,25 +86,27 @@ NDM_A100_V4 = Params(
     intra_per_peer_us=0.02,
     intra_gbps=196.0,           # paper: a 128 MiB exchange inside one node of 8 takes ~600 us
     inter_startup_us=5.0,       # InfiniBand RDMA message start-up
-    inter_per_peer_us=0.00608,  # fitted: 2DH layer gain 4.25x at 128 MiB, 2,048 GPUs
+    inter_per_peer_us=0.00722,  # fitted: 2DH layer gain 4.25x at 128 MiB, 2,048 GPUs
     inter_gbps=25.0,            # 200 Gb/s per GPU
     copy_gbps=300.0,            # stride copies of small chunks, well below HBM's 2 TB/s
     call_us=25.0,               # one NCCL collective: launch and completion
     compute_tflops=150.0,       # fp16 expert GEMMs at D = H = 2048
 )
 
-# This machine: gloo processes on 2 shared CPU cores; fitted by
-# `python benchmarks/a2a_cost_model.py --measure` (4 gloo processes, node_size 2).
+# This machine: gloo processes on 2 shared CPU cores. Fitted by `python benchmarks/a2a_cost_model.py
+# --measure` (4 gloo processes, node_size 2, 16 KiB to 16 MiB per rank; 2026-11-24). A call's fixed
+# cost (~1.7 ms: 4 processes taking turns on 2 cores) swamps the per-message start-up, which the fit
+# puts at 0; 2DH's regrouping copies (index_select on the host) run at ~0.3 GB/s.
 GLOO_HERE = Params(
-    intra_startup_us=60.0,
-    intra_per_peer_us=10.0,
-    intra_gbps=1.0,
-    inter_startup_us=60.0,
-    inter_per_peer_us=10.0,
-    inter_gbps=1.0,
-    copy_gbps=2.0,
-    call_us=100.0,
-    compute_tflops=0.05,
+    intra_startup_us=0.0,
+    intra_per_peer_us=0.0,
+    intra_gbps=0.40,
+    inter_startup_us=0.0,
+    inter_per_peer_us=0.0,
+    inter_gbps=0.40,
+    copy_gbps=0.30,
+    call_us=1750.0,
+    compute_tflops=0.028,       # one thread's fp32 GEMM rate
     levels_concurrent=False,
 )
 
@@ -171,8 +173,10 @@ def allgather_seconds(gathered_bytes: float, group_size: int, node_size: int, pa
 
 @dataclass(frozen=True)
 class Workload:
-    """What one rank routes in one layer call: rows (kept, all k choices counted), the expert shape
-    and the element size."""
+    """One layer call as the slowest rank sees it: rows_per_rank rows (kept, all k choices counted)
+    to exchange and compute, the expert shape and the element size. local_rows: the rows a rank
+    routes from its own tokens, which r = 0 computes (default rows_per_rank); with skewed routing
+    the slowest rank's rows_per_rank exceeds it."""
 
     rows_per_rank: int
     model_dim: int
@@ -180,10 +184,15 @@ class Workload:
     num_experts: int
     dtype_bytes: int = 2
     matrices: int = 2           # 2: w1, w2; 3 for a gated (SwiGLU) expert
+    local_rows: Optional[int] = None
 
     def __post_init__(self):
-        if isinstance(self.rows_per_rank, bool) or not isinstance(self.rows_per_rank, int) or self.rows_per_rank < 0:
-            raise ValueError(f"Workload.rows_per_rank must be an integer >= 0, got {self.rows_per_rank!r}")
+        for name in ("rows_per_rank", "local_rows"):
+            value = getattr(self, name)
+            if value is None and name == "local_rows":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Workload.{name} must be an integer >= 0, got {value!r}")
         for name in ("model_dim", "hidden_dim", "num_experts", "dtype_bytes", "matrices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -198,8 +207,9 @@ class Workload:
     def expert_bytes(self) -> int:
         return self.matrices * self.model_dim * self.hidden_dim * self.dtype_bytes
 
-    def forward_flops(self) -> float:
-        return 2.0 * self.rows_per_rank * self.model_dim * self.hidden_dim * self.matrices
+    def forward_flops(self, rows: Optional[int] = None) -> float:
+        rows = self.rows_per_rank if rows is None else rows
+        return 2.0 * rows * self.model_dim * self.hidden_dim * self.matrices
 
 
 def degrees(world_size: int, num_experts: int) -> List[int]:
@@ -229,9 +239,10 @@ def layer_parts(r: int, overlap_degree: int, algorithm: str, workload: Workload,
     W, E, d = world_size, workload.num_experts, overlap_degree
     compute_f = workload.forward_flops() / (params.compute_tflops * TFLOP)
     if r == 0:
+        local = workload.rows_per_rank if workload.local_rows is None else workload.local_rows
+        own_f = workload.forward_flops(local) / (params.compute_tflops * TFLOP)
         gather = 2 * allgather_seconds(E * workload.expert_bytes, W, node_size, params)
-        return {"gather": gather, "forward": compute_f, "backward": 2 * compute_f, "a2a": 0.0,
-                "compute": 3 * compute_f}
+        return {"gather": gather, "forward": own_f, "backward": 2 * own_f, "a2a": 0.0, "compute": 3 * own_f}
     slices = max(1, W // E)
     group = slices // r
     gather = 2 * allgather_seconds(workload.expert_bytes / r, group, node_size, params)
