@@ -1,11 +1,13 @@
 """The `moe-plugin train` command line."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
 
 from .config import load_config, to_yaml
 from .loop import train
+from .processes import torchrun_command
 
 
 def split_arguments(arguments: Sequence[str]) -> Tuple[Optional[str], List[str]]:
@@ -32,6 +34,12 @@ def add_arguments(parser) -> None:
                         help="an experiment config (default: the built-in configs/experiments/default.yaml) "
                              "and overrides such as moe.num_experts=16 train.steps=200")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--nproc-per-node", type=int, metavar="N",
+                        help="start N processes on this node under torchrun (--standalone), each running this "
+                             "command; for several nodes run torchrun yourself")
+    parser.add_argument("--numa-binding", metavar="MODE",
+                        help="with --nproc-per-node: torchrun binds each rank to the CPUs near its GPU "
+                             "(node, socket, exclusive or core-complex; needs numactl and CUDA GPUs)")
 
 
 def main(args) -> int:
@@ -40,6 +48,12 @@ def main(args) -> int:
         if args.print_config:
             print(to_yaml(with_effective_moe(cfg)), end="")
             return 0
+        if args.numa_binding is not None and args.nproc_per_node is None:
+            raise ValueError(f"--numa-binding={args.numa_binding} is applied by torchrun: add --nproc-per-node N, "
+                             f"or launch `torchrun --numa-binding={args.numa_binding} --nproc-per-node N -m "
+                             f"moe_plugin.cli train ...` yourself")
+        if args.nproc_per_node is not None:
+            return subprocess.call(torchrun_command(args.nproc_per_node, args.numa_binding, args.arguments))
     except ValueError as error:
         print(f"moe-plugin train: {error}", file=sys.stderr)
         return 2

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,3 +41,44 @@ def gather(procs: Processes, obj: Any) -> List[Any]:
     objects = [None] * procs.world_size
     dist.all_gather_object(objects, obj)
     return objects
+
+
+def numa_modes() -> Tuple[str, ...]:
+    """The values torchrun's --numa-binding takes in this torch (none before torch 2.9)."""
+    try:
+        from torch.numa.binding import AffinityMode
+    except ImportError:
+        return ()
+    return tuple(mode.value for mode in AffinityMode)
+
+
+def check_numa_binding(mode: str) -> None:
+    """ValueError unless torchrun can bind ranks to NUMA nodes here in `mode`."""
+    modes = numa_modes()
+    if not modes:
+        raise ValueError(f"--numa-binding={mode} needs torchrun's NUMA binding, which torch {torch.__version__} "
+                         f"lacks (torch >= 2.9)")
+    if mode not in modes:
+        raise ValueError(f"--numa-binding={mode} is invalid: allowed {', '.join(modes)}")
+    if shutil.which("numactl") is None:
+        raise ValueError(f"--numa-binding={mode} needs the numactl program (torchrun starts each rank under "
+                         f"`numactl --physcpubind=...`), and it is not on PATH; install it (Debian/Ubuntu: "
+                         f"apt-get install numactl)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--numa-binding={mode} binds local rank i to the CPUs of the NUMA node of GPU cuda:i, "
+                         f"and no CUDA GPU is available here")
+
+
+def torchrun_command(nproc_per_node: int, numa_binding: Optional[str], train_arguments: Sequence[str]) -> List[str]:
+    """The torchrun command line that runs `moe-plugin train train_arguments` on nproc_per_node local
+    processes (one node; torchrun picks a free port)."""
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node={nproc_per_node} is invalid: must be an integer >= 1")
+    if "WORLD_SIZE" in os.environ:
+        raise ValueError(f"--nproc-per-node starts torchrun, but this process already runs under a launcher "
+                         f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); pass --numa-binding to that torchrun instead")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node)]
+    if numa_binding is not None:
+        check_numa_binding(numa_binding)
+        command += ["--numa-binding", numa_binding]
+    return command + ["-m", "moe_plugin.cli", "train", *train_arguments]
