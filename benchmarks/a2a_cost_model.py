@@ -312,11 +312,20 @@ def main(argv=None):
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--loads", type=float, nargs="+", default=list(DRIFT_PHASES),
                         help="--drift: the busiest rank's load per phase, in units of a rank's own rows")
+    parser.add_argument("--tokens-per-rank", type=int, default=4096, help="--drift: tokens per rank per step")
+    parser.add_argument("--top-k", type=int, default=2, help="--drift")
+    parser.add_argument("--dim", type=int, default=2048, help="--drift: model dim D")
+    parser.add_argument("--hidden", type=int, default=2048, help="--drift: expert hidden dim H")
+    parser.add_argument("--experts-per-slice", type=int, default=4,
+                        help="--drift: ranks per expert (num_experts = GPUs / this; 1 means one expert per GPU)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     for name in ("sizes_mib", "loads"):
         if any(not v > 0 for v in getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')} must all be > 0, got {getattr(args, name)}")
+    for name in ("tokens_per_rank", "top_k", "dim", "hidden", "experts_per_slice"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_gpus < 8:
         parser.error(f"--max-gpus must be >= 8 (one node of the paper's cluster), got {args.max_gpus}")
 
@@ -348,12 +357,14 @@ def main(argv=None):
         _print_rows(rows, ["kind", "size_mib", "measured_ms", "model_ms"])
         return 0
     if args.drift:
-        out = [project_schedule(drift_workloads(w, args.loads), w, 8, cm.NDM_A100_V4) for w in (64, 2048)]
+        shape = dict(tokens_per_rank=args.tokens_per_rank, top_k=args.top_k, model_dim=args.dim,
+                     hidden_dim=args.hidden, experts_per_slice=args.experts_per_slice)
+        out = [project_schedule(drift_workloads(w, args.loads, **shape), w, 8, cm.NDM_A100_V4) for w in (64, 2048)]
         if args.json:
             print(json.dumps(out, indent=2))
             return 0
         for o in out:
-            print(f"\n{o['world_size']} GPUs (NDm A100 v4), loads {args.loads}:")
+            print(f"\n{o['world_size']} GPUs (NDm A100 v4), {shape}, loads {args.loads}:")
             for w, p in zip(args.loads, o["phases"]):
                 print(f"  load {w:>4g}x  rows {p['rows_per_rank']:>7}  best r={p['best'][0]} d={p['best'][1]} "
                       f"{p['best'][2]:<4}  {p['ms']:8.2f} ms")
