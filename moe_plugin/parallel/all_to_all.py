@@ -75,10 +75,14 @@ class _Wait(torch.autograd.Function):
 
 class PendingAllToAll:
     """all_to_all_single started now, waited for later; autograd runs the reverse exchange."""
+    stages = 1
 
     def __init__(self, input_RD: torch.Tensor, send_counts: List[int], recv_counts: List[int], group):
         self.exchange = _Exchange(list(send_counts), list(recv_counts), group)
         self.output_RD = _Start.apply(input_RD, self.exchange)
+
+    def progress(self) -> None:
+        """Nothing to move on: the one exchange is in flight."""
 
     def wait(self) -> torch.Tensor:
         return _Wait.apply(self.output_RD, self.exchange)
@@ -88,28 +92,42 @@ def all_to_all(input_RD: torch.Tensor, send_counts: List[int], recv_counts: List
     return PendingAllToAll(input_RD, send_counts, recv_counts, group).wait()
 
 
-def all_to_all_2dh(input_RD: torch.Tensor, counts_WW: torch.Tensor, rank: int, node_size: int,
-                   intra_group, inter_group) -> torch.Tensor:
+class Pending2DH:
     """The flat exchange done in two steps: inside the node (grouped by destination's local index),
     then across nodes. Input rows are ordered by destination rank, output rows by source rank,
-    exactly as the flat all-to-all orders them."""
-    W, L = counts_WW.shape[0], node_size
-    N = W // L
-    node, local = divmod(rank, L)
-    counts_NLNL = counts_WW.view(N, L, N, L)
+    exactly as the flat all-to-all orders them. Step 1 starts now; progress() waits for it and starts
+    step 2; wait() returns the rows. Each step is a PendingAllToAll, so backward overlaps as flat does."""
+    stages = 2
 
-    # step 1: my rows, (dst node, dst local) order -> (dst local, dst node), sent to local peers
-    mine_NL = counts_NLNL[node, local]                                   # [dst node, dst local]
-    step1_in = input_RD.index_select(0, segment_permutation(mine_NL))
-    step1_send = mine_NL.sum(0).tolist()                                 # per dst local
-    arriving_LN = counts_NLNL[node, :, :, local]                         # [src local, dst node]
-    step1_out = all_to_all(step1_in, step1_send, arriving_LN.sum(1).tolist(), intra_group)
+    def __init__(self, input_RD: torch.Tensor, counts_WW: torch.Tensor, rank: int, node_size: int,
+                 intra_group, inter_group):
+        W, L = counts_WW.shape[0], node_size
+        N = W // L
+        node, local = divmod(rank, L)
+        counts_NLNL = counts_WW.view(N, L, N, L)
+        # step 1: my rows, (dst node, dst local) order -> (dst local, dst node), sent to local peers
+        mine_NL = counts_NLNL[node, local]                                   # [dst node, dst local]
+        step1_in = input_RD.index_select(0, segment_permutation(mine_NL))
+        self.arriving_LN = counts_NLNL[node, :, :, local]                    # [src local, dst node]
+        self.step1 = PendingAllToAll(step1_in, mine_NL.sum(0).tolist(), self.arriving_LN.sum(1).tolist(),
+                                     intra_group)
+        self.step2_recv = counts_NLNL[:, :, node, local].sum(1).tolist()     # per src node
+        self.inter_group, self.step2 = inter_group, None
 
-    # step 2: (src local, dst node) -> (dst node, src local), sent across nodes
-    step2_in = step1_out.index_select(0, segment_permutation(arriving_LN))
-    step2_send = arriving_LN.sum(0).tolist()                             # per dst node
-    step2_recv = counts_NLNL[:, :, node, local].sum(1).tolist()          # per src node
-    return all_to_all(step2_in, step2_send, step2_recv, inter_group)
+    def progress(self) -> None:
+        if self.step2 is None:   # step 2: (src local, dst node) -> (dst node, src local), across nodes
+            step2_in = self.step1.wait().index_select(0, segment_permutation(self.arriving_LN))
+            self.step2 = PendingAllToAll(step2_in, self.arriving_LN.sum(0).tolist(), self.step2_recv,
+                                         self.inter_group)
+
+    def wait(self) -> torch.Tensor:
+        self.progress()
+        return self.step2.wait()
+
+
+def all_to_all_2dh(input_RD: torch.Tensor, counts_WW: torch.Tensor, rank: int, node_size: int,
+                   intra_group, inter_group) -> torch.Tensor:
+    return Pending2DH(input_RD, counts_WW, rank, node_size, intra_group, inter_group).wait()
 
 
 class _GatherSum(torch.autograd.Function):

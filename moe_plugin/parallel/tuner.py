@@ -1,34 +1,343 @@
-"""Pick the fastest (parallel degree r, overlap degree d) by timing the real workload.
+"""Choose the parallel degree r, overlap degree d and all-to-all algorithm of each expert-parallel call.
 
-The first len(candidates) * trials training calls try each candidate in turn; then the ranks
-add up their timings (so they agree) and keep the fastest for good.
+Tuner (parallel / overlap_degree / a2a "auto"): a dictionary from the step's load to the fastest
+setting, filled online and re-tuned as the load drifts (Tutel, section 3.3).
+- Key: a half-octave bucket of the largest expert's kept rows (the capacity used), read from
+  route_counts' gathered counts, which every rank holds: the ranks agree without a word.
+- Timing: each call is timed from the start of its expert path to the end of that path's backward
+  (the forward part plus the backward part, marked by two autograd functions around the path). The
+  time rides to the other ranks on a later forward's route_counts all-gather (read one forward after
+  it ends, when its events are complete; shared on the next), so the max over ranks costs no
+  collective and no host synchronization of its own. Every rank sees the same times: same decisions.
+- Search per key: the candidates in the cost model's order (the nearest known key's choice first);
+  a setting's first call ever is dropped (warm-up: a new communicator's first use); each is timed
+  `trials` times, its median kept; those the cost model puts past `prune` x the best one measured
+  so far are skipped. The choice is re-timed every `retune_every` calls of its key, or when its
+  median over the last `trials` calls drifts past `drift` from the one it won with.
+- Persistence: the dictionary is the module's extra state, tagged (ep_size, node_size, dims, dtype).
+
+OnceTuner (parallel / overlap_degree "auto_once"): times every candidate during the first calls
+(forward only), adds the times over ranks and keeps the fastest for good.
+
+Legend: W ranks, E experts.
 """
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from . import cost_model
 
 log = logging.getLogger("moe_plugin")
-Candidate = Tuple[int, int]
+Setting = Tuple[int, int, str]          # (parallel r, overlap d, a2a)
+NOT_MEASURED = -1
 
 
-class Tuner:
-    def __init__(self, candidates: List[Candidate], trials: int = 2, group=None):
+def load_key(counts_WE: torch.Tensor) -> int:
+    """0 for no rows, else 1 + floor(2 log2(rows of the largest expert)): buckets of a half octave."""
+    largest = int(counts_WE.sum(0).max()) if counts_WE.numel() else 0
+    return 0 if largest <= 0 else 1 + int(math.floor(2 * math.log2(largest)))
+
+
+def key_rows(key: int) -> float:
+    """A load typical of a key (the lower end of its bucket)."""
+    return 0.0 if key <= 0 else 2.0 ** ((key - 1) / 2)
+
+
+def as_dict(setting: Optional[Setting]) -> Optional[dict]:
+    return None if setting is None else {"parallel": setting[0], "overlap_degree": setting[1], "a2a": setting[2]}
+
+
+def model_seconds(setting: Setting, rows: float, shape: dict) -> float:
+    """The cost model's time of one call, forward + backward, when the largest expert gets `rows` rows
+    (the slowest rank receives that for each of its experts); shape: the tag plus dtype_bytes, device."""
+    r, d, a2a = setting
+    W, E = shape["ep_size"], shape["num_experts"]
+    workload = cost_model.Workload(rows_per_rank=int(round(rows)) * max(1, E // W), model_dim=shape["model_dim"],
+                                   hidden_dim=shape["hidden_size"], num_experts=E,
+                                   dtype_bytes=shape.get("dtype_bytes", 4), matrices=shape.get("matrices", 2))
+    params = cost_model.NDM_A100_V4 if shape.get("device") == "cuda" else cost_model.GLOO_HERE
+    return cost_model.layer_seconds(r, d, a2a, workload, W, shape["node_size"], params)
+
+
+class HostClock:
+    """Wall time on the host (CPU work is done when its call returns)."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return end - start
+
+
+class CudaClock:
+    """CUDA events: recorded without waiting, read once the forward's host synchronization has passed them."""
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+
+class _Measurement:
+    def __init__(self, key: int, setting: Setting, clock):
+        self.key, self.setting, self.clock = key, setting, clock
+        self.marks: List = []
+        self.backward = True
+
+    def seconds(self) -> Optional[float]:
+        """Forward part plus backward part, or None when the call did not finish both."""
+        if len(self.marks) == 2 and not self.backward:
+            return self.clock.seconds(*self.marks)
+        if len(self.marks) != 4:
+            return None
+        return self.clock.seconds(self.marks[0], self.marks[1]) + self.clock.seconds(self.marks[2], self.marks[3])
+
+
+class _Enter(torch.autograd.Function):
+    """Identity on (x, gate); its backward is the last step of the path's backward: the end mark."""
+
+    @staticmethod
+    def forward(ctx, measurement, x_TD, gate_TK):
+        ctx.measurement = measurement
+        measurement.marks.append(measurement.clock.mark())
+        return x_TD.view_as(x_TD), gate_TK.view_as(gate_TK)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_gate):
+        ctx.measurement.marks.append(ctx.measurement.clock.mark())
+        return None, grad_x, grad_gate
+
+
+class _Leave(torch.autograd.Function):
+    """Identity on y; the forward's end mark, and its backward is the path's backward's start mark."""
+
+    @staticmethod
+    def forward(ctx, measurement, y_TD):
+        ctx.measurement = measurement
+        measurement.marks.append(measurement.clock.mark())
+        return y_TD.view_as(y_TD)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        ctx.measurement.marks.append(ctx.measurement.clock.mark())
+        return None, grad_y
+
+
+class _Search:
+    """One key's entry: the settings still to time (first = being timed), their samples, the choice."""
+
+    def __init__(self, order: List[Setting]):
+        self.queue, self.samples, self.medians = list(order), {}, {}
+        self.choice: Optional[Setting] = None
+        self.baseline: Optional[float] = None
+        self.recent: List[float] = []
+        self.calls = 0
+
+
+class Tuner(nn.Module):
+    """Per-load choice of (r, d, a2a); see the module docstring. The layer calls, per forward:
+    outgoing() -> the int to send on route_counts; choose(counts_WE, gathered_W, dtype, measure);
+    then enter()/leave() around its expert path."""
+
+    def __init__(self, candidates: List[Setting], shape: dict, trials: int = 3, retune_every: int = 500,
+                 drift: float = 0.3, prune: float = 3.0,
+                 cost: Optional[Callable[[Setting, float, dict], float]] = None, clock=None):
+        super().__init__()
+        self.candidates, self.shape = list(candidates), dict(shape)
+        self.trials, self.retune_every, self.drift, self.prune = trials, retune_every, drift, prune
+        self.cost = cost or model_seconds
+        self.clock = clock or (CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
+                               else HostClock())
+        self.searches: Dict[int, _Search] = {}
+        self.table: Dict[int, Setting] = {}          # the settled choices
+        self.warm: set = set()
+        self.dtype: Optional[str] = None
+        self.dtype_bytes = 4
+        self.key: Optional[int] = None
+        self._loaded: Optional[dict] = None
+        self._open: Optional[_Measurement] = None    # this call's
+        self._done: Optional[_Measurement] = None    # the last call's, read at the next choose
+        self._outgoing, self._outgoing_of = NOT_MEASURED, None
+
+    # the per-forward protocol
+    def outgoing(self) -> int:
+        """This rank's time (microseconds) of a call two forwards back, or -1: the int route_counts carries."""
+        return self._outgoing
+
+    def choose(self, counts_WE: torch.Tensor, gathered_W: Optional[torch.Tensor], dtype: torch.dtype,
+               measure: bool) -> Setting:
+        self._set_dtype(str(dtype).replace("torch.", ""))
+        self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        if self._outgoing_of is not None and gathered_W is not None and bool((gathered_W >= 0).all()):
+            self.observe(*self._outgoing_of, float(gathered_W.max()) / 1e6)
+        done, self._done = self._done, None
+        seconds = None if done is None else done.seconds()
+        self._outgoing = NOT_MEASURED if seconds is None else max(0, int(round(seconds * 1e6)))
+        self._outgoing_of = None if seconds is None else (done.key, done.setting)
+
+        self.key = load_key(counts_WE)
+        setting = self._pick(self.key, explore=measure)
+        self._open = _Measurement(self.key, setting, self.clock) if measure else None
+        return setting
+
+    def enter(self, x_TD: torch.Tensor, gate_TK: torch.Tensor):
+        if self._open is None:
+            return x_TD, gate_TK
+        self._open.backward = x_TD.requires_grad or gate_TK.requires_grad
+        return _Enter.apply(self._open, x_TD, gate_TK)
+
+    def leave(self, y_TD: torch.Tensor) -> torch.Tensor:
+        if self._open is None:
+            return y_TD
+        measurement, self._open = self._open, None
+        self._done = measurement
+        return _Leave.apply(measurement, y_TD) if measurement.backward else _mark_now(measurement, y_TD)
+
+    # the dictionary
+    def observe(self, key: int, setting: Setting, seconds: float) -> None:
+        """One call's time (max over ranks); every rank makes this call with the same numbers."""
+        if setting not in self.warm:
+            self.warm.add(setting)
+            return
+        search = self.searches.get(key)
+        if search is None:
+            return
+        if search.queue:
+            if setting not in search.queue:
+                return
+            search.samples.setdefault(setting, []).append(seconds)
+            if len(search.samples[setting]) < self.trials:
+                return
+            search.medians[setting] = statistics.median(search.samples[setting])
+            search.queue.remove(setting)
+            best = min(search.medians, key=search.medians.get)
+            ceiling = self.prune * self._cost(best, key)
+            search.queue = [s for s in search.queue if self._cost(s, key) <= ceiling]
+            if not search.queue:
+                self._settle(key, search, best)
+        elif setting == search.choice:
+            search.recent = (search.recent + [seconds])[-self.trials:]
+            search.calls += 1
+            recent = statistics.median(search.recent)
+            if search.baseline is None and len(search.recent) == self.trials:
+                search.baseline = recent
+            elif search.baseline is not None and len(search.recent) == self.trials \
+                    and abs(recent - search.baseline) > self.drift * search.baseline:
+                self._retune(key, search, f"its time drifted from {search.baseline:.3g} s to {recent:.3g} s")
+            elif search.calls >= self.retune_every:
+                self._retune(key, search, f"{search.calls} calls since it was timed")
+
+    def nearest_choice(self, key: int) -> Optional[Setting]:
+        if not self.table:
+            return None
+        return self.table[min(self.table, key=lambda k: (abs(k - key), k))]
+
+    def _pick(self, key: int, explore: bool) -> Setting:
+        search = self.searches.get(key)
+        if search is None and explore:
+            search = self.searches[key] = _Search(self._order(key))
+        if search is not None and search.queue and explore:
+            return search.queue[0]
+        if key in self.table:
+            return self.table[key]
+        return self.nearest_choice(key) or self._order(key)[0]
+
+    def _order(self, key: int) -> List[Setting]:
+        order = sorted(self.candidates, key=lambda s: self._cost(s, key))
+        start = self.nearest_choice(key)
+        return order if start is None else [start] + [s for s in order if s != start]
+
+    def _cost(self, setting: Setting, key: int) -> float:
+        device = "cuda" if isinstance(self.clock, CudaClock) else "cpu"
+        return self.cost(setting, key_rows(key), {**self.shape, "dtype_bytes": self.dtype_bytes, "device": device})
+
+    def _settle(self, key: int, search: _Search, best: Setting) -> None:
+        before = self.table.get(key)
+        search.choice, search.baseline, search.recent, search.calls = best, search.medians[best], [], 0
+        self.table[key] = best
+        if best != before:
+            log.info("moe_plugin tuner: load key %d (about %d rows per expert): %s -> %s; medians %s", key,
+                     key_rows(key), as_dict(before), as_dict(best),
+                     {f"{s[0]},{s[1]},{s[2]}": round(t, 6) for s, t in search.medians.items()})
+
+    def _retune(self, key: int, search: _Search, why: str) -> None:
+        log.info("moe_plugin tuner: re-timing load key %d (%s)", key, why)
+        order = [search.choice] + [s for s in self._order(key) if s != search.choice]
+        search.queue, search.samples, search.medians = order, {}, {}
+
+    # visibility and persistence
+    def stats(self) -> dict:
+        return {"tuned": {"key": self.key, "choice": as_dict(self.table.get(self.key))},
+                "tuned_table": {key: as_dict(setting) for key, setting in sorted(self.table.items())}}
+
+    def tag(self) -> dict:
+        return {**self.shape, "dtype": self.dtype}
+
+    def get_extra_state(self) -> dict:
+        return {"tag": self.tag(), "table": {key: list(setting) for key, setting in self.table.items()}}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._loaded = dict(state)
+        self._adopt()
+
+    def _set_dtype(self, dtype: str) -> None:
+        if dtype != self.dtype:
+            self.dtype = dtype
+            self._adopt()
+
+    def _adopt(self) -> None:
+        """Takes a loaded dictionary whose tag matches; the dtype is checked once a forward has shown it."""
+        if self._loaded is None:
+            return
+        saved, mine = dict(self._loaded.get("tag", {})), self.tag()
+        same_shape = {k: v for k, v in saved.items() if k != "dtype"} == {k: v for k, v in mine.items() if k != "dtype"}
+        if same_shape and self.dtype is None:
+            return
+        table, self._loaded = self._loaded.get("table", {}), None
+        if not same_shape or saved.get("dtype") != self.dtype:
+            if table:
+                log.warning("moe_plugin tuner: ignoring the saved dictionary: it was tuned for %s, this layer is %s",
+                            saved, mine)
+            return
+        for key, setting in table.items():
+            setting = (int(setting[0]), int(setting[1]), str(setting[2]))
+            if setting in self.candidates:
+                search = self.searches[int(key)] = _Search([])
+                search.choice = self.table[int(key)] = setting
+
+
+def _mark_now(measurement: _Measurement, y_TD: torch.Tensor) -> torch.Tensor:
+    measurement.marks.append(measurement.clock.mark())
+    return y_TD
+
+
+class OnceTuner:
+    """Times each candidate during the first len(candidates) * trials training calls (forward only),
+    adds the times over ranks (so they agree) and keeps the fastest for good."""
+
+    def __init__(self, candidates: List[Setting], trials: int = 2, group=None):
         self.candidates, self.trials, self.group = list(candidates), trials, group
         self.seconds = [0.0] * len(self.candidates)
         self.calls = 0
-        self.chosen: Optional[Candidate] = self.candidates[0] if len(self.candidates) == 1 else None
+        self.chosen: Optional[Setting] = self.candidates[0] if len(self.candidates) == 1 else None
 
-    def current(self) -> Candidate:
+    def current(self) -> Setting:
         if self.chosen is not None:
             return self.chosen
         return self.candidates[self.calls % len(self.candidates)]
 
-    def record(self, candidate: Candidate, seconds: float) -> None:
+    def record(self, candidate: Setting, seconds: float) -> None:
         if self.chosen is not None:
             return
         self.seconds[self.candidates.index(candidate)] += seconds
@@ -38,8 +347,11 @@ class Tuner:
             if self.group is not None:
                 dist.all_reduce(totals, group=self.group)
             self.chosen = self.candidates[int(torch.argmin(totals))]
-            log.info("moe_plugin: tuned (parallel r, overlap d) = %s from %s", self.chosen,
+            log.info("moe_plugin: tuned (parallel r, overlap d, a2a) = %s from %s", self.chosen,
                      dict(zip(self.candidates, totals.tolist())))
+
+    def stats(self) -> dict:
+        return {"tuned": as_dict(self.chosen)}
 
     def timed(self):
         return _Timer()

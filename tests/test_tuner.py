@@ -1,0 +1,209 @@
+"""The per-load tuner (parallel/tuner.py) on simulated ranks with a mocked clock: each rank's tuner gets
+the same gathered counts and the same gathered times, as route_counts' all-gather gives them."""
+import logging
+
+import pytest
+import torch
+
+from moe_plugin import MoEConfig
+from moe_plugin.parallel.tuner import Tuner, load_key
+
+GATHERED = (0, 1, "flat")
+EP = (1, 1, "flat")
+EP_OVERLAP = (1, 2, "flat")
+EP_2DH = (1, 2, "2dh")
+CANDIDATES = [GATHERED, EP, EP_OVERLAP, EP_2DH]
+SHAPE = dict(ep_size=4, node_size=2, model_dim=8, hidden_size=16, num_experts=4, matrices=2)
+SMALL, LARGE = 6, 200          # rows of the largest expert in the two load phases
+
+
+class Clock:
+    """mark() returns the time and moves it on by `tick`: a call's four marks measure 2 * tick."""
+
+    def __init__(self):
+        self.now, self.tick, self.reads = 0.0, 0.0, 0
+
+    def mark(self):
+        self.reads += 1
+        self.now += self.tick
+        return self.now
+
+    def seconds(self, start, end):
+        return end - start
+
+
+def counts_with_largest(rows, world=4, experts=4):
+    counts_WE = torch.ones(world, experts, dtype=torch.long)
+    counts_WE[0, 0] = rows - (world - 1)
+    return counts_WE
+
+
+def flat_cost(setting, rows, shape):
+    """A cost model with no opinion: the given order, nothing pruned."""
+    return 1.0
+
+
+class Ranks:
+    """W tuners stepping together; seconds(rank, rows, setting) says what a call costs."""
+
+    def __init__(self, seconds, world=3, **kwargs):
+        self.clocks = [Clock() for _ in range(world)]
+        self.tuners = [Tuner(CANDIDATES, SHAPE, clock=clock, **{"cost": flat_cost, **kwargs})
+                       for clock in self.clocks]
+        self.seconds, self.used = seconds, []
+
+    def step(self, rows, train=True):
+        gathered_W = torch.tensor([tuner.outgoing() for tuner in self.tuners])
+        counts_WE = counts_with_largest(rows)
+        chosen = [tuner.choose(counts_WE, gathered_W, torch.float64, measure=train) for tuner in self.tuners]
+        assert all(setting == chosen[0] for setting in chosen), chosen
+        for rank, (tuner, clock) in enumerate(zip(self.tuners, self.clocks)):
+            clock.tick = self.seconds(rank, rows, chosen[0]) / 2
+            x = torch.randn(5, 3, requires_grad=True)
+            x_in, gate_in = tuner.enter(x, x.sum(1, keepdim=True))
+            tuner.leave(x_in * gate_in).sum().backward() if train else tuner.leave(x_in * gate_in)
+        self.used.append(chosen[0])
+        return chosen[0]
+
+    def tables(self):
+        return [tuner.stats()["tuned_table"] for tuner in self.tuners]
+
+
+def phase_costs(rank, rows, setting):
+    """Small loads: EP_OVERLAP fastest on ranks 0, 1 but slow on rank 2, so EP wins on the max.
+    Large loads: GATHERED wins."""
+    if rows <= SMALL:
+        table = {GATHERED: 5.0, EP: 2.0, EP_OVERLAP: 1.0 if rank < 2 else 4.0, EP_2DH: 3.0}
+    else:
+        table = {GATHERED: 10.0, EP: 30.0, EP_OVERLAP: 20.0, EP_2DH: 25.0}
+    return table[setting]
+
+
+def test_load_buckets_get_their_own_best_setting_and_every_rank_agrees():
+    ranks = Ranks(phase_costs, trials=3)
+    for _ in range(30):
+        ranks.step(SMALL)
+    small, large = load_key(counts_with_largest(SMALL)), load_key(counts_with_largest(LARGE))
+    assert ranks.tables()[0] == {small: {"parallel": 1, "overlap_degree": 1, "a2a": "flat"}}
+    for _ in range(30):
+        ranks.step(LARGE)
+    tables = ranks.tables()
+    assert all(table == tables[0] for table in tables)
+    assert tables[0][large] == {"parallel": 0, "overlap_degree": 1, "a2a": "flat"}
+    assert ranks.used[-5:] == [GATHERED] * 5 and ranks.step(SMALL) == EP      # the dictionary, no re-search
+    assert ranks.tuners[0].stats()["tuned"] == {"key": small, "choice": {"parallel": 1, "overlap_degree": 1,
+                                                                          "a2a": "flat"}}
+
+
+@pytest.mark.parametrize("trials, slow_call", [(1, 1), (3, 4)], ids=["warm-up dropped", "median kept"])
+def test_the_best_setting_wins_despite_its_warm_up_and_an_outlier(trials, slow_call):
+    """EP is the fastest, but its first call (a new communicator) or one of its trials is slow."""
+    calls = {}
+
+    def costs(rank, rows, setting):
+        calls[rank, setting] = calls.get((rank, setting), 0) + 1
+        base = {GATHERED: 3.0, EP: 1.0, EP_OVERLAP: 2.0, EP_2DH: 4.0}[setting]
+        return base + (50.0 if setting == EP and calls[rank, setting] == slow_call else 0.0)
+
+    ranks = Ranks(costs, world=2, trials=trials)
+    for _ in range(30):
+        ranks.step(SMALL)
+    assert ranks.tuners[0].table == {load_key(counts_with_largest(SMALL)): EP}
+
+
+def test_a_drift_re_times_the_choice_and_switches():
+    slow_ep = []
+
+    def costs(rank, rows, setting):
+        if setting == EP and slow_ep:
+            return 9.0
+        return {GATHERED: 5.0, EP: 1.0, EP_OVERLAP: 2.0, EP_2DH: 3.0}[setting]
+
+    ranks = Ranks(costs, world=2, trials=3, drift=0.5, retune_every=10_000)
+    key = load_key(counts_with_largest(SMALL))
+    for _ in range(30):
+        ranks.step(SMALL)
+    assert ranks.tuners[0].table[key] == EP
+    slow_ep.append(True)
+    for _ in range(30):
+        ranks.step(SMALL)
+    assert ranks.tuners[1].table[key] == EP_OVERLAP and ranks.used[-1] == EP_OVERLAP
+
+
+def test_every_n_calls_the_choice_is_re_timed():
+    ranks = Ranks(lambda rank, rows, setting: {GATHERED: 5.0, EP: 1.0, EP_OVERLAP: 2.0, EP_2DH: 3.0}[setting],
+                  world=2, trials=2, retune_every=6)
+    for _ in range(60):
+        ranks.step(SMALL)
+    explored = [i for i in range(1, len(ranks.used)) if ranks.used[i] != EP and ranks.used[i - 1] == EP]
+    assert len(explored) >= 3 and ranks.tuners[0].table == {load_key(counts_with_largest(SMALL)): EP}
+
+
+def test_a_new_key_starts_from_the_nearest_known_choice_and_the_cost_model_prunes():
+    def model(setting, rows, shape):          # says 2DH is hopeless: it is never timed
+        return 100.0 if setting == EP_2DH else {GATHERED: 3.0, EP: 1.0, EP_OVERLAP: 2.0}[setting]
+
+    ranks = Ranks(lambda rank, rows, setting: {GATHERED: 1.0, EP: 2.0, EP_OVERLAP: 3.0, EP_2DH: 0.1}[setting],
+                  world=2, trials=2, cost=model, prune=4.0)
+    for _ in range(20):
+        ranks.step(SMALL)
+    assert EP_2DH not in ranks.used and ranks.used[:3] == [EP, EP, EP]     # the model's order
+    assert ranks.tuners[0].table == {load_key(counts_with_largest(SMALL)): GATHERED}
+    assert ranks.step(SMALL + 3) == GATHERED                                # next key: nearest choice first
+
+
+def test_the_dictionary_round_trips_through_state_dict(caplog):
+    ranks = Ranks(phase_costs, world=2, trials=2)
+    for rows in [SMALL] * 20 + [LARGE] * 20:
+        ranks.step(rows)
+    saved = ranks.tuners[0].state_dict()
+    assert len(saved["_extra_state"]["table"]) == 2
+
+    resumed = Tuner(CANDIDATES, SHAPE, clock=Clock())
+    resumed.load_state_dict(saved)
+    resumed.choose(counts_with_largest(LARGE), None, torch.float64, measure=False)
+    assert resumed.stats()["tuned_table"] == ranks.tables()[0] and resumed.searches[load_key(
+        counts_with_largest(LARGE))].queue == []                            # nothing to explore again
+
+    for shape, dtype in [({**SHAPE, "ep_size": 8}, torch.float64), (SHAPE, torch.float32)]:
+        other = Tuner(CANDIDATES, shape, clock=Clock())
+        with caplog.at_level(logging.WARNING, logger="moe_plugin"):
+            other.load_state_dict(saved)
+            other.choose(counts_with_largest(LARGE), None, dtype, measure=False)
+        assert other.stats()["tuned_table"] == {} and "ignoring the saved dictionary" in caplog.text
+        caplog.clear()
+
+
+def test_timing_marks_add_no_host_synchronization():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.item.default, torch.ops.aten.masked_select.default}
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in syncing:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    clock = Clock()
+    tuner = Tuner(CANDIDATES, SHAPE, clock=clock)
+    tuner.choose(counts_with_largest(SMALL), None, torch.float64, measure=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with Record() as record:
+        x_in, gate_in = tuner.enter(x, x.sum(1, keepdim=True))
+        tuner.leave(x_in * gate_in).sum().backward()
+    assert record.seen == [] and clock.reads == 4
+
+
+def test_config_values_name_their_field():
+    MoEConfig(model_dim=4, hidden_size=4, parallel="auto_once", overlap_degree="auto_once", a2a="auto")
+    with pytest.raises(ValueError, match="parallel='auto' and overlap_degree='auto_once' mix the tuners"):
+        MoEConfig(model_dim=4, hidden_size=4, parallel="auto", overlap_degree="auto_once")
+    with pytest.raises(ValueError, match="MoEConfig.overlap_degree='adaptive' is invalid: must be \"auto\""):
+        MoEConfig(model_dim=4, hidden_size=4, overlap_degree="adaptive")
+    with pytest.raises(ValueError, match="MoEConfig.a2a='hier' is invalid: must be one of 'flat', '2dh', 'auto'"):
+        MoEConfig(model_dim=4, hidden_size=4, a2a="hier")
