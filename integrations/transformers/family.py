@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-ACTIVATIONS = {"silu": "swiglu"}   # HF hidden_act of a gated MLP -> our activation
+# HF hidden_act of a gated MLP -> our activation (ACT2FN: "gelu" is the exact erf GELU, "gelu_pytorch_tanh" the tanh one)
+ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh"}
 
 
 @dataclass(frozen=True)
