@@ -134,6 +134,10 @@ def paper_rows(params=cm.NDM_A100_V4):
         g, choice = adaptive_pipelining_gain(world, params)
         add("5.2 / Fig. 14", f"adaptive (d, algorithm) over (d = 1, 2DH), whole layer, {world} GPUs",
             f"{paper}x", f"{g:.2f}x, picks d={choice[1]} {choice[2]}", g >= 1.0)
+    cross = {mib: crossover_gpus(mib, params=params) for mib in (32, 128, 256)}
+    add("microsoft/Tutel issue #214 (a maintainer, not the paper)",
+        "2DH overtakes linear from about 256 A100s (message size not given)", "~256 GPUs",
+        "; ".join(f"{mib} MiB: from {w}" for mib, w in cross.items()), None)
     best = max(r["flat_over_2dh"] for r in flat_vs_2dh([1, 32, 128, 256], params=params) if r["gpus"] == 2048)
     add("v1 (arXiv 2206.03382v1), headline", "2DH all-to-all speedup at 2,048 GPUs (message size not given)",
         "20.7x", f"{best:.1f}x (largest of 1/32/128/256 MiB, at 1 MiB)", None)
@@ -152,12 +156,12 @@ def _features(algorithm, S, W, L):
 
 
 def params_from_theta(theta, compute_tflops=cm.GLOO_HERE.compute_tflops):
-    call, startup, per_peer, inv_b, inv_copy = theta
+    call, startup, per_peer, inv_b, inv_copy = (float(t) for t in theta)
     gbps = 1 / max(inv_b, 1e-12) / cm.GB
     return cm.Params(intra_startup_us=startup / cm.US, intra_per_peer_us=per_peer / cm.US, intra_gbps=gbps,
                      inter_startup_us=startup / cm.US, inter_per_peer_us=per_peer / cm.US, inter_gbps=gbps,
                      copy_gbps=1 / max(inv_copy, 1e-12) / cm.GB, call_us=call / cm.US,
-                     compute_tflops=compute_tflops, levels_concurrent=False)
+                     compute_tflops=float(compute_tflops), levels_concurrent=False)
 
 
 def fit_points(points):
