@@ -4,11 +4,12 @@
 
 HF's own experts module (its parameters, its router's choices and weights, its expert parallelism) stays as it
 is; only the experts' computation runs on moe_plugin's kernels: the index dispatch (dispatch.plan_routes,
-the scatter_rows / gather_sum kernels) and the grouped GEMMs. Where the experts' activation is one the layer
-computes (SwiGLU, or a plain relu / gelu / silu / identity without a gate), the whole expert FFN runs as the
-layer's fused forward and backward (fused.FusedMoE, one-pass SwiGLU on CPU). Any other gate or activation
-(clamped SwiGLU, GeGLU, gpt-oss's, a post-expert norm) runs HF's own function between two grouped GEMMs, so
-every family computes what HF's grouped_mm backend computes.
+the scatter_rows / gather_sum kernels) and the grouped GEMMs. Where the experts' gate or activation is one
+of the layer's (SwiGLU, clamped SwiGLU, gpt-oss's, GeGLU exact or tanh; relu, gelu, silu, relu2, identity
+without a gate), checked once against HF's own function on probe values, the whole expert FFN runs as the
+layer's fused forward and backward (fused.FusedMoE; one-pass SwiGLU on CPU). Anything else (another
+activation, a post-expert norm) runs HF's own function between two grouped GEMMs. Either way every family
+computes what HF's grouped_mm backend computes.
 
 Under HF's expert parallelism the module holds only this rank's experts (num_experts is the local count) and
 routes to other ranks' experts come as the index num_experts (a sentinel) with weight 0: they are dropped
@@ -19,6 +20,7 @@ Legend: T tokens, D model dim, H expert hidden dim, E experts on this rank, K to
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,37 +29,77 @@ from transformers import activations
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from moe_plugin import dispatch
+from moe_plugin.activations import Activation
+from moe_plugin.activations import forward as activation_forward
 from moe_plugin.fused import FusedMoE
 from moe_plugin.grouped_linear import grouped_linear
 
 NAME = "moe_plugin"
 
-# HF's act_fn (by type, or the function itself) -> the layer's activation name
-_ACT_NAMES = {activations.SiLUActivation: "silu", nn.SiLU: "silu", nn.ReLU: "relu",
+# HF's act_fn (by type) -> the layer's activation of the hidden layer; gated experts: (HF's default gate) below
+_ACT_NAMES = {activations.SiLUActivation: "silu", nn.SiLU: "silu", nn.ReLU: "relu", activations.GELUActivation: "gelu",
+              activations.GELUTanh: "gelu_tanh", activations.ReLUSquaredActivation: "relu2",
               activations.LinearActivation: "identity", nn.Identity: "identity"}
-_GATED = {"silu": "swiglu"}                       # gated experts (default [gate | up] gate) the layer fuses
-_PLAIN = ("relu", "gelu", "silu", "identity")     # non-gated experts the layer fuses
+_GATED = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
+_PLAIN = ("relu", "gelu", "silu", "relu2", "identity")
+_PROBE_ROWS, _PROBE_HIDDEN = 64, 8
+_checked: dict = {}    # (experts class, act_fn class, candidate, concatenated) -> whether it computes HF's function
 
 
-def activation_of(experts: nn.Module):
-    """The layer's activation that computes exactly what HF's gate (or act_fn) does on these experts, or None
-    when only HF's own function does (then the backend runs it between the grouped GEMMs)."""
+def activation_of(experts: nn.Module) -> Optional[Activation]:
+    """The layer's activation that computes what HF's gate (gated experts) or act_fn does on these experts, or
+    None when only HF's own function does (the backend then runs it between the grouped GEMMs). A candidate is
+    read off HF's types and attributes, then checked once on probe values against HF's own function."""
     if experts.has_post_expert_norm:
         return None
+    candidate = _candidate(experts)
+    if candidate is None:
+        return None
+    key = (type(experts), type(getattr(experts, "act_fn", None)), candidate, experts.is_concatenated)
+    if key not in _checked:
+        _checked[key] = _same_function(experts, candidate)
+    return candidate if _checked[key] else None
+
+
+def _candidate(experts: nn.Module) -> Optional[Activation]:
     act = _act_name(getattr(experts, "act_fn", None))
-    if experts.has_gate:
-        if type(experts)._apply_gate is not _default_apply_gate or not experts.is_concatenated:
-            return None
-        return _GATED.get(act)
-    return act if act in _PLAIN else None
+    if not experts.has_gate:
+        return Activation(act) if act in _PLAIN else None
+    if type(experts)._apply_gate is _default_apply_gate:
+        return Activation(_GATED[act]) if act in _GATED and experts.is_concatenated else None
+    # a family's own gate: clamped SwiGLU (limit) or gpt-oss's (limit and alpha), under the names HF uses
+    limit = _first_attribute(experts, ("limit", "swiglu_limit"))
+    alpha = _first_attribute(experts, ("alpha", "swiglu_alpha"))
+    if limit is None:
+        return None
+    return Activation("swiglu", float(limit)) if alpha is None else Activation("swiglu_oai", float(limit), float(alpha))
 
 
-def _act_name(act_fn):
-    if act_fn is F.silu:
-        return "silu"
-    if type(act_fn) is activations.GELUActivation and act_fn.act is F.gelu:
-        return "gelu"
-    return _ACT_NAMES.get(type(act_fn))
+def _act_name(act_fn) -> Optional[str]:
+    return "silu" if act_fn is F.silu else _ACT_NAMES.get(type(act_fn))
+
+
+def _first_attribute(module: nn.Module, names):
+    return next((getattr(module, n) for n in names if getattr(module, n, None) is not None), None)
+
+
+def _same_function(experts: nn.Module, candidate: Activation) -> bool:
+    """HF's gate / act_fn and the candidate agree (fp64) on probe values that cross the clamp limits."""
+    generator = torch.Generator().manual_seed(0)
+    width = 2 * _PROBE_HIDDEN if candidate.gated else _PROBE_HIDDEN
+    scale = 2.0 * (candidate.limit or 4.0)
+    pre = (torch.rand(_PROBE_ROWS, width, generator=generator, dtype=torch.float64) * 2 - 1) * scale
+    with torch.no_grad():
+        theirs = experts._apply_gate(pre) if experts.has_gate else experts.act_fn(pre)
+        ours = activation_forward(pre[:, _concatenated_order(experts, width)], candidate)
+    return theirs.shape == ours.shape and torch.allclose(theirs, ours, rtol=1e-9, atol=1e-12)
+
+
+def _concatenated_order(experts: nn.Module, width: int) -> torch.Tensor:
+    """Columns of HF's first projection in the layer's [gate | up] order (gpt-oss interleaves gate, up)."""
+    if not experts.has_gate or experts.is_concatenated:
+        return torch.arange(width)
+    return torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
 
 
 def expert_weights(experts: nn.Module):
@@ -84,6 +126,10 @@ def moe_plugin_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top
     plan, offs_E = _routes(top_k_index, self.num_experts)
     activation = activation_of(self)
     if activation is not None:
+        if not self.is_concatenated:     # gpt-oss: HF's [g0, u0, g1, u1, ...] columns as [gate | up]
+            order = _concatenated_order(self, w1_EDH.shape[-1]).to(w1_EDH.device)
+            w1_EDH = w1_EDH.index_select(-1, order)
+            b1_EH = None if b1_EH is None else b1_EH.index_select(-1, order)
         y_TD = FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED)
     else:
         y_TD = _general(self, x_TD, gate_TK, plan, offs_E, w1_EDH, b1_EH, w2_EHD, b2_ED)

@@ -1,0 +1,229 @@
+"""The HF experts backend "moe_plugin" against HF's own grouped_mm backend (CPU, tiny random configs).
+
+Every experts class of transformers that uses HF's experts interface (@use_experts_implementation) is found by
+scanning transformers' modeling files, built from its family's config class at tiny sizes, and run both ways:
+outputs and every gradient (input, routing weights, each parameter) agree. Whole models (logits and every
+gradient) for the families tests/integrations/hf_helpers.py builds, selected both ways HF offers.
+"""
+import copy
+import inspect
+import importlib
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+
+from hf_helpers import assert_close_rel, family_config, model_class, needs_transformers, tokens, transformers
+
+pytestmark = [needs_transformers, pytest.mark.timeout(300)]
+TOL = 1e-5
+BF16_TOL = 2e-2
+D, H, E, K, T = 24, 20, 6, 3, 13        # T odd; HF's grouped_mm needs rows of 16-byte multiples (bf16: H 24)
+SIZES = {"hidden_size": D, "moe_hidden_size": D, "intermediate_size": H, "moe_intermediate_size": H,
+         "num_experts": E, "num_local_experts": E, "n_routed_experts": E, "moe_num_experts": E}
+
+
+def _modeling_files():
+    """(family, modeling module name) of every transformers model whose experts use HF's experts interface."""
+    if transformers is None:
+        return []
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    return [(path.parent.name, path.stem) for path in sorted(root.glob("*/modeling_*.py"))
+            if "@use_experts_implementation" in path.read_text()]
+
+
+MODELING_FILES = _modeling_files()
+
+
+def experts_classes(family, stem):
+    module = importlib.import_module(f"transformers.models.{family}.{stem}")
+    return [obj for name, obj in vars(module).items()
+            if inspect.isclass(obj) and obj.__module__ == module.__name__ and issubclass(obj, torch.nn.Module)
+            and hasattr(obj, "_apply_gate") and hasattr(obj.forward, "__wrapped__")]
+
+
+def tiny_experts(family, cls, implementation, dtype=torch.float32):
+    """cls built from the first config class of the family holding every key cls reads, at the sizes above
+    (hidden width 24 in bf16)."""
+    sizes = {**SIZES, "intermediate_size": 24, "moe_intermediate_size": 24} if dtype == torch.bfloat16 else SIZES
+    needed = set(re.findall(r"config\.(\w+)", inspect.getsource(cls.__init__)))
+    configs = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+    candidates = sorted((c for c in vars(configs).values() if inspect.isclass(c)
+                         and issubclass(c, transformers.PretrainedConfig) and c.__module__ == configs.__name__),
+                        key=lambda c: ("Text" not in c.__name__, c.__name__))
+    config = next(config for config in (c() for c in candidates) if all(hasattr(config, n) for n in needed))
+    for name in needed & set(sizes):
+        value = getattr(config, name)
+        setattr(config, name, type(value)([sizes[name]] * len(value)) if isinstance(value, (list, tuple)) else sizes[name])
+    config._experts_implementation = implementation
+    extra = {"intermediate_size": sizes["intermediate_size"]} if "intermediate_size" in inspect.signature(cls.__init__).parameters else {}
+    experts = cls(config, **extra).to(dtype)
+    assert experts.num_experts == E, f"{cls.__name__} did not take the tiny sizes"
+    return experts
+
+
+def draw_parameters(module, generator):
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+
+
+def routes(generator, num_experts=E, tokens_=T, k=K, sentinel=False):
+    """Distinct experts per token, the last expert never chosen (an expert with no rows); with sentinel, HF's EP
+    marks some routes as another rank's (index num_experts, weight 0)."""
+    index = torch.stack([torch.randperm(num_experts - 1, generator=generator)[:k] for _ in range(tokens_)])
+    weight = torch.rand(tokens_, k, generator=generator) + 0.1
+    if sentinel:
+        off_rank = torch.rand(tokens_, k, generator=generator) < 0.4
+        index, weight = index.masked_fill(off_rank, num_experts), weight.masked_fill(off_rank, 0.0)
+    return index, weight
+
+
+def run_experts(experts, x, index, weight):
+    """Output and every gradient: input, routing weights, each parameter."""
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    y = experts(x, index, weight)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype))
+    return {"output": y.detach(), "input grad": x.grad, "routing weight grad": weight.grad,
+            **{f"grad of {n}": p.grad for n, p in experts.named_parameters()}}
+
+
+def compare_experts(family, cls, seed, dtype=torch.float32, tol=TOL, sentinel=False):
+    generator = torch.Generator().manual_seed(seed)
+    theirs = tiny_experts(family, cls, "grouped_mm", dtype)
+    draw_parameters(theirs, generator)
+    ours = copy.deepcopy(theirs)
+    ours.config = copy.deepcopy(theirs.config)
+    ours.config._experts_implementation = "moe_plugin"
+    if sentinel:
+        theirs._is_expert_parallel = ours._is_expert_parallel = True
+    x = (torch.randn(T, D, generator=generator) * 3).to(dtype)    # large enough to reach clamp limits
+    index, weight = routes(generator, sentinel=sentinel)
+    expected, actual = run_experts(theirs, x, index, weight.to(dtype)), run_experts(ours, x, index, weight.to(dtype))
+    assert expected.keys() == actual.keys()
+    for what in expected:
+        assert_close_rel(actual[what], expected[what], tol, f"{cls.__name__} {what}")
+    return ours
+
+
+def test_the_scan_finds_hf_experts_classes():
+    found = [cls for family, stem in MODELING_FILES for cls in experts_classes(family, stem)]
+    assert len(found) >= 60, f"only {len(found)} experts classes found"
+    assert {"MixtralExperts", "GptOssExperts", "NemotronHExperts", "DeepseekV3Experts"} <= {c.__name__ for c in found}
+
+
+@pytest.mark.parametrize("family, stem", MODELING_FILES, ids=[f for f, _ in MODELING_FILES])
+def test_every_hf_experts_class_matches_grouped_mm(family, stem, fresh_seed):
+    classes = experts_classes(family, stem)
+    assert classes, f"{stem} uses @use_experts_implementation but no experts class was found"
+    for cls in classes:
+        compare_experts(family, cls, fresh_seed)
+
+
+def test_fused_path_is_taken_where_the_layer_computes_hf_gate():
+    """Families whose gate the layer computes run fused; a post-expert norm or an unknown act_fn on HF's own
+    functions (the comparisons above hold for both)."""
+    from moe_plugin.integrations.transformers.experts_backend import activation_of
+    cases = {("mixtral", "MixtralExperts"): "swiglu", ("gpt_oss", "GptOssExperts"): "swiglu_oai",
+             ("glm5_next", "Glm5NextTextExperts"): "swiglu", ("nemotron_h", "NemotronHExperts"): "relu2",
+             ("gemma4", "Gemma4TextExperts"): "geglu_tanh", ("muse_spark", "MuseSparkExperts"): None}
+    for (family, name), expected in cases.items():
+        cls = next(c for c in experts_classes(family, f"modeling_{family}") if c.__name__ == name)
+        activation = activation_of(tiny_experts(family, cls, "moe_plugin"))
+        assert (activation and activation.name) == expected, f"{name}: {activation}"
+    mixtral = tiny_experts("mixtral", experts_classes("mixtral", "modeling_mixtral")[0], "moe_plugin")
+    mixtral.act_fn = transformers.activations.ACT2FN["gelu_new"]      # no layer activation computes it
+    assert activation_of(mixtral) is None
+    v4 = tiny_experts("deepseek_v4", experts_classes("deepseek_v4", "modeling_deepseek_v4")[0], "moe_plugin")
+    assert activation_of(v4) == ("swiglu", 10.0, None)
+    v4.act_fn = transformers.activations.ACT2FN["gelu"]     # the clamp rule reads SwiGLU; the probe sees GeLU
+    assert activation_of(v4) is None
+
+
+@pytest.mark.parametrize("family, name", [("mixtral", "MixtralExperts"), ("gpt_oss", "GptOssExperts"),
+                                          ("muse_spark", "MuseSparkExperts")])
+def test_hf_expert_parallel_sentinel_routes_are_dropped_as_grouped_mm_drops_them(family, name, fresh_seed):
+    cls = next(c for c in experts_classes(family, f"modeling_{family}") if c.__name__ == name)
+    compare_experts(family, cls, fresh_seed, sentinel=True)
+
+
+@pytest.mark.parametrize("family, name", [("mixtral", "MixtralExperts"), ("gpt_oss", "GptOssExperts")])
+def test_bf16_experts_stay_close_to_grouped_mm(family, name, fresh_seed):
+    cls = next(c for c in experts_classes(family, f"modeling_{family}") if c.__name__ == name)
+    ours = compare_experts(family, cls, fresh_seed, dtype=torch.bfloat16, tol=BF16_TOL)
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+
+
+def full_model_families():
+    """The families hf_helpers builds as whole tiny models whose experts use HF's experts interface."""
+    if transformers is None:
+        return []
+    import hf_helpers
+    built = {**hf_helpers.SPECIFIC, **getattr(hf_helpers, "MORE", {})}
+    with_interface = {family for family, _ in MODELING_FILES}
+    return sorted(f for f in built if f in with_interface)
+
+
+def logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_model_results(actual, expected):
+    (logits, grads), (hf_logits, hf_grads) = actual, expected
+    assert_close_rel(logits, hf_logits, TOL, "logits")
+    assert grads.keys() == hf_grads.keys() and hf_grads
+    for name, grad in hf_grads.items():
+        assert_close_rel(grads[name], grad, TOL, f"grad of {name}")
+
+
+@pytest.fixture
+def backend_calls(monkeypatch):
+    """How many times the backend ran (once per MoE layer and forward)."""
+    from moe_plugin.integrations.transformers import experts_backend
+    calls, routes_ = [], experts_backend._routes
+    monkeypatch.setattr(experts_backend, "_routes", lambda *a: calls.append(1) or routes_(*a))
+    return calls
+
+
+@pytest.mark.parametrize("family", full_model_families())
+def test_from_pretrained_and_set_experts_implementation_give_grouped_mm_logits_and_grads(
+        family, fresh_seed, tmp_path, backend_calls):
+    torch.manual_seed(fresh_seed)
+    hf = model_class(family)._from_config(family_config(family), experts_implementation="grouped_mm")
+    hf.save_pretrained(tmp_path)
+    ids = tokens(fresh_seed + 1)
+    expected = logits_and_grads(hf, ids)
+    assert not backend_calls
+
+    loaded = model_class(family).from_pretrained(tmp_path, experts_implementation="moe_plugin")
+    assert loaded.config._experts_implementation == "moe_plugin"
+    assert_same_model_results(logits_and_grads(loaded, ids), expected)
+    assert backend_calls, "the backend never ran"
+
+    del backend_calls[:]
+    hf.set_experts_implementation("moe_plugin")
+    assert_same_model_results(logits_and_grads(hf, ids), expected)
+    assert backend_calls
+    hf.set_experts_implementation("grouped_mm")     # and back: HF's own again
+    del backend_calls[:]
+    assert_same_model_results(logits_and_grads(hf, ids), expected)
+    assert not backend_calls
+
+
+def test_expert_index_num_experts_is_skipped_as_hf_eager_skips_it_and_beyond_is_an_error(fresh_seed):
+    cls = experts_classes("mixtral", "modeling_mixtral")[0]
+    experts = {impl: tiny_experts("mixtral", cls, impl) for impl in ("eager", "moe_plugin")}
+    draw_parameters(experts["eager"], torch.Generator().manual_seed(fresh_seed))
+    experts["moe_plugin"].load_state_dict(experts["eager"].state_dict())
+    index, weight = routes(torch.Generator().manual_seed(fresh_seed + 1))
+    index[::2, 0] = E
+    x = torch.randn(T, D)
+    assert_close_rel(experts["moe_plugin"](x, index, weight), experts["eager"](x, index, weight), TOL, "output")
+    with pytest.raises(RuntimeError, match="out of bounds|outside"):
+        experts["moe_plugin"](x, index.clamp(max=E - 1).index_fill(1, torch.tensor([1]), E + 1), weight)
