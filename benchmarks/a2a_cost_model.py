@@ -161,7 +161,7 @@ def params_from_theta(theta, compute_tflops=cm.GLOO_HERE.compute_tflops):
     return cm.Params(intra_startup_us=startup / cm.US, intra_per_peer_us=per_peer / cm.US, intra_gbps=gbps,
                      inter_startup_us=startup / cm.US, inter_per_peer_us=per_peer / cm.US, inter_gbps=gbps,
                      copy_gbps=1 / max(inv_copy, 1e-12) / cm.GB, call_us=call / cm.US,
-                     compute_tflops=float(compute_tflops), levels_concurrent=False)
+                     compute_tflops=float(compute_tflops), levels_concurrent=False, overlap=False)
 
 
 def fit_points(points):

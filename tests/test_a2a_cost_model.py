@@ -109,6 +109,26 @@ def test_layer_by_hand():
     assert cm.layer_seconds(0, 1, "flat", skewed, 8, 4, SIMPLE) == pytest.approx(everything + 3 * f)
 
 
+def test_gloo_preset_orders_like_the_measured_layer():
+    # benchmarks/RESULTS.md (bench_parallel, 4 gloo ranks, node size 2, T=2048/rank top-2, D=512, H=1024, fp32):
+    # E=8: r=1 d=1 flat fastest; every 2dh and every d > 1 slower. (The model puts d=2 just behind d=1:
+    # it knows chunks cost calls, not that the background exchange steals the busy cores, 2.25x here.)
+    # E=2: r=0 fastest, then r=1, then r=2 (d=1, flat); 2dh slower than flat at each r.
+    def order(E):
+        w = cm.Workload(rows_per_rank=4096, model_dim=512, hidden_dim=1024, num_experts=E, dtype_bytes=4)
+        cands = [(r, d, a) for r in cm.degrees(4, E) for d in (1, 2, 4) for a in cm.ALGORITHMS if r or d == 1]
+        return [c for c, _ in cm.rank_candidates(cands, w, 4, 2, cm.GLOO_HERE)]
+    assert order(8)[0] == (1, 1, "flat")
+    assert order(2)[:2] == [(0, 1, "flat"), (0, 1, "2dh")]            # r = 0 has no exchange: a tie
+    e2 = order(2)
+    assert e2.index((1, 1, "flat")) < e2.index((2, 1, "flat"))
+    for E in (8, 2):
+        ranked = order(E)
+        for r in cm.degrees(4, E)[1:]:
+            assert ranked.index((r, 1, "flat")) < ranked.index((r, 1, "2dh"))
+            assert all(ranked.index((r, 1, "flat")) < ranked.index((r, d, a)) for d in (2, 4) for a in cm.ALGORITHMS)
+
+
 def test_rank_candidates_orders_by_layer_seconds():
     w = drv.paper_layer(16)
     cands = [(1, d, a) for d in (1, 2, 4, 8) for a in cm.ALGORITHMS]

@@ -33,7 +33,9 @@ backward. With overlap degree d the exchange and the compute are cut into d chun
 travels while chunk c is computed:
     pass(d) = 2 a + f + (d - 1) * max(2 a, f)
 a: one chunk's all-to-all (S / d bytes), f: one chunk's compute. d = 1 gives 2 a + f (nothing
-hidden); with compute-bound chunks only the first dispatch and the last combine show.
+hidden); with compute-bound chunks only the first dispatch and the last combine show. Where the
+exchange and the compute share the same cores (Params.overlap False) the chunks run one by one:
+d * (2 a + f).
 """
 from __future__ import annotations
 
@@ -60,13 +62,14 @@ class Params:
     call_us: float
     compute_tflops: float
     levels_concurrent: bool = True
+    overlap: bool = True        # exchange and compute can run at the same time (False: chunks run one by one)
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "levels_concurrent":
+            if f.name in ("levels_concurrent", "overlap"):
                 if not isinstance(value, bool):
-                    raise TypeError(f"Params.levels_concurrent must be a bool, got {value!r}")
+                    raise TypeError(f"Params.{f.name} must be a bool, got {value!r}")
             elif f.name.endswith("_us"):
                 if not value >= 0:
                     raise ValueError(f"Params.{f.name} must be >= 0, got {value!r}")
@@ -108,6 +111,7 @@ GLOO_HERE = Params(
     call_us=1750.0,
     compute_tflops=0.028,       # one thread's fp32 GEMM rate
     levels_concurrent=False,
+    overlap=False,              # no spare core: chunking only adds calls (benchmarks/RESULTS.md, bench_parallel)
 )
 
 
@@ -218,8 +222,11 @@ def degrees(world_size: int, num_experts: int) -> List[int]:
     return [0] + [r for r in range(1, slices + 1) if slices % r == 0]
 
 
-def pipelined_seconds(a2a_chunk: float, compute_chunk: float, overlap_degree: int) -> float:
-    """One pass (forward or backward) of d chunks: dispatch, compute, combine, overlapped."""
+def pipelined_seconds(a2a_chunk: float, compute_chunk: float, overlap_degree: int, overlap: bool = True) -> float:
+    """One pass (forward or backward) of d chunks: dispatch, compute, combine, overlapped (or one
+    chunk after the other when overlap is False)."""
+    if not overlap:
+        return overlap_degree * (2 * a2a_chunk + compute_chunk)
     return 2 * a2a_chunk + compute_chunk + (overlap_degree - 1) * max(2 * a2a_chunk, compute_chunk)
 
 
@@ -249,8 +256,8 @@ def layer_parts(r: int, overlap_degree: int, algorithm: str, workload: Workload,
     sent = r * workload.a2a_bytes
     chunk = a2a_seconds(algorithm, sent / d, W, node_size, params)
     return {"gather": gather,
-            "forward": pipelined_seconds(chunk, compute_f / d, d),
-            "backward": pipelined_seconds(chunk, 2 * compute_f / d, d),
+            "forward": pipelined_seconds(chunk, compute_f / d, d, params.overlap),
+            "backward": pipelined_seconds(chunk, 2 * compute_f / d, d, params.overlap),
             "a2a": a2a_seconds(algorithm, sent, W, node_size, params),
             "compute": 3 * compute_f}
 
