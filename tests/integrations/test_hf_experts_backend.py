@@ -143,6 +143,17 @@ def test_fused_path_is_taken_where_the_layer_computes_hf_gate():
     assert activation_of(v4) is None
 
 
+@pytest.mark.parametrize("hidden_act, fused", [("gelu", "geglu"), ("gelu_pytorch_tanh", "geglu_tanh"),
+                                               ("gelu_new", None), ("relu", None)])
+def test_mixtral_experts_with_other_hidden_acts_match_grouped_mm(hidden_act, fused, fresh_seed, monkeypatch):
+    """HF's model testers build MoE models with hidden_act="gelu": gated GELU runs fused, others on HF's act_fn."""
+    from moe_plugin.integrations.transformers.experts_backend import activation_of
+    monkeypatch.setitem(SIZES, "hidden_act", hidden_act)
+    cls = experts_classes("mixtral", "modeling_mixtral")[0]
+    ours = compare_experts("mixtral", cls, fresh_seed)
+    assert (activation_of(ours) and activation_of(ours).name) == fused
+
+
 @pytest.mark.parametrize("family, name", [("mixtral", "MixtralExperts"), ("gpt_oss", "GptOssExperts"),
                                           ("muse_spark", "MuseSparkExperts")])
 def test_hf_expert_parallel_sentinel_routes_are_dropped_as_grouped_mm_drops_them(family, name, fresh_seed):
@@ -227,3 +238,43 @@ def test_expert_index_num_experts_is_skipped_as_hf_eager_skips_it_and_beyond_is_
     assert_close_rel(experts["moe_plugin"](x, index, weight), experts["eager"](x, index, weight), TOL, "output")
     with pytest.raises(RuntimeError, match="out of bounds|outside"):
         experts["moe_plugin"](x, index.clamp(max=E - 1).index_fill(1, torch.tensor([1]), E + 1), weight)
+
+
+def _hf_ep_worker(rank, world_size, family, folder, seed):
+    """HF's own expert parallelism (DistributedConfig(fsdp_size=2, ep_size=2): HF's all-to-all EP, each rank its
+    own batch and half the experts) with grouped_mm and with moe_plugin: logits, loss and every local gradient."""
+    from transformers.distributed import DistributedConfig
+    import moe_plugin.integrations.transformers.experts_backend as backend
+    calls, routes_ = [], backend._routes
+    backend._routes = lambda *a: calls.append(1) or routes_(*a)
+    ids, results = tokens(seed + rank), {}
+    for implementation in ("grouped_mm", "moe_plugin"):
+        model = model_class(family).from_pretrained(
+            folder, experts_implementation=implementation,
+            distributed_config=DistributedConfig(fsdp_size=world_size, ep_size=world_size))
+        experts = [m for m in model.modules() if hasattr(m, "_is_expert_parallel")]
+        assert experts and all(m._is_expert_parallel and m.num_experts == 3 for m in experts)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                 for n, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = (out.logits.detach(), grads, len(calls))
+    (logits, grads, ran), (hf_logits, hf_grads, hf_ran) = results["moe_plugin"], results["grouped_mm"]
+    assert hf_ran == 0 and ran > 0, (hf_ran, ran)
+    assert_close_rel(logits, hf_logits, TOL, f"rank {rank} logits")
+    assert grads.keys() == hf_grads.keys() and any("experts" in n for n in grads)
+    for name, grad in hf_grads.items():
+        assert_close_rel(grads[name], grad, TOL, f"rank {rank} grad of {name}")
+    return logits.tolist()     # not a tensor: its shared memory would go with this process
+
+
+@pytest.mark.slow
+def test_hf_expert_parallelism_on_two_gloo_processes_equals_grouped_mm_and_one_process(fresh_seed, tmp_path):
+    from launch import run_workers
+    torch.manual_seed(fresh_seed)
+    model = model_class("mixtral")._from_config(family_config("mixtral"))   # 6 experts: 3 per rank
+    model.save_pretrained(tmp_path)
+    logits = run_workers(_hf_ep_worker, 2, "mixtral", str(tmp_path), fresh_seed, timeout=400)
+    for rank, rank_logits in enumerate(logits):
+        ids = tokens(fresh_seed + rank)
+        assert_close_rel(torch.tensor(rank_logits), model(ids).logits.detach(), TOL, f"rank {rank} logits vs one process")
