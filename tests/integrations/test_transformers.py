@@ -256,9 +256,9 @@ def test_bad_overrides_and_inputs_give_clear_errors(fresh_seed):
         hf_moe.swap_moe_blocks(model)             # already swapped
     with pytest.raises(ValueError, match="model_dim=40"):
         model.model.layers[0].mlp(torch.randn(2, 3, 41))
-    gelu = build_model("olmoe", fresh_seed, hidden_act="gelu")
-    with pytest.raises(ValueError, match="hidden_act='gelu'"):
-        hf_moe.swap_moe_blocks(gelu)
+    relu = build_model("olmoe", fresh_seed, hidden_act="relu")   # gated ReLU: no such activation in the layer
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        hf_moe.swap_moe_blocks(relu)
 
 
 def test_swapped_bf16_model_stays_bf16_and_close_to_hf(fresh_seed):
