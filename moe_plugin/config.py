@@ -178,7 +178,8 @@ class MoEConfig:
                 setattr(self, name, value)
         if self.activation_limit is not None and self.activation not in LIMITED_ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation_limit={self.activation_limit!r} is invalid with "
-                             f"activation={self.activation!r}: the limit clamps only {' and '.join(LIMITED_ACTIVATIONS)}")
+                             f"activation={self.activation!r}: the limit clamps only "
+                             f"{' and '.join(LIMITED_ACTIVATIONS)}")
         if self.activation == "swiglu_oai" and (self.activation_limit is None or self.activation_alpha is None):
             raise ValueError(f"MoEConfig.activation='swiglu_oai' needs activation_limit and activation_alpha "
                              f"(gpt-oss: 7.0 and 1.702); got activation_limit={self.activation_limit!r}, "

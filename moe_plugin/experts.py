@@ -19,7 +19,8 @@ from .config import ACTIVATIONS as ACTIVATION_NAMES
 from .config import MoEConfig
 
 # name -> function of the pre-activation, for the activations without parameters (hosts match modules by it)
-ACTIVATIONS = {name: (lambda pre, name=name: activation_forward(pre, name)) for name in ACTIVATION_NAMES if name != "swiglu_oai"}
+ACTIVATIONS = {name: (lambda pre, name=name: activation_forward(pre, name))
+               for name in ACTIVATION_NAMES if name != "swiglu_oai"}
 
 
 class _Cast(torch.autograd.Function):

@@ -46,7 +46,8 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if cfg.router_bias:
             logits_TE = logits_TE + router.bias_E.to(logits_TE.dtype)
     if cfg.router in ("sigmoid", "sqrt_softplus"):
-        scores_TE = torch.sigmoid(logits_TE) if cfg.router == "sigmoid" else torch.sqrt(torch.log1p(torch.exp(logits_TE)))
+        scores_TE = torch.sigmoid(logits_TE) if cfg.router == "sigmoid" \
+            else torch.sqrt(torch.log1p(torch.exp(logits_TE)))
         probs_TE = scores_TE / scores_TE.sum(1, keepdim=True)
     else:
         scores_TE = probs_TE = torch.softmax(logits_TE, dim=1)

@@ -64,9 +64,9 @@ def _deepseek_v2(c):
     return base
 
 
-def _sigmoid_groups(c):
+def _sigmoid_groups(c, act=None):
     """DeepSeek-V3's router: sigmoid scores, a choice-only bias, groups scored by their two best, scale."""
-    return {**_common(c, c.moe_intermediate_size, c.num_local_experts, c.norm_topk_prob), "router": "sigmoid",
+    return {**_common(c, c.moe_intermediate_size, c.num_local_experts, c.norm_topk_prob, act=act), "router": "sigmoid",
             "num_groups": c.n_group or 1, "topk_groups": c.topk_group or 1,
             "route_scale": float(c.routed_scaling_factor), "expert_bias_update_rate": 0.0}
 
@@ -88,7 +88,7 @@ def _nemotron_h(c):
         raise _unsupported(c, "mlp_bias", c.mlp_bias, "False (HF's experts have no biases, its shared MLP would)")
     if c.mlp_hidden_act not in PLAIN_ACTIVATIONS:
         raise _unsupported(c, "mlp_hidden_act", c.mlp_hidden_act, ", ".join(repr(a) for a in PLAIN_ACTIVATIONS))
-    return {**_sigmoid_groups(c), "activation": PLAIN_ACTIVATIONS[c.mlp_hidden_act],
+    return {**_sigmoid_groups(c, PLAIN_ACTIVATIONS[c.mlp_hidden_act]),
             "shared_hidden_size": c.moe_shared_expert_intermediate_size}
 
 
@@ -107,7 +107,8 @@ FEATURED_FAMILIES: Tuple[Family, ...] = (
     _family("llama4_text", "llama4", "Llama4TextMoe", _llama4_text,
             (same("router.weight_ED", "router.weight"), same("experts.w1_EDH", "experts.gate_up_proj"),
              same("experts.w2_EHD", "experts.down_proj")) + shared_mlp("shared_expert")),
-    _family("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", _deepseek_v2, routed_experts() + shared_mlp("shared_experts")),
+    _family("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", _deepseek_v2,
+            routed_experts() + shared_mlp("shared_experts")),
     _family("glm5_next_text", "glm5_next", "Glm5NextTextMoE", _glm5_next_text,
             routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS),
     _family("hy_v4", "hy_v4", "HYV4MoE", _hy_v4, routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS),

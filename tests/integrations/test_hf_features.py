@@ -208,7 +208,7 @@ def test_layer_equals_the_hf_block(name):
 
     assert relative(y, y_hf.detach()) <= 1e-5
     assert relative(x_ours.grad, x_hf.grad) <= 1e-5
-    hf_grads = to_layer({k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in block.named_parameters()}
+    hf_grads = to_layer({k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in block.named_parameters()}
                         | {k: b for k, b in block.named_buffers()})
     own = dict(layer.named_parameters())
     for key, grad in hf_grads.items():
