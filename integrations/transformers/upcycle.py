@@ -183,6 +183,29 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
     Returns model.
     """
     from .swap import _init_blocks_in_init_weights
+    _check_noise_and_fraction(noise, reinit_fraction)
+    planned = plan(model, num_experts, top_k, every, layers, **moe_overrides)
+    hf_config = getattr(model, "config", None)
+    init_std = float(getattr(hf_config, "initializer_range", 0.02))
+    seed = int(torch.randint(0, 2**62, (), device="cpu"))
+    block_class = block_class or block_type()
+    for index, name, kind, dense, config in planned:
+        site = model.get_submodule(name)
+        experts = expert_copies(dense, num_experts, noise, reinit_fraction, init_std, seed + index * 1_000_003,
+                                config.activation == "swiglu")
+        block = _new_block(config, experts, init_std, ep_group, block_class, getattr(hf_config, "model_type", None))
+        _install(model, name, kind, site, block.train(site.training))
+    _init_blocks_in_init_weights(model)
+    model.__dict__[ATTRIBUTE] = dict(num_experts=num_experts, top_k=top_k, layers=[p[0] for p in planned],
+                                     sites=[(p[1], p[2]) for p in planned], noise=noise,
+                                     reinit_fraction=reinit_fraction, moe_overrides=dict(moe_overrides))
+    return model
+
+
+def plan(model: nn.Module, num_experts: int, top_k: int, every: int = 1, layers: Optional[Iterable[int]] = None,
+         **moe_overrides: Any) -> List[Tuple[int, str, str, Dict[str, torch.Tensor], MoEConfig]]:
+    """What upcycle would do, checked, without changing model: per chosen layer (number, module name, kind,
+    the dense MLP's tensors in the layer's layout, the MoEConfig of its block). Works on the meta device."""
     for key in FIXED_BY_MLP + ("num_experts", "top_k"):
         if key in moe_overrides:
             what = "upcycle's own argument" if key in ("num_experts", "top_k") else "the dense MLP"
@@ -192,11 +215,6 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
             raise ValueError(f"upcycle: {name}={value!r} is invalid: must be an integer >= 1")
     if top_k > num_experts:
         raise ValueError(f"upcycle: top_k={top_k} is invalid: must be at most num_experts={num_experts}")
-    for name, value, top in (("noise", noise, None), ("reinit_fraction", reinit_fraction, 1.0)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-                or (top is not None and value > top) or value == float("inf"):
-            raise ValueError(f"upcycle: {name}={value!r} is invalid: must be a number >= 0"
-                             + ("" if top is None else f" and <= {top}"))
     if getattr(model, ATTRIBUTE, None) is not None:
         raise ValueError("upcycle: the model is upcycled already; upcycle a dense model")
     sites = mlp_sites(model)
@@ -204,28 +222,23 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
         raise ValueError(f"upcycle: {type(model).__name__} has no dense MLP upcycle recognises: looked for modules "
                          f"with Linear gate_proj/up_proj/down_proj and act_fn (llama, qwen2, mistral), Linear "
                          f"fc1/fc2 and activation_fn (ViT), or intermediate.dense + output.dense (Swin, Swinv2)")
-    chosen = choose_layers(len(sites), every, layers)
-    hf_config = getattr(model, "config", None)
-    init_std = float(getattr(hf_config, "initializer_range", 0.02))
-    seed = int(torch.randint(0, 2**62, (), device="cpu"))
-    block_class = block_class or block_type()
-    config = None
-    for index in chosen:
+    planned = []
+    for index in choose_layers(len(sites), every, layers):
         name, kind = sites[index]
-        site = model.get_submodule(name)
-        dense, activation = dense_state(site, kind, name or type(model).__name__)
+        dense, activation = dense_state(model.get_submodule(name), kind, name or type(model).__name__)
         config = MoEConfig(**{**moe_overrides, "model_dim": dense["w1"].shape[0], "hidden_size": dense["w2"].shape[0],
                               "num_experts": num_experts, "top_k": top_k, "activation": activation,
                               "bias": "b1" in dense})
-        experts = expert_copies(dense, num_experts, noise, reinit_fraction, init_std, seed + index * 1_000_003,
-                                activation == "swiglu")
-        block = _new_block(config, experts, init_std, ep_group, block_class, getattr(hf_config, "model_type", None))
-        _install(model, name, kind, site, block.train(site.training))
-    _init_blocks_in_init_weights(model)
-    model.__dict__[ATTRIBUTE] = dict(num_experts=num_experts, top_k=top_k, layers=chosen,
-                                     sites=[sites[i] for i in chosen], noise=noise, reinit_fraction=reinit_fraction,
-                                     moe_overrides=dict(moe_overrides))
-    return model
+        planned.append((index, name, kind, dense, config))
+    return planned
+
+
+def _check_noise_and_fraction(noise, reinit_fraction) -> None:
+    for name, value, top in (("noise", noise, None), ("reinit_fraction", reinit_fraction, 1.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                or (top is not None and value > top) or value == float("inf"):
+            raise ValueError(f"upcycle: {name}={value!r} is invalid: must be a number >= 0"
+                             + ("" if top is None else f" and <= {top}"))
 
 
 def _new_block(config: MoEConfig, experts: Dict[str, torch.Tensor], init_std: float, ep_group, block_class,
