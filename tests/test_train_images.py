@@ -224,3 +224,14 @@ def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     data = make_data(cfg.data, cfg.train.batch_size, 0, cfg.train.eval_batches)
     loss, _ = train.loop.evaluate_images(model, data.val, torch.device("cpu"))
     assert loss == pytest.approx(result["val_loss_last"], rel=1e-5)
+
+
+def test_print_config_shows_the_image_experiment(capsys):
+    from moe_plugin.cli import main
+    assert main(["train", str(SWINV2_MOE), *TINY, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    for line in ("  task: image", "  model_type: swinv2", "  router: cosine", "  batch_prioritized_routing: true",
+                 "  reinit_fraction: 1.0"):
+        assert line in printed.splitlines(), line
+    assert main(["train", str(SWINV2_MOE), *TINY, "upcycle=null", "--print-config"]) == 0
+    assert "upcycle: null" in capsys.readouterr().out.splitlines()

@@ -20,8 +20,9 @@ def split_arguments(arguments: Sequence[str]) -> Tuple[Optional[str], List[str]]
 
 def with_effective_moe(cfg):
     """cfg with its moe section as the layers will run it: with an `hf` section, the keys the HF config
-    fixes (num_experts, top_k, activation, ...) show the HF config's values, not the defaults."""
-    if cfg.hf is None:
+    fixes (num_experts, top_k, activation, ...) show the HF config's values, not the defaults. An image
+    classifier's (data.task=image) is shown as given: its MLPs' widths differ from stage to stage."""
+    if cfg.hf is None or cfg.data.task == "image":
         return cfg
     from .hf_model import hf_moe_config
     effective = hf_moe_config(cfg).to_dict()
