@@ -46,6 +46,14 @@ def cast_weights(experts, dtype: torch.dtype):
     return SimpleNamespace(activation=experts.activation, **cast)
 
 
+def weight_grad(a_RI: torch.Tensor, grad_RO: torch.Tensor, offs_E: torch.Tensor, w_EIO: torch.Tensor) -> torch.Tensor:
+    """The [E, I, O] gradient of w_EIO (rows a_RI in, grads grad_RO out), laid out in memory as w_EIO is: a
+    transposed view of a host's [E, O, I] weights (Hugging Face's experts) gets it without a layout copy."""
+    if w_EIO.stride(1) == 1 and w_EIO.stride(2) != 1:
+        return ops.grouped_mm(grad_RO.t(), a_RI, offs_E).transpose(1, 2)
+    return ops.grouped_mm(a_RI.t(), grad_RO, offs_E)
+
+
 def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1, bias2, routed_inputs,
                  input_grad):
     """(grad_x_RD or None, grad_w1, grad_b1, grad_w2, grad_b2) of the expert FFN y = act(x W1 + b1) W2 + b2
@@ -54,11 +62,11 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
     grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
     act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
     del grad_act_RH
-    grad_w2 = ops.grouped_mm(act_RH.t(), grad_y_RD, offs_E)
+    grad_w2 = weight_grad(act_RH, grad_y_RD, offs_E, w2_EHD)
     grad_b2 = ops.grouped_sum(grad_y_RD, offs_E) if bias2 else None
     del act_RH
     x_RD = routed_inputs()
-    grad_w1 = ops.grouped_mm(x_RD.t(), grad_pre_RH, offs_E)
+    grad_w1 = weight_grad(x_RD, grad_pre_RH, offs_E, w1_EDH)
     del x_RD
     grad_b1 = ops.grouped_sum(grad_pre_RH, offs_E) if bias1 else None
     grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E) if input_grad else None

@@ -278,3 +278,18 @@ def test_hf_expert_parallelism_on_two_gloo_processes_equals_grouped_mm_and_one_p
     for rank, rank_logits in enumerate(logits):
         ids = tokens(fresh_seed + rank)
         assert_close_rel(torch.tensor(rank_logits), model(ids).logits.detach(), TOL, f"rank {rank} logits vs one process")
+
+
+def test_weight_grads_of_hf_layout_views_come_in_that_layout(fresh_seed):
+    """experts.weight_grad: the gradient of a transposed view of HF's [E, out, in] weights is computed in that
+    layout (autograd then hands HF's parameter a contiguous gradient, no copy), with the same values."""
+    from moe_plugin import ops
+    from moe_plugin.experts import weight_grad
+    hf_weight = torch.randn(E, H, D)
+    x_RD, grad_RH = torch.randn(17, D), torch.randn(17, H)
+    offs_E = ops.offsets([3, 0, 5, 4, 2, 1])
+    view_EDH = hf_weight.transpose(1, 2)
+    grad = weight_grad(x_RD, grad_RH, offs_E, view_EDH)
+    assert grad.stride() == view_EDH.stride()
+    assert_close_rel(grad, weight_grad(x_RD, grad_RH, offs_E, view_EDH.contiguous()), TOL, "weight grad")
+    assert weight_grad(x_RD, grad_RH, offs_E, view_EDH.contiguous()).is_contiguous()
