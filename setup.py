@@ -11,6 +11,7 @@ TRITON = ["triton>=3.7.1"]
 # Hugging Face MoE families (integrations/transformers): the family table and weight layouts follow 5.23
 # accelerate: transformers.Trainer needs it (HF Trainer + DeepSpeed, tested with 1.15.0)
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
+IMAGES = ["scikit-learn>=1.0"]   # the handwritten digits of `moe-plugin train` data.task=image (shipped, no download)
 DEV = ["pytest>=7", "pytest-timeout>=2"]
 
 # The "moe" section wherever DeepSpeed starts (integrations/deepspeed/hook.py). site runs the .pth line at every
@@ -78,7 +79,7 @@ setup(
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.11", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "transformers": TRANSFORMERS,
-                    "dev": DEV, "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + DEV},
+                    "images": IMAGES, "dev": DEV, "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + IMAGES + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
     cmdclass={"build": Build, "build_deepspeed_hook": BuildDeepSpeedHook},
 )
