@@ -103,6 +103,8 @@ SPECS_2 = [
     dict(name="sliced experts r1", E=1, k=1, cf=0.0, r=1, d=1, a2a="flat", tokens=[6, 3], seed=5),
     dict(name="sliced experts r2 gelu", E=1, k=1, cf=1.0, r=2, d=2, a2a="flat", tokens=[0, 7], seed=6,
          activation="gelu"),
+    dict(name="per-load tuner", E=1, k=1, cf=-1.0, r="auto", d="auto", a2a="flat", tokens=[7, 12], seed=7,
+         steps=10),
 ]
 
 # fp32: the expert compute on grouped_mm in every expert-parallel mode, each activation, with and without biases
