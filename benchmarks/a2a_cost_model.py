@@ -217,8 +217,12 @@ def _spawned(rank, world_size, sizes, trials, port, queue):
 def measure(sizes_bytes, trials=7, world_size=4, timeout=900):
     """Median (over trials, slowest rank each) seconds of flat, 2DH (node_size 2) and the intra-node
     exchange (2 ranks) on world_size gloo processes here, interleaved trial by trial."""
+    import queue as queues
     import socket
     import torch.multiprocessing as mp
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:            # the spawned processes import this file by its module name
+        sys.path.insert(0, here)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -228,8 +232,17 @@ def measure(sizes_bytes, trials=7, world_size=4, timeout=900):
              for r in range(world_size)]
     for p in procs:
         p.start()
+    results, deadline = {}, time.monotonic() + timeout
     try:
-        results = dict(queue.get(timeout=timeout) for _ in procs)
+        while len(results) < world_size:
+            try:
+                rank, value = queue.get(timeout=1.0)
+                results[rank] = value
+            except queues.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"gloo measurement failed: exit codes {[p.exitcode for p in procs]}, "
+                                       f"{len(results)} of {world_size} ranks answered within {timeout} s")
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -197,3 +197,16 @@ def test_cli_rejects_bad_input(capsys, argv, message):
 def test_invalid_inputs_raise_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_measure_runs_on_four_gloo_processes_and_fits():
+    # One spawn: the driver's measuring path end to end (its timings are not checked, only their form).
+    results = drv.measure([2 ** 14, 2 ** 16], trials=1, timeout=240)
+    assert sorted(results) == [2 ** 14, 2 ** 16]
+    assert all(set(v) == {"flat", "2dh", "intra"} and min(v.values()) > 0 for v in results.values())
+    points = drv.measured_points(results)
+    assert [(p[0], p[2], p[3]) for p in points[:3]] == [("flat", 4, 2), ("2dh", 4, 2), ("flat", 2, 2)]
+    fitted = drv.params_from_theta(drv.fit_points(points))
+    assert fitted.levels_concurrent is False and fitted.overlap is False
