@@ -83,10 +83,10 @@ class Params:
 # Azure NDm A100 v4 (the Tutel paper's cluster): 8 A100s per node on NVSwitch, one 200 Gb/s HDR
 # InfiniBand NIC per GPU. Fixed from the hardware and from statements in the paper; the growth of
 # the inter-node start-up per peer is fitted to the paper's 4.25x layer gain of 2DH at 2,048 GPUs
-# (benchmarks/a2a_cost_model.py, `--fit-paper`, shows the fit and every check against the paper).
+# (`python benchmarks/a2a_cost_model.py --paper` shows the fit and every check against the paper).
 NDM_A100_V4 = Params(
     intra_startup_us=3.0,       # NVLink message start-up
-    intra_per_peer_us=0.02,
+    intra_per_peer_us=0.02,     # assumed: 7 peers at most inside a node, so it hardly matters
     intra_gbps=196.0,           # paper: a 128 MiB exchange inside one node of 8 takes ~600 us
     inter_startup_us=5.0,       # InfiniBand RDMA message start-up
     inter_per_peer_us=0.00722,  # fitted: 2DH layer gain 4.25x at 128 MiB, 2,048 GPUs
