@@ -86,7 +86,7 @@ class Params:
 # (`python benchmarks/a2a_cost_model.py --paper` shows the fit and every check against the paper).
 NDM_A100_V4 = Params(
     intra_startup_us=3.0,       # NVLink message start-up
-    intra_per_peer_us=0.02,     # assumed: 7 peers at most inside a node, so it hardly matters
+    intra_per_peer_us=0.02,     # assumed; at scale flat hides its 7 intra-node messages behind its network ones
     intra_gbps=196.0,           # paper: a 128 MiB exchange inside one node of 8 takes ~600 us
     inter_startup_us=5.0,       # InfiniBand RDMA message start-up
     inter_per_peer_us=0.00722,  # fitted: 2DH layer gain 4.25x at 128 MiB, 2,048 GPUs
