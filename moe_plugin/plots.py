@@ -114,6 +114,8 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
     pictures = ("loss.png, accuracy.png, " if image else "loss.png, ") + \
         ("expert_load.png, " if last["tokens_per_expert"] else "")
     pictures = pictures if result.get("plots", True) else ""
-    hf = ", hf_model/ (AutoModelForCausalLM.from_pretrained loads it)" if result.get("hf_model") else ""
+    loader = ("upcycle_export.load_upcycled" if last["tokens_per_expert"] else
+              "AutoModelForImageClassification.from_pretrained") if image else "AutoModelForCausalLM.from_pretrained"
+    hf = f", hf_model/ ({loader} loads it)" if result.get("hf_model") else ""
     lines.append(f"outputs in {result['out_dir']}: metrics.jsonl, {pictures}checkpoints/{hf}")
     return "\n".join(lines) + "\n"

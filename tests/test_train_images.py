@@ -96,6 +96,14 @@ def test_swinv2_moe_learns_and_writes_the_usual_outputs(tmp_path, fresh_seed):
     data = make_data(cfg.data, cfg.train.batch_size, 0, cfg.train.eval_batches)
     loss, accuracy = train.loop.evaluate_images(model, data.val, torch.device("cpu"))
     assert loss == pytest.approx(result["val_loss_last"], rel=1e-5) and accuracy == result["val_accuracy_last"]
+    # hf_model/: the dense folder plus the experts, which load_upcycled turns back into the trained model
+    from moe_plugin.integrations.transformers.upcycle_export import load_upcycled
+    loaded = load_upcycled(out / "hf_model").eval()
+    model.eval()
+    x = torch.randn(3, 1, 16, 16)
+    with torch.no_grad():
+        assert torch.allclose(loaded(pixel_values=x).logits, model(x), rtol=1e-5, atol=1e-5)
+    assert "hf_model/ (upcycle_export.load_upcycled loads it)" in summary
     # over the whole validation split (its last batch smaller): the mean over images, against plain per-image losses
     whole = make_data(cfg.data, cfg.train.batch_size, 0, 100).val
     assert len(whole[-1][1]) < cfg.train.batch_size and sum(len(y) for _, y in whole) == 359
@@ -149,6 +157,13 @@ def test_dense_swinv2_is_the_same_command_with_upcycle_null(tmp_path, fresh_seed
     assert "hf.swinv2.encoder.layers.3.blocks.1.intermediate.dense.weight" in state
     assert not any("moe" in key for key in state)
     assert "expert_load.png" not in (out / "summary.txt").read_text()
+    from moe_plugin.train.hf_image import build_image_model
+    model = build_image_model(train.load_config(str(SWINV2_MOE), [*TINY, "upcycle=null"])).eval()
+    model.load_state_dict(state)
+    plain = transformers.AutoModelForImageClassification.from_pretrained(out / "hf_model").eval()
+    x = torch.randn(3, 1, 16, 16)
+    with torch.no_grad():
+        assert torch.allclose(plain(pixel_values=x).logits, model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_resume_continues_bit_exactly(tmp_path, fresh_seed):
@@ -190,7 +205,7 @@ def test_bad_image_configs_name_the_key(override, expected):
 
 @pytest.mark.parametrize("override, expected", [
     ("data.image_size=16", r"data.image_size=16 is invalid with data.task='lm': it applies to data.task='image'"),
-    ("upcycle.every=2", r"upcycle is invalid with data.task='lm'"),
+    ("upcycle.every=2", r"upcycle is invalid (with data.task='lm'|without an hf section)"),
 ])
 def test_image_keys_are_errors_for_a_language_model(override, expected):
     with pytest.raises(ValueError, match=expected):

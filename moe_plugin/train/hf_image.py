@@ -140,6 +140,18 @@ class HFImageClassifier(nn.Module):
         return self.hf(pixel_values=x_BCHW).logits
 
 
+def export_image_model(model: HFImageClassifier, directory) -> None:
+    """The trained model as a folder: an upcycled model's as export_hf writes it (the dense model's folder, its
+    MLPs the mean of their experts, plus moe_plugin's expert files; load_upcycled(folder) in
+    moe_plugin.integrations.transformers.upcycle_export rebuilds it), a dense model's by save_pretrained
+    (AutoModelForImageClassification.from_pretrained loads it). Under expert parallelism every process must call it."""
+    import torch.distributed as dist
+    if _upcycle_module().is_upcycled(model.hf):
+        _integration().export_hf(model.hf, directory)
+    elif not dist.is_initialized() or dist.get_rank() == 0:
+        model.hf.save_pretrained(directory)
+
+
 def build_image_model(cfg) -> HFImageClassifier:
     """The image classifier of the `hf` section, random weights from the torch RNG; with an upcycle section its
     chosen MLPs become MoE blocks (every process builds all the experts; under expert parallelism each keeps

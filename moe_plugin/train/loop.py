@@ -195,7 +195,10 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     experts = [name for name, _ in expert_parameters(model)]
     hashes = gather(procs, (parameter_hash(model), parameter_hash(model, skip=experts)))
     routing = topic_routing(model, data.topics, procs.device) if model.moe_layers() else {}  # same rows everywhere
-    if cfg.hf is not None and task == "lm":   # an HF language model: a folder plain transformers loads (every rank: experts gathered)
+    if task == "image":   # an HF image classifier: its folder (every rank: experts gathered)
+        from .hf_image import export_image_model
+        export_image_model(model, out_dir / "hf_model")
+    elif cfg.hf is not None:   # an HF architecture: a folder plain transformers loads (every rank: experts gathered)
         from .hf_model import export_hf_model
         export_hf_model(model, out_dir / "hf_model", cfg)
     if not is_main:
@@ -203,7 +206,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     log.close()
     result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
     result["topic_routing"] = routing
-    result["hf_model"] = cfg.hf is not None and task == "lm"
+    result["hf_model"] = cfg.hf is not None
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     from .. import plots
     if cfg.log.plots:
