@@ -205,6 +205,7 @@ class MoELayer(nn.Module):
                                        counts_WE=counts_WE)
             return tuner.leave(y_TD), (r, d, a2a)
         r, d, a2a = tuner.current()
+        a2a = a2a if self.config.a2a == "auto" else self.config.a2a
         r = r if parallel is None else parallel
         d = d if overlap_degree is None else overlap_degree
         with tuner.timed() as timer:
