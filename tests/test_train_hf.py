@@ -99,8 +99,8 @@ def test_resume_continues_bit_exactly(tmp_path, fresh_seed):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("hf.model_type=llama", r"hf.model_type='llama' is invalid: must be one of deepseek_v3, mixtral, olmoe, "
-                            r"qwen2_moe, qwen3_moe"),
+    ("hf.model_type=vit", r"hf.model_type='vit' is invalid: must be a Hugging Face MoE family \(.*mixtral.*\) or a "
+                          r"dense causal LM type"),
     ("hf.vocab_size=1000", r"hf.vocab_size=1000 is invalid: the data are bytes, so it must be 256"),
     ("hf.max_position_embeddings=16", r"hf.max_position_embeddings=16 is invalid: must be >= model.seq_len=32"),
     ("moe.top_k=3", r"moe.top_k=3 contradicts the hf section \(mixtral gives top_k=2\)"),

@@ -62,6 +62,8 @@ class UpcycleConfig:
     layers: Optional[List[int]] = None   # the layer numbers considered (mlp_sites order); null: all
     noise: float = 0.0                   # each expert's weights get normal noise, std noise x the dense weight's std
     reinit_fraction: float = 0.0         # the share of each expert's hidden units drawn afresh; 1.0: independent
+    checkpoint: Optional[str] = None     # data.task=lm: the dense run to start from (its out_dir: newest checkpoint;
+                                         # a checkpoints/step_N folder; or an HF folder such as its hf_model/)
 
 
 @dataclass
@@ -165,12 +167,12 @@ def check_config(cfg: ExperimentConfig) -> None:
     if cfg.data.task == "image":
         from .hf_image import image_moe_configs   # imports transformers
         moes = image_moe_configs(cfg)
-    elif cfg.upcycle is not None:
-        raise ValueError("upcycle is invalid with data.task='lm': it applies to the image classifiers "
-                         "(data.task='image') only (leave it out)")
     elif cfg.hf is not None:
-        from .hf_model import hf_moe_config   # imports transformers
-        moes = [hf_moe_config(cfg)]
+        from .hf_model import hf_moe_configs   # imports transformers
+        moes = hf_moe_configs(cfg)
+    elif cfg.upcycle is not None:
+        raise ValueError("upcycle is invalid without an hf section: it turns the dense MLPs of a Hugging Face "
+                         "model (hf.model_type: llama, qwen2, mistral, swinv2, ...) into MoE blocks (leave it out)")
     else:
         moes = [moe_config(cfg)]
     for moe in moes:

@@ -10,6 +10,12 @@ model.seq_len; the model section gives only seq_len. The HF config fixes the MoE
 groups, route scale); the moe section's other keys (capacity_factor, aux_loss, aux_loss_coef,
 expert_bias_update_rate, parallel, ...) apply, and parallel.ep_size spreads the experts.
 
+A dense causal LM (hf.model_type llama, qwen2, mistral, ...: any AutoModelForCausalLM type that is no MoE
+family) trains as it is, with no MoE layer, or, with an `upcycle` section, sparsely upcycled
+(moe_plugin.integrations.transformers.upcycle): its dense MLPs in the chosen layers become MoE blocks of
+moe.num_experts experts (top moe.top_k), each a copy of the MLP, after loading the dense run named by
+upcycle.checkpoint (see load_dense). The dense MLP fixes model_dim, hidden_size, activation and bias.
+
 Legend: B batch rows, S sequence length, V vocabulary.
 """
 from __future__ import annotations
@@ -38,9 +44,14 @@ def hf_config(cfg):
     import transformers
     values: Dict[str, Any] = dict(cfg.hf)
     model_type = values.pop("model_type", None)
-    if model_type not in hf_moe.FAMILIES:
-        raise ValueError(f"hf.model_type={model_type!r} is invalid: must be one of "
-                         f"{', '.join(sorted(hf_moe.FAMILIES))} (a Hugging Face MoE family)")
+    dense_types = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if model_type not in hf_moe.FAMILIES and model_type not in dense_types:
+        raise ValueError(f"hf.model_type={model_type!r} is invalid: must be a Hugging Face MoE family ("
+                         f"{', '.join(sorted(hf_moe.FAMILIES))}) or a dense causal LM type (llama, qwen2, mistral, ...; "
+                         f"with an upcycle section to make it MoE)")
+    if model_type in hf_moe.FAMILIES and cfg.upcycle is not None:
+        raise ValueError(f"upcycle is invalid with hf.model_type={model_type!r}: that model has MoE blocks already; "
+                         f"upcycle a dense model_type (llama, qwen2, mistral, ...) or leave the upcycle section out")
     if values.setdefault("vocab_size", VOCAB_SIZE) != VOCAB_SIZE:
         raise ValueError(f"hf.vocab_size={values['vocab_size']!r} is invalid: the data are bytes, so it must be "
                          f"{VOCAB_SIZE} (or left out)")
@@ -75,6 +86,54 @@ def swap_overrides(cfg, config) -> Dict[str, Any]:
     return overrides
 
 
+def is_dense(config) -> bool:
+    return _integration().family_of(config) is None
+
+
+def upcycle_arguments(cfg) -> Dict[str, Any]:
+    """upcycle()'s arguments from the upcycle and moe sections. A moe key the dense MLP fixes (hidden_size,
+    activation, bias) set in the YAML (not the built-in default) is an error."""
+    from .config import DEFAULT_MOE
+    from moe_plugin.integrations.transformers.upcycle import FIXED_BY_MLP
+    up = cfg.upcycle
+    arguments = {"every": up.every, "layers": up.layers, "noise": up.noise, "reinit_fraction": up.reinit_fraction,
+                 "ep_size": cfg.parallel.ep_size}
+    for key, value in cfg.moe.items():
+        if key in FIXED_BY_MLP:
+            if key not in DEFAULT_MOE or value != DEFAULT_MOE[key]:
+                raise ValueError(f"moe.{key}={value!r} is invalid with upcycle: the dense MLPs of the hf model fix it "
+                                 f"(hf.hidden_size, hf.intermediate_size, hf.hidden_act, hf.mlp_bias); leave it out")
+            continue
+        arguments[key] = value
+    return arguments
+
+
+def hf_moe_configs(cfg) -> List[MoEConfig]:
+    """The MoEConfig of every MoE layer the hf section (and upcycle section) gives (what check_config checks):
+    an MoE family's, the upcycled layers' of a dense model, none for a dense model trained as it is."""
+    config = hf_config(cfg)
+    if not is_dense(config):
+        return [hf_moe_config(cfg)]
+    if cfg.upcycle is None:
+        from .config import DEFAULT_MOE
+        if cfg.moe != DEFAULT_MOE or cfg.parallel.ep_size != 1:
+            raise ValueError(f"the moe section and parallel.ep_size apply to no layer of the dense hf model "
+                             f"({config.model_type}): add an upcycle section to make it MoE, or leave them out")
+        return []
+    import transformers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    arguments = upcycle_arguments(cfg)
+    for key in ("noise", "reinit_fraction"):
+        arguments.pop(key)
+    arguments.update(num_experts=arguments.pop("num_experts", 8), top_k=arguments.pop("top_k", 2))
+    try:
+        from moe_plugin.integrations.transformers.upcycle import plan
+        return [moe for *_, moe in plan(model, **arguments)]
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"upcycle/moe section: {error}") from None
+
+
 def hf_moe_config(cfg) -> MoEConfig:
     """The MoEConfig of the swapped layers (what check_config checks)."""
     config = hf_config(cfg)
@@ -106,8 +165,52 @@ def build_hf_model(cfg) -> HFCausalLM:
     model = transformers.AutoModelForCausalLM.from_config(config)
     hf_moe = _integration()
     # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
-    hf_moe.swap_moe_blocks(model, block_class=hf_moe.HFMoEBlock, **swap_overrides(cfg, config))
+    if not is_dense(config):
+        hf_moe.swap_moe_blocks(model, block_class=hf_moe.HFMoEBlock, **swap_overrides(cfg, config))
+    elif cfg.upcycle is not None:
+        if cfg.upcycle.checkpoint is not None:
+            load_dense(model, cfg.upcycle.checkpoint)
+        arguments = upcycle_arguments(cfg)
+        hf_moe.upcycle(model, arguments.pop("num_experts", 8), arguments.pop("top_k", 2),
+                       block_class=hf_moe.HFMoEBlock, **arguments)
     return HFCausalLM(model)
+
+
+def load_dense(model: nn.Module, where: str) -> None:
+    """The dense run's weights into model (the HF model of the same hf section): where is the run's out_dir (its
+    newest checkpoint), a checkpoint folder (checkpoints/step_N) or an HF folder (the run's hf_model/)."""
+    from pathlib import Path
+    path = Path(where)
+    if (path / "config.json").is_file():
+        import transformers
+        state = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    else:
+        from .checkpoint import checkpoints, read_meta
+        if (path / "checkpoints").is_dir() and checkpoints(path):
+            path = checkpoints(path)[-1]
+        try:
+            read_meta(path)
+        except ValueError as error:
+            raise ValueError(f"upcycle.checkpoint={where!r} is invalid: {error} (give the dense run's out_dir, a "
+                             f"checkpoint folder or an HF folder)") from None
+        state = _model_state(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or {})]
+    if missing or unexpected:
+        raise ValueError(f"upcycle.checkpoint={where!r} does not fit the hf section's model: it lacks {missing[:4]}, "
+                         f"holds {unexpected[:4]} (a run of another hf config, or not a dense run)")
+
+
+def _model_state(path) -> Dict[str, torch.Tensor]:
+    """The HF model's tensors of a checkpoint of `moe-plugin train` (read by this one process)."""
+    import torch.distributed.checkpoint as dcp
+    from ..checkpoint import _quiet, metadata
+    prefix = "model.hf."
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
+             for key, md in metadata(path).state_dict_metadata.items() if key.startswith(prefix)}
+    with _quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return {key[len(prefix):]: tensor for key, tensor in state.items()}
 
 
 def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
@@ -116,7 +219,7 @@ def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
     cfg needed) is gathered whole by every process, and rank 0 exports it from an unsharded copy."""
     from torch.distributed.fsdp import FSDPModule
     if not isinstance(model, FSDPModule):
-        return _integration().export_hf(model.hf, directory)
+        return _export(model.hf, directory)
     import dataclasses
     import torch.distributed as dist
     from .checkpoint import full_state_dict
@@ -125,6 +228,18 @@ def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
     if dist.get_rank() == 0:
         plain = build_hf_model(dataclasses.replace(cfg, parallel=ParallelConfig(ep_size=1)))
         plain.load_state_dict(state)
-        _integration().export_hf(plain.hf, directory)   # it ends with a barrier over the world
+        _export(plain.hf, directory)   # it ends with a barrier over the world
     else:
+        dist.barrier()
+
+
+def _export(hf: nn.Module, directory) -> None:
+    """export_hf; a dense model (trained as it is) with its own save_pretrained. Rank 0 writes, then a barrier."""
+    if any(isinstance(m, MoELayer) for m in hf.modules()):
+        _integration().export_hf(hf, directory)
+        return
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        hf.save_pretrained(directory)
+    if dist.is_initialized():
         dist.barrier()
