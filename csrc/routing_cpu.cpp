@@ -406,6 +406,44 @@ std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad_act_in, const Tens
   return {grad_pre, act};
 }
 
+// Clamped SwiGLU forward (swiglu_cpu.h): pre [R, 2H] -> act [R, H]
+Tensor clamped_swiglu_forward(const Tensor& pre_in, double limit, double alpha, double beta) {
+  TORCH_CHECK(pre_in.dim() == 2 && pre_in.size(1) % 2 == 0, "pre must be [rows, 2 * hidden], got ", pre_in.sizes());
+  const Tensor pre = pre_in.contiguous();
+  const int64_t R = pre.size(0), H = pre.size(1) / 2;
+  const swiglu::Clamp c{limit, alpha, beta};
+  Tensor act = pooled_empty({R, H}, pre.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pre.scalar_type(), "clamped_swiglu_forward", [&] {
+    const scalar_t* pre_p = pre.data_ptr<scalar_t>();
+    scalar_t* act_p = act.data_ptr<scalar_t>();
+    at::parallel_for(0, R, grain_for(2 * H * pre.element_size()), [&](int64_t begin, int64_t end) {
+      swiglu::forward_rows_clamped(pre_p, act_p, H, begin, end, c);
+    });
+  });
+  return act;
+}
+
+// Clamped SwiGLU backward: grad_act [R, H], pre [R, 2H] -> (grad_pre [R, 2H], act [R, H])
+std::tuple<Tensor, Tensor> clamped_swiglu_backward(const Tensor& grad_act_in, const Tensor& pre_in, double limit,
+                                                   double alpha, double beta) {
+  TORCH_CHECK(pre_in.dim() == 2 && pre_in.size(1) % 2 == 0, "pre must be [rows, 2 * hidden], got ", pre_in.sizes());
+  const Tensor pre = pre_in.contiguous(), grad_act = grad_act_in.contiguous();
+  const int64_t R = pre.size(0), H = pre.size(1) / 2;
+  check_rows("grad_act", grad_act, R, H, pre.scalar_type());
+  const swiglu::Clamp c{limit, alpha, beta};
+  Tensor grad_pre = pooled_empty({R, 2 * H}, pre.options()), act = pooled_empty({R, H}, pre.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pre.scalar_type(), "clamped_swiglu_backward", [&] {
+    const scalar_t* pre_p = pre.data_ptr<scalar_t>();
+    const scalar_t* grad_act_p = grad_act.data_ptr<scalar_t>();
+    scalar_t* act_p = act.data_ptr<scalar_t>();
+    scalar_t* grad_pre_p = grad_pre.data_ptr<scalar_t>();
+    at::parallel_for(0, R, grain_for(3 * H * pre.element_size()), [&](int64_t begin, int64_t end) {
+      swiglu::backward_rows_clamped(pre_p, grad_act_p, act_p, grad_pre_p, H, begin, end, c);
+    });
+  });
+  return {grad_pre, act};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -421,5 +459,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_sum", &gather_sum, "routed rows to tokens, weighted sum over top-k, with optional dots");
   m.def("swiglu_forward", &swiglu_forward, "silu(gate) * up of rows [gate | up], in one pass");
   m.def("swiglu_backward", &swiglu_backward, "(grad_pre, act) from grad_act and pre, in one pass");
+  m.def("clamped_swiglu_forward", &clamped_swiglu_forward,
+        "(clamp(up, -L, L) + beta) * g * sigmoid(alpha g), g = min(gate, L), of rows [gate | up], in one pass");
+  m.def("clamped_swiglu_backward", &clamped_swiglu_backward, "(grad_pre, act) of the clamped form, in one pass");
   m.def("grouped_mm", &grouped_mm, "torch's CPU grouped GEMM into a pooled output (see moe_plugin/ops/grouped.py)");
 }

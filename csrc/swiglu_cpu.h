@@ -5,8 +5,16 @@
 // Torch's composite form takes five passes forward+backward plus a cat; here each direction reads its inputs once.
 // float rows run a polynomial exp that the compiler vectorizes (built for AVX-512, AVX2 and baseline, chosen at
 // run time); other dtypes convert a row at a time to float; double uses std::exp.
+//
+// The clamped form (namespace swiglu, *_clamped; GLM-5-Next / DeepSeek-V4 and gpt-oss), with g = min(gate, L),
+// u = clamp(up, -L, L), s = sigmoid(alpha * g):
+//   forward:  act = (u + beta) * g * s                      (SwiGLU clamped: alpha 1, beta 0; gpt-oss: beta 1)
+//   backward: grad_gate = grad * (u + beta) * (s + alpha * g * s * (1 - s)) where gate <= L, else 0
+//             grad_up   = grad * g * s                                       where -L <= up <= L, else 0
+// (a clamp passes the gradient at its bounds, as torch.clamp).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -79,6 +87,58 @@ inline void backward_row(const double* gate, const double* up, const double* gra
   }
 }
 
+struct Clamp {
+  double limit, alpha, beta;   // float rows compute with them rounded to float
+};
+
+SWIGLU_CLONES
+void forward_row_clamped(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ act,
+                         int64_t H, Clamp c) {
+  const float L = static_cast<float>(c.limit), alpha = static_cast<float>(c.alpha), beta = static_cast<float>(c.beta);
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) {
+    const float g = gate[j] < L ? gate[j] : L;
+    const float u = up[j] < -L ? -L : (up[j] > L ? L : up[j]);
+    act[j] = (u + beta) * g / (1.0f + exp_neg(alpha * g));
+  }
+}
+
+SWIGLU_CLONES
+void backward_row_clamped(const float* __restrict__ gate, const float* __restrict__ up,
+                          const float* __restrict__ grad_act, float* __restrict__ act, float* __restrict__ grad_gate,
+                          float* __restrict__ grad_up, int64_t H, Clamp c) {
+  const float L = static_cast<float>(c.limit), alpha = static_cast<float>(c.alpha), beta = static_cast<float>(c.beta);
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) {
+    const float g = gate[j] < L ? gate[j] : L;
+    const float u = up[j] < -L ? -L : (up[j] > L ? L : up[j]);
+    const float grad = grad_act[j], s = 1.0f / (1.0f + exp_neg(alpha * g)), glu = g * s;
+    grad_gate[j] = gate[j] <= L ? grad * (u + beta) * (s + alpha * glu * (1.0f - s)) : 0.0f;
+    grad_up[j] = (up[j] >= -L && up[j] <= L) ? grad * glu : 0.0f;
+    act[j] = (u + beta) * glu;
+  }
+}
+
+inline void forward_row_clamped(const double* gate, const double* up, double* act, int64_t H, Clamp c) {
+  const double L = c.limit;
+  for (int64_t j = 0; j < H; ++j) {
+    const double g = std::min(gate[j], L), u = std::min(std::max(up[j], -L), L);
+    act[j] = (u + c.beta) * g / (1.0 + std::exp(-c.alpha * g));
+  }
+}
+
+inline void backward_row_clamped(const double* gate, const double* up, const double* grad_act, double* act,
+                                 double* grad_gate, double* grad_up, int64_t H, Clamp c) {
+  const double L = c.limit;
+  for (int64_t j = 0; j < H; ++j) {
+    const double g = std::min(gate[j], L), u = std::min(std::max(up[j], -L), L);
+    const double s = 1.0 / (1.0 + std::exp(-c.alpha * g)), glu = g * s;
+    grad_gate[j] = gate[j] <= L ? grad_act[j] * (u + c.beta) * (s + c.alpha * glu * (1.0 - s)) : 0.0;
+    grad_up[j] = (up[j] >= -L && up[j] <= L) ? grad_act[j] * glu : 0.0;
+    act[j] = (u + c.beta) * glu;
+  }
+}
+
 template <typename T>
 void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -119,6 +179,44 @@ void backward_rows(const T* pre, const T* grad_act, T* act, T* grad_pre, int64_t
       to_float(grad_act + r * H, grad_f.data(), H);
       backward_row(pre_f.data(), pre_f.data() + H, grad_f.data(), act_f.data(), grad_pre_f.data(),
                    grad_pre_f.data() + H, H);
+      from_float(act_f.data(), act + r * H, H);
+      from_float(grad_pre_f.data(), grad_pre + r * 2 * H, 2 * H);
+    }
+  }
+}
+
+// the clamped form of forward_rows / backward_rows
+template <typename T>
+void forward_rows_clamped(const T* pre, T* act, int64_t H, int64_t begin, int64_t end, Clamp c) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    for (int64_t r = begin; r < end; ++r) forward_row_clamped(pre + r * 2 * H, pre + r * 2 * H + H, act + r * H, H, c);
+  } else {
+    c.limit = static_cast<float>(static_cast<T>(c.limit));   // the limit in the rows' dtype, as torch.clamp has it
+    std::vector<float> pre_f(2 * H), act_f(H);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(pre + r * 2 * H, pre_f.data(), 2 * H);
+      forward_row_clamped(pre_f.data(), pre_f.data() + H, act_f.data(), H, c);
+      from_float(act_f.data(), act + r * H, H);
+    }
+  }
+}
+
+template <typename T>
+void backward_rows_clamped(const T* pre, const T* grad_act, T* act, T* grad_pre, int64_t H, int64_t begin,
+                           int64_t end, Clamp c) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    for (int64_t r = begin; r < end; ++r) {
+      backward_row_clamped(pre + r * 2 * H, pre + r * 2 * H + H, grad_act + r * H, act + r * H,
+                           grad_pre + r * 2 * H, grad_pre + r * 2 * H + H, H, c);
+    }
+  } else {
+    c.limit = static_cast<float>(static_cast<T>(c.limit));
+    std::vector<float> pre_f(2 * H), grad_f(H), act_f(H), grad_pre_f(2 * H);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(pre + r * 2 * H, pre_f.data(), 2 * H);
+      to_float(grad_act + r * H, grad_f.data(), H);
+      backward_row_clamped(pre_f.data(), pre_f.data() + H, grad_f.data(), act_f.data(), grad_pre_f.data(),
+                           grad_pre_f.data() + H, H, c);
       from_float(act_f.data(), act + r * H, H);
       from_float(grad_pre_f.data(), grad_pre + r * 2 * H, 2 * H);
     }

@@ -1,6 +1,7 @@
 """The expert FFN's activations: forward, and backward from what forward kept, written out op by op (no
-autograd inside backward, so torch.compile traces it). Plain SwiGLU runs the one-pass native kernels
-where they load (ops.swiglu); the others are torch compositions.
+autograd inside backward, so torch.compile traces it). SwiGLU, clamped or not, and gpt-oss's variant run
+the one-pass native kernels where they load (ops.swiglu, ops.clamped_swiglu); the others are torch
+compositions.
 
 Legend: R rows, H hidden width. A gated activation takes pre_RH2 [R, 2H] = [gate | up] and gives [R, H];
 the others map [R, H] to [R, H]. L the clamp limit, a swiglu_oai's alpha.
@@ -76,7 +77,14 @@ def activate(pre: torch.Tensor, activation: Union[str, Activation]) -> Tuple[tor
         return out, out
     if act.name == "swiglu" and act.limit is None:
         return ops.swiglu(pre), pre
+    if act.name in ("swiglu", "swiglu_oai"):
+        return ops.clamped_swiglu(pre, *_clamp(act)), pre
     return forward(pre, act), pre
+
+
+def _clamp(act: Activation) -> Tuple[float, float, float]:
+    """(limit, alpha, beta) of the clamped kernels: SwiGLU clamped is alpha 1, beta 0; gpt-oss adds 1 to up."""
+    return (act.limit, 1.0, 0.0) if act.name == "swiglu" else (act.limit, act.alpha, 1.0)
 
 
 def activation_backward(saved: torch.Tensor, grad_act: torch.Tensor, activation: Union[str, Activation]
@@ -99,24 +107,10 @@ def activation_backward(saved: torch.Tensor, grad_act: torch.Tensor, activation:
     if name == "swiglu" and act.limit is None:
         grad_pre, out = ops.swiglu_backward(grad_act, saved)
         return out, grad_pre
+    if name in ("swiglu", "swiglu_oai"):
+        grad_pre, out = ops.clamped_swiglu_backward(grad_act, saved, *_clamp(act))
+        return out, grad_pre
     gate, up = saved.chunk(2, dim=-1)
-    if name in _GELU_APPROXIMATE:
-        gelu = F.gelu(gate, approximate=_GELU_APPROXIMATE[name])
-        grad_gate = torch.ops.aten.gelu_backward(grad_act * up, gate, approximate=_GELU_APPROXIMATE[name])
-        return gelu * up, torch.cat([grad_gate, grad_act * gelu], dim=-1)
-    limit = act.limit
-    gate_c, up_c = (gate, up) if limit is None else (gate.clamp(max=limit), up.clamp(-limit, limit))
-    if name == "swiglu":
-        silu = F.silu(gate_c)
-        out, grad_gate, grad_up = silu * up_c, torch.ops.aten.silu_backward(grad_act * up_c, gate_c), grad_act * silu
-    else:   # swiglu_oai: (u + 1) * g * s, s = sigmoid(alpha g); d(g s)/dg = s + alpha g s (1 - s)
-        sig = torch.sigmoid(act.alpha * gate_c)
-        glu = gate_c * sig
-        out = (up_c + 1) * glu
-        grad_gate = grad_act * (up_c + 1) * (sig + act.alpha * glu * (1 - sig))
-        grad_up = grad_act * glu
-    if limit is not None:
-        zero = grad_gate.new_zeros(())
-        grad_gate = torch.where(gate <= limit, grad_gate, zero)
-        grad_up = torch.where((up >= -limit) & (up <= limit), grad_up, zero)
-    return out, torch.cat([grad_gate, grad_up], dim=-1)
+    gelu = F.gelu(gate, approximate=_GELU_APPROXIMATE[name])
+    grad_gate = torch.ops.aten.gelu_backward(grad_act * up, gate, approximate=_GELU_APPROXIMATE[name])
+    return gelu * up, torch.cat([grad_gate, grad_act * gelu], dim=-1)

@@ -184,3 +184,23 @@ def test_router_bias_and_activation_survive_state_dict_and_pickle():
     assert torch.equal(copy(x), layer(x))
     again = pickle.loads(pickle.dumps(layer))
     assert again.experts.activation == Activation("swiglu_oai", 0.4, 1.702) and torch.equal(again(x), layer(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("limit, alpha, beta", [(0.375, 1.0, 0.0), (0.75, 1.702, 1.0), (7.0, 1.702, 1.0)])   # limits exact in bf16
+def test_native_clamped_swiglu_matches_torch_ops(dtype, limit, alpha, beta):
+    from moe_plugin.ops import native, torch_ops
+    kernels, why = native.load()
+    if kernels is None:
+        pytest.skip(f"native kernels unavailable: {why}")
+    pre = (torch.randn(37, 2 * 45, dtype=torch.float64) * 1.2 * limit).to(dtype)
+    pre[0, :3] = torch.tensor([limit, -limit, limit], dtype=torch.float64).to(dtype)   # at the bounds
+    pre[0, 45:48] = pre[0, :3]
+    grad = torch.randn(37, 45, dtype=dtype)
+    want_act = torch_ops.clamped_swiglu_forward(pre.double(), limit, alpha, beta)
+    want_grad, want_act2 = torch_ops.clamped_swiglu_backward(grad.double(), pre.double(), limit, alpha, beta)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    got_grad, got_act2 = kernels.clamped_swiglu_backward(grad, pre, limit, alpha, beta)
+    assert relative_error(kernels.clamped_swiglu_forward(pre, limit, alpha, beta), want_act) <= tol
+    assert relative_error(got_act2, want_act2) <= tol and relative_error(got_grad, want_grad) <= tol
+    assert (pre.double().abs() > limit).any(), "the clamp must engage"

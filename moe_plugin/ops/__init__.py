@@ -1,7 +1,8 @@
 """The routing kernels as torch custom ops (moe_plugin::route_slots, ::scatter_rows, ::gather_sum),
 with autograd and fake (meta) implementations so torch.compile can trace through them; the expert
 GEMMs as moe_plugin::grouped_mm (grouped.py); SwiGLU forward and backward in one pass each
-(moe_plugin::swiglu, ::swiglu_backward), taken where the native kernels run (fused_swiglu).
+(moe_plugin::swiglu, ::swiglu_backward), and its clamped form (moe_plugin::clamped_swiglu, ::clamped_swiglu_backward:
+SwiGLU clamped at a limit, gpt-oss's variant), taken where the native kernels run (fused_swiglu).
 
 Each op runs on one of three kernel sets, chosen per device:
   native   the C++ CPU kernels in csrc/ (built on first use, then cached)
@@ -201,6 +202,43 @@ def _swiglu_backward_op(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[t
 
 @_swiglu_backward_op.register_fake
 def _(grad_RH, pre_RH2):
+    return pre_RH2.new_empty(pre_RH2.shape), grad_RH.new_empty(grad_RH.shape)
+
+
+def clamped_swiglu(pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
+    """(clamp(up, -L, L) + beta) * g * sigmoid(alpha g), g = min(gate, L), of rows [gate | up] [R, 2H] -> [R, H]:
+    the one-pass op where fused_swiglu, else torch_ops.clamped_swiglu_forward."""
+    if fused_swiglu(pre_RH2.device):
+        return _clamped_swiglu_op(pre_RH2, limit, alpha, beta)
+    return torch_ops.clamped_swiglu_forward(pre_RH2, limit, alpha, beta)
+
+
+def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad of pre [R, 2H], the activations [R, H]) of clamped_swiglu."""
+    if fused_swiglu(pre_RH2.device):
+        return _clamped_swiglu_backward_op(grad_RH, pre_RH2, limit, alpha, beta)
+    return torch_ops.clamped_swiglu_backward(grad_RH, pre_RH2, limit, alpha, beta)
+
+
+@torch.library.custom_op("moe_plugin::clamped_swiglu", mutates_args=())
+def _clamped_swiglu_op(pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
+    return _swiglu_kernels(pre_RH2.device).clamped_swiglu_forward(pre_RH2, limit, alpha, beta)
+
+
+@_clamped_swiglu_op.register_fake
+def _(pre_RH2, limit, alpha, beta):
+    return pre_RH2.new_empty(pre_RH2.shape[0], pre_RH2.shape[1] // 2)
+
+
+@torch.library.custom_op("moe_plugin::clamped_swiglu_backward", mutates_args=())
+def _clamped_swiglu_backward_op(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit: float, alpha: float,
+                                beta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_kernels(pre_RH2.device).clamped_swiglu_backward(grad_RH, pre_RH2, limit, alpha, beta)
+
+
+@_clamped_swiglu_backward_op.register_fake
+def _(grad_RH, pre_RH2, limit, alpha, beta):
     return pre_RH2.new_empty(pre_RH2.shape), grad_RH.new_empty(grad_RH.shape)
 
 

@@ -145,3 +145,25 @@ def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch
     silu_RH = torch.nn.functional.silu(gate_RH)
     grad_gate_RH = torch.ops.aten.silu_backward(grad_RH * up_RH, gate_RH)
     return torch.cat([grad_gate_RH, grad_RH * silu_RH], dim=-1), silu_RH * up_RH
+
+
+def clamped_swiglu_forward(pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
+    """(clamp(up, -L, L) + beta) * g * sigmoid(alpha * g) with g = min(gate, L), of rows [gate | up] [R, 2H] -> [R, H]
+    (SwiGLU clamped at L: alpha 1, beta 0; gpt-oss: beta 1)."""
+    gate_RH, up_RH = pre_RH2.chunk(2, dim=-1)
+    gate_RH, up_RH = gate_RH.clamp(max=limit), up_RH.clamp(-limit, limit)
+    return (up_RH + beta) * gate_RH * torch.sigmoid(alpha * gate_RH)
+
+
+def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad of pre [R, 2H], the activations [R, H]) of clamped_swiglu_forward; a clamp passes the gradient
+    where its input lies inside its bounds, bounds included (as torch.clamp)."""
+    gate_RH, up_RH = pre_RH2.chunk(2, dim=-1)
+    g_RH, u_RH = gate_RH.clamp(max=limit), up_RH.clamp(-limit, limit)
+    sig_RH = torch.sigmoid(alpha * g_RH)
+    glu_RH = g_RH * sig_RH
+    zero = grad_RH.new_zeros(())
+    grad_gate_RH = torch.where(gate_RH <= limit, grad_RH * (u_RH + beta) * (sig_RH + alpha * glu_RH * (1 - sig_RH)), zero)
+    grad_up_RH = torch.where((up_RH >= -limit) & (up_RH <= limit), grad_RH * glu_RH, zero)
+    return torch.cat([grad_gate_RH, grad_up_RH], dim=-1), (u_RH + beta) * glu_RH
