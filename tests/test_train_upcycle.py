@@ -1,0 +1,74 @@
+"""Sparse upcycling in `moe-plugin train`: a dense HF Llama run (configs/experiments/llama_dense_tiny.yaml), then
+its checkpoint upcycled into 8 experts and trained on (llama_upcycled.yaml). Reference: the dense run itself."""
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_plugin import checkpoint, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DENSE = ROOT / "configs" / "experiments" / "llama_dense_tiny.yaml"
+UPCYCLED = ROOT / "configs" / "experiments" / "llama_upcycled.yaml"
+try:
+    import moe_plugin.integrations.transformers  # noqa: F401 (hides an unloadable torchaudio first)
+    import transformers  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    SKIP = f"transformers is not installed: {error}"
+else:
+    SKIP = ""
+pytestmark = [pytest.mark.skipif(bool(SKIP), reason=SKIP), pytest.mark.timeout(300)]
+
+TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
+        "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "log.every=2", "log.progress=false",
+        "log.plots=false"]
+
+
+def run(config, out, *overrides):
+    cfg = train.load_config(str(config), [f"log.out_dir={out}", *TINY, *overrides])
+    result = train.train(cfg)
+    return result, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_upcycled_run_continues_from_the_dense_run(tmp_path, fresh_seed):
+    dense, dense_records = run(DENSE, tmp_path / "dense", "train.steps=16", "train.eval_every=8", "train.lr=0.01",
+                               f"data.seed={fresh_seed}", f"train.seed={fresh_seed}")
+    assert dense["val_loss_last"] < dense["val_loss_first"] - 1.0
+    assert (tmp_path / "dense" / "hf_model" / "config.json").is_file()   # the dense model, save_pretrained
+    result, records = run(UPCYCLED, tmp_path / "up", f"upcycle.checkpoint={tmp_path / 'dense'}", "train.steps=4",
+                          "train.eval_every=4", f"data.seed={fresh_seed}", f"train.seed={fresh_seed + 1}")
+    # step 0 of the upcycled run is the dense model's end (exact copies, normalized top-2, dropless) ...
+    assert result["val_loss_first"] == pytest.approx(dense["val_loss_last"], abs=1e-5)
+    # ... and training goes on from there instead of restarting near log(256)
+    dense_last = [r["loss"] for r in dense_records if "loss" in r][-1]
+    first = [r["loss"] for r in records if "loss" in r][0]
+    assert abs(first - dense_last) < 0.25 * (dense["val_loss_first"] - dense_last)
+    last = [r for r in records if "tokens_per_expert" in r][-1]
+    assert [len(load) for load in last["tokens_per_expert"]] == [8, 8] and last["aux_loss"] > 0
+    state = checkpoint.nest(checkpoint.full_state(tmp_path / "up" / "checkpoints" / "step_000004"))["model"]
+    assert state["hf.model.layers.1.mlp.moe.experts.w1_EDH"].shape == (8, 32, 80)
+    assert json.loads((tmp_path / "up" / "hf_model" / "config.json").read_text())["model_type"] == "mixtral"
+
+    # the dense run's HF folder (hf_model/) serves as the start too
+    from_hf, _ = run(UPCYCLED, tmp_path / "up_hf", f"upcycle.checkpoint={tmp_path / 'dense' / 'hf_model'}",
+                     "train.steps=1", f"data.seed={fresh_seed}")
+    assert from_hf["val_loss_first"] == pytest.approx(dense["val_loss_last"], abs=1e-5)
+
+
+@pytest.mark.parametrize("config, overrides, expected", [
+    (UPCYCLED, ["moe.hidden_size=64"], r"moe.hidden_size=64 is invalid with upcycle: the dense MLPs"),
+    (UPCYCLED, ["moe.top_k=9"], r"top_k=9 is invalid: must be at most num_experts=8"),
+    (UPCYCLED, ["upcycle.layers=[0,5]"], r"layers=\[0, 5\] has \[5\] out of range"),
+    (UPCYCLED, ["hf.model_type=mixtral"], r"upcycle is invalid with hf.model_type='mixtral'"),
+    (DENSE, ["moe.num_experts=4"], r"the moe section and parallel.ep_size apply to no layer of the dense hf model"),
+])
+def test_bad_upcycle_configs_name_the_key(config, overrides, expected):
+    with pytest.raises(ValueError, match=expected):
+        train.load_config(str(config), [*TINY, *overrides])
+
+
+def test_a_missing_dense_run_is_named(tmp_path):
+    cfg = train.load_config(str(UPCYCLED), [*TINY, f"upcycle.checkpoint={tmp_path / 'nothing'}",
+                                            f"log.out_dir={tmp_path / 'up'}", "train.steps=1"])
+    with pytest.raises(ValueError, match=r"upcycle.checkpoint=.*nothing' is invalid: .* has no meta.json"):
+        train.train(cfg)
