@@ -2,6 +2,7 @@
 
     swap_moe_blocks(model, **overrides) -> model   every sparse-MoE block -> HFMoEBlock on an MoELayer
     export_hf(model, directory)                    an HF folder that AutoModelForCausalLM loads
+    upcycle(model, num_experts, top_k, ...)        dense MLPs -> MoE blocks of copies of them (upcycle.py)
     FAMILIES, family_of(model)                     the family table (families.py)
     hf_to_layer / layer_to_hf                      the weight mappings, both ways
     ExpertBiasUpdate()                             HF Trainer callback: the expert bias update every step
@@ -18,9 +19,9 @@ from .families import (FAMILIES, Family, WeightMap, family_of, hf_config_of, hf_
 from .swap import moe_config, swap_moe_blocks  # noqa: E402
 from .upcycle import mlp_sites, upcycle  # noqa: E402
 
-__all__ = ["swap_moe_blocks", "upcycle", "mlp_sites", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock", "RouterLogits",
-           "block_type", "FAMILIES", "Family", "WeightMap", "family_of", "hf_config_of", "require_family", "hf_to_layer",
-           "layer_to_hf", "hide_unloadable_torchaudio", "ExpertBiasUpdate"]
+__all__ = ["swap_moe_blocks", "upcycle", "mlp_sites", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock",
+           "RouterLogits", "block_type", "FAMILIES", "Family", "WeightMap", "family_of", "hf_config_of",
+           "require_family", "hf_to_layer", "layer_to_hf", "hide_unloadable_torchaudio", "ExpertBiasUpdate"]
 
 
 def __getattr__(name):
