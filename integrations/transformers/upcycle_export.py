@@ -66,8 +66,9 @@ def _family_config(model: nn.Module, target: str):
     moe = upcycled_blocks(model)[0][2].moe.config
     shared = {k: getattr(config, k) for k in DECODER_FIELDS if getattr(config, k, None) is not None}
     if target == "mixtral":
-        return transformers.MixtralConfig(**shared, intermediate_size=moe.hidden_size, num_local_experts=moe.num_experts,
-                                          num_experts_per_tok=moe.top_k, architectures=["MixtralForCausalLM"])
+        return transformers.MixtralConfig(**shared, intermediate_size=moe.hidden_size,
+                                          num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                                          architectures=["MixtralForCausalLM"])
     layers = set(record["layers"])
     return transformers.Qwen2MoeConfig(
         **shared, intermediate_size=config.intermediate_size, moe_intermediate_size=moe.hidden_size,

@@ -47,8 +47,8 @@ def hf_config(cfg):
     dense_types = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if model_type not in hf_moe.FAMILIES and model_type not in dense_types:
         raise ValueError(f"hf.model_type={model_type!r} is invalid: must be a Hugging Face MoE family ("
-                         f"{', '.join(sorted(hf_moe.FAMILIES))}) or a dense causal LM type (llama, qwen2, mistral, ...; "
-                         f"with an upcycle section to make it MoE)")
+                         f"{', '.join(sorted(hf_moe.FAMILIES))}) or a dense causal LM type (llama, qwen2, "
+                         f"mistral, ...; with an upcycle section to make it MoE)")
     if model_type in hf_moe.FAMILIES and cfg.upcycle is not None:
         raise ValueError(f"upcycle is invalid with hf.model_type={model_type!r}: that model has MoE blocks already; "
                          f"upcycle a dense model_type (llama, qwen2, mistral, ...) or leave the upcycle section out")
