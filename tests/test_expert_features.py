@@ -3,7 +3,9 @@ gpt-oss's variant, a router bias, sqrt(softplus) scores, groups scored by their 
 the expert input) against the einsum reference, in fp64 and fp32, on the native and the torch kernels;
 their backward against autograd; compile, bf16 and hidden slices. The HF blocks they serve are checked
 in tests/integrations/test_hf_features.py."""
+import os
 import pickle
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from moe_plugin.activations import Activation, activate, activation_backward, fo
 from moe_plugin.experts import Experts
 from moe_plugin.ops import ENV
 from moe_testing import assert_matches_reference, make_layer, outputs_and_grads, relative_error
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # launch.run_workers
 
 GATED = ["swiglu", "geglu", "geglu_tanh", "swiglu_oai"]
 ACTIVATIONS = [Activation("geglu"), Activation("geglu_tanh"), Activation("relu2"), Activation("swiglu", 0.3),
@@ -204,3 +208,57 @@ def test_native_clamped_swiglu_matches_torch_ops(dtype, limit, alpha, beta):
     assert relative_error(kernels.clamped_swiglu_forward(pre, limit, alpha, beta), want_act) <= tol
     assert relative_error(got_act2, want_act2) <= tol and relative_error(got_grad, want_grad) <= tol
     assert (pre.double().abs() > limit).any(), "the clamp must engage"
+
+
+PARALLEL_SPECS = [   # on 2 processes; hidden 8 and model dim 6 (test_expert_parallel's expected_shard)
+    dict(name="gpt-oss ep", E=8, k=4, cf=0.0, r=1, d=1, tokens=[7, 4],
+         features=dict(activation="swiglu_oai", activation_limit=0.4, activation_alpha=1.702, router_bias=True)),
+    dict(name="llama4 drops overlap", E=4, k=1, cf=0.6, r=1, d=2, tokens=[9, 0],
+         features=dict(router="sigmoid", gate_on_input=True, normalize_gate="none", activation="swiglu", bias=False,
+                       shared_hidden_size=5)),
+    dict(name="sliced geglu_tanh", E=1, k=1, cf=0.0, r=2, d=1, tokens=[5, 6],
+         features=dict(activation="geglu_tanh", shared_hidden_size=3)),
+    dict(name="sliced clamped swiglu, shared unclamped", E=1, k=1, cf=0.0, r=2, d=1, tokens=[6, 3],
+         features=dict(activation="swiglu", activation_limit=0.3, clamp_shared=False, shared_hidden_size=4)),
+    dict(name="relu2 sqrt_softplus group max gathered", E=8, k=2, cf=1.0, r=0, d=1, tokens=[8, 5],
+         features=dict(activation="relu2", router="sqrt_softplus", num_groups=4, topk_groups=2, group_score="max")),
+]
+
+
+def _parallel_features(rank, world, specs):
+    from test_expert_parallel import D, H, _relative, expected_shard, single_process_grads
+    worst = {}
+    for i, spec in enumerate(specs):
+        config = dict(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"], capacity_factor=spec["cf"],
+                      min_capacity=0, z_loss_coef=0.01, **spec["features"])
+        torch.manual_seed(i)
+        reference = MoELayer(MoEConfig(**config)).double()
+        layer = MoELayer(MoEConfig(**config, ep_size=world, parallel=spec["r"], overlap_degree=spec["d"])).double()
+        layer.load_full_state_dict(reference.state_dict())
+        generator = torch.Generator().manual_seed(i + 100)
+        xs = [torch.randn(n, D, generator=generator, dtype=torch.float64) * 3 for n in spec["tokens"]]
+        upstreams = [torch.randn(x.shape, generator=generator, dtype=torch.float64) for x in xs]
+        names, total, mine = single_process_grads(reference, xs, upstreams, rank)
+        x = xs[rank].clone().requires_grad_()
+        y = layer(x)
+        ((y * upstreams[rank]).sum() + layer.aux_loss).backward()
+        errors = {"y": _relative(y.detach(), mine["y"]), "x.grad": _relative(x.grad, mine["x.grad"])}
+        params = dict(layer.named_parameters())
+        for name in names:
+            want = mine[name] if not name.startswith("experts.") else expected_shard(
+                total[name], name, layer.groups.layout, layer.experts.activation.gated)
+            errors[name] = _relative(params[name].grad, want)
+        worst[spec["name"]] = (max(errors.values()), max(errors, key=errors.get), layer.groups.layout.slices)
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_processes_match_one_process():
+    from launch import run_workers
+    results = run_workers(_parallel_features, 2, PARALLEL_SPECS, timeout=800)
+    for spec in PARALLEL_SPECS:
+        for rank, worst in enumerate(results):
+            error, where, slices = worst[spec["name"]]
+            assert error < 1e-10, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
+            assert slices == (2 if spec["r"] == 2 else 1)
