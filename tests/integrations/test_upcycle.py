@@ -4,6 +4,7 @@ References: the dense HF model itself (step 0 of an exact upcycling computes wha
 gradients), a one-process run (expert parallelism), plain from_pretrained of the exported folder.
 """
 import copy
+import os
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import moe_plugin
 from moe_plugin.integrations.transformers import HFMoEBlock, export_hf, mlp_sites, upcycle
 from moe_plugin.integrations.transformers.upcycle import upcycled_blocks
 from moe_plugin.integrations.transformers.upcycle_export import EXPERTS_FILE, load_upcycled, moe_family_target
+from launch import run_workers  # noqa: E402 (tests/distributed, on the path through conftest.py)
 
 transformers = pytest.importorskip("transformers")
 
@@ -244,3 +246,69 @@ def test_export_warns_when_the_model_drops_tokens(tmp_path):
         warnings.simplefilter("always")
         export_hf(model, tmp_path / "folder")
     assert any("computes the dropless output" in str(w.message) for w in caught)
+
+
+def expert_parallel_worker(rank, world, folder):
+    """ep_size 2 against one process (outputs, input and expert gradients, export), then DeepSpeed engine steps."""
+    import logging
+    import deepspeed
+    from deepspeed.utils import logger
+    from moe_plugin.integrations.deepspeed import initialize
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    logger.setLevel(logging.ERROR)
+    report = {}
+    torch.manual_seed(5)
+    dense, _ = dense_model("llama")
+    settings = dict(num_experts=4, top_k=2, every=2, noise=0.3, capacity_factor=1.0, block_class=HFMoEBlock)
+    batches = [torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(40 + r)) for r in range(world)]
+    torch.manual_seed(6)
+    reference = upcycle(copy.deepcopy(dense), **settings)
+    torch.manual_seed(6)
+    parallel = upcycle(copy.deepcopy(dense), ep_size=2, **settings)
+    outputs = [reference(input_ids=ids).logits for ids in batches]
+    sum(o.square().sum() for o in outputs).backward()
+    mine = parallel(input_ids=batches[rank]).logits
+    mine.square().sum().backward()
+    report["output"] = (mine - outputs[rank]).abs().max().item()
+    ref_blocks, blocks = upcycled_blocks(reference), upcycled_blocks(parallel)
+    local = slice(2 * rank, 2 * rank + 2)
+    report["expert_grad"] = max((b.moe.experts.w1_EDH.grad - r.moe.experts.w1_EDH.grad[local]).abs().max().item()
+                                for (_, _, r), (_, _, b) in zip(ref_blocks, blocks))
+    report["expert_weight"] = max((b.moe.experts.w2_EHD - r.moe.experts.w2_EHD[local]).abs().max().item()
+                                  for (_, _, r), (_, _, b) in zip(ref_blocks, blocks))
+
+    export_hf(parallel, folder)   # every expert gathered; rank 0 writes
+    if rank == 0:
+        loaded, expected = load_upcycled(folder).eval(), reference.eval()
+        logits = [m(input_ids=batches[0]).logits for m in (loaded, expected)]
+        report["export"] = (logits[0] - logits[1]).abs().max().item()
+        reference.train()
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(6)
+    model = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, every=2, noise=0.3, capacity_factor=1.0, ep_size=2)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+              "moe": {"backend": "tutel", "ep_size": 2, "capacity_factor": 1.0}}
+    engine, _, _, _ = initialize(model=model, config=config)
+    losses = []
+    for _ in range(3):
+        loss = engine(input_ids=batches[rank], labels=batches[rank]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    report.update(has_moe=engine.has_moe_layers, losses=losses,
+                  reference_loss=reference(input_ids=batches[rank], labels=batches[rank]).loss.item())
+    return report
+
+
+@pytest.mark.slow
+def test_expert_parallel_and_deepspeed(tmp_path):
+    pytest.importorskip("deepspeed")
+    reports = run_workers(expert_parallel_worker, 2, str(tmp_path / "folder"), timeout=600)
+    assert reports[0]["export"] < 1e-5
+    for report in reports:
+        assert report["output"] < 1e-5 and report["expert_grad"] < 1e-5 and report["expert_weight"] == 0
+        assert report["has_moe"]
+        assert abs(report["losses"][0] - report["reference_loss"]) < 1e-5
+        assert report["losses"][-1] < report["losses"][0]
