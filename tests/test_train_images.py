@@ -146,7 +146,7 @@ def test_the_model_is_swinv2_upcycled_as_swinv2_moe(fresh_seed):
         assert torch.equal(model(x), by_hand(pixel_values=x).logits)
 
 
-def test_dense_swinv2_is_the_same_command_with_upcycle_null(tmp_path, fresh_seed):
+def test_dense_swinv2_is_the_same_command_with_upcycle_null_and_upcycles(tmp_path, fresh_seed):
     result, records = run(tmp_path, "upcycle=null", "train.steps=40", "train.eval_every=40", "log.every=10",
                           f"train.seed={fresh_seed}", f"data.seed={fresh_seed}")
     out = tmp_path / "run"
@@ -164,6 +164,12 @@ def test_dense_swinv2_is_the_same_command_with_upcycle_null(tmp_path, fresh_seed
     x = torch.randn(3, 1, 16, 16)
     with torch.no_grad():
         assert torch.allclose(plain(pixel_values=x).logits, model(x), rtol=1e-5, atol=1e-5)
+    # sparse upcycling of this dense run: exact copies, no drops, normalized top-1 gates (= 1) start where it ended
+    _, upcycled = run(tmp_path, f"upcycle.checkpoint={out}", "upcycle.reinit_fraction=0.0", "moe.capacity_factor=0",
+                      "moe.eval_capacity_factor=0", "moe.normalize_gate=before_drop", "train.steps=2", "log.every=1",
+                      "log.plots=false", f"train.seed={fresh_seed + 1}", f"data.seed={fresh_seed}", name="upcycled")
+    assert upcycled[0]["val_loss"] == pytest.approx(result["val_loss_last"], rel=1e-5)
+    assert upcycled[0]["val_accuracy"] == result["val_accuracy_last"] and len(upcycled[1]["tokens_per_expert"]) == 2
 
 
 def test_resume_continues_bit_exactly(tmp_path, fresh_seed):

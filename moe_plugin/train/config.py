@@ -62,7 +62,7 @@ class UpcycleConfig:
     layers: Optional[List[int]] = None   # the layer numbers considered (mlp_sites order); null: all
     noise: float = 0.0                   # each expert's weights get normal noise, std noise x the dense weight's std
     reinit_fraction: float = 0.0         # the share of each expert's hidden units drawn afresh; 1.0: independent
-    checkpoint: Optional[str] = None     # data.task=lm: the dense run to start from (its out_dir: newest checkpoint;
+    checkpoint: Optional[str] = None     # the dense run to start from (its out_dir: newest checkpoint;
                                          # a checkpoints/step_N folder; or an HF folder such as its hf_model/)
 
 

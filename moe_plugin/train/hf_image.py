@@ -153,13 +153,16 @@ def export_image_model(model: HFImageClassifier, directory) -> None:
 
 
 def build_image_model(cfg) -> HFImageClassifier:
-    """The image classifier of the `hf` section, random weights from the torch RNG; with an upcycle section its
-    chosen MLPs become MoE blocks (every process builds all the experts; under expert parallelism each keeps
-    its share)."""
+    """The image classifier of the `hf` section, random weights from the torch RNG (or, with upcycle.checkpoint,
+    the dense run's); with an upcycle section its chosen MLPs become MoE blocks (every process builds all the
+    experts; under expert parallelism each keeps its share)."""
     import transformers
     config = image_hf_config(cfg)
     model = transformers.AutoModelForImageClassification.from_config(config)
     if cfg.upcycle is not None:
+        if cfg.upcycle.checkpoint is not None:   # sparse upcycling of a trained dense run
+            from .hf_model import load_dense
+            load_dense(model, cfg.upcycle.checkpoint, "AutoModelForImageClassification")
         hf_moe = _integration()
         # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
         hf_moe.upcycle(model, block_class=hf_moe.HFMoEBlock, **upcycle_arguments(cfg, config))

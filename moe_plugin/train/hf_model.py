@@ -176,14 +176,15 @@ def build_hf_model(cfg) -> HFCausalLM:
     return HFCausalLM(model)
 
 
-def load_dense(model: nn.Module, where: str) -> None:
+def load_dense(model: nn.Module, where: str, auto_class: str = "AutoModelForCausalLM") -> None:
     """The dense run's weights into model (the HF model of the same hf section): where is the run's out_dir (its
-    newest checkpoint), a checkpoint folder (checkpoints/step_N) or an HF folder (the run's hf_model/)."""
+    newest checkpoint), a checkpoint folder (checkpoints/step_N) or an HF folder (the run's hf_model/, read by
+    transformers' auto_class)."""
     from pathlib import Path
     path = Path(where)
     if (path / "config.json").is_file():
         import transformers
-        state = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+        state = getattr(transformers, auto_class).from_pretrained(path).state_dict()
     else:
         from .checkpoint import checkpoints, read_meta
         if (path / "checkpoints").is_dir() and checkpoints(path):
