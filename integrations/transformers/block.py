@@ -48,6 +48,14 @@ class RouterLogits(nn.Module):
         return tuple(out)
 
 
+def router_logits_name(model_class: type) -> str:
+    """The attribute name the tap must have in the block: HF's recorder may match the router by the last part
+    of its path too (OutputRecorder(..., layer_name="mlp.gate") for MiniMax and Qwen3-VL-MoE)."""
+    spec = (getattr(model_class, "_can_record_outputs", None) or {}).get("router_logits")
+    layer_name = getattr(spec, "layer_name", None)
+    return layer_name.strip(".").rpartition(".")[2] if layer_name else "router_logits"
+
+
 def router_logits_class(model_class: type) -> Optional[type]:
     """A RouterLogits subclass that is also the class HF records router logits from, or None."""
     spec = getattr(model_class, "_can_record_outputs", None) or {}
@@ -73,8 +81,11 @@ def _new_tap(target: type, index: int) -> RouterLogits:
 class HFMoEBlock(nn.Module):
     """forward(hidden_states [B, L, D]) -> [B, L, D], as the HF block it replaces.
 
-    .moe is the MoELayer; .router_logits (when the model records them) exposes its logits to HF.
+    .moe is the MoELayer; .router_logits (when the model records them) exposes its logits to HF (under the name
+    tap_name, which HF's recorder may match; see use_tap_name).
     """
+
+    tap_name = "router_logits"
 
     def __init__(self, moe: MoELayer, family: str, router_logits: Optional[RouterLogits] = None,
                  jitter_noise: float = 0.0):
@@ -86,6 +97,15 @@ class HFMoEBlock(nn.Module):
             router_logits.__dict__["_router"] = moe.router
         self.jitter_noise = jitter_noise
 
+    def use_tap_name(self, name: str) -> None:
+        if name != self.tap_name and self.tap_name in self._modules:
+            self._modules[name] = self._modules.pop(self.tap_name)
+        self.tap_name = name
+
+    @property
+    def tap(self) -> Optional[RouterLogits]:
+        return self._modules.get(self.tap_name)
+
     def reset_parameters(self) -> None:
         """Draws the layer's tensors afresh (after building on the meta device and to_empty): swap_moe_blocks
         sets the HF config's initializer_range as the weights' std, as HF's _init_weights draws its own
@@ -96,8 +116,9 @@ class HFMoEBlock(nn.Module):
         if self.training and self.jitter_noise > 0:   # Mixtral's router_jitter_noise, as HF applies it
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
-        if self.router_logits is not None and self.router_logits._forward_hooks and _recording_router_logits():
-            self.router_logits(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
+        tap = self.tap
+        if tap is not None and tap._forward_hooks and _recording_router_logits():
+            tap(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
         return self.moe(hidden_states)
 
     def extra_repr(self) -> str:

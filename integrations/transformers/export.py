@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from moe_plugin.parallel.expert_parallel import gathered_experts
 
 from .block import HFMoEBlock
-from .families import layer_to_hf, require_family
+from .families import FAMILIES, layer_to_hf, require_families
 
 EXPERT_TENSORS = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 
@@ -35,6 +35,15 @@ def full_layer_state(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
     return state
 
 
+def hf_tensors(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
+    """The block's tensors in its HF block's names and layouts, every expert (a collective under expert
+    parallelism); the choice bias only when the HF block has one (LFM2-MoE's is optional)."""
+    state = full_layer_state(block)
+    if not block.moe.router.fixed_bias:
+        state.pop("router.expert_bias_E", None)
+    return layer_to_hf(FAMILIES[block.family], state)
+
+
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """An FSDP2 shard (a DTensor) as the whole tensor (a collective over its mesh); other tensors as they are."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -45,13 +54,13 @@ def hf_state_dict(model: nn.Module, state: Optional[Mapping[str, torch.Tensor]] 
     """model.state_dict() (or state, a state dict of model) in the HF names and layouts of its family, every
     expert included: the blocks' entries come from the blocks themselves (a collective under expert
     parallelism: every rank must call it), the others from state."""
-    family = require_family(model)
+    require_families(model)
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     state = model.state_dict() if state is None else state
     hf_state = {name: _whole(tensor) for name, tensor in state.items()
                 if not any(name.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
-        for key, tensor in layer_to_hf(family, full_layer_state(block)).items():
+        for key, tensor in hf_tensors(block).items():
             hf_state[f"{name}.{key}"] = tensor.contiguous()
     return hf_state
 

@@ -10,6 +10,7 @@ an HF MLP of three Linears (gate_proj, up_proj [S, D], down_proj [D, S]); ours i
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
@@ -26,6 +27,11 @@ class WeightMap:
     hf: Tuple[str, ...]
     to_layer: Callable[..., torch.Tensor]
     to_hf: Callable[[torch.Tensor], Tuple[torch.Tensor, ...]]
+    optional: bool = False   # the HF block holds it only under some configs (a shared expert, a bias)
+    by_expert: bool = False  # to_layer takes num_experts= too (HF's tensor does not show it: DBRX's flat experts)
+
+    def maybe(self) -> "WeightMap":
+        return dataclasses.replace(self, optional=True)
 
 
 def same(layer: str, hf: str) -> WeightMap:
@@ -47,6 +53,28 @@ def routed_experts(router: str = "gate.weight", experts: str = "experts") -> Tup
     return (same("router.weight_ED", router),
             transposed("experts.w1_EDH", f"{experts}.gate_up_proj"),
             transposed("experts.w2_EHD", f"{experts}.down_proj"))
+
+
+def stacked_experts(router: str, experts: str = "experts") -> Tuple[WeightMap, ...]:
+    """Experts already in our layout (Aria): gate_up_proj [E, D, 2H] ([gate | up] columns), down_proj [E, H, D]."""
+    return (same("router.weight_ED", router), same("experts.w1_EDH", f"{experts}.gate_up_proj"),
+            same("experts.w2_EHD", f"{experts}.down_proj"))
+
+
+def flat_experts(router: str, experts: str) -> Tuple[WeightMap, ...]:
+    """DBRX: w1 (gate), v1 (up) and w2 (down), each [E*H, D], expert e in rows e*H .. (e+1)*H."""
+    def to_layer(w1, v1, num_experts):
+        return torch.cat([w1.reshape(num_experts, -1, w1.shape[-1]).transpose(1, 2),
+                          v1.reshape(num_experts, -1, v1.shape[-1]).transpose(1, 2)], dim=2)
+
+    def to_hf(w1_EDH):
+        return tuple(half.transpose(1, 2).reshape(-1, half.shape[1]) for half in w1_EDH.chunk(2, dim=2))
+
+    return (same("router.weight_ED", router),
+            WeightMap("experts.w1_EDH", (f"{experts}.w1", f"{experts}.v1"), to_layer, to_hf, by_expert=True),
+            WeightMap("experts.w2_EHD", (f"{experts}.w2",),
+                      lambda w2, num_experts: w2.reshape(num_experts, -1, w2.shape[-1]),
+                      lambda w2_EHD: (w2_EHD.reshape(-1, w2_EHD.shape[-1]),), by_expert=True))
 
 
 def shared_mlp(hf: str) -> Tuple[WeightMap, ...]:
@@ -73,19 +101,26 @@ class Family:
         return getattr(importlib.import_module(self.module), self.block)
 
 
-def activation(config) -> str:
-    act = config.hidden_act
+def activation(config, key: str = "hidden_act", value: Any = None) -> str:
+    """Our activation for the HF config's activation setting (config.<key>, or value when given)."""
+    act = getattr(config, key) if value is None else value
     if act not in ACTIVATIONS:
-        raise ValueError(f"{config.model_type}: hidden_act={act!r} is not supported by the MoE layer; "
+        raise ValueError(f"{config.model_type}: {key}={act!r} is not supported by the MoE layer; "
                          f"supported: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[act]
 
 
-def _common(config, hidden_size: int, num_experts: int, normalize: bool) -> Dict[str, Any]:
+def unsupported(config, key: str, value: Any, allowed: str) -> ValueError:
+    """The error for an HF config value the layer cannot compute (raise it)."""
+    return ValueError(f"{config.model_type}: {key}={value!r} is not supported by the MoE layer; supported: {allowed}")
+
+
+def _common(config, hidden_size: int, num_experts: int, normalize: bool, top_k: Any = None,
+            model_dim: Any = None, act: Any = None) -> Dict[str, Any]:
     """What every family shares: dropless, no expert biases, no balance loss of the layer's own
     (the HF model computes its aux loss from the recorded router logits)."""
-    return dict(model_dim=config.hidden_size, hidden_size=hidden_size, num_experts=num_experts,
-                top_k=config.num_experts_per_tok, router="softmax",
+    return dict(model_dim=model_dim or config.hidden_size, hidden_size=hidden_size, num_experts=num_experts,
+                top_k=config.num_experts_per_tok if top_k is None else top_k, router="softmax",
                 normalize_gate="before_drop" if normalize else "none",
-                activation=activation(config), bias=False, capacity_factor=0.0, aux_loss="none",
+                activation=act or activation(config), bias=False, capacity_factor=0.0, aux_loss="none",
                 aux_loss_coef=0.0)

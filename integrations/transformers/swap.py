@@ -10,9 +10,9 @@ from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
 
-from .block import HFMoEBlock, block_type, router_logits_class
+from .block import HFMoEBlock, block_type, router_logits_class, router_logits_name
 from .export import save_pretrained_in_hf_names
-from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_family
+from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_families
 
 # fields the HF weights fix: an override may not contradict them
 FIXED_BY_WEIGHTS = ("model_dim", "hidden_size", "num_experts", "activation", "bias", "shared_hidden_size",
@@ -20,9 +20,14 @@ FIXED_BY_WEIGHTS = ("model_dim", "hidden_size", "num_experts", "activation", "bi
 
 
 def moe_config(model_or_config, **overrides) -> MoEConfig:
-    """The MoEConfig that computes what an HF model's (or config's) blocks compute, with overrides applied."""
-    family = require_family(model_or_config)
-    base = family.moe_config(hf_config_of(model_or_config))
+    """The MoEConfig that computes what an HF model's (or config's) blocks compute, with overrides applied
+    (a composite model: its first family's blocks; see families_in)."""
+    family, hf_config = require_families(model_or_config)[0]
+    return _moe_config(family, hf_config, overrides)
+
+
+def _moe_config(family: Family, hf_config, overrides: Dict[str, Any]) -> MoEConfig:
+    base = family.moe_config(hf_config)
     for key in FIXED_BY_WEIGHTS:
         if key in overrides and key in base and overrides[key] != base[key]:
             raise ValueError(f"swap_moe_blocks: {key}={overrides[key]!r} contradicts the {family.model_type} "
@@ -38,25 +43,43 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
     ep_group: a host framework's expert-parallel process group (default: built from the world).
     block_class: the replacement's class (default: block_type(), the one for the installed hosts).
     Under expert parallelism every rank must call this (it builds process groups); each keeps its
-    share of the experts. Returns model.
+    share of the experts. A composite model (Qwen3-VL-MoE, Qwen3-Omni-MoE, ...) has its blocks swapped
+    by the families of its nested text configs. Returns model.
     """
-    family = require_family(model)
-    config = moe_config(model, **overrides)
-    hf_class = family.block_class()
-    blocks = [(name, module) for name, module in model.named_modules() if isinstance(module, hf_class)]
-    if not blocks:
-        raise ValueError(f"swap_moe_blocks: the {family.model_type} model has no {family.block} "
+    found = require_families(model)
+    swaps = []
+    for family, hf_config in found:
+        config = _moe_config(family, hf_config, overrides)
+        hf_class = family.block_class()
+        swaps += [(name, module, family, config, hf_config) for name, module in model.named_modules()
+                  if isinstance(module, hf_class)]
+    if not swaps:
+        names = ", ".join(f"{f.block} ({f.model_type})" for f, _ in found)
+        raise ValueError(f"swap_moe_blocks: the {hf_config_of(model).model_type} model has no {names} "
                          f"(already swapped, or no MoE layer in this config)")
-    tap_class = router_logits_class(type(model))
-    for name, hf_block in blocks:
+    for name, hf_block, family, config, hf_config in swaps:
         parent, _, attr = name.rpartition(".")
         with _whole_parameters(hf_block):
-            block = new_block(family, config, hf_block, model.config, tap_class, ep_group, block_class)
+            owner = _recording_model(model, name)
+            block = new_block(family, config, hf_block, hf_config, router_logits_class(type(owner)), ep_group,
+                              block_class)
+            block.use_tap_name(router_logits_name(type(owner)))
         setattr(model.get_submodule(parent), attr, block)
     _hook_new_router_logits(model)
     _init_blocks_in_init_weights(model)
     if hasattr(type(model), "save_pretrained"):   # a PreTrainedModel: its folders stay loadable by plain transformers
         model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
+    return model
+
+
+def _recording_model(model: nn.Module, block_name: str) -> nn.Module:
+    """The innermost module above a block that records router logits (its router-logits tap follows that
+    module's recorder), or model."""
+    parts = block_name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        owner = model.get_submodule(".".join(parts[:depth]))
+        if router_logits_class(type(owner)) is not None:
+            return owner
     return model
 
 
@@ -76,12 +99,13 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
     device when hf_block is there (to_empty, then init_weights() or reset_parameters() or a load fill it)."""
     state = hf_block.state_dict()
     reference = state[family.weights[1].hf[0]]           # the routed experts' dtype and device
+    own_bias = any(m.layer == "router.expert_bias_E" and all(n in state for n in m.hf) for m in family.weights)
     with torch.device("meta") if reference.is_meta else contextlib.nullcontext():
         layer = MoELayer(config, ep_group=ep_group)
     for part in (layer.router, layer.experts, layer.shared_expert):
         if part is not None:             # reset_parameters draws as HF's _init_weights draws the block
             part.init_std = float(hf_config.initializer_range)
-    layer.router.fixed_bias = any(m.layer == "router.expert_bias_E" for m in family.weights)
+    layer.router.fixed_bias = own_bias
     if not reference.is_meta:
         _load_hf_tensors(layer, family, state)
     layer.to(device=reference.device)
@@ -99,8 +123,9 @@ def _from_hf_names(model_type: str, block: nn.Module, state: Dict[str, torch.Ten
     stand in the state under the layer's own names."""
     family = FAMILIES[model_type]
     keys = [f"{prefix}{name}" for m in family.weights for name in m.hf]
-    if not all(key in state for key in keys):
+    if not all(f"{prefix}{name}" in state for m in family.weights if not m.optional for name in m.hf):
         return
+    keys = [key for key in keys if key in state]
     _load_hf_tensors(block.moe, family, {key[len(prefix):]: state.pop(key) for key in keys})
     state.update({f"{prefix}moe.{key}": tensor for key, tensor in block.moe.state_dict().items()})
 
@@ -109,7 +134,7 @@ def _load_hf_tensors(layer: MoELayer, family: Family, hf_state: Dict[str, torch.
     """An HF block's tensors (names relative to the block, every expert) into the layer (this rank's share);
     entries of the layer's state that no HF tensor maps to (none today) keep the layer's own values."""
     own = {k: v for k, v in layer.state_dict().items() if not k.startswith("experts.")}
-    layer.load_full_state_dict({**own, **hf_to_layer(family, hf_state)})
+    layer.load_full_state_dict({**own, **hf_to_layer(family, hf_state, layer.config.num_experts)})
 
 
 def _init_blocks_in_init_weights(model: nn.Module) -> None:

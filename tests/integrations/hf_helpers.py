@@ -22,6 +22,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attenti
               max_position_embeddings=64, num_experts_per_tok=3, hidden_act="silu")
 
 
+# multi-head latent attention and DeepSeek-V3's grouped routing at tiny sizes (kv heads == attention heads)
+MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=10)
+GROUPED = dict(intermediate_size=36, moe_intermediate_size=28, n_routed_experts=8, n_shared_experts=2, n_group=4,
+               topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
 SPECIFIC = {
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, intermediate_size=28, num_local_experts=6)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, intermediate_size=36, moe_intermediate_size=28,
@@ -30,22 +34,98 @@ SPECIFIC = {
                                          num_experts=6, norm_topk_prob=True, head_dim=10)),
     "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6, norm_topk_prob=False)),
     # DeepSeek-V3: kv heads == attention heads; layer 0 dense, layers 1-2 MoE; 8 experts in 4 groups, 2 chosen
-    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=36,
-                                             moe_intermediate_size=28, n_routed_experts=8, n_shared_experts=2,
-                                             n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                             first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
-                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=10)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+                                             **MLA, **GROUPED)),
+}
+# every other family of the table (the harness, test_hf_families.py): routed width 28, shared width 20 where the
+# config sets it apart, 6 experts (8 in 4 groups, 2 chosen, for DeepSeek-V3-style routers), top-3
+QWEN = dict(num_key_value_heads=2, intermediate_size=36, moe_intermediate_size=28, num_experts=6, head_dim=10)
+MORE = {
+    "minimax": ("MiniMaxConfig", dict(num_key_value_heads=2, intermediate_size=28, num_local_experts=6, head_dim=10,
+                                      layer_types=["linear_attention", "full_attention"])),
+    "mellum": ("MellumConfig", dict(QWEN, norm_topk_prob=False)),
+    "flex_olmo": ("FlexOlmoConfig", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6,
+                                         norm_topk_prob=True)),
+    "qwen3_next": ("Qwen3NextConfig", dict(QWEN, shared_expert_intermediate_size=20, norm_topk_prob=False,
+                                           linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                           linear_num_value_heads=4, layer_types=["linear_attention",
+                                                                                  "full_attention"])),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(QWEN, shared_expert_intermediate_size=20,
+                                                      linear_key_head_dim=8, linear_value_head_dim=8,
+                                                      linear_num_key_heads=2, linear_num_value_heads=4,
+                                                      layer_types=["linear_attention", "full_attention"])),
+    "aria_text": ("AriaTextConfig", dict(num_key_value_heads=2, intermediate_size=28, moe_num_experts=6, moe_topk=3,
+                                         moe_num_shared_experts=2)),
+    "glm4_moe": ("Glm4MoeConfig", dict(num_key_value_heads=2, head_dim=10, **GROUPED, first_k_dense_replace=1,
+                                       num_hidden_layers=3)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(num_key_value_heads=4, **MLA, **GROUPED,
+                                                mlp_layer_types=["dense", "sparse", "sparse"], num_hidden_layers=3)),
+    "deepseek_v32": ("DeepseekV32Config", dict(num_key_value_heads=4, **MLA, **GROUPED, first_k_dense_replace=1,
+                                               num_hidden_layers=3, index_head_dim=16, index_n_heads=2,
+                                               index_topk=8, head_dim=16)),
+    "dots1": ("Dots1Config", dict(num_key_value_heads=2, head_dim=10, **GROUPED, first_k_dense_replace=1,
+                                  num_hidden_layers=3)),
+    "kimi_linear": ("KimiLinearConfig", dict(num_key_value_heads=4, **MLA, **GROUPED, linear_head_dim=8,
+                                             linear_num_heads=4, num_hidden_layers=3,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                             mlp_layer_types=["dense", "sparse", "sparse"])),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", dict(num_key_value_heads=2, head_dim=10, v_head_dim=10, **GROUPED,
+                                                mlp_layer_types=["dense", "sparse", "sparse"], num_hidden_layers=3)),
+    "mistral4": ("Mistral4Config", dict(num_key_value_heads=4, **MLA, **GROUPED, first_k_dense_replace=1,
+                                        num_hidden_layers=3)),
+    "minimax_m2": ("MiniMaxM2Config", dict(num_key_value_heads=2, intermediate_size=28, num_local_experts=6,
+                                           head_dim=10)),
+    "afmoe": ("AfmoeConfig", dict(num_key_value_heads=2, head_dim=10, moe_intermediate_size=28, num_experts=6,
+                                  num_shared_experts=2, num_dense_layers=1, num_hidden_layers=3, route_scale=1.7)),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(num_key_value_heads=2, moe_intermediate_size=28, num_experts=6,
+                                       num_dense_layers=1, num_hidden_layers=3, routed_scaling_factor=1.3,
+                                       layer_types=["full_attention", "conv", "full_attention"])),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6,
+                                                  moe_topk=3, head_dim=10)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(num_key_value_heads=2, moe_intermediate_size=28, moe_num_experts=6,
+                                                moe_k=3, moe_num_shared_experts=1, moe_layer_start_index=0)),
+    "granitemoe": ("GraniteMoeConfig", dict(num_key_value_heads=2, intermediate_size=28, num_local_experts=6)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(num_key_value_heads=2, intermediate_size=28,
+                                                        num_local_experts=6, shared_intermediate_size=20)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(num_key_value_heads=2, intermediate_size=28,
+                                                        num_local_experts=6, shared_intermediate_size=20,
+                                                        layer_types=["mamba", "attention"], mamba_n_heads=4,
+                                                        mamba_d_head=20, mamba_d_state=8, mamba_chunk_size=8)),
+    "jamba": ("JambaConfig", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6, use_mamba_kernels=False,
+                                  expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                                  attn_layer_offset=0, mamba_d_state=8, mamba_dt_rank=4)),
+    "dbrx": ("DbrxConfig", dict(d_model=40, n_heads=4, n_layers=2, max_seq_len=64,
+                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                ffn_config=dict(ffn_hidden_size=28, moe_num_experts=6, moe_top_k=3,
+                                                moe_normalize_expert_weights=1.0))),
+    "cohere2_moe": ("Cohere2MoeConfig", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6,
+                                             num_shared_experts=1, shared_expert_combination_strategy="sum",
+                                             head_dim=10, layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v2": ("DeepseekV2Config", dict(num_key_value_heads=4, **MLA, moe_intermediate_size=28,
+                                             n_routed_experts=6, n_shared_experts=2, topk_method="greedy",
+                                             routed_scaling_factor=1.5, first_k_dense_replace=1,
+                                             num_hidden_layers=3)),
 }
 
 
 def family_config(family: str, **extra):
     """A tiny config of the family with odd sizes: D 40, 6 experts (8 for DeepSeek-V3) of width 28, top-3."""
-    class_name, specific = SPECIFIC[family]
+    class_name, specific = {**SPECIFIC, **MORE}[family]
     return getattr(transformers, class_name)(**{**COMMON, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
                                                 **specific, **extra})
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
+
+
+CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}   # model types AutoModelForCausalLM does not map
+
+
+def model_class(family: str) -> type:
+    """The family's causal LM class."""
+    if family in CAUSAL_LM:
+        return getattr(transformers, CAUSAL_LM[family])
+    return transformers.AutoModelForCausalLM._model_mapping[type(family_config(family))]
 
 
 def build_model(family: str, seed: int, dtype=torch.float32, experts_implementation=None, **extra):
@@ -54,7 +134,7 @@ def build_model(family: str, seed: int, dtype=torch.float32, experts_implementat
     config = family_config(family, **extra)
     torch.manual_seed(seed)
     options = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **options)
+    model = model_class(family)._from_config(config, dtype=dtype, **options)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -81,20 +161,16 @@ def tokens(seed: int, batch: int = 2, length: int = 13):
 
 
 def hf_named_grads(model) -> dict:
-    """Every gradient of model under its HF name and layout: a swapped block's grads mapped back."""
-    family = hf_moe.require_family(model)
+    """Every gradient of model under its HF name and layout: a swapped block's grads mapped back (by the block's
+    own family: a composite model holds several)."""
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, hf_moe.HFMoEBlock)}
     grads = {n: p.grad for n, p in model.named_parameters()
              if not any(n.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
-        layer_grads = {n: p.grad for n, p in block.moe.named_parameters()}
-        grads.update({f"{name}.{k}": v for k, v in hf_moe.layer_to_hf(family, _pad(family, layer_grads)).items()})
+        layer_grads = {n: p.grad for n, p in block.moe.named_parameters() if p.grad is not None}
+        mapped = hf_moe.layer_to_hf(hf_moe.FAMILIES[block.family], layer_grads, partial=True)
+        grads.update({f"{name}.{k}": v for k, v in mapped.items()})
     return grads
-
-
-def _pad(family, grads):
-    """layer_to_hf wants every mapped tensor; buffers (the expert bias) have no gradient."""
-    return {m.layer: grads.get(m.layer, torch.zeros(0)) for m in family.weights}
 
 
 def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
