@@ -93,6 +93,18 @@ def test_step0_computes_the_dense_model(family):
         assert not isinstance(moe.get_submodule(name), HFMoEBlock)
 
 
+def test_bf16_model():
+    """A bf16 model gets bf16 experts and router, and computes the dense model's output up to bf16 rounding."""
+    dense, inputs = dense_model("llama")
+    dense = dense.to(torch.bfloat16).eval()
+    moe = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, capacity_factor=0.0)
+    layer = moe.model.layers[0].mlp.moe
+    assert layer.experts.w1_EDH.dtype == layer.router.weight_ED.dtype == torch.bfloat16
+    x = inputs()
+    expected = out(dense, x).float()
+    assert (out(moe, x).float() - expected).abs().max() < 0.05 * expected.abs().max()
+
+
 def test_swin_layer_numbering_and_pair_replacement():
     """Swinv2 blocks are numbered over all stages; the pair (intermediate, output) is replaced as documented."""
     model, _ = dense_model("swinv2")
