@@ -135,10 +135,13 @@ class _Leave(torch.autograd.Function):
 
 
 class _Search:
-    """One key's entry: the settings still to time (first = being timed), their samples, the choice."""
+    """One key's entry: the settings still to time (in order), the calls issued to each and the times
+    that came back, their medians, the choice."""
 
     def __init__(self, order: List[Setting]):
-        self.queue, self.samples, self.medians = list(order), {}, {}
+        self.queue, self.samples, self.medians, self.issued = list(order), {}, {}, {}
+        self.warming: set = set()        # settings whose first call ever (a warm-up) is one of this search's
+        self.waiting = 0                 # calls since every queued setting had its calls issued
         self.choice: Optional[Setting] = None
         self.baseline: Optional[float] = None
         self.recent: List[float] = []
@@ -161,7 +164,8 @@ class Tuner(nn.Module):
                                else HostClock())
         self.searches: Dict[int, _Search] = {}
         self.table: Dict[int, Setting] = {}          # the settled choices
-        self.warm: set = set()
+        self.warm: set = set()                       # settings whose first (warm-up) time came back
+        self.issued_ever: set = set()                # settings called at least once
         self.dtype: Optional[str] = None
         self.dtype_bytes = 4
         self.key: Optional[int] = None
@@ -248,10 +252,28 @@ class Tuner(nn.Module):
         if search is None and explore:
             search = self.searches[key] = _Search(self._order(key))
         if search is not None and search.queue and explore:
-            return search.queue[0]
+            return self._next_to_time(search)
         if key in self.table:
             return self.table[key]
         return self.nearest_choice(key) or self._order(key)[0]
+
+    def _next_to_time(self, search: _Search) -> Setting:
+        """The first queued setting short of its calls (its warm-up included); while the last ones' times
+        are on their way, the best setting timed so far."""
+        for setting in search.queue:
+            if setting not in self.issued_ever:
+                self.issued_ever.add(setting)
+                search.warming.add(setting)
+            if search.issued.get(setting, 0) < self.trials + (setting in search.warming):
+                search.issued[setting] = search.issued.get(setting, 0) + 1
+                search.waiting = 0
+                return setting
+        search.waiting += 1
+        if search.waiting > 3:      # more than the two calls' lag: some times never came (calls without backward)
+            search.issued = {s: len(search.samples.get(s, [])) + (s in search.warming and s in self.warm)
+                             for s in search.queue}
+            search.waiting = 0
+        return min(search.medians, key=search.medians.get) if search.medians else search.queue[0]
 
     def _order(self, key: int) -> List[Setting]:
         order = sorted(self.candidates, key=lambda s: self._cost(s, key))
@@ -274,7 +296,7 @@ class Tuner(nn.Module):
     def _retune(self, key: int, search: _Search, why: str) -> None:
         log.info("moe_plugin tuner: re-timing load key %d (%s)", key, why)
         order = [search.choice] + [s for s in self._order(key) if s != search.choice]
-        search.queue, search.samples, search.medians = order, {}, {}
+        search.queue, search.samples, search.medians, search.issued, search.warming = order, {}, {}, {}, set()
 
     # visibility and persistence
     def stats(self) -> dict:
