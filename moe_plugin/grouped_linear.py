@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .experts import weight_grad
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -29,7 +30,7 @@ class GroupedLinear(torch.autograd.Function):
         x_RI, w_EIO, offs_E = ctx.saved_tensors
         grad_RO = grad_RO.contiguous()
         grad_x = ops.grouped_mm(grad_RO, w_EIO.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
-        grad_w = ops.grouped_mm(x_RI.t(), grad_RO, offs_E) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(x_RI, grad_RO, offs_E, w_EIO) if ctx.needs_input_grad[1] else None
         grad_b = ops.grouped_sum(grad_RO, offs_E) if ctx.bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
