@@ -72,3 +72,11 @@ def test_a_missing_dense_run_is_named(tmp_path):
                                             f"log.out_dir={tmp_path / 'up'}", "train.steps=1"])
     with pytest.raises(ValueError, match=r"upcycle.checkpoint=.*nothing' is invalid: .* has no meta.json"):
         train.train(cfg)
+
+
+def test_print_config_shows_the_upcycled_layers():
+    from moe_plugin.train.command import with_effective_moe
+    moe = with_effective_moe(train.load_config(str(UPCYCLED), TINY)).moe
+    assert (moe["hidden_size"], moe["activation"], moe["num_experts"]) == (40, "swiglu", 8)   # the dense MLP's
+    dense = with_effective_moe(train.load_config(str(DENSE), TINY)).moe
+    assert dense == train.load_config(str(DENSE), TINY).moe   # no MoE layer: the section as given

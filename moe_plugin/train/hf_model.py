@@ -113,7 +113,7 @@ def hf_moe_configs(cfg) -> List[MoEConfig]:
     an MoE family's, the upcycled layers' of a dense model, none for a dense model trained as it is."""
     config = hf_config(cfg)
     if not is_dense(config):
-        return [hf_moe_config(cfg)]
+        return [_family_moe_config(cfg, config)]
     if cfg.upcycle is None:
         from .config import DEFAULT_MOE
         if cfg.moe != DEFAULT_MOE or cfg.parallel.ep_size != 1:
@@ -135,8 +135,16 @@ def hf_moe_configs(cfg) -> List[MoEConfig]:
 
 
 def hf_moe_config(cfg) -> MoEConfig:
-    """The MoEConfig of the swapped layers (what check_config checks)."""
+    """The MoEConfig the MoE layers run (--print-config shows it): an MoE family's swapped blocks', the first
+    upcycled layer's of a dense model; the moe section as given for a dense model trained as it is."""
     config = hf_config(cfg)
+    if not is_dense(config):
+        return _family_moe_config(cfg, config)
+    configs = hf_moe_configs(cfg)
+    return configs[0] if configs else MoEConfig.from_dict({**cfg.moe, "model_dim": config.hidden_size})
+
+
+def _family_moe_config(cfg, config) -> MoEConfig:
     try:
         return _integration().moe_config(config, **swap_overrides(cfg, config))
     except ValueError as error:
