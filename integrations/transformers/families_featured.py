@@ -40,7 +40,7 @@ def interleaved_gate_up(layer: str, hf: str) -> WeightMap:
 
 
 def _gpt_oss(c):
-    return {**_common(c, c.intermediate_size, c.num_local_experts, True), "activation": "swiglu_oai",
+    return {**_common(c, c.intermediate_size, c.num_local_experts, True, act="swiglu_oai"),   # hidden_act: unused
             "activation_limit": float(c.swiglu_limit), "activation_alpha": float(c.swiglu_alpha),
             "bias": True, "router_bias": True, "fp32_router": False}
 

@@ -1,0 +1,135 @@
+"""Hugging Face MoE blocks that need the layer's newer features (gpt_oss: swiglu_oai + biases; llama4: gating the
+expert input; nemotron_h: relu2) against the same blocks swapped onto moe_plugin's layer, in one run.
+
+Each block alone, forward + backward on T tokens, fp32: HF's "grouped_mm" experts (transformers' default where
+the experts class takes an implementation: gpt_oss, nemotron_h), HF's "eager" experts, and ours (the HF block
+swapped, same weights). Llama 4's experts class has no implementations: HF runs every expert on every token
+(a dense bmm over [E, T, D]), so its "grouped_mm" and "eager" are the same code.
+
+Shapes (Mixtral-like sizes, the families' routing):
+  gpt_oss     D 512, E 32, k 4, H 512, swiglu limit 7, alpha 1.702, router and expert biases
+  llama4      D 512, E 16, k 1, H 1024, shared MLP 1024, sigmoid gating the expert input
+  nemotron_h  D 512, E 64, k 6, H 256, shared MLP 512, relu2, sigmoid with 8 groups of which 4 chosen
+
+Runs alternate between the variants (round robin) so that load on the machine hits them alike; the median
+of each is reported with ours / HF grouped_mm (< 1: ours is faster).
+
+    python benchmarks/bench_hf_featured.py --threads 1 --repeats 10
+"""
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import moe_plugin.integrations.transformers as hf_moe   # hides an unloadable torchaudio first
+import transformers
+
+SHAPES = {
+    "gpt_oss": lambda: transformers.GptOssConfig(hidden_size=512, intermediate_size=512, num_local_experts=32,
+                                                 num_experts_per_tok=4),
+    "llama4": lambda: transformers.Llama4TextConfig(hidden_size=512, intermediate_size=1024, num_local_experts=16,
+                                                    num_experts_per_tok=1),
+    "nemotron_h": lambda: transformers.NemotronHConfig(hidden_size=512, moe_intermediate_size=256,
+                                                       moe_shared_expert_intermediate_size=512, n_routed_experts=64,
+                                                       num_experts_per_tok=6, n_group=8, topk_group=4,
+                                                       routed_scaling_factor=2.5, norm_topk_prob=True),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES) + ["all"], default="all")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per block call")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+class Holder(nn.Module):
+    """One HF block with the config swap_moe_blocks reads."""
+
+    def __init__(self, config, block):
+        super().__init__()
+        self.config, self.block = config, block
+
+
+def hf_block(config, implementation):
+    family = hf_moe.FAMILIES[config.model_type]
+    config = copy.deepcopy(config)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    block = family.block_class()(config)
+    with torch.no_grad():
+        for name, tensor in block.named_parameters():
+            tensor.normal_(0, 0.02)
+        for name, tensor in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0, 0.01)
+    return block
+
+
+def output(y):
+    """gpt_oss and llama4 blocks return (hidden states, router scores or logits); Llama 4's as [T, D]."""
+    return y[0] if isinstance(y, tuple) else y
+
+
+def timed(fn, variants, repeats, warmup):
+    """Median seconds of fn(variant) per variant, calls interleaved round robin."""
+    times = {name: [] for name in variants}
+    for i in range(warmup + repeats):
+        for name, variant in variants.items():
+            start = time.perf_counter()
+            fn(variant)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench(shape_name, args):
+    config = SHAPES[shape_name]()
+    variants = {"hf_grouped_mm": hf_block(config, "grouped_mm"), "hf_eager": hf_block(config, "eager"),
+                "ours": hf_moe.swap_moe_blocks(Holder(config, hf_block(config, "eager"))).block}
+    if shape_name == "llama4":       # no experts implementations: one HF variant
+        del variants["hf_eager"]
+    x = torch.randn(1, args.tokens, config.hidden_size)
+    grad = torch.randn_like(x)
+    with torch.no_grad():   # the same function: check before timing
+        want = output(variants["hf_grouped_mm"](x)).view(x.shape)
+        diff = (output(variants["ours"](x)).view(x.shape) - want).abs().max() / want.abs().max()
+    assert diff < 1e-4, f"ours differs from HF by {float(diff):.3g}"
+
+    def step(block):
+        xi = x.detach().requires_grad_()
+        output(block(xi)).view(x.shape).backward(grad)
+        block.zero_grad(set_to_none=True)
+
+    seconds = timed(step, variants, args.repeats, args.warmup)
+    return {"case": f"block/{shape_name}", "tokens": args.tokens, "max_rel_diff": float(diff),
+            "ms": {k: round(v * 1e3, 2) for k, v in seconds.items()},
+            "ours_over_grouped_mm": round(seconds["ours"] / seconds["hf_grouped_mm"], 3)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = sorted(SHAPES) if args.shape == "all" else [args.shape]
+    results = [bench(name, args) for name in names]
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "transformers": transformers.__version__, "results": results}))
+        return
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
+    for r in results:
+        times = ", ".join(f"{k} {v} ms" for k, v in r["ms"].items())
+        print(f"{r['case']:18s} {times}; ours / HF grouped_mm = {r['ours_over_grouped_mm']}")
+
+
+if __name__ == "__main__":
+    main()
