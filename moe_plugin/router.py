@@ -37,8 +37,8 @@ class Router(nn.Module):
     training with expert_bias_update_rate > 0, every forward adds its choices per expert (before
     capacity drops) into .load_E, which update_expert_bias consumes.
 
-    init_std: None draws weight_ED (and bias_E) uniform in +-1/sqrt(model_dim); a float draws weight_ED
-    normal(0, init_std) and zeros bias_E (what Hugging Face's _init_weights gives its routers; set by
+    init_std: None draws weight_ED (and bias_E) uniform in +-1/sqrt(model_dim); a float draws both normal(0,
+    init_std) (what Hugging Face's _init_weights gives its routers, gpt-oss's bias included; set by
     swap_moe_blocks)."""
 
     fixed_bias = False                    # class defaults: also for modules pickled before these existed
@@ -71,7 +71,7 @@ class Router(nn.Module):
             if self.bias_E is not None and self.init_std is None:
                 self.bias_E.uniform_(-bound, bound)
             elif self.bias_E is not None:
-                self.bias_E.zero_()
+                self.bias_E.normal_(0.0, self.init_std)
             if self.config.router == "cosine":
                 self.log_scale.fill_(math.log(10.0))
             self.expert_bias_E.zero_()

@@ -262,3 +262,13 @@ def test_two_processes_match_one_process():
             error, where, slices = worst[spec["name"]]
             assert error < 1e-10, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
             assert slices == (2 if spec["r"] == 2 else 1)
+
+
+def test_router_bias_draws_as_its_weight():
+    """Uniform in +-1/sqrt(D) by default; normal(0, init_std) as HF's _init_weights draws gpt-oss's router bias."""
+    layer = MoELayer(MoEConfig(model_dim=16, hidden_size=8, num_experts=256, router_bias=True))
+    bias = layer.router.bias_E.detach()
+    assert bias.abs().max() <= 0.25 and bias.std() > 0.1
+    layer.router.init_std = 0.02
+    layer.router.reset_parameters()
+    assert 0.015 < float(layer.router.bias_E.std()) < 0.025 and float(layer.router.bias_E.abs().max()) > 0.02
