@@ -70,7 +70,8 @@ def main() -> None:
     ratios = [m / d for m, d in zip(rounds["moe"], rounds["dense"])]
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     layer = models["moe"].moe_layers()[0].config
-    result = {"batch": args.batch, "image_size": size, "optimizer_step": args.optimizer_step, "threads": torch.get_num_threads(),
+    result = {"batch": args.batch, "image_size": size, "optimizer_step": args.optimizer_step,
+              "threads": torch.get_num_threads(),
               "moe_layers": len(models["moe"].moe_layers()), "num_experts": layer.num_experts, "top_k": layer.top_k,
               "params_dense": params["dense"], "params_moe": params["moe"],
               "dense_images_per_s": median["dense"], "moe_images_per_s": median["moe"],
@@ -80,7 +81,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"SwinV2-MoE ({result['moe_layers']} MoE blocks, {layer.num_experts} experts, top-{layer.top_k}, "
-          f"{params['moe'] / 1e6:.2f} M parameters) vs dense Swinv2 ({params['dense'] / 1e6:.2f} M), batch {args.batch} "
+          f"{params['moe'] / 1e6:.2f} M parameters) vs dense Swinv2 ({params['dense'] / 1e6:.2f} M), "
+          f"batch {args.batch} "
           f"of {size}x{size}, {'forward+backward+AdamW' if args.optimizer_step else 'forward+backward'}, "
           f"{result['threads']} thread(s): median {median['moe']:.1f} vs {median['dense']:.1f} "
           f"images/s; moe / dense = {result['median_round_ratio']:.3f} (median of rounds; "

@@ -94,7 +94,8 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
         f"(step {val[-1]['step']}); train loss {train[0]['loss']:.3f} -> {last['loss']:.3f}",
     ]
     if image:
-        lines.append(f"validation accuracy {100 * val[0]['val_accuracy']:.1f}% -> {100 * val[-1]['val_accuracy']:.1f}%; "
+        lines.append(f"validation accuracy {100 * val[0]['val_accuracy']:.1f}% -> "
+                     f"{100 * val[-1]['val_accuracy']:.1f}%; "
                      f"train accuracy {100 * train[0]['accuracy']:.1f}% -> {100 * last['accuracy']:.1f}%")
     lines.append(f"dropped tokens {100 * last['dropped_fraction']:.1f}%, aux loss {last['aux_loss']:.4f} (last record)")
     for layer, load in enumerate(last["tokens_per_expert"]):

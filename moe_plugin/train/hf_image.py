@@ -53,7 +53,8 @@ def image_hf_config(cfg):
         if key not in valid or key.startswith("_"):
             raise ValueError(f"hf.{key} is not a field of {config_class.__name__}; valid keys: "
                              f"{', '.join(sorted(k for k in valid if not k.startswith('_')))}")
-    for key, value in (("num_channels", NUM_CHANNELS), ("num_labels", NUM_CLASSES), ("image_size", cfg.data.image_size)):
+    from_data = (("num_channels", NUM_CHANNELS), ("num_labels", NUM_CLASSES), ("image_size", cfg.data.image_size))
+    for key, value in from_data:
         if values.setdefault(key, value) != value:
             source = "data.image_size" if key == "image_size" else f"data.dataset={cfg.data.dataset!r}"
             raise ValueError(f"hf.{key}={values[key]!r} is invalid: {source} gives {value} (leave it out)")
