@@ -115,15 +115,15 @@ def inputs(family, seed, batch=2, length=13):
 
 
 def run(model, batch, backward=True):
-    """(output, loss, router logits, aux loss); the loss is backpropagated. A base model's loss is the mean
-    square of its last hidden state."""
+    """(output, loss, router logits, aux loss); the loss is backpropagated. A base model's loss is a fixed random
+    projection of its last hidden state."""
     if "input_ids" in batch:
         out = model(**batch, labels=batch["input_ids"], output_router_logits=True)
         output, loss = out.logits, out.loss
     else:
         out = model(**batch, output_router_logits=True)
-        output = out.last_hidden_state
-        loss = output.pow(2).mean()
+        output = out.last_hidden_state   # normalized: its mean square hardly moves, so a fixed random projection
+        loss = (output * torch.randn(output.shape, generator=torch.Generator().manual_seed(0))).mean()
     if backward:
         model.zero_grad(set_to_none=True)
         loss.backward()
@@ -325,6 +325,12 @@ UNCOMPUTABLE = [
     ("cohere2_moe", dict(shared_expert_combination_strategy="average"), "shared_expert_combination_strategy='average'"),
     ("hunyuan_v1_moe", dict(num_experts_per_tok=[3, 2]), r"moe_topk=\[3, 2\]"),
     ("ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min=0.9"),
+    # families_featured.py (helper "features")
+    ("llama4_text", dict(num_experts_per_tok=2), "num_experts_per_tok=2"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
+    ("nemotron_h", dict(mlp_hidden_act="gelu_new"), "mlp_hidden_act='gelu_new'"),
+    ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size=16"),
+    ("nemotron_h", dict(mlp_bias=True), "mlp_bias=True"),
 ]
 if "deepseek_v2" in ALL and hf_moe.FAMILIES["deepseek_v2"].module.endswith("deepseek_v2") \
         and hf_moe.FAMILIES["deepseek_v2"] not in hf_moe.families.FEATURED_FAMILIES:
@@ -339,9 +345,10 @@ def test_config_values_the_layer_cannot_compute_are_refused_naming_key_and_value
         hf_moe.moe_config(config)
 
 
-@pytest.mark.parametrize("family", [f for f in ALL if f not in ("lfm2_moe", "dbrx")])
+@pytest.mark.parametrize("family", [f for f in ALL if f not in ("lfm2_moe", "dbrx", "gpt_oss", "nemotron_h")])
 def test_an_unknown_hidden_act_is_refused_naming_it(family):
-    """(LFM2-MoE's experts use SiLU whatever hidden_act says; DBRX's activation is ffn_config.ffn_act_fn.)"""
+    """(LFM2-MoE's and gpt-oss's experts ignore hidden_act; DBRX's activation is ffn_config.ffn_act_fn,
+    Nemotron-H's mlp_hidden_act: both in UNCOMPUTABLE.)"""
     config = text_config(family, hidden_act="gelu_new")
     with pytest.raises(ValueError, match=f"{family}: hidden_act='gelu_new' is not supported by the MoE layer"):
         hf_moe.swap_moe_blocks(model_for_errors(config))
