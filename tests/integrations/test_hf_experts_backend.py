@@ -15,11 +15,13 @@ import sys
 import pytest
 import torch
 
-from hf_helpers import assert_close_rel, family_config, model_class, needs_transformers, tokens, transformers
+from hf_helpers import (assert_close_rel, family_config, model_class, needs_transformers, tokens,
+                        transformers)
 
 pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 TOL = 1e-5
 BF16_TOL = 2e-2
+VANISHING = 1e-3
 D, H, E, K, T = 24, 20, 6, 3, 13        # T odd; HF's grouped_mm needs rows of 16-byte multiples (bf16: H 24)
 SIZES = {"hidden_size": D, "moe_hidden_size": D, "intermediate_size": H, "moe_intermediate_size": H,
          "num_experts": E, "num_local_experts": E, "n_routed_experts": E, "moe_num_experts": E}
@@ -186,11 +188,17 @@ def logits_and_grads(model, ids):
 
 
 def assert_same_model_results(actual, expected):
+    """Logits and each gradient within TOL of grouped_mm, relative to the larger of the tensor's own largest entry
+    and VANISHING x the model's largest gradient: some families hold parameters whose gradients are 1e-4 to 1e-7 of
+    the rest (HY-V4's hyper-connection scales), where fp32 rounding alone moves them by more than TOL of themselves
+    (HF's own grouped_mm against fp64 eager: up to 1.4e-5)."""
     (logits, grads), (hf_logits, hf_grads) = actual, expected
     assert_close_rel(logits, hf_logits, TOL, "logits")
     assert grads.keys() == hf_grads.keys() and hf_grads
+    floor = VANISHING * max(float(g.abs().max()) for g in hf_grads.values())
     for name, grad in hf_grads.items():
-        assert_close_rel(grads[name], grad, TOL, f"grad of {name}")
+        scale = max(float(grad.abs().max()), floor) / max(float(grad.abs().max()), 1e-30)
+        assert_close_rel(grads[name], grad, TOL * scale, f"grad of {name}")
 
 
 @pytest.fixture
@@ -203,21 +211,26 @@ def backend_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("family", full_model_families())
-def test_from_pretrained_and_set_experts_implementation_give_grouped_mm_logits_and_grads(
-        family, fresh_seed, tmp_path, backend_calls):
+def test_from_pretrained_with_the_backend_gives_grouped_mm_logits_and_grads(family, fresh_seed, tmp_path,
+                                                                            backend_calls):
     torch.manual_seed(fresh_seed)
     hf = model_class(family)._from_config(family_config(family), experts_implementation="grouped_mm")
     hf.save_pretrained(tmp_path)
     ids = tokens(fresh_seed + 1)
     expected = logits_and_grads(hf, ids)
     assert not backend_calls
-
     loaded = model_class(family).from_pretrained(tmp_path, experts_implementation="moe_plugin")
     assert loaded.config._experts_implementation == "moe_plugin"
     assert_same_model_results(logits_and_grads(loaded, ids), expected)
     assert backend_calls, "the backend never ran"
 
-    del backend_calls[:]
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_set_experts_implementation_switches_to_the_backend_and_back(family, fresh_seed, backend_calls):
+    torch.manual_seed(fresh_seed)
+    hf = model_class(family)._from_config(family_config(family), experts_implementation="grouped_mm")
+    ids = tokens(fresh_seed + 1)
+    expected = logits_and_grads(hf, ids)
     hf.set_experts_implementation("moe_plugin")
     assert_same_model_results(logits_and_grads(hf, ids), expected)
     assert backend_calls
