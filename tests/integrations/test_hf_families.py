@@ -142,9 +142,19 @@ def test_every_family_has_a_tiny_config_and_its_block_class():
         assert entry.block_class().__name__ == entry.block
 
 
-@pytest.mark.parametrize("family", ALL)
-def test_swapped_family_matches_hf_logits_loss_router_logits_aux_loss_and_every_gradient(family, fresh_seed):
-    model = build(family, fresh_seed)
+# config choices that change what an entry maps (an optional bias or shared expert absent, another router)
+VARIANTS = [("lfm2_moe", dict(use_expert_bias=False, norm_topk_prob=False)),
+            ("ernie4_5_moe", dict(moe_num_shared_experts=0)),
+            ("cohere2_moe", dict(num_shared_experts=0, expert_selection_fn="sigmoid", norm_topk_prob=False)),
+            ("dbrx", dict(ffn_config=dict(ffn_hidden_size=28, moe_num_experts=6, moe_top_k=3,
+                                          moe_normalize_expert_weights=None)))]
+CASES = [pytest.param(f, {}, id=f) for f in ALL] + [
+    pytest.param(f, extra, id=f"{f}-{'-'.join(extra)}") for f, extra in VARIANTS if f in ALL]
+
+
+@pytest.mark.parametrize("family,extra", CASES)
+def test_swapped_family_matches_hf_logits_loss_router_logits_aux_loss_and_every_gradient(family, extra, fresh_seed):
+    model = build(family, fresh_seed, **extra)
     swapped = swapped_copy(model)
     blocks = blocks_of(swapped)
     assert blocks and all(b.family == family for b in blocks.values())
@@ -167,12 +177,12 @@ def test_swapped_family_matches_hf_logits_loss_router_logits_aux_loss_and_every_
             assert_close_rel(grads[name], param.grad, TOL, f"grad of {name}")
 
 
-@pytest.mark.parametrize("family", ALL)
-def test_state_dict_hf_names_and_export_hf_round_trips(family, fresh_seed, tmp_path):
+@pytest.mark.parametrize("family,extra", CASES)
+def test_state_dict_hf_names_and_export_hf_round_trips(family, extra, fresh_seed, tmp_path):
     """A trained swapped model: its state dict (own names, and HF names from hf_state_dict) loads strictly into
     a fresh swapped model with the same outputs; export_hf writes a folder plain from_pretrained loads with
     the same outputs, and swapping that gives back the exact weights."""
-    swapped = swapped_copy(build(family, fresh_seed))
+    swapped = swapped_copy(build(family, fresh_seed, **extra))
     batch = inputs(family, fresh_seed + 1)
     optimizer = torch.optim.AdamW(swapped.parameters(), lr=1e-2)
     run(swapped, batch)
@@ -185,7 +195,7 @@ def test_state_dict_hf_names_and_export_hf_round_trips(family, fresh_seed, tmp_p
     with torch.no_grad():
         expected = run(swapped, batch, backward=False)[0]
     for state in (swapped.state_dict(), hf_moe.hf_state_dict(swapped)):
-        fresh = swapped_copy(build(family, fresh_seed + 7)).eval()
+        fresh = swapped_copy(build(family, fresh_seed + 7, **extra)).eval()
         fresh.load_state_dict(state, strict=True)
         with torch.no_grad():
             assert torch.equal(run(fresh, batch, backward=False)[0], expected)
