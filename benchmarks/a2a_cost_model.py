@@ -335,14 +335,21 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=2048, help="--drift: expert hidden dim H")
     parser.add_argument("--experts-per-slice", type=int, default=4,
                         help="--drift: ranks per expert (num_experts = GPUs / this; 1 means one expert per GPU)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="--drift: bytes per element")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[64, 2048], help="--drift: cluster sizes")
+    parser.add_argument("--node-size", type=int, default=8, help="--drift: ranks per node")
+    parser.add_argument("--params", choices=["paper", "gloo"], default="paper",
+                        help="--drift: NDM_A100_V4 (the paper's cluster) or GLOO_HERE (this machine)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     for name in ("sizes_mib", "loads"):
         if any(not v > 0 for v in getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')} must all be > 0, got {getattr(args, name)}")
-    for name in ("tokens_per_rank", "top_k", "dim", "hidden", "experts_per_slice"):
+    for name in ("tokens_per_rank", "top_k", "dim", "hidden", "experts_per_slice", "dtype_bytes", "node_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(w < 1 or w % args.node_size for w in args.gpus):
+        parser.error(f"--gpus must be multiples of --node-size ({args.node_size}), got {args.gpus}")
     if args.max_gpus < 8:
         parser.error(f"--max-gpus must be >= 8 (one node of the paper's cluster), got {args.max_gpus}")
 
@@ -375,16 +382,19 @@ def main(argv=None):
         return 0
     if args.drift:
         shape = dict(tokens_per_rank=args.tokens_per_rank, top_k=args.top_k, model_dim=args.dim,
-                     hidden_dim=args.hidden, experts_per_slice=args.experts_per_slice)
-        out = [project_schedule(drift_workloads(w, args.loads, **shape), w, 8, cm.NDM_A100_V4) for w in (64, 2048)]
+                     hidden_dim=args.hidden, experts_per_slice=args.experts_per_slice, dtype_bytes=args.dtype_bytes)
+        params = cm.NDM_A100_V4 if args.params == "paper" else cm.GLOO_HERE
+        out = [project_schedule(drift_workloads(w, args.loads, **shape), w, args.node_size, params) for w in args.gpus]
         if args.json:
             print(json.dumps(out, indent=2))
             return 0
         for o in out:
-            print(f"\n{o['world_size']} GPUs (NDm A100 v4), {shape}, loads {args.loads}:")
+            print(f"\n{o['world_size']} ranks, node size {args.node_size}, params {args.params}, {shape}, "
+                  f"loads {args.loads}:")
             for w, p in zip(args.loads, o["phases"]):
-                print(f"  load {w:>4g}x  rows {p['rows_per_rank']:>7}  best r={p['best'][0]} d={p['best'][1]} "
-                      f"{p['best'][2]:<4}  {p['ms']:8.2f} ms")
+                r, d, a = p["best"]
+                setting = f"r={r} d={d} {a}" if r else "r=0 (no exchange)"
+                print(f"  load {w:>4g}x  rows {p['rows_per_rank']:>7}  best {setting:<18} {p['ms']:8.2f} ms")
             print(f"  adaptive {o['adaptive_ms']:.2f} ms; best static {tuple(o['best_static'])} "
                   f"{o['best_static_ms']:.2f} ms; static/adaptive {o['static_over_adaptive']:.2f}x")
         return 0

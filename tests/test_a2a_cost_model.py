@@ -168,12 +168,21 @@ def test_cli_json(capsys):
     assert rows[-1]["flat_ms"] == pytest.approx(cm.a2a_seconds("flat", MiB, 64, 8, PAPER) * 1e3)
     drv.main(["--drift", "--loads", "1", "8", "--json"])
     assert [len(o["phases"]) for o in json.loads(capsys.readouterr().out)] == [2, 2]
+    drv.main(["--drift", "--loads", "1", "2", "--gpus", "4", "--node-size", "2", "--params", "gloo",
+              "--experts-per-slice", "1", "--tokens-per-rank", "512", "--dim", "128", "--hidden", "256",
+              "--dtype-bytes", "4", "--json"])
+    (out,) = json.loads(capsys.readouterr().out)
+    w = cm.Workload(rows_per_rank=2048, model_dim=128, hidden_dim=256, num_experts=4, dtype_bytes=4, local_rows=1024)
+    best = min(cm.layer_seconds(r, d, a, w, 4, 2, cm.GLOO_HERE) for r in (0, 1) for d in (1, 2, 4, 8)
+               for a in cm.ALGORITHMS)
+    assert out["world_size"] == 4 and out["phases"][1]["ms"] == pytest.approx(best * 1e3)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--sizes-mib", "0"], "--sizes-mib must all be > 0"),
     (["--drift", "--loads", "-1"], "--loads must all be > 0"),
     (["--max-gpus", "4"], "--max-gpus must be >= 8"),
+    (["--drift", "--gpus", "12"], "--gpus must be multiples of --node-size (8)"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
