@@ -5,6 +5,9 @@ its router, experts and shared expert map to MoEConfig (a function of the HF con
 weights map both ways (one WeightMap per MoELayer tensor; see family.py). Tensor names are relative
 to the block on the HF side and to the MoELayer on ours. Adding a family is adding one entry to
 FAMILIES; entries that need the layer's newer expert and router features are in families_featured.py.
+An entry is keyed by the model_type of the config its blocks are built from; composite models (COMPOSITES)
+are found through their nested text configs (families_in). A config value the layer cannot compute raises
+a ValueError naming the key and value (family.unsupported).
 """
 from __future__ import annotations
 
