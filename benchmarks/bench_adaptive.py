@@ -40,7 +40,7 @@ def run(args, rank, world) -> dict:
     static = MoELayer(MoEConfig(**config))
     static.load_state_dict({k: v for k, v in adaptive.state_dict().items() if not k.startswith("tuner.")})
     tuner = adaptive.tuner
-    tuner.trials, tuner.drift, tuner.retune_every = args.trials, args.drift, args.retune_every
+    tuner.trials, tuner.drift, tuner.retune_every, tuner.prune = args.trials, args.drift, args.retune_every, args.prune
     settings = list(tuner.candidates)
 
     def step(layer, x_TD, grad_TD, setting=None):
@@ -62,6 +62,7 @@ def run(args, rank, world) -> dict:
     for phase in range(args.phases):
         skew = args.skews[phase % len(args.skews)]
         for layer in (adaptive, static):
+            layer.router.fixed_bias = True          # the bias chooses experts (as a host model's fixed bias)
             layer.router.expert_bias_E.zero_()
             layer.router.expert_bias_E[0] = skew
         for _ in range(args.steps_per_phase):
@@ -78,8 +79,6 @@ def run(args, rank, world) -> dict:
             phase_of_step.append(phase)
     table = torch.tensor([seconds[name] for name in names], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)          # a step takes as long as its slowest rank
-    if os.environ.get("BENCH_DEBUG") and rank == 0:
-        print({n: [round(t, 3) for t in row[:12]] for n, row in zip(names, table.tolist())}, chosen[:12])
     return dict(names=names, seconds=table.tolist(), chosen=chosen, phase=phase_of_step,
                 table=adaptive.stats["tuned_table"], largest=adaptive.stats["capacity"])
 
@@ -138,6 +137,7 @@ def main():
     parser.add_argument("--steps-per-phase", type=int, default=40)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--drift", type=float, default=0.5)
+    parser.add_argument("--prune", type=float, default=3.0, help="skip what the cost model puts past this x the best")
     parser.add_argument("--retune-every", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)

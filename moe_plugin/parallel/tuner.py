@@ -111,7 +111,9 @@ class _Enter(torch.autograd.Function):
     def forward(ctx, measurement, x_TD, gate_TK):
         ctx.measurement = measurement
         measurement.marks.append(measurement.clock.mark())
-        return x_TD.view_as(x_TD), gate_TK.view_as(gate_TK)
+        outputs = x_TD.view_as(x_TD), gate_TK.view_as(gate_TK)
+        ctx.mark_non_differentiable(*[out for out, given in zip(outputs, (x_TD, gate_TK)) if not given.requires_grad])
+        return outputs
 
     @staticmethod
     def backward(ctx, grad_x, grad_gate):
