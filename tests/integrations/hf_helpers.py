@@ -103,10 +103,24 @@ MORE = {
     "cohere2_moe": ("Cohere2MoeConfig", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6,
                                              num_shared_experts=1, shared_expert_combination_strategy="sum",
                                              head_dim=10, layer_types=["sliding_attention", "full_attention"])),
+    # families_featured.py (helper "features"): small swiglu limits so that the clamp engages at init std 0.02
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=10, intermediate_size=28, num_local_experts=6,
+                                     swiglu_limit=0.05, layer_types=["sliding_attention", "full_attention"])),
+    "llama4_text": ("Llama4TextConfig", dict(num_key_value_heads=2, head_dim=10, intermediate_size=28,
+                                             intermediate_size_mlp=36, num_local_experts=6, num_experts_per_tok=1,
+                                             interleave_moe_layer_step=2, num_hidden_layers=4)),   # layers 1, 3 MoE
     "deepseek_v2": ("DeepseekV2Config", dict(num_key_value_heads=4, **MLA, moe_intermediate_size=28,
-                                             n_routed_experts=6, n_shared_experts=2, topk_method="greedy",
-                                             routed_scaling_factor=1.5, first_k_dense_replace=1,
-                                             num_hidden_layers=3)),
+                                             n_routed_experts=8, n_shared_experts=2,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             routed_scaling_factor=1.5, first_k_dense_replace=1, num_hidden_layers=3)),
+    "hy_v4": ("HYV4Config", dict(num_key_value_heads=2, head_dim=10, **GROUPED, swiglu_limit=0.05,
+                                 num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])),
+    "nemotron_h": ("NemotronHConfig", dict(num_key_value_heads=2, head_dim=10, intermediate_size=36,
+                                           moe_intermediate_size=28, moe_shared_expert_intermediate_size=20,
+                                           n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                           norm_topk_prob=True, num_hidden_layers=3,
+                                           layers_block_type=["mamba", "moe", "attention"], mamba_num_heads=4,
+                                           mamba_head_dim=10, ssm_state_size=8, n_groups=2, chunk_size=8)),
 }
 
 
