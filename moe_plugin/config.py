@@ -67,6 +67,10 @@ class MoEConfig:
     group_score: how a group of experts is scored for topk_groups: "top2_sum" (DeepSeek-V3: the sum of its two
       best scores) or "max" (DeepSeek-V2 group_limited_greedy: its best score); "max" needs topk_groups <
       num_groups.
+    router_norm: the router's input is RMS-normalized (no weight, eps router_norm_eps), times a learned
+      per-channel router.input_scale_D, times model_dim ** -0.5 (Gemma 4's router).
+    expert_gate_scale: each chosen gate (after normalization) is multiplied by a learned per-expert
+      router.gate_scale_E (Gemma 4's per_expert_scale).
     """
 
     model_dim: int
@@ -103,6 +107,9 @@ class MoEConfig:
     router_bias: bool = False
     gate_on_input: bool = False
     group_score: str = "top2_sum"
+    router_norm: bool = False
+    router_norm_eps: float = 1e-6
+    expert_gate_scale: bool = False
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -199,6 +206,15 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.gate_on_input=True is invalid with top_k={self.top_k}: gating the expert "
                              f"input is supported for top_k=1 (Llama 4)")
         _check_choice("group_score", self.group_score, GROUP_SCORES)
+        for name in ("router_norm", "expert_gate_scale"):
+            _check_bool(name, getattr(self, name))
+        self.router_norm_eps = _check_float("router_norm_eps", self.router_norm_eps)
+        if self.router_norm_eps <= 0:
+            raise ValueError(f"MoEConfig.router_norm_eps={self.router_norm_eps!r} is invalid: must be a finite "
+                             f"number > 0")
+        if self.router_norm and self.router == "cosine":
+            raise ValueError("MoEConfig.router_norm=True is invalid with router='cosine' (which normalizes its input "
+                             "itself); use router_norm=False or another router")
         if self.group_score != "top2_sum" and self.topk_groups >= self.num_groups:
             raise ValueError(f"MoEConfig.group_score={self.group_score!r} is invalid with num_groups="
                              f"{self.num_groups}, topk_groups={self.topk_groups}: groups are scored only when "

@@ -137,10 +137,12 @@ class MoELayer(nn.Module):
         return cfg.capacity_factor
 
     def forward(self, x: torch.Tensor, parallel: Optional[int] = None,
-                overlap_degree: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+                overlap_degree: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None,
+                router_input: Optional[torch.Tensor] = None) -> torch.Tensor:
         """parallel / overlap_degree override the configured (or tuned) degrees for this call.
         aux_loss "seq" takes x's second-to-last dim as the sequence, or sequence_T: each token's
-        sequence index in [0, tokens) (for sequences of different lengths)."""
+        sequence index in [0, tokens) (for sequences of different lengths). router_input (x's shape): what the
+        router sees instead of x (Gemma 4 routes the residual stream and feeds the experts its normed copy)."""
         cfg = self.config
         if x.dim() < 1 or x.shape[-1] != cfg.model_dim:
             raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
@@ -151,7 +153,11 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, cfg.model_dim)
         dtype = self._compute_dtype(x)
 
-        routes = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None, sequence_T=sequence_T)
+        if router_input is not None and router_input.shape != x.shape:
+            raise ValueError(f"MoELayer: router_input must have x's shape {tuple(x.shape)}, "
+                             f"got {tuple(router_input.shape)}")
+        routed_TD = x_TD if router_input is None else router_input.reshape(-1, cfg.model_dim)
+        routes = self.router(routed_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None, sequence_T=sequence_T)
         priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
         plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, self.capacity_factor(),
                                     cfg.min_capacity, priority_T)

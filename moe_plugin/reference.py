@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (y shaped like x, weighted aux loss), computed with one-hot masks and einsum."""
+def reference_moe(layer, x: torch.Tensor, router_input=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y shaped like x, weighted aux loss), computed with one-hot masks and einsum; router_input (x's
+    shape, optional) is what the router sees instead of x."""
     cfg, router, experts = layer.config, layer.router, layer.experts
     if layer.training and cfg.gate_noise > 0:
         raise ValueError("reference_moe has no gate noise: use gate_noise=0 or eval mode")
@@ -32,8 +33,13 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     T = x_TD.shape[0]
 
     w_ED = router.weight_ED
+    r_TD = x_TD if router_input is None else router_input.reshape(-1, cfg.model_dim)
+    if cfg.router_norm:    # RMS norm in fp32 without weight, then the learned scale and D ** -0.5
+        r32_TD = r_TD.to(torch.float32) if r_TD.dtype != torch.float64 else r_TD
+        rms_T1 = torch.sqrt((r32_TD * r32_TD).sum(1, keepdim=True) / cfg.model_dim + cfg.router_norm_eps)
+        r_TD = (r32_TD / rms_T1).to(r_TD.dtype) * router.input_scale_D / math.sqrt(cfg.model_dim)
     router_dtype = torch.promote_types(x.dtype, torch.float32) if cfg.fp32_router else x.dtype
-    xr_TD, wr_ED = x_TD.to(router_dtype), w_ED.to(router_dtype)
+    xr_TD, wr_ED = r_TD.to(router_dtype), w_ED.to(router_dtype)
     fp32_logits = cfg.fp32_router and torch.amp.is_autocast_available(x.device.type)
     with torch.autocast(x.device.type, enabled=False) if fp32_logits else contextlib.nullcontext():
         if cfg.router == "cosine":
@@ -61,6 +67,8 @@ def reference_moe(layer, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if cfg.normalize_gate == "before_drop":
         total = sum(gates)
         gates = [g / total for g in gates]
+    if cfg.expert_gate_scale:
+        gates = [g * (router.gate_scale_E * m).sum(1) for g, m in zip(gates, masks)]
 
     # slot = number of earlier choices for the same expert: choice-major, then token (or priority) order
     if cfg.batch_prioritized_routing:

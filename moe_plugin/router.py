@@ -30,7 +30,8 @@ class Routes:
 
 
 class Router(nn.Module):
-    """Holds weight_ED (bias_E with router_bias, log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
+    """Holds weight_ED (bias_E with router_bias, input_scale_D with router_norm, gate_scale_E with
+    expert_gate_scale, log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
     scores only to choose experts, and only when bias_routes: with balancing on (expert_bias_update_rate
     > 0), or when fixed_bias is set (a host model whose bias is one of its weights, DeepSeek-V3's
     e_score_correction_bias; set by the Hugging Face family). Otherwise the bias is never read. In
@@ -51,6 +52,8 @@ class Router(nn.Module):
         if config.router == "cosine":
             self.log_scale = nn.Parameter(torch.empty(()))
         self.bias_E = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
+        self.input_scale_D = nn.Parameter(torch.empty(config.model_dim)) if config.router_norm else None
+        self.gate_scale_E = nn.Parameter(torch.empty(config.num_experts)) if config.expert_gate_scale else None
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
         self.load_E: Optional[torch.Tensor] = None   # a plain attribute: DDP must not broadcast it
         self.register_load_state_dict_pre_hook(_zero_bias_when_missing)
@@ -72,6 +75,9 @@ class Router(nn.Module):
                 self.bias_E.uniform_(-bound, bound)
             elif self.bias_E is not None:
                 self.bias_E.normal_(0.0, self.init_std)
+            for scale in (self.input_scale_D, self.gate_scale_E):
+                if scale is not None:
+                    scale.fill_(1.0)
             if self.config.router == "cosine":
                 self.log_scale.fill_(math.log(10.0))
             self.expert_bias_E.zero_()
@@ -86,12 +92,20 @@ class Router(nn.Module):
         return self
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.input_scale_D is not None:
+            x_TD = self._normed(x_TD)
         if self.config.fp32_router:    # in fp32 under autocast too: routes must not flip with rounding
             dtype = torch.promote_types(x_TD.dtype, torch.float32)
             with autocast_off(x_TD.device.type):
                 return self._logits(x_TD.to(dtype), self.weight_ED.to(dtype),
                                     None if self.bias_E is None else self.bias_E.to(dtype))
         return self._logits(x_TD, self.weight_ED, self.bias_E)
+
+    def _normed(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """router_norm: RMS-normalized in fp32 (no weight), back in x's dtype, times input_scale_D and D ** -0.5."""
+        x32_TD = x_TD.to(torch.promote_types(x_TD.dtype, torch.float32))
+        normed_TD = x32_TD * torch.pow(x32_TD.pow(2).mean(-1, keepdim=True) + self.config.router_norm_eps, -0.5)
+        return normed_TD.to(x_TD.dtype) * self.input_scale_D * self.config.model_dim ** -0.5
 
     def _logits(self, x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
@@ -130,6 +144,8 @@ class Router(nn.Module):
         gate_TK = scores_TE.gather(1, expert_TK)
         if cfg.normalize_gate == "before_drop":
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(gate_TK.dtype).tiny)
+        if self.gate_scale_E is not None:
+            gate_TK = gate_TK * self.gate_scale_E[expert_TK]
         if self.training and cfg.expert_bias_update_rate > 0:
             self._count(expert_TK)
 

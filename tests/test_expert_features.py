@@ -14,6 +14,7 @@ from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.activations import Activation, activate, activation_backward, forward
 from moe_plugin.experts import Experts
 from moe_plugin.ops import ENV
+from moe_plugin.reference import reference_moe
 from moe_testing import assert_matches_reference, make_layer, outputs_and_grads, relative_error
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # launch.run_workers
@@ -42,6 +43,8 @@ FEATURES = {
     "llama4": dict(router="sigmoid", top_k=1, gate_on_input=True, normalize_gate="none", activation="swiglu",
                    bias=False, shared_hidden_size=9),
     "gate on input softmax": dict(top_k=1, gate_on_input=True, activation="geglu_tanh", router_bias=True),
+    "gemma4": dict(router_norm=True, expert_gate_scale=True, activation="geglu_tanh", bias=False, num_experts=8,
+                   top_k=3),
 }
 
 
@@ -62,6 +65,9 @@ FEATURES = {
     (dict(group_score="max", num_groups=4, topk_groups=4), ["group_score", "topk_groups=4"]),
     (dict(router="softplus"), ["router", "'sqrt_softplus'"]),
     (dict(activation="swish"), ["activation", "'geglu', 'geglu_tanh', 'relu2', 'swiglu_oai'"]),
+    (dict(router_norm=True, router="cosine"), ["router_norm", "router='cosine'"]),
+    (dict(router_norm=True, router_norm_eps=0.0), ["router_norm_eps", "0.0", "> 0"]),
+    (dict(expert_gate_scale=1), ["expert_gate_scale", "true or false"]),
 ])
 def test_invalid_combinations_name_the_fields(field_values, named):
     with pytest.raises(ValueError) as error:
@@ -119,9 +125,13 @@ def test_features_match_einsum_reference_fp32(name, kernels, monkeypatch):
 
 
 def _perturb_router_bias(layer):
-    if layer.router.bias_E is not None:
-        with torch.no_grad():
+    """The router bias, and the router's input and gate scales, away from their initial 0s and 1s."""
+    with torch.no_grad():
+        if layer.router.bias_E is not None:
             layer.router.bias_E.copy_(torch.randn_like(layer.router.bias_E))
+        for scale in (layer.router.input_scale_D, layer.router.gate_scale_E):
+            if scale is not None:
+                scale.copy_(1 + 0.5 * torch.randn_like(scale))
 
 
 def test_each_feature_changes_the_output():
@@ -129,13 +139,14 @@ def test_each_feature_changes_the_output():
     x = torch.randn(40, 12, dtype=torch.float64)
     cases = {"activation_limit": dict(activation="swiglu", activation_limit=0.3),
              "router_bias": dict(router_bias=True), "gate_on_input": dict(top_k=1, gate_on_input=True),
-             "group_score": dict(num_experts=16, num_groups=8, topk_groups=2, group_score="max")}
+             "group_score": dict(num_experts=16, num_groups=8, topk_groups=2, group_score="max"),
+             "router_norm": dict(router_norm=True), "expert_gate_scale": dict(expert_gate_scale=True)}
     for field, values in cases.items():
         torch.manual_seed(0)
         layer = make_layer(capacity_factor=0.0, **values)
         _perturb_router_bias(layer)
         plain = make_layer(capacity_factor=0.0, **{**values, field: MoEConfig.__dataclass_fields__[field].default})
-        state = {k: v for k, v in layer.state_dict().items() if k != "router.bias_E"}
+        state = {k: v for k, v in layer.state_dict().items() if k in plain.state_dict()}
         plain.load_state_dict(state)
         assert not torch.allclose(layer(x), plain(x)), field
 
@@ -191,7 +202,8 @@ def test_router_bias_and_activation_survive_state_dict_and_pickle():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("limit, alpha, beta", [(0.375, 1.0, 0.0), (0.75, 1.702, 1.0), (7.0, 1.702, 1.0)])   # limits exact in bf16
+# limits exact in bf16, so that the rows placed at them sit on the bounds in every dtype
+@pytest.mark.parametrize("limit, alpha, beta", [(0.375, 1.0, 0.0), (0.75, 1.702, 1.0), (7.0, 1.702, 1.0)])
 def test_native_clamped_swiglu_matches_torch_ops(dtype, limit, alpha, beta):
     from moe_plugin.ops import native, torch_ops
     kernels, why = native.load()
@@ -272,3 +284,24 @@ def test_router_bias_draws_as_its_weight():
     layer.router.init_std = 0.02
     layer.router.reset_parameters()
     assert 0.015 < float(layer.router.bias_E.std()) < 0.025 and float(layer.router.bias_E.abs().max()) > 0.02
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_router_input_apart_from_the_experts_input(dtype, tolerance):
+    """Gemma 4: the router sees one input (the residual stream), the experts another (its normed copy)."""
+    layer = make_layer(dtype, capacity_factor=0.0, **FEATURES["gemma4"])
+    _perturb_router_bias(layer)
+    x, r = torch.randn(3, 11, 12, dtype=dtype), torch.randn(3, 11, 12, dtype=dtype)
+    params = list(layer.parameters())
+    upstream = torch.randn(x.shape, dtype=dtype)
+    results = []
+    for forward in (lambda x, r: (layer(x, router_input=r), layer.aux_loss), lambda x, r: reference_moe(layer, x, r)):
+        xi, ri = x.clone().requires_grad_(), r.clone().requires_grad_()
+        y, aux = forward(xi, ri)
+        grads = torch.autograd.grad((y * upstream).sum() + aux, [xi, ri] + params)
+        results.append((y.detach(),) + grads)
+    for got, want in zip(*results):
+        assert relative_error(got, want) <= tolerance
+    assert not torch.allclose(layer(x, router_input=r), layer(x))
+    with pytest.raises(ValueError, match="router_input must have x's shape"):
+        layer(x, router_input=r[:, :5])

@@ -215,3 +215,45 @@ def test_layer_equals_the_hf_block(name):
         if key in own:
             assert relative(own[key].grad, grad) <= 1e-5, key
     assert set(own) <= set(hf_grads), set(own) - set(hf_grads)
+
+
+def test_router_norm_expert_gate_scale_and_router_input_equal_gemma4s_moe_branch():
+    """Gemma 4's decoder layer routes the residual stream (its router: RMS norm without weight, a learned scale,
+    hidden_size ** -0.5, softmax top-k normalized, times per_expert_scale) and feeds the experts
+    pre_feedforward_layernorm_2 of it: the layer with router_norm, expert_gate_scale and router_input."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextExperts, Gemma4TextRouter
+    config = Gemma4TextConfig(hidden_size=DIM, num_experts=8, top_k_experts=3, moe_intermediate_size=HIDDEN,
+                              enable_moe_block=True, rms_norm_eps=1e-6)
+    assert config.hidden_activation == "gelu_pytorch_tanh"
+    router, experts, norm = Gemma4TextRouter(config), Gemma4TextExperts(config), Gemma4RMSNorm(DIM, eps=1e-6)
+    with torch.no_grad():
+        for module in (router, experts, norm):
+            for p in module.parameters():
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    layer = MoELayer(MoEConfig(**{**COMMON, "hidden_size": HIDDEN, "num_experts": 8, "top_k": 3,
+                                  "activation": "geglu_tanh", "router_norm": True, "router_norm_eps": 1e-6,
+                                  "expert_gate_scale": True}))
+    layer.load_state_dict({"router.weight_ED": router.proj.weight.detach(),
+                           "router.input_scale_D": router.scale.detach(),
+                           "router.gate_scale_E": router.per_expert_scale.detach(),
+                           **stacked("unused", "experts")({"unused": router.proj.weight, **{
+                               f"experts.{k}": v.detach() for k, v in experts.named_parameters()}})}, strict=False)
+
+    residual = torch.randn(2, 19, DIM)
+    upstream = torch.randn(2, 19, DIM)
+    r_hf, r_ours = residual.clone().requires_grad_(), residual.clone().requires_grad_()
+    flat = r_hf.reshape(-1, DIM)
+    _, weights, index = router(flat)
+    y_hf = experts(norm(flat), index, weights).view(residual.shape)
+    (y_hf * upstream).sum().backward()
+    y = layer(norm(r_ours), router_input=r_ours)
+    (y * upstream).sum().backward()
+
+    assert relative(y, y_hf.detach()) <= 1e-5 and relative(r_ours.grad, r_hf.grad) <= 1e-5
+    own = dict(layer.named_parameters())
+    pairs = {"router.weight_ED": router.proj.weight.grad, "router.input_scale_D": router.scale.grad,
+             "router.gate_scale_E": router.per_expert_scale.grad,
+             "experts.w1_EDH": t(experts.gate_up_proj.grad), "experts.w2_EHD": t(experts.down_proj.grad)}
+    for key, grad in pairs.items():
+        assert relative(own[key].grad, grad) <= 1e-5, key
