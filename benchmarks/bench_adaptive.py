@@ -36,12 +36,16 @@ def run(args, rank, world) -> dict:
     torch.manual_seed(0)
     config = dict(model_dim=args.model_dim, hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k,
                   capacity_factor=-args.capacity_cap, ep_size=world, node_size=args.node_size)
-    adaptive = MoELayer(MoEConfig(**config, parallel="auto", overlap_degree="auto", a2a="auto"))
+    searched = dict(parallel="auto", overlap_degree="auto" if "overlap_degree" in args.search else 1,
+                    a2a="auto" if "a2a" in args.search else "flat")
+    adaptive = MoELayer(MoEConfig(**config, **searched))
     static = MoELayer(MoEConfig(**config))
     static.load_state_dict({k: v for k, v in adaptive.state_dict().items() if not k.startswith("tuner.")})
     tuner = adaptive.tuner
     tuner.trials, tuner.drift, tuner.retune_every, tuner.prune = args.trials, args.drift, args.retune_every, args.prune
-    settings = list(tuner.candidates)
+    a2as = ["flat", "2dh"] if 1 < args.node_size < world else ["flat"]
+    settings = [(0, 1, "flat")] + [(r, d, a2a) for r in static.groups.layout.degrees() if r
+                                   for d in (1, 2, 4) for a2a in a2as]   # every static, whatever the tuner searches
 
     def step(layer, x_TD, grad_TD, setting=None):
         if setting is None:
@@ -135,6 +139,8 @@ def main():
     parser.add_argument("--skews", type=lambda s: [float(v) for v in s.split(",")], default=[0.0, 1.0])
     parser.add_argument("--phases", type=int, default=6)
     parser.add_argument("--steps-per-phase", type=int, default=40)
+    parser.add_argument("--search", type=lambda s: s.split(","), default=["parallel", "overlap_degree", "a2a"],
+                        help="the fields the adaptive layer sets to auto (parallel always; the rest are 1 / flat)")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--drift", type=float, default=0.5)
     parser.add_argument("--prune", type=float, default=3.0, help="skip what the cost model puts past this x the best")
