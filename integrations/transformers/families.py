@@ -159,13 +159,16 @@ SHARED_GATE = shared_mlp("shared_expert") + (row("shared_expert.gate_D", "shared
 DEEPSEEK = routed_experts() + shared_mlp("shared_experts") + (same("router.expert_bias_E", "gate.e_score_correction_bias"),)
 GRANITE = routed_experts(router="router.weight")
 
-# Each entry's model_type is that of the config its blocks are built from: a composite model (Qwen3-VL-MoE,
+# The first five are the original families (listed first in messages). Each entry's model_type is that of the
+# config its blocks are built from: a composite model (Qwen3-VL-MoE,
 # Qwen3-Omni-MoE, GLM-4.5V, Aria) is found through its text configs (families_in).
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     _family("mixtral", "MixtralSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
-    _family("minimax", "MiniMaxSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
     _family("qwen2_moe", "Qwen2MoeSparseMoeBlock", _qwen2_moe, routed_experts() + SHARED_GATE),
     _family("qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_moe, routed_experts()),
+    _family("olmoe", "OlmoeSparseMoeBlock", _olmoe, routed_experts()),
+    _family("deepseek_v3", "DeepseekV3MoE", _deepseek_v3, DEEPSEEK),
+    _family("minimax", "MiniMaxSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
     _family("mellum", "MellumSparseMoeBlock", _qwen3_moe, routed_experts()),
     _family("qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock", _qwen3_vl_moe, routed_experts(), module="qwen3_vl_moe"),
     _family("qwen3_omni_moe_text", "Qwen3OmniMoeThinkerTextSparseMoeBlock", _qwen3_moe, routed_experts(),
@@ -175,9 +178,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     _family("qwen3_next", "Qwen3NextSparseMoeBlock", _qwen2_moe, routed_experts() + SHARED_GATE),
     _family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", _qwen3_5_moe, routed_experts() + SHARED_GATE,
             module="qwen3_5_moe"),
-    _family("olmoe", "OlmoeSparseMoeBlock", _olmoe, routed_experts()),
     _family("flex_olmo", "FlexOlmoSparseMoeBlock", _flex_olmo, routed_experts()),
-    _family("deepseek_v3", "DeepseekV3MoE", _deepseek_v3, DEEPSEEK),
     _family("deepseek_v32", "DeepseekV32MoE", _deepseek_v3, DEEPSEEK),
     _family("glm4_moe", "Glm4MoeMoE", _deepseek_v3, DEEPSEEK),
     _family("glm4_moe_lite", "Glm4MoeLiteMoE", _deepseek_v3, DEEPSEEK),
