@@ -163,17 +163,17 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         tick = time.perf_counter()
         x, y = (t.to(procs.device) for t in data.train.next())   # x_BS, y_BS tokens; or x_BCHW, y_B images
         logits = wrapped(x)                                        # logits_BSV; or logits_BL
-        lm_loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+        task_loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
         correct = int((logits.argmax(-1) == y).sum()) if task == "image" else 0
         router_loss = aux_loss(model)
         optimizer.zero_grad(set_to_none=True)
-        (lm_loss + router_loss).backward()
+        (task_loss + router_loss).backward()
         if cfg.train.grad_clip:
             clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size)
         optimizer.step()
         update_expert_bias(model)
         scheduler.step()
-        window.add(lm_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
+        window.add(task_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
                    items_per_step, time.perf_counter() - tick, correct)
 
         is_eval = step % cfg.train.eval_every == 0 or step == last
@@ -223,8 +223,8 @@ def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes
     train_records = [r for r in records if "loss" in r]
     image = cfg.data.task == "image"
     unit, per_row = ("images", 1) if image else ("tokens", cfg.model.seq_len)
-    accuracy = {"val_accuracy_first": records[0]["val_accuracy"], "val_accuracy_last": records[-1]["val_accuracy"]} \
-        if image else {}
+    val_accuracy = [r["val_accuracy"] for r in records if "val_accuracy" in r]
+    accuracy = {"val_accuracy_first": val_accuracy[0], "val_accuracy_last": val_accuracy[-1]} if image else {}
     return {"name": cfg.log.name, "task": cfg.data.task, "out_dir": str(out_dir), "plots": cfg.log.plots,
             "world_size": procs.world_size, "steps": records[-1]["step"], "seconds": seconds,
             unit: records[-1]["step"] * cfg.train.batch_size * per_row * procs.world_size,
