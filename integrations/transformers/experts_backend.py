@@ -90,7 +90,10 @@ def _same_function(experts: nn.Module, candidate: Activation) -> bool:
     scale = 2.0 * (candidate.limit or 4.0)
     pre = (torch.rand(_PROBE_ROWS, width, generator=generator, dtype=torch.float64) * 2 - 1) * scale
     with torch.no_grad():
-        theirs = experts._apply_gate(pre) if experts.has_gate else experts.act_fn(pre)
+        try:
+            theirs = experts._apply_gate(pre) if experts.has_gate else experts.act_fn(pre)
+        except (RuntimeError, TypeError):     # a gate with parameters of another dtype or device: HF's own, then
+            return False
         ours = activation_forward(pre[:, _concatenated_order(experts, width)], candidate)
     return theirs.shape == ours.shape and torch.allclose(theirs, ours, rtol=1e-9, atol=1e-12)
 

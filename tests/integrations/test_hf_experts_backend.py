@@ -145,6 +145,22 @@ def test_fused_path_is_taken_where_the_layer_computes_hf_gate():
     assert activation_of(v4) is None
 
 
+def test_a_gate_the_probe_cannot_run_stays_on_hf_function(fresh_seed, monkeypatch):
+    """A family gate that fails on the fp64 probe (say, parameters of another dtype) is not matched: HF's gate runs."""
+    from moe_plugin.integrations.transformers import experts_backend
+    cls = next(c for c in experts_classes("glm5_next", "modeling_glm5_next") if c.__name__ == "Glm5NextTextExperts")
+    hf_gate = cls._apply_gate
+
+    def fp32_only_gate(self, gate_up):
+        if gate_up.dtype != torch.float32:
+            raise RuntimeError("expected fp32")
+        return hf_gate(self, gate_up)
+    monkeypatch.setattr(cls, "_apply_gate", fp32_only_gate)
+    monkeypatch.setattr(experts_backend, "_checked", {})
+    ours = compare_experts("glm5_next", cls, fresh_seed)
+    assert experts_backend.activation_of(ours) is None
+
+
 @pytest.mark.parametrize("hidden_act, fused", [("gelu", "geglu"), ("gelu_pytorch_tanh", "geglu_tanh"),
                                                ("gelu_new", None), ("relu", None)])
 def test_mixtral_experts_with_other_hidden_acts_match_grouped_mm(hidden_act, fused, fresh_seed, monkeypatch):
