@@ -37,6 +37,13 @@ class RouterLogits(nn.Module):
     def e_score_correction_bias(self):
         return self._router.expert_bias_E
 
+    @property
+    def bias(self):   # gpt-oss's and Llama 4's routers have one (HF's _init_weights reads it); None without
+        return getattr(self._router, "bias_E", None)
+
+    def extra_repr(self) -> str:   # not the HF router's (Llama 4's is an nn.Linear's, reading its sizes)
+        return ""
+
     def __reduce_ex__(self, protocol):
         if type(self) is RouterLogits:
             return super().__reduce_ex__(protocol)
@@ -86,6 +93,7 @@ class HFMoEBlock(nn.Module):
     """
 
     tap_name = "router_logits"
+    returns_tuple = False   # (output, None), as gpt-oss's and Llama 4's blocks return (output, router scores)
 
     def __init__(self, moe: MoELayer, family: str, router_logits: Optional[RouterLogits] = None,
                  jitter_noise: float = 0.0):
@@ -119,7 +127,8 @@ class HFMoEBlock(nn.Module):
         tap = self.tap
         if tap is not None and tap._forward_hooks and _recording_router_logits():
             tap(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
-        return self.moe(hidden_states)
+        output = self.moe(hidden_states)
+        return (output, None) if self.returns_tuple else output
 
     def extra_repr(self) -> str:
         return f"family={self.family!r}"

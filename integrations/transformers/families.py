@@ -17,7 +17,7 @@ import torch
 
 from .family import (Family, WeightMap, _common, activation, flat_experts,  # noqa: F401 (WeightMap: re-exported)
                      routed_experts, row, same, shared_mlp, stacked_experts, unsupported)
-from .families_featured import FEATURED_FAMILIES
+from .families_featured import FEATURED_COMPOSITES, FEATURED_FAMILIES, FEATURED_GROUPS, FEATURED_NOTES
 
 
 def _mixtral(c):
@@ -64,15 +64,6 @@ def _mimo_v2_flash(c):
 
 def _mistral4(c):   # DeepSeek-V3's groups over softmax probabilities, no bias
     return {**_deepseek_v3(c), "router": "softmax"}
-
-
-def _deepseek_v2(c):
-    if c.topk_method != "greedy":
-        raise unsupported(c, "topk_method", c.topk_method, "'greedy' (group_limited_greedy scores a group by its "
-                          "best expert, which the layer does not compute yet)")
-    return {**_common(c, c.moe_intermediate_size, c.n_routed_experts, False),
-            "route_scale": float(c.routed_scaling_factor),
-            "shared_hidden_size": c.moe_intermediate_size * c.n_shared_experts}
 
 
 def _minimax_m2(c):   # sigmoid scores, a choice-only bias, always normalized
@@ -188,7 +179,6 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     _family("mimo_v2_flash", "MiMoV2FlashMoE", _mimo_v2_flash,
             routed_experts() + (same("router.expert_bias_E", "gate.e_score_correction_bias"),)),
     _family("mistral4", "Mistral4MoE", _mistral4, routed_experts() + shared_mlp("shared_experts")),
-    _family("deepseek_v2", "DeepseekV2Moe", _deepseek_v2, routed_experts() + shared_mlp("shared_experts")),
     _family("minimax_m2", "MiniMaxM2SparseMoeBlock", _minimax_m2,
             routed_experts() + (same("router.expert_bias_E", "e_score_correction_bias"),),
             jitter_noise=_jitter("router_jitter_noise")),
@@ -221,6 +211,7 @@ COMPOSITES: Dict[str, Tuple[str, ...]] = {
     "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),
     "glm4v_moe": ("glm4v_moe_text",),
     "aria": ("aria_text",),
+    **FEATURED_COMPOSITES,
 }
 
 # The README's grouping of the model types (supported_model_types_markdown) and what it says of some.
@@ -230,22 +221,22 @@ GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
                                       "granitemoe", "granitemoeshared", "granitemoehybrid")),
     ("Softmax top-k with a shared expert", ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text",
                                             "qwen3_omni_moe_talker_text", "hunyuan_v1_moe", "ernie4_5_moe",
-                                            "aria_text", "cohere2_moe", "deepseek_v2", "mistral4")),
+                                            "aria_text", "cohere2_moe", "mistral4")),
     ("DeepSeek-V3-style (sigmoid, choice-only bias, expert groups, scale, shared experts)",
      ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "dots1", "kimi_linear",
       "mimo_v2_flash")),
     ("Sigmoid with a choice-only bias", ("minimax_m2", "afmoe", "lfm2_moe")),
-)
+) + FEATURED_GROUPS
 NOTES: Dict[str, str] = {
     "granitemoeshared": "the decoder layer's shared MLP (`shared_mlp`) stays HF's; the routed block is swapped "
                         "(the same for `granitemoehybrid`, whose Mamba and attention layers stay HF's too)",
     "jamba": "only the MoE layers (every `expert_layer_period`-th) are swapped; dense MLP and Mamba layers stay HF's",
-    "deepseek_v2": "`topk_method` \"greedy\" only; \"group_limited_greedy\" is refused with an error naming the key",
     "ernie4_5_moe": "the `moe_statics` bias is the choice-only bias; `moe_norm_min` must stay below top-k / experts",
     "lfm2_moe": "HF adds 1e-6 to the top-k sum it divides by, the layer nothing: gates agree to about 1e-6 relative",
     "hunyuan_v1_moe": "`num_experts` and `moe_topk` given per layer must be the same for every layer",
     "cohere2_moe": "`shared_expert_combination_strategy` \"sum\" only (\"average\" is refused)",
     "dbrx": "`ffn_config.moe_normalize_expert_weights` None or 1 only",
+    **FEATURED_NOTES,
 }
 
 

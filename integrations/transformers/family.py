@@ -95,6 +95,7 @@ class Family:
     moe_config: Callable[[Any], Dict[str, Any]]   # HF config -> MoEConfig fields
     weights: Tuple[WeightMap, ...]
     jitter_noise: Callable[[Any], float] = lambda config: 0.0   # Mixtral's input jitter in training
+    returns_tuple: bool = False   # the HF block returns (output, router scores) (gpt-oss, Llama 4): ours (output, None)
 
     def block_class(self) -> type:
         import importlib

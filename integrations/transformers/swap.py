@@ -113,6 +113,7 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
         param.data = param.data.to(reference.dtype)
     block = (block_class or block_type())(layer, family.model_type, tap_class() if tap_class else None,
                                           family.jitter_noise(hf_config))
+    block.returns_tuple = family.returns_tuple
     block.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family.model_type))   # a name: picklable
     return block.train(hf_block.training)
 

@@ -5,6 +5,7 @@ and export_hf round trips; a capacity override's drops; ep_size 2 on 2 gloo proc
 A family's tiny config: hf_helpers.SPECIFIC / MORE (D 40, 2-3 layers, 6 experts, or 8 in 4 groups, top-3,
 SiLU), or COMPOSITE below for the families HF builds only inside a composite model.
 """
+import inspect
 import math
 import re
 from pathlib import Path
@@ -130,6 +131,20 @@ def run(model, batch, backward=True):
     return output, loss, out.router_logits, getattr(out, "aux_loss", None)
 
 
+def largest_grad(model) -> float:
+    return max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+
+
+def assert_grad_close(actual, expected, scale, what):
+    """TOL relative to the gradient itself, or to 1e-3 of the model's largest gradient where it is smaller: a few
+    parameters' gradients are tiny sums that cancel (HY-V4's and GLM-5-Next's hyper-connections, ~1e-6), and fp32
+    rounding of the MoE output alone (HF's against HF's with the experts moved by 1e-7) moves them by 2e-5 of
+    themselves."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = float((actual.double() - expected.double()).abs().max()) / max(float(expected.abs().max()), 1e-3 * scale)
+    assert err <= TOL, f"{what}: relative error {err:.3g} > {TOL}"
+
+
 def blocks_of(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, hf_moe.HFMoEBlock)}
 
@@ -170,11 +185,12 @@ def test_swapped_family_matches_hf_logits_loss_router_logits_aux_loss_and_every_
     if expected[3] is not None:
         assert_close_rel(actual[3], expected[3], TOL, "aux_loss")
     grads = hf_named_grads(swapped)
+    scale = largest_grad(model)
     for name, param in model.named_parameters():
         if param.grad is None:   # a bias kept as a frozen parameter (AFMoE, ERNIE): none on our side either
             assert grads.get(name) is None, name
         else:
-            assert_close_rel(grads[name], param.grad, TOL, f"grad of {name}")
+            assert_grad_close(grads[name], param.grad, scale, f"grad of {name}")
 
 
 @pytest.mark.parametrize("family,extra", CASES)
@@ -215,7 +231,7 @@ def test_state_dict_hf_names_and_export_hf_round_trips(family, extra, fresh_seed
 def test_capacity_override_drops_the_choices_past_capacity(family, fresh_seed):
     """capacity_factor 0.5: slots are taken choice-major (every token's best choice first) in token order; a
     choice past its expert's capacity adds nothing and the kept gates keep their HF values. Expected: HF's own
-    block with the dropped choices' weights zeroed on their way into HF's experts."""
+    block with the dropped choices' weights zeroed on their way into HF's experts (Llama 4: out of its router)."""
     model = build(family, fresh_seed).eval()
     name, hf_block = next((n, m) for n, m in model.named_modules()
                           if isinstance(m, hf_moe.FAMILIES[family].block_class()))
@@ -241,12 +257,24 @@ def test_capacity_override_drops_the_choices_past_capacity(family, fresh_seed):
         keep_TK = torch.tensor([[float((t, int(e)) in kept) for e in row] for t, row in enumerate(index_TK)])
         return (hidden, index_TK, weight_TK * keep_TK.to(weight_TK.dtype), *args[3:])
 
-    handle = hf_block.experts.register_forward_pre_hook(drop)
+    def drop_scores(module, args, output):   # Llama 4: its router's scores [T, E] scale the experts' input
+        scores_TE, *rest = output
+        keep_TE = torch.zeros_like(scores_TE)
+        for t, e in kept:
+            keep_TE[t, e] = 1
+        return (scores_TE * keep_TE, *rest)
+
+    if len(inspect.signature(hf_block.experts.forward).parameters) >= 3:
+        handle = hf_block.experts.register_forward_pre_hook(drop)
+    else:
+        handle = hf_block.router.register_forward_hook(drop_scores)
     try:
         with torch.no_grad():
             expected, actual = hf_block(x.clone()), block(x.clone())
     finally:
         handle.remove()
+    if isinstance(expected, tuple):   # (output, router scores) from gpt-oss's and Llama 4's blocks; ours (output, None)
+        expected, actual = expected[0].reshape(x.shape), actual[0]
     assert len(kept) < T * K, "the test should drop some choices"
     assert block.moe.stats["capacity"] == capacity
     assert block.moe.stats["dropped_fraction"] == pytest.approx(1 - len(kept) / (T * K))
@@ -303,9 +331,10 @@ def test_ep2_on_two_processes_equals_one_process_for_every_family(fresh_seed, tm
             full = {n: (torch.cat([r["layers"][block][n] for r in result]) if n.startswith("experts.")
                         else sum(r["layers"][block][n] for r in result)) for n in names}
             grads.update({f"{block}.{k}": v for k, v in hf_moe.layer_to_hf(entry, full, partial=True).items()})
+        scale = largest_grad(model)
         for name, param in model.named_parameters():
             if param.grad is not None:
-                assert_close_rel(grads[name], param.grad, TOL, f"{family} grad of {name}")
+                assert_grad_close(grads[name], param.grad, scale, f"{family} grad of {name}")
         loaded = type(model).from_pretrained(tmp_path / family)
         for name, tensor in model.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], tensor), f"{family} exported {name}"
@@ -342,10 +371,6 @@ UNCOMPUTABLE = [
     ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size=16"),
     ("nemotron_h", dict(mlp_bias=True), "mlp_bias=True"),
 ]
-if "deepseek_v2" in ALL and hf_moe.FAMILIES["deepseek_v2"].module.endswith("deepseek_v2") \
-        and hf_moe.FAMILIES["deepseek_v2"] not in hf_moe.families.FEATURED_FAMILIES:
-    UNCOMPUTABLE.append(("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
-                         "topk_method='group_limited_greedy'"))
 
 
 @pytest.mark.parametrize("family,fields,named", [case for case in UNCOMPUTABLE if case[0] in ALL])
