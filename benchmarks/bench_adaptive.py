@@ -34,8 +34,8 @@ def name_of(setting) -> str:
 
 def run(args, rank, world) -> dict:
     torch.manual_seed(0)
-    config = dict(model_dim=args.model_dim, hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k,
-                  capacity_factor=-args.capacity_cap, ep_size=world, node_size=args.node_size)
+    config = dict(model_dim=args.model_dim, hidden_size=args.hidden_size, num_experts=args.num_experts,
+                  top_k=args.top_k, capacity_factor=-args.capacity_cap, ep_size=world, node_size=args.node_size)
     searched = dict(parallel="auto", overlap_degree="auto" if "overlap_degree" in args.search else 1,
                     a2a="auto" if "a2a" in args.search else "flat")
     adaptive = MoELayer(MoEConfig(**config, **searched))
@@ -79,7 +79,8 @@ def run(args, rank, world) -> dict:
                 start = time.perf_counter()
                 step(adaptive if setting is None else static, x_TD, grad_TD, setting)
                 seconds["adaptive" if setting is None else name_of(setting)].append(time.perf_counter() - start)
-            chosen.append(name_of((adaptive.stats["parallel"], adaptive.stats["overlap_degree"], adaptive.stats["a2a"])))
+            ran = adaptive.stats
+            chosen.append(name_of((ran["parallel"], ran["overlap_degree"], ran["a2a"])))
             phase_of_step.append(phase)
     table = torch.tensor([seconds[name] for name in names], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)          # a step takes as long as its slowest rank

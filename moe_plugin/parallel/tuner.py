@@ -13,8 +13,9 @@ setting, filled online and re-tuned as the load drifts (Tutel, section 3.3).
   a setting's first call ever is dropped (warm-up: a new communicator's first use); each is timed
   `trials` times, its median kept; those the cost model puts past `prune` x the best one measured
   so far are skipped. The next setting is called as soon as this one's calls are issued; while the
-  last times are on their way, the best setting so far runs. The choice is re-timed every `retune_every` calls of its key, or when its
-  median over the last `trials` calls drifts past `drift` from the one it won with.
+  last times are on their way, the best setting so far runs. The choice is re-timed every
+  `retune_every` calls of its key, or when its median over the last `trials` calls drifts past
+  `drift` from the one it won with.
 - Persistence: the dictionary is the module's extra state, tagged (ep_size, node_size, dims, dtype).
 
 OnceTuner (parallel / overlap_degree "auto_once"): times every candidate during the first calls
