@@ -46,10 +46,10 @@ class MoEArgs(FairseqDataclass):
                 "holds every expert"})
     moe_parallel: str = field(default="1", metadata={
         "help": "0: gather the experts, 1: expert parallel, r > 1: each expert sliced over r ranks, "
-                "or auto"})
+                "auto (re-tuned per load) or auto_once (tuned once)"})
     moe_overlap_degree: str = field(default="1", metadata={
-        "help": "chunks the all-to-all is cut into to overlap it with expert compute, or auto"})
-    moe_a2a: str = field(default="flat", metadata={"help": "flat or 2dh (2D-hierarchical all-to-all)"})
+        "help": "chunks the all-to-all is cut into to overlap it with expert compute, auto or auto_once"})
+    moe_a2a: str = field(default="flat", metadata={"help": "flat, 2dh (2D-hierarchical all-to-all) or auto (with --moe-parallel auto)"})
     moe_aux_loss: str = field(default="gshard", metadata={
         "help": "load-balancing loss: gshard (first choices), switch (all k choices), seq (DeepSeek-V3's "
                 "per-sequence loss) or none"})
@@ -177,8 +177,8 @@ def _ratio(fraction: Any, num_experts: Any, top_k: Any) -> Any:
 def _int_or_auto(flag: str, value: Union[int, str]) -> Union[int, str]:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if value == "auto":
+    if value in ("auto", "auto_once"):
         return value
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
-    raise ValueError(f"{flag} {value!r} is invalid: must be an integer >= 0 or 'auto'")
+    raise ValueError(f"{flag} {value!r} is invalid: must be an integer >= 0, 'auto' or 'auto_once'")

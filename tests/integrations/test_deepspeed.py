@@ -48,6 +48,16 @@ def test_section_needs_a_backend_and_softmax_for_deepspeed():
         dsi.read_moe_section({"moe": ["tutel"]})
 
 
+def test_the_section_takes_both_tuners():
+    per_load = dsi.read_moe_section({"moe": {"backend": "tutel", "parallel": "auto", "overlap_degree": "auto",
+                                             "a2a": "auto"}})
+    assert (per_load["parallel"], per_load["overlap_degree"], per_load["a2a"]) == ("auto", "auto", "auto")
+    once = dsi.read_moe_section({"moe": {"backend": "tutel", "parallel": "auto_once", "overlap_degree": "auto_once"}})
+    assert (once["parallel"], once["overlap_degree"]) == ("auto_once", "auto_once")
+    with pytest.raises(ValueError, match="auto_once"):
+        dsi.read_moe_section({"moe": {"backend": "tutel", "parallel": "sometimes"}})
+
+
 def test_config_follows_deepspeed_gating():
     top1 = dsi.moe_config(D, H, E, 1, 1, 1.5, 2.0, 3, True, "relu", True)
     assert (top1.top_k, top1.capacity_factor, top1.eval_capacity_factor, top1.min_capacity) == (1, 1.5, 2.0, 3)

@@ -52,11 +52,20 @@ def test_defaults_follow_fairseqs_moe_branch(adapter):
     assert adapter.config.moe_config_from_args(no_eval, 32, 128).eval_capacity_factor is None
 
 
+def test_the_tuner_flags_take_auto_and_auto_once(adapter):
+    per_load = moe_args(adapter, moe_parallel="auto", moe_overlap_degree="auto", moe_a2a="auto", moe_ep_size=2)
+    config = adapter.config.moe_config_from_args(per_load, model_dim=32, ffn_dim=64)
+    assert (config.parallel, config.overlap_degree, config.a2a) == ("auto", "auto", "auto")
+    once = moe_args(adapter, moe_parallel="auto_once", moe_overlap_degree="auto_once", moe_ep_size=2)
+    config = adapter.config.moe_config_from_args(once, model_dim=32, ffn_dim=64)
+    assert (config.parallel, config.overlap_degree) == ("auto_once", "auto_once")
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"moe_second_expert_policy": "random"}, "--moe-second-expert-policy 'random' is not supported"),
     ({"moe_router": "topk"}, "--moe-router: MoEConfig.router='topk' is invalid: must be one of"),
     ({"moe_expert_count": 8, "moe_ep_size": 3}, "--moe-ep-size: ep_size=3 cannot hold num_experts=8"),
-    ({"moe_parallel": "fast"}, "--moe-parallel 'fast' is invalid: must be an integer >= 0 or 'auto'"),
+    ({"moe_parallel": "fast"}, "--moe-parallel 'fast' is invalid: must be an integer >= 0, 'auto' or 'auto_once'"),
     ({"moe_overlap_degree": "0"}, "--moe-overlap-degree: MoEConfig.overlap_degree=0 is invalid"),
     ({"moe_expert_ffn_dim": 0}, "--moe-expert-ffn-dim: MoEConfig.hidden_size=0 is invalid"),
     ({"moe_capacity_factor": "big"}, "--moe-capacity-factor: MoEConfig.capacity_factor='big' is invalid"),
