@@ -212,6 +212,7 @@ def test_bad_image_configs_name_the_key(override, expected):
 @pytest.mark.parametrize("override, expected", [
     ("data.image_size=16", r"data.image_size=16 is invalid with data.task='lm': it applies to data.task='image'"),
     ("upcycle.every=2", r"upcycle is invalid (with data.task='lm'|without an hf section)"),
+    ("hf.model_type=swinv2", r"hf.model_type='swinv2' is an image classifier: it needs data.task='image'"),
 ])
 def test_image_keys_are_errors_for_a_language_model(override, expected):
     with pytest.raises(ValueError, match=expected):

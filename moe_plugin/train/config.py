@@ -164,9 +164,13 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
     check_data_config(cfg.data)
+    from .hf_image import IMAGE_MODEL_TYPES
     if cfg.data.task == "image":
         from .hf_image import image_moe_configs   # imports transformers
         moes = image_moe_configs(cfg)
+    elif cfg.hf is not None and cfg.hf.get("model_type") in IMAGE_MODEL_TYPES:
+        raise ValueError(f"hf.model_type={cfg.hf['model_type']!r} is an image classifier: it needs data.task='image' "
+                         f"(see configs/experiments/swinv2_moe.yaml)")
     elif cfg.hf is not None:
         from .hf_model import hf_moe_configs   # imports transformers
         moes = hf_moe_configs(cfg)
