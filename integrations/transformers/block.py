@@ -120,7 +120,8 @@ class HFMoEBlock(nn.Module):
         blocks; the expert bias 0. HF's init_weights() calls this through the model's _init_weights."""
         self.moe.reset_parameters()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids: what DeepSeek-V4's decoder passes (for its hash-routed blocks, which are not swapped); unused."""
         if self.training and self.jitter_noise > 0:   # Mixtral's router_jitter_noise, as HF applies it
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise

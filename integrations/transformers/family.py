@@ -96,6 +96,7 @@ class Family:
     weights: Tuple[WeightMap, ...]
     jitter_noise: Callable[[Any], float] = lambda config: 0.0   # Mixtral's input jitter in training
     returns_tuple: bool = False   # the HF block returns (output, router scores) (gpt-oss, Llama 4): ours (output, None)
+    swaps: Callable[[Any], bool] = lambda hf_block: True   # which blocks of the class (DeepSeek-V4: not hash-routed)
 
     def block_class(self) -> type:
         import importlib

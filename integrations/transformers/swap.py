@@ -52,7 +52,7 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
         config = _moe_config(family, hf_config, overrides)
         hf_class = family.block_class()
         swaps += [(name, module, family, config, hf_config) for name, module in model.named_modules()
-                  if isinstance(module, hf_class)]
+                  if isinstance(module, hf_class) and family.swaps(module)]
     if not swaps:
         names = ", ".join(f"{f.block} ({f.model_type})" for f, _ in found)
         raise ValueError(f"swap_moe_blocks: the {hf_config_of(model).model_type} model has no {names} "
