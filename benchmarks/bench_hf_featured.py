@@ -27,12 +27,6 @@ from torch import nn
 
 import moe_plugin.integrations.transformers as hf_moe   # hides an unloadable torchaudio first
 import transformers
-from moe_plugin.integrations.transformers.families_featured import NEEDS_TUPLE_OUTPUT
-
-# gpt_oss and llama4_text wait outside the table until a swapped block returns HF's tuple (families_featured.py);
-# a block alone, as timed here, needs no tuple: their entries join the table for this script only
-for _family in NEEDS_TUPLE_OUTPUT:
-    hf_moe.FAMILIES.setdefault(_family.model_type, _family)
 
 SHAPES = {
     "gpt_oss": lambda: transformers.GptOssConfig(hidden_size=512, intermediate_size=512, num_local_experts=32,

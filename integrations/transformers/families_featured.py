@@ -3,7 +3,7 @@
 
   gpt_oss         swiglu_oai (limit, alpha), router bias, expert biases; gate/up interleaved in [E, D, 2H]
   llama4_text     sigmoid top-1 gating the expert input; a plain shared MLP; only the MoE layers (moe_layers)
-                  (these two wait in NEEDS_TUPLE_OUTPUT, see there)
+                  (both blocks return (output, router scores), which their decoders unpack: returns_tuple)
   deepseek_v2     softmax, unnormalized, scaled; topk_method "greedy" or "group_limited_greedy" (group_score max)
   glm5_next_text  DeepSeek-V3 routing, SwiGLU clamped at swiglu_limit in the experts and the shared expert
   hy_v4           the same, its shared expert unclamped (clamp_shared False)
@@ -93,29 +93,21 @@ def _nemotron_h(c):
             "shared_hidden_size": c.moe_shared_expert_intermediate_size}
 
 
-def _family(model_type: str, module: str, block: str, moe_config, weights) -> Family:
-    return Family(model_type, f"transformers.models.{module}.modeling_{module}", block, moe_config, weights)
+def _family(model_type: str, module: str, block: str, moe_config, weights, **options) -> Family:
+    return Family(model_type, f"transformers.models.{module}.modeling_{module}", block, moe_config, weights, **options)
 
 
 CORRECTION_BIAS = (same("router.expert_bias_E", "gate.e_score_correction_bias"),)
 
-# gpt-oss's and Llama 4's decoder layers unpack their MoE block's output as (hidden states, router scores): until
-# the swapped block returns that tuple (a swap.py / block.py change, requested), swapping them would unpack the
-# hidden states along the batch dimension, a silently wrong result. So they are not in the table yet; their
-# entries are checked at block level (tests/integrations/test_hf_features.py) and by hand on whole models with
-# the block patched to return (y, None) (logits 2.9e-7 and 1.8e-7, every gradient below 1e-6).
-NEEDS_TUPLE_OUTPUT: Tuple[Family, ...] = (
+FEATURED_FAMILIES: Tuple[Family, ...] = (
     _family("gpt_oss", "gpt_oss", "GptOssMLP", _gpt_oss,
             (same("router.weight_ED", "router.weight"), interleaved_gate_up("experts.w1_EDH", "experts.gate_up_proj"),
              interleaved_gate_up("experts.b1_EH", "experts.gate_up_proj_bias"),
              same("experts.w2_EHD", "experts.down_proj"), same("experts.b2_ED", "experts.down_proj_bias"),
-             same("router.bias_E", "router.bias"))),
+             same("router.bias_E", "router.bias")), returns_tuple=True),
     _family("llama4_text", "llama4", "Llama4TextMoe", _llama4_text,
             (same("router.weight_ED", "router.weight"), same("experts.w1_EDH", "experts.gate_up_proj"),
-             same("experts.w2_EHD", "experts.down_proj")) + shared_mlp("shared_expert")),
-)
-
-FEATURED_FAMILIES: Tuple[Family, ...] = (
+             same("experts.w2_EHD", "experts.down_proj")) + shared_mlp("shared_expert"), returns_tuple=True),
     _family("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", _deepseek_v2,
             routed_experts() + shared_mlp("shared_experts")),
     _family("glm5_next_text", "glm5_next", "Glm5NextTextMoE", _glm5_next_text,
@@ -129,13 +121,12 @@ FEATURED_FAMILIES: Tuple[Family, ...] = (
 )
 
 # Composite models whose text configs carry the families above, for families.COMPOSITES.
-# (later "llama4": ("llama4_text",))
-FEATURED_COMPOSITES: Dict[str, Tuple[str, ...]] = {"glm5_next": ("glm5_next_text",)}
+FEATURED_COMPOSITES: Dict[str, Tuple[str, ...]] = {"llama4": ("llama4_text",), "glm5_next": ("glm5_next_text",)}
 
 # For the README's table (families.GROUPS / NOTES).
 FEATURED_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("Needing the newer layer features (clamped SwiGLU, router bias, input gating, group max, relu2)",
-     ("deepseek_v2", "glm5_next_text", "hy_v4", "nemotron_h")),   # later "gpt_oss", "llama4_text"
+     ("gpt_oss", "llama4_text", "deepseek_v2", "glm5_next_text", "hy_v4", "nemotron_h")),
 )
 FEATURED_NOTES: Dict[str, str] = {
     "gpt_oss": "`swiglu_oai` with `swiglu_limit` and `swiglu_alpha`, router and expert biases; the router runs in "
