@@ -1,9 +1,11 @@
-"""`moe-plugin train [CONFIG.yaml] [key=value ...]`: train a small MoE transformer LM.
+"""`moe-plugin train [CONFIG.yaml] [key=value ...]`: train a small MoE transformer LM (or an HF
+architecture: an MoE family, a dense LM optionally upcycled, or a Swinv2 image classifier).
 
 Legend: B batch rows per rank, S sequence length, V vocabulary.
 
-A config has the sections model, moe, data, train, parallel and log, and optionally hf (an HF MoE
-architecture as the model: hf_model.py). The defaults in config.py are the
+A config has the sections model, moe, data, train, parallel and log, and optionally hf (an HF
+architecture as the model: hf_model.py; with data.task image, hf_image.py on data_images.py) and
+upcycle (dense MLPs made MoE blocks). The defaults in config.py are the
 default experiment (configs/experiments/default.yaml spells them out; a test keeps them equal).
 A run writes to log.out_dir: metrics.jsonl, summary.txt, result.json, loss.png, expert_load.png
 and checkpoints/step_NNNNNN. Under torchrun every rank trains on its own data shard
@@ -14,7 +16,8 @@ sharded checkpoint (torch.distributed.checkpoint) that resumes on any number of 
 
 One file per job: config.py (sections, loading, checks), processes.py (one process or torchrun ranks),
 metrics.py (the metrics window and log), parts.py (model, optimizer, LR schedule, data, DDP),
-checkpoint.py (save and restore), loop.py (the training loop), command.py (the command line).
+checkpoint.py (save and restore), loop.py (the training loop), command.py (the command line; with
+--nproc-per-node it starts torchrun itself, --numa-binding passed through).
 """
 from .checkpoint import (checkpoint_path, checkpoints, full_state_dict, load_full_state_dict, rank_state, read_meta,
                          remove_checkpoints, resolve_resume, restore, save)
