@@ -9,8 +9,9 @@ expert in each MoE layer.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 MAX_LABELLED_EXPERTS = 12
 
@@ -20,10 +21,26 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[int]]], task: str = "lm") -> None:
+def run_records(path: Optional[str]) -> List[dict]:
+    """The metrics.jsonl records of the run a checkpoint path belongs to (its out_dir, a checkpoint folder in
+    it, or its hf_model/ folder); [] when there is none."""
+    if not path:
+        return []
+    folder = Path(path).resolve()
+    for candidate in (folder, folder.parent, folder.parent.parent):
+        metrics = candidate / "metrics.jsonl"
+        if metrics.is_file():
+            return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return []
+
+
+def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[int]]], task: str = "lm",
+               before: Optional[List[dict]] = None) -> None:
     """loss.png: train and validation loss, dropped tokens. expert_load.png: per MoE layer, the share of
     tokens per expert over the steps, and (synthetic corpus, image classes) the share of each topic's
-    tokens per expert. accuracy.png (an image classifier): train and validation accuracy."""
+    tokens per expert. accuracy.png (an image classifier): train and validation accuracy.
+    before: the records of the run this one continues (a dense run before upcycling), drawn in grey at
+    steps <= 0 so the loss is seen continuing from it."""
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
     image = task == "image"
@@ -31,6 +48,12 @@ def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[
 
     figure = _figure(10, 3.6)
     loss_ax, drop_ax = figure.subplots(1, 2)
+    if before:
+        last = max(r["step"] for r in before)
+        earlier = [r for r in before if "loss" in r]
+        loss_ax.plot([r["step"] - last for r in earlier], [r["loss"] for r in earlier], color="0.6",
+                     label="the run it continues (train)")
+        loss_ax.axvline(0, color="0.6", linestyle=":")
     loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     loss_ax.set(title="cross-entropy loss (nats per image)" if image else "LM loss (nats per byte)", xlabel="step")

@@ -210,7 +210,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     from .. import plots
     if cfg.log.plots:
-        plots.save_plots(log.records, out_dir, routing, task)
+        before = plots.run_records(cfg.upcycle.checkpoint) if cfg.upcycle is not None else []
+        plots.save_plots(log.records, out_dir, routing, task, before)
     summary = plots.summary(cfg.log.name, result, log.records, routing)
     (out_dir / "summary.txt").write_text(summary)
     print(summary, end="")
