@@ -19,7 +19,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .config import MoEConfig
+from .config import ACTIVATIONS, MoEConfig
 from .layer import MoELayer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--activation", default="relu", choices=["relu", "gelu", "silu", "swiglu", "identity"])
+    parser.add_argument("--activation", default="relu",   # swiglu_oai needs a limit and alpha: not offered here
+                        choices=[a for a in ACTIVATIONS if a != "swiglu_oai"])
     parser.add_argument("--no-bias", action="store_true", help="experts without biases (like the bare GEMMs)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameters' (and input) dtype")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"],

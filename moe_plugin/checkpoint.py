@@ -1,11 +1,12 @@
 """Expert-sharded checkpoints with torch.distributed.checkpoint (DCP): no gather, any layout on load.
 
-Legend: E experts, D model dim, H expert hidden dim, A = 2 for swiglu (w1 holds [gate | up]) else 1,
+Legend: E experts, D model dim, H expert hidden dim, A = 2 for a gated activation (swiglu, geglu, ...: w1
+holds [gate | up]) else 1,
 S hidden slices per expert (ep_size > num_experts).
 
 The expert tensors of every expert-parallel MoELayer (experts.w1_EDH [E, D, A*H], b1_EH [E, A*H],
 w2_EHD [E, H, D], b2_ED [E, D]) are described to DCP as this rank's pieces of the logical full
-tensors: a rank holding whole experts has one piece, a rank holding hidden slice s of a swiglu
+tensors: a rank holding whole experts has one piece, a rank holding hidden slice s of a gated
 expert has two (its gate and up columns), and only slice 0 writes the expert's b2 (the other slices
 never train theirs). Each process writes its own pieces and DCP reshards on load into whatever
 pieces the loading layout asks for. Every other tensor is replicated: DCP writes one copy.
