@@ -23,16 +23,17 @@ of each is reported with ours / HF grouped_mm (< 1: ours is faster).
     python benchmarks/bench_hf_featured.py --threads 1 --repeats 6 --case train
 """
 import argparse
-import copy
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
-from torch import nn
 
 import moe_plugin.integrations.transformers as hf_moe   # hides an unloadable torchaudio first
 import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_hf import Holder, hf_block, timed  # noqa: E402  (one HF block, interleaved medians)
 
 SHAPES = {
     "gpt_oss": lambda: transformers.GptOssConfig(hidden_size=512, intermediate_size=512, num_local_experts=32,
@@ -58,44 +59,9 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-class Holder(nn.Module):
-    """One HF block with the config swap_moe_blocks reads."""
-
-    def __init__(self, config, block):
-        super().__init__()
-        self.config, self.block = config, block
-
-
-def hf_block(config, implementation):
-    family = hf_moe.FAMILIES[config.model_type]
-    config = copy.deepcopy(config)
-    config._experts_implementation = implementation
-    torch.manual_seed(0)
-    block = family.block_class()(config)
-    with torch.no_grad():
-        for name, tensor in block.named_parameters():
-            tensor.normal_(0, 0.02)
-        for name, tensor in block.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                tensor.normal_(0, 0.01)
-    return block
-
-
 def output(y):
     """gpt_oss and llama4 blocks return (hidden states, router scores or logits); Llama 4's as [T, D]."""
     return y[0] if isinstance(y, tuple) else y
-
-
-def timed(fn, variants, repeats, warmup):
-    """Median seconds of fn(variant) per variant, calls interleaved round robin."""
-    times = {name: [] for name in variants}
-    for i in range(warmup + repeats):
-        for name, variant in variants.items():
-            start = time.perf_counter()
-            fn(variant)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(shape_name, args):
