@@ -1,4 +1,11 @@
-"""Shared helpers for comparing the fast layer with the einsum reference."""
+"""Shared helpers for comparing the fast layer with the einsum reference, and for launching
+`moe-plugin train` on 2 processes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from moe_plugin import MoEConfig, MoELayer
@@ -58,3 +65,16 @@ def random_slots(T, E, K, capacity):
     expert_TK = torch.rand(T, E).topk(K, dim=1).indices
     kept_E = torch.bincount(expert_TK.reshape(-1), minlength=E).clamp(max=capacity)
     return expert_TK, kept_E.cumsum(0) - kept_E, int(kept_E.sum())
+
+
+def torchrun_train(out: Path, *arguments, timeout=200):
+    """`moe-plugin train *arguments` under torchrun on 2 processes writing to out (which must not be the
+    working folder): (result.json, the metrics.jsonl records)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "moe_plugin.cli", "train", *arguments, f"log.out_dir={out}"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "result.json").read_text()), records

@@ -1,8 +1,6 @@
 """`moe-plugin train`: config loading and errors, learning, outputs, exact resume, two processes
 (data parallel, and expert parallel against one process on the global batch)."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from moe_plugin.parallel.expert_grads import expert_layers
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from launch import run_workers  # noqa: E402  (tests/distributed/launch.py)
+from moe_testing import torchrun_train  # noqa: E402
 
 DEFAULT_YAML = ROOT / "configs" / "experiments" / "default.yaml"
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
@@ -170,13 +169,8 @@ def test_tensorboard_writer_is_skipped_when_tensorboard_is_missing(tmp_path, mon
 @pytest.mark.timeout(240)
 def test_two_processes_train_identical_replicas(tmp_path, fresh_seed):
     out = tmp_path / "ddp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "moe_plugin.cli", "train", *TINY, "train.steps=16", "train.eval_every=16", "train.lr=0.01",
-               "log.plots=false", f"train.seed={fresh_seed}", f"data.seed={fresh_seed}", f"log.out_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result, _ = torchrun_train(out, *TINY, "train.steps=16", "train.eval_every=16", "train.lr=0.01",
+                               "log.plots=false", f"train.seed={fresh_seed}", f"data.seed={fresh_seed}")
     assert result["world_size"] == 2 and result["steps"] == 16
     hashes = result["param_sha256_per_rank"]
     assert len(hashes) == 2 and hashes[0] == hashes[1]
@@ -261,13 +255,7 @@ def test_expert_parallel_step_matches_one_process_on_the_global_batch(fresh_seed
 
 
 def torchrun(out, *overrides, timeout=120):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "moe_plugin.cli", "train", *TINY, *overrides, f"log.out_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "result.json").read_text()), records
+    return torchrun_train(out, *TINY, *overrides, timeout=timeout)
 
 
 @pytest.mark.timeout(240)

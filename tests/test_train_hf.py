@@ -1,14 +1,12 @@
 """`moe-plugin train` on a Hugging Face MoE architecture (configs/experiments/mixtral_tiny.yaml)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_plugin import MoELayer, checkpoint, train
+from moe_testing import torchrun_train
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"
@@ -124,14 +122,9 @@ def test_print_config_shows_the_moe_section_the_hf_config_gives(capsys):
 @pytest.mark.timeout(300)
 def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     out = tmp_path / "ep"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "moe_plugin.cli", "train", str(MIXTRAL_TINY), *TINY, "parallel.ep_size=2", "train.steps=8",
-               "train.eval_every=4", "log.every=2", "log.plots=false", f"train.seed={fresh_seed}",
-               f"log.out_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result, _ = torchrun_train(out, str(MIXTRAL_TINY), *TINY, "parallel.ep_size=2", "train.steps=8",
+                               "train.eval_every=4", "log.every=2", "log.plots=false", f"train.seed={fresh_seed}",
+                               timeout=240)
     shared, everything = result["shared_param_sha256_per_rank"], result["param_sha256_per_rank"]
     assert shared[0] == shared[1] and everything[0] != everything[1]   # each rank holds its own experts
     # the checkpoint holds every expert: one process loads it and gets the run's last validation loss

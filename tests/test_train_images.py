@@ -1,9 +1,6 @@
 """`moe-plugin train` on images (configs/experiments/swinv2_moe.yaml): the digits data, SwinV2-MoE built through
 upcycle and its dense twin, metrics, plots, checkpoints and exact resume, config errors."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch.nn.functional as F
 from moe_plugin import MoELayer, checkpoint, train
 from moe_plugin.data import DataConfig, make_data
 from moe_plugin.data_images import NUM_CLASSES, load_digits, split_by_class
+from moe_testing import torchrun_train
 
 ROOT = Path(__file__).resolve().parents[1]
 SWINV2_MOE = ROOT / "configs" / "experiments" / "swinv2_moe.yaml"
@@ -223,17 +221,11 @@ def test_image_keys_are_errors_for_a_language_model(override, expected):
 @pytest.mark.timeout(300)
 def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     out = tmp_path / "ep"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "moe_plugin.cli", "train", str(SWINV2_MOE), *TINY, "parallel.ep_size=2", "train.steps=6",
-               "train.eval_every=6", "log.every=3", "log.plots=false", f"train.seed={fresh_seed}",
-               f"log.out_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result, records = torchrun_train(out, str(SWINV2_MOE), *TINY, "parallel.ep_size=2", "train.steps=6",
+                                     "train.eval_every=6", "log.every=3", "log.plots=false",
+                                     f"train.seed={fresh_seed}", timeout=240)
     shared, everything = result["shared_param_sha256_per_rank"], result["param_sha256_per_rank"]
     assert shared[0] == shared[1] and everything[0] != everything[1]   # each rank holds its own experts
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for load, tokens in zip(records[-1]["tokens_per_expert"], TOKENS_PER_IMAGE, strict=True):
         assert sum(load) == 3 * 2 * 16 * tokens   # both processes' images
     # the checkpoint holds every expert: one process loads it and gets the run's last validation loss
