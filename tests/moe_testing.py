@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.reference import reference_moe
@@ -78,3 +79,23 @@ def torchrun_train(out: Path, *arguments, timeout=200):
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return json.loads((out / "result.json").read_text()), records
+
+
+# ops that read device memory on the host (or size their output by it): a host synchronization on a GPU
+HOST_SYNCING_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                    torch.ops.aten.item.default, torch.ops.aten.masked_select.default,
+                    torch.ops.aten.bincount.default, torch.ops.aten.repeat_interleave.Tensor,
+                    torch.ops.aten._unique2.default)
+
+
+class HostSyncs(TorchDispatchMode):
+    """`with HostSyncs() as record:` ... then record.seen names every host-syncing op that ran."""
+
+    def __init__(self, ops=HOST_SYNCING_OPS):
+        super().__init__()
+        self.ops, self.seen = set(ops), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ops:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -7,7 +7,7 @@ from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.reference import reference_moe
 from moe_plugin.router import Router, balance_loss
 from moe_plugin.shared_expert import SharedExpert
-from moe_testing import assert_matches_reference, make_layer
+from moe_testing import HostSyncs, assert_matches_reference, make_layer
 
 
 def with_random_bias(layer, scale=0.05):
@@ -202,27 +202,12 @@ def test_seq_aux_loss_of_ragged_sequences_written_out():
 def test_routing_and_bias_update_add_no_host_synchronization():
     """No op whose result the host must read (.item(), data-dependent shapes) in the router's forward
     with groups, bias and the seq loss, the shared expert, or update_expert_bias."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from moe_plugin import update_expert_bias
-    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-               torch.ops.aten.bincount.default, torch.ops.aten.masked_select.default,
-               torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten._unique2.default}
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in syncing:
-                self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
     layer = with_random_bias(make_layer(router="sigmoid", num_experts=16, top_k=4, num_groups=4, topk_groups=2,
                                         aux_loss="seq", route_scale=2.0, expert_bias_update_rate=0.01,
                                         shared_hidden_size=6, shared_gate=True))
     x = torch.randn(3, 11, 12, dtype=torch.float64)
-    with Record() as record:
+    with HostSyncs() as record:
         routes = layer.router(x.reshape(-1, 12), seq_len=11)
         (routes.gate_TK.sum() + routes.aux_loss + layer.shared_expert(x).sum()).backward()
         layer.router(x.reshape(-1, 12), sequence_T=torch.arange(33) % 5)

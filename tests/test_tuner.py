@@ -185,25 +185,12 @@ def test_the_dictionary_round_trips_through_state_dict(caplog):
 
 
 def test_timing_marks_add_no_host_synchronization():
-    from torch.utils._python_dispatch import TorchDispatchMode
-    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-               torch.ops.aten.item.default, torch.ops.aten.masked_select.default}
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in syncing:
-                self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    from moe_testing import HostSyncs
     clock = Clock()
     tuner = Tuner(CANDIDATES, SHAPE, clock=clock)
     tuner.choose(counts_with_largest(SMALL), None, torch.float64, measure=True)
     x = torch.randn(4, 3, requires_grad=True)
-    with Record() as record:
+    with HostSyncs() as record:
         x_in, gate_in = tuner.enter(x, x.sum(1, keepdim=True))
         tuner.leave(x_in * gate_in).sum().backward()
     assert record.seen == [] and clock.reads == 4
