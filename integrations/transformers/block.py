@@ -45,14 +45,44 @@ class RouterLogits(nn.Module):
         return ""
 
     def __reduce_ex__(self, protocol):
-        if type(self) is RouterLogits:
+        if len(type(self).__bases__) < 2:   # not made by _tap_class
             return super().__reduce_ex__(protocol)
-        return _new_tap, (type(self).__bases__[1], self.index), self.__dict__
+        base, target = type(self).__bases__
+        return _new_tap, (target, self.index, base), self.__dict__
 
     def forward(self, logits_TE: torch.Tensor):
         out = [None] * (self.index + 1)
         out[self.index] = logits_TE
         return tuple(out)
+
+
+class RouterInputTap(RouterLogits):
+    """Stands in for the router of a decoder layer that calls its router and experts itself (Gemma 4:
+    `_, weights, index = router(x)`, then `experts(h, index, weights)`, h a normed copy of x): returns (the fp32
+    softmax probabilities, which HF records from Gemma 4's router, when recorded, else None; None; x), so that
+    the HFMoEBlock in the experts' place receives the router input x where HF's experts receive the index, and
+    the layer routes x itself (MoELayer.forward's router_input)."""
+
+    @property
+    def scale(self):   # Gemma 4's router input scale and per-expert gate scale (HF's _init_weights sets them to 1)
+        return self._router.input_scale_D
+
+    @property
+    def per_expert_scale(self):
+        return self._router.gate_scale_E
+
+    def forward(self, x_TD: torch.Tensor):
+        probs_TE = None
+        if self._forward_hooks and _recording_router_logits():
+            probs_TE = torch.softmax(self._router.logits(x_TD), dim=-1, dtype=torch.float32)
+        return probs_TE, None, x_TD
+
+
+def hf_key(name: str, block: "HFMoEBlock", key: str) -> str:
+    """The model-wide HF name of the tensor key (relative to the HF block) of the block at name: HF names the
+    tensors from the block's place, or (Gemma 4, hf_names_in_parent) from the decoder layer holding it."""
+    prefix = name.rpartition(".")[0] if block.hf_names_in_parent else name
+    return f"{prefix}.{key}" if prefix else key
 
 
 def router_logits_name(model_class: type) -> str:
@@ -63,25 +93,26 @@ def router_logits_name(model_class: type) -> str:
     return layer_name.strip(".").rpartition(".")[2] if layer_name else "router_logits"
 
 
-def router_logits_class(model_class: type) -> Optional[type]:
-    """A RouterLogits subclass that is also the class HF records router logits from, or None."""
+def router_logits_class(model_class: type, base: type = RouterLogits) -> Optional[type]:
+    """A subclass of base (RouterLogits or RouterInputTap) that is also the class HF records router logits from,
+    or None."""
     spec = getattr(model_class, "_can_record_outputs", None) or {}
     spec = spec.get("router_logits")
     if spec is None:
         return None
     target, index = (spec, 1) if isinstance(spec, type) else (spec.target_class, spec.index)
-    return _tap_class(target, index)
+    return _tap_class(target, index, base)
 
 
 @functools.lru_cache(maxsize=None)
-def _tap_class(target: type, index: int) -> type:
+def _tap_class(target: type, index: int, base: type = RouterLogits) -> type:
     """One class per HF router class (made at run time, so pickle finds it through _new_tap)."""
-    return type(f"MoEPlugin{target.__name__}", (RouterLogits, target), {"index": index})
+    return type(f"MoEPlugin{target.__name__}", (base, target), {"index": index})
 
 
-def _new_tap(target: type, index: int) -> RouterLogits:
-    """An empty instance of _tap_class(target, index), for unpickling (its state follows)."""
-    cls = _tap_class(target, index)
+def _new_tap(target: type, index: int, base: type = RouterLogits) -> RouterLogits:
+    """An empty instance of _tap_class(target, index, base), for unpickling (its state follows)."""
+    cls = _tap_class(target, index, base)
     return cls.__new__(cls)
 
 
@@ -94,6 +125,7 @@ class HFMoEBlock(nn.Module):
 
     tap_name = "router_logits"
     returns_tuple = False   # (output, None), as gpt-oss's and Llama 4's blocks return (output, router scores)
+    hf_names_in_parent = False   # its HF tensors are named from the module above it (Gemma 4's decoder layer)
 
     def __init__(self, moe: MoELayer, family: str, router_logits: Optional[RouterLogits] = None,
                  jitter_noise: float = 0.0):
@@ -120,15 +152,19 @@ class HFMoEBlock(nn.Module):
         blocks; the expert bias 0. HF's init_weights() calls this through the model's _init_weights."""
         self.moe.reset_parameters()
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """input_ids: what DeepSeek-V4's decoder passes (for its hash-routed blocks, which are not swapped); unused."""
+    def forward(self, hidden_states: torch.Tensor, router_input: Optional[torch.Tensor] = None,
+                unused_weights: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """router_input, unused_weights: Gemma 4's decoder calls its experts as experts(h, index, weights), and its
+        swapped router (a RouterInputTap) hands over the router input in the index's place: the layer routes it.
+        input_ids: what DeepSeek-V4's decoder passes (for its hash-routed blocks, which are not swapped); unused."""
         if self.training and self.jitter_noise > 0:   # Mixtral's router_jitter_noise, as HF applies it
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tap = self.tap
         if tap is not None and tap._forward_hooks and _recording_router_logits():
             tap(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
-        output = self.moe(hidden_states)
+        output = self.moe(hidden_states, router_input=router_input)
         return (output, None) if self.returns_tuple else output
 
     def extra_repr(self) -> str:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_plugin.parallel.expert_parallel import gathered_experts
 
-from .block import HFMoEBlock
+from .block import HFMoEBlock, hf_key
 from .families import FAMILIES, layer_to_hf, require_families
 
 EXPERT_TENSORS = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
@@ -61,7 +61,7 @@ def hf_state_dict(model: nn.Module, state: Optional[Mapping[str, torch.Tensor]] 
                 if not any(name.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
         for key, tensor in hf_tensors(block).items():
-            hf_state[f"{name}.{key}"] = tensor.contiguous()
+            hf_state[hf_key(name, block, key)] = tensor.contiguous()
     return hf_state
 
 

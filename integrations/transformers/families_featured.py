@@ -8,6 +8,11 @@
   glm5_next_text  DeepSeek-V3 routing, SwiGLU clamped at swiglu_limit in the experts and the shared expert
   hy_v4           the same, its shared expert unclamped (clamp_shared False)
   nemotron_h      DeepSeek-V3 routing, non-gated relu2 experts and shared MLP (up_proj, down_proj)
+  deepseek_v4     sqrt(softplus) scores, a choice-only bias, normalized, scaled; SwiGLU clamped at swiglu_limit in
+                  the experts and the shared expert; only the "moe" layers (the "hash_moe" ones stay HF's: swaps)
+  gemma4_text     GeGLU (tanh) experts; the router sees the residual stream through an RMS norm and a learned scale,
+                  each chosen gate times a per-expert scale; no block: the decoder layer holds router and experts
+                  (in_decoder) and feeds the experts pre_feedforward_layernorm_2 of the router's input
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from .family import Family, WeightMap, _common, routed_experts, same, shared_mlp, transposed
+from .block import HFMoEBlock
+from .family import Family, WeightMap, _common, activation, routed_experts, same, shared_mlp, transposed
 
 # HF mlp_hidden_act of a non-gated MLP (Nemotron-H) -> our activation
 PLAIN_ACTIVATIONS = {"relu2": "relu2", "relu": "relu", "gelu": "gelu", "silu": "silu"}
@@ -93,6 +99,34 @@ def _nemotron_h(c):
             "shared_hidden_size": c.moe_shared_expert_intermediate_size}
 
 
+def _deepseek_v4(c):
+    if c.scoring_func != "sqrtsoftplus":
+        raise _unsupported(c, "scoring_func", c.scoring_func, "'sqrtsoftplus'")
+    if c.mlp_bias:
+        raise _unsupported(c, "mlp_bias", c.mlp_bias, "False (HF's experts have no biases, its shared MLP would)")
+    if c.n_shared_experts != 1:   # HF builds one shared MLP of intermediate_size whatever this says
+        raise _unsupported(c, "n_shared_experts", c.n_shared_experts, "1 (HF's block holds one shared MLP)")
+    if not c.norm_topk_prob:      # HF normalizes the chosen scores whatever this says
+        raise _unsupported(c, "norm_topk_prob", c.norm_topk_prob, "True (HF's router always normalizes)")
+    if c.hidden_act != "silu":    # activation_limit clamps SwiGLU only
+        raise _unsupported(c, "hidden_act", c.hidden_act, "'silu' (HF clamps the gated activation at swiglu_limit)")
+    return {**_common(c, c.moe_intermediate_size, c.n_routed_experts, True), "router": "sqrt_softplus",
+            "route_scale": float(c.routed_scaling_factor), "expert_bias_update_rate": 0.0,
+            "activation_limit": float(c.swiglu_limit), "shared_hidden_size": c.moe_intermediate_size,
+            "fp32_router": False}
+
+
+def _gemma4_text(c):
+    return {**_common(c, c.moe_intermediate_size, c.num_experts, True, top_k=c.top_k_experts,
+                      act=activation(c, "hidden_activation")),
+            "router_norm": True, "router_norm_eps": float(c.rms_norm_eps), "expert_gate_scale": True,
+            "fp32_router": False}
+
+
+def _gemma4_unswapped(decoder) -> bool:
+    return decoder.enable_moe_block and not isinstance(decoder.experts, HFMoEBlock)
+
+
 def _family(model_type: str, module: str, block: str, moe_config, weights, **options) -> Family:
     return Family(model_type, f"transformers.models.{module}.modeling_{module}", block, moe_config, weights, **options)
 
@@ -118,15 +152,24 @@ FEATURED_FAMILIES: Tuple[Family, ...] = (
              transposed("experts.w2_EHD", "experts.down_proj"),
              transposed("shared_expert.w1_DH", "shared_experts.up_proj.weight"),
              transposed("shared_expert.w2_HD", "shared_experts.down_proj.weight")) + CORRECTION_BIAS),
+    _family("deepseek_v4", "deepseek_v4", "DeepseekV4SparseMoeBlock", _deepseek_v4,
+            routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS, swaps=lambda block: not block.is_hash),
+    _family("gemma4_text", "gemma4", "Gemma4TextDecoderLayer", _gemma4_text,
+            routed_experts(router="router.proj.weight") + (same("router.input_scale_D", "router.scale"),
+                                                            same("router.gate_scale_E", "router.per_expert_scale")),
+            swaps=_gemma4_unswapped, in_decoder=True),
 )
 
 # Composite models whose text configs carry the families above, for families.COMPOSITES.
-FEATURED_COMPOSITES: Dict[str, Tuple[str, ...]] = {"llama4": ("llama4_text",), "glm5_next": ("glm5_next_text",)}
+FEATURED_COMPOSITES: Dict[str, Tuple[str, ...]] = {"llama4": ("llama4_text",), "glm5_next": ("glm5_next_text",),
+                                                 "gemma4": ("gemma4_text",)}
 
 # For the README's table (families.GROUPS / NOTES).
 FEATURED_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("Needing the newer layer features (clamped SwiGLU, router bias, input gating, group max, relu2)",
-     ("gpt_oss", "llama4_text", "deepseek_v2", "glm5_next_text", "hy_v4", "nemotron_h")),
+    ("Needing the newer layer features (clamped SwiGLU, router bias, input gating, group max, relu2, "
+     "sqrt(softplus) scores, router norm)",
+     ("gpt_oss", "llama4_text", "deepseek_v2", "glm5_next_text", "hy_v4", "nemotron_h", "deepseek_v4",
+      "gemma4_text")),
 )
 FEATURED_NOTES: Dict[str, str] = {
     "gpt_oss": "`swiglu_oai` with `swiglu_limit` and `swiglu_alpha`, router and expert biases; the router runs in "
@@ -138,4 +181,11 @@ FEATURED_NOTES: Dict[str, str] = {
     "hy_v4": "its shared expert is not clamped (`clamp_shared` False); `hidden_act` \"silu\" only",
     "nemotron_h": "only the MoE layers are swapped (Mamba and attention stay HF's); `moe_latent_size` None, "
                   "`mlp_bias` False",
+    "deepseek_v4": "`sqrtsoftplus` scores and SwiGLU clamped at `swiglu_limit`; only the `moe` layers are swapped: "
+                   "the hash-routed first layers (`mlp_layer_types` \"hash_moe\", experts chosen by a token-id "
+                   "table) stay HF's",
+    "gemma4_text": "no MoE block: in each decoder layer with `enable_moe_block` the `experts` module becomes the "
+                   "swapped block and `router` a stand-in handing it the router input (the layer routes it); the "
+                   "dense MLP and the norms around both stay HF's; router logits as HF records them (softmax "
+                   "probabilities)",
 }

@@ -97,6 +97,9 @@ class Family:
     jitter_noise: Callable[[Any], float] = lambda config: 0.0   # Mixtral's input jitter in training
     returns_tuple: bool = False   # the HF block returns (output, router scores) (gpt-oss, Llama 4): ours (output, None)
     swaps: Callable[[Any], bool] = lambda hf_block: True   # which blocks of the class (DeepSeek-V4: not hash-routed)
+    # No block (Gemma 4): `block` names the decoder layer, which holds `router` and `experts` and calls them itself;
+    # the weights are named from it. The HFMoEBlock replaces `experts`, a RouterInputTap `router` (block.py).
+    in_decoder: bool = False
 
     def block_class(self) -> type:
         import importlib

@@ -10,7 +10,7 @@ from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
 
-from .block import HFMoEBlock, block_type, router_logits_class, router_logits_name
+from .block import HFMoEBlock, RouterInputTap, block_type, router_logits_class, router_logits_name
 from .export import save_pretrained_in_hf_names
 from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_families
 
@@ -61,6 +61,9 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
         parent, _, attr = name.rpartition(".")
         with _whole_parameters(hf_block):
             owner = _recording_model(model, name)
+            if family.in_decoder:
+                _swap_in_decoder(family, config, hf_block, hf_config, type(owner), ep_group, block_class)
+                continue
             block = new_block(family, config, hf_block, hf_config, router_logits_class(type(owner)), ep_group,
                               block_class)
             block.use_tap_name(router_logits_name(type(owner)))
@@ -70,6 +73,18 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
     if hasattr(type(model), "save_pretrained"):   # a PreTrainedModel: its folders stay loadable by plain transformers
         model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
     return model
+
+
+def _swap_in_decoder(family: Family, config: MoEConfig, decoder: nn.Module, hf_config, owner_class: type,
+                     ep_group, block_class) -> None:
+    """A decoder layer holding router and experts (Gemma 4): experts becomes the HFMoEBlock, router a
+    RouterInputTap handing it the router input (of HF's recorded router class when the model records it)."""
+    block = new_block(family, config, decoder, hf_config, None, ep_group, block_class)
+    block.hf_names_in_parent = True
+    tap = (router_logits_class(owner_class, RouterInputTap) or RouterInputTap)()
+    tap.__dict__["_router"] = block.moe.router
+    decoder.experts, decoder.router = block, tap
+    decoder.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family.model_type))
 
 
 def _recording_model(model: nn.Module, block_name: str) -> nn.Module:
@@ -114,21 +129,24 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
     block = (block_class or block_type())(layer, family.model_type, tap_class() if tap_class else None,
                                           family.jitter_noise(hf_config))
     block.returns_tuple = family.returns_tuple
-    block.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family.model_type))   # a name: picklable
+    if not family.in_decoder:   # (in_decoder: hooked on the decoder layer, whose prefix HF's names start from)
+        block.register_load_state_dict_pre_hook(functools.partial(_from_hf_names, family.model_type))   # picklable
     return block.train(hf_block.training)
 
 
-def _from_hf_names(model_type: str, block: nn.Module, state: Dict[str, torch.Tensor], prefix: str, *args) -> None:
+def _from_hf_names(model_type: str, owner: nn.Module, state: Dict[str, torch.Tensor], prefix: str, *args) -> None:
     """load_state_dict takes the block in HF's names and layouts too (an unswapped model's state_dict(),
     hf_state_dict's output): the HF tensors load into the layer (this rank's share of the experts) and
-    stand in the state under the layer's own names."""
+    stand in the state under the layer's own names. owner: the block, or (Gemma 4) the decoder layer holding it."""
     family = FAMILIES[model_type]
+    block, layer_prefix = (owner, f"{prefix}moe.") if isinstance(owner, HFMoEBlock) else \
+        (owner.experts, f"{prefix}experts.moe.")
     keys = [f"{prefix}{name}" for m in family.weights for name in m.hf]
     if not all(f"{prefix}{name}" in state for m in family.weights if not m.optional for name in m.hf):
         return
     keys = [key for key in keys if key in state]
     _load_hf_tensors(block.moe, family, {key[len(prefix):]: state.pop(key) for key in keys})
-    state.update({f"{prefix}moe.{key}": tensor for key, tensor in block.moe.state_dict().items()})
+    state.update({f"{layer_prefix}{key}": tensor for key, tensor in block.moe.state_dict().items()})
 
 
 def _load_hf_tensors(layer: MoELayer, family: Family, hf_state: Dict[str, torch.Tensor]) -> None:

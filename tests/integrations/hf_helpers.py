@@ -8,8 +8,9 @@ transformers_available = True
 try:
     import moe_plugin.integrations.transformers as hf_moe  # hides an unloadable torchaudio first
     import transformers
+    from moe_plugin.integrations.transformers.block import hf_key
 except ImportError as error:  # pragma: no cover - depends on the environment
-    transformers_available, hf_moe, transformers = False, None, None
+    transformers_available, hf_moe, transformers, hf_key = False, None, None, None
     IMPORT_ERROR = str(error)
 else:
     IMPORT_ERROR = ""
@@ -121,6 +122,24 @@ MORE = {
                                            norm_topk_prob=True, num_hidden_layers=3,
                                            layers_block_type=["mamba", "moe", "attention"], mamba_num_heads=4,
                                            mamba_head_dim=10, ssm_state_size=8, n_groups=2, chunk_size=8)),
+    # layer 0 hash-routed (stays HF's), layers 1 and 2 swapped; every attention type of V4 once
+    "deepseek_v4": ("DeepseekV4Config", dict(num_key_value_heads=1, head_dim=16, q_lora_rank=24, o_lora_rank=16,
+                                             o_groups=2, moe_intermediate_size=28, n_routed_experts=8,
+                                             routed_scaling_factor=1.5, swiglu_limit=0.05, num_hidden_layers=3,
+                                             mlp_layer_types=["hash_moe", "moe", "moe"],
+                                             layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                          "heavily_compressed_attention"],
+                                             compress_rates={"compressed_sparse_attention": 2,
+                                                             "heavily_compressed_attention": 4},
+                                             sliding_window=8, index_n_heads=2, index_head_dim=8, index_topk=4,
+                                             hc_mult=2, partial_rotary_factor=0.5)),
+    # every decoder layer holds the dense MLP and the MoE (router, experts) side by side
+    "gemma4_text": ("Gemma4TextConfig", dict(num_key_value_heads=2, head_dim=10, intermediate_size=36,
+                                             hidden_activation="gelu_pytorch_tanh", enable_moe_block=True,
+                                             num_experts=6, top_k_experts=3, moe_intermediate_size=28,
+                                             hidden_size_per_layer_input=0, vocab_size_per_layer_input=61,
+                                             layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                             global_head_dim=10)),
 }
 
 
@@ -185,7 +204,7 @@ def hf_named_grads(model) -> dict:
     for name, block in blocks.items():
         layer_grads = {n: p.grad for n, p in block.moe.named_parameters() if p.grad is not None}
         mapped = hf_moe.layer_to_hf(hf_moe.FAMILIES[block.family], layer_grads, partial=True)
-        grads.update({f"{name}.{k}": v for k, v in mapped.items()})
+        grads.update({hf_key(name, block, k): v for k, v in mapped.items()})
     return grads
 
 

@@ -5,6 +5,7 @@ and export_hf round trips; a capacity override's drops; ep_size 2 on 2 gloo proc
 A family's tiny config: hf_helpers.SPECIFIC / MORE (D 40, 2-3 layers, 6 experts, or 8 in 4 groups, top-3,
 SiLU), or COMPOSITE below for the families HF builds only inside a composite model.
 """
+import functools
 import inspect
 import math
 import re
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_helpers import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, assert_close_rel, family_config, hf_moe,
+from hf_helpers import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, assert_close_rel, family_config, hf_key, hf_moe,
                         hf_named_grads, model_class, needs_transformers, swapped_copy, tokens,
                         transformers)
 from launch import run_workers
@@ -103,6 +104,12 @@ def build(family, seed, **extra):
                 tensor.normal_(0.0, 0.02)   # HF's talker model leaves its experts uninitialized (torch.empty)
             if re.search(r"(e_score_correction_bias|expert_bias)$", name):
                 tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
+            if re.search(r"router\.(scale|per_expert_scale)$", name):   # Gemma 4's (ones at init)
+                tensor.uniform_(0.5, 1.5)
+            if name.endswith("tid2eid"):   # DeepSeek-V4's hash layers (HF's code): distinct experts per token id
+                generator = torch.Generator().manual_seed(seed)
+                tensor.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=generator)
+                                          [:tensor.shape[1]] for _ in range(tensor.shape[0])]))
     return model
 
 
@@ -135,13 +142,18 @@ def largest_grad(model) -> float:
     return max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
 
 
+# hyper-connection parameters (HY-V4, GLM-5-Next, DeepSeek-V4: hc_head.*, layers.*.attn_hc.*, ffn_hc.*)
+HYPER_CONNECTION = re.compile(r"(^|\.)(hc_head|attn_hc|ffn_hc)\.")
+
+
 def assert_grad_close(actual, expected, scale, what):
-    """TOL relative to the gradient itself, or to 1e-3 of the model's largest gradient where it is smaller: a few
-    parameters' gradients are tiny sums that cancel (HY-V4's and GLM-5-Next's hyper-connections, ~1e-6), and fp32
-    rounding of the MoE output alone (HF's against HF's with the experts moved by 1e-7) moves them by 2e-5 of
-    themselves."""
+    """TOL relative to the gradient itself, or to 1e-3 of the model's largest gradient where it is smaller (1e-2 for
+    hyper-connection parameters): their gradients are tiny sums that cancel (~1e-6 .. 1e-4), and fp32 rounding of
+    the MoE output alone (HF's model against HF's with the experts moved by 1e-7) moves them by 2e-5 of the
+    1e-3 floor (DeepSeek-V4's hc_head.hc_fn; HC computes in fp32 whatever the model's dtype)."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = float((actual.double() - expected.double()).abs().max()) / max(float(expected.abs().max()), 1e-3 * scale)
+    floor = (1e-2 if HYPER_CONNECTION.search(what.rpartition(" ")[2]) else 1e-3) * scale
+    err = float((actual.double() - expected.double()).abs().max()) / max(float(expected.abs().max()), floor)
     assert err <= TOL, f"{what}: relative error {err:.3g} > {TOL}"
 
 
@@ -173,7 +185,8 @@ def test_swapped_family_matches_hf_logits_loss_router_logits_aux_loss_and_every_
     swapped = swapped_copy(model)
     blocks = blocks_of(swapped)
     assert blocks and all(b.family == family for b in blocks.values())
-    assert not any(isinstance(m, hf_moe.FAMILIES[family].block_class()) for m in swapped.modules())
+    entry = hf_moe.FAMILIES[family]   # the blocks left are those kept on HF's code (DeepSeek-V4's hash layers)
+    assert not any(isinstance(m, entry.block_class()) and entry.swaps(m) for m in swapped.modules())
     batch = inputs(family, fresh_seed + 1)
     expected, actual = run(model, batch), run(swapped, batch)
     assert_close_rel(actual[0], expected[0], TOL, "logits")
@@ -233,10 +246,14 @@ def test_capacity_override_drops_the_choices_past_capacity(family, fresh_seed):
     choice past its expert's capacity adds nothing and the kept gates keep their HF values. Expected: HF's own
     block with the dropped choices' weights zeroed on their way into HF's experts (Llama 4: out of its router)."""
     model = build(family, fresh_seed).eval()
+    entry = hf_moe.FAMILIES[family]
     name, hf_block = next((n, m) for n, m in model.named_modules()
-                          if isinstance(m, hf_moe.FAMILIES[family].block_class()))
+                          if isinstance(m, entry.block_class()) and entry.swaps(m))
     swapped = swapped_copy(model, capacity_factor=0.5, min_capacity=1).eval()
     block = swapped.get_submodule(name)
+    if entry.in_decoder:   # Gemma 4: the decoder layer's MoE branch, the router on x, the experts on its normed copy
+        hf_block, block = (functools.partial(moe_branch, hf_block), functools.partial(moe_branch, block))
+        hf_block.experts, block.moe = hf_block.args[0].experts, block.args[0].experts.moe
     cfg = block.moe.config
     x = torch.randn(3, 17, cfg.model_dim)
     x_TD = x.reshape(-1, cfg.model_dim)
@@ -279,6 +296,13 @@ def test_capacity_override_drops_the_choices_past_capacity(family, fresh_seed):
     assert block.moe.stats["capacity"] == capacity
     assert block.moe.stats["dropped_fraction"] == pytest.approx(1 - len(kept) / (T * K))
     assert_close_rel(actual, expected, TOL, "output with drops")
+
+
+def moe_branch(decoder, x):
+    """Gemma 4's decoder layer's MoE branch as its forward computes it."""
+    x_TD = x.reshape(-1, x.shape[-1])
+    _, weights, index = decoder.router(x_TD)
+    return decoder.experts(decoder.pre_feedforward_layernorm_2(x_TD), index, weights).reshape(x.shape)
 
 
 def _ep2_worker(rank, world_size, families, seed, export_root):
@@ -330,7 +354,8 @@ def test_ep2_on_two_processes_equals_one_process_for_every_family(fresh_seed, tm
         for block, names in result[0]["layers"].items():
             full = {n: (torch.cat([r["layers"][block][n] for r in result]) if n.startswith("experts.")
                         else sum(r["layers"][block][n] for r in result)) for n in names}
-            grads.update({f"{block}.{k}": v for k, v in hf_moe.layer_to_hf(entry, full, partial=True).items()})
+            prefix = block.rpartition(".")[0] if entry.in_decoder else block   # Gemma 4: named from the decoder
+            grads.update({f"{prefix}.{k}": v for k, v in hf_moe.layer_to_hf(entry, full, partial=True).items()})
         scale = largest_grad(model)
         for name, param in model.named_parameters():
             if param.grad is not None:
@@ -370,6 +395,10 @@ UNCOMPUTABLE = [
     ("nemotron_h", dict(mlp_hidden_act="gelu_new"), "mlp_hidden_act='gelu_new'"),
     ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size=16"),
     ("nemotron_h", dict(mlp_bias=True), "mlp_bias=True"),
+    ("deepseek_v4", dict(scoring_func="sigmoid"), "scoring_func='sigmoid'"),
+    ("deepseek_v4", dict(n_shared_experts=2), "n_shared_experts=2"),
+    ("deepseek_v4", dict(mlp_bias=True), "mlp_bias=True"),
+    ("gemma4_text", dict(hidden_activation="gelu_new"), "hidden_activation='gelu_new'"),
 ]
 
 
@@ -380,7 +409,8 @@ def test_config_values_the_layer_cannot_compute_are_refused_naming_key_and_value
         hf_moe.moe_config(config)
 
 
-@pytest.mark.parametrize("family", [f for f in ALL if f not in ("lfm2_moe", "dbrx", "gpt_oss", "nemotron_h")])
+@pytest.mark.parametrize("family", [f for f in ALL if f not in ("lfm2_moe", "dbrx", "gpt_oss", "nemotron_h",
+                                                                 "gemma4_text")])
 def test_an_unknown_hidden_act_is_refused_naming_it(family):
     """(LFM2-MoE's and gpt-oss's experts ignore hidden_act; DBRX's activation is ffn_config.ffn_act_fn,
     Nemotron-H's mlp_hidden_act: both in UNCOMPUTABLE.)"""
