@@ -82,17 +82,20 @@ def save_pretrained_from_state(model: nn.Module, save_directory, *args, state_di
     """A swapped model's save_pretrained under ZeRO-3, where the blocks' own parameters are partitions: the blocks'
     HF tensors come from state_dict, the gathered state HF Trainer passes (stage3_gather_16bit_weights_on_model_save).
     Without one, or with the experts spread over processes, the swapped model's own save_pretrained runs."""
-    from moe_plugin.integrations.transformers import layer_to_hf, require_family
-    from moe_plugin.integrations.transformers.block import HFMoEBlock
+    from moe_plugin.integrations.transformers import FAMILIES, layer_to_hf
+    from moe_plugin.integrations.transformers.block import HFMoEBlock, hf_key
     from moe_plugin.integrations.transformers.export import save_pretrained_in_hf_names
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     if state_dict is None or any(block.moe.is_parallel for block in blocks.values()):
         return save_pretrained_in_hf_names(model, save_directory, *args, state_dict=state_dict, **kwargs)
-    family, hf_state = require_family(model), dict(state_dict)
-    for name in blocks:
+    hf_state = dict(state_dict)
+    for name, block in blocks.items():
         prefix = f"{name}.moe."
         layer_state = {key[len(prefix):]: hf_state.pop(key) for key in list(hf_state) if key.startswith(prefix)}
-        hf_state.update({f"{name}.{key}": t.contiguous() for key, t in layer_to_hf(family, layer_state).items()})
+        if not block.moe.router.fixed_bias:   # the choice bias only where the HF block has one (as export_hf)
+            layer_state.pop("router.expert_bias_E", None)
+        hf_state.update({hf_key(name, block, key): t.contiguous()
+                         for key, t in layer_to_hf(FAMILIES[block.family], layer_state).items()})
     return type(model).save_pretrained(model, save_directory, *args, state_dict=hf_state, **kwargs)
 
 
