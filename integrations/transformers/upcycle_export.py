@@ -78,20 +78,23 @@ def _family_config(model: nn.Module, target: str):
         architectures=["Qwen2MoeForCausalLM"])
 
 
-def _check_dropless(model: nn.Module) -> None:
+def _check_dropless(model: nn.Module, target: Optional[str]) -> None:
     moe = upcycled_blocks(model)[0][2].moe.config
     if moe.capacity_factor != 0 or moe.eval_capacity_factor not in (None, 0):
+        where = (f"the exported {target} folder computes the dropless output (HF's MoE families are dropless)"
+                 if target is not None else "load_upcycled restores them from the folder, but plain "
+                 "from_pretrained of it gives the dense model (each MLP the mean of its experts)")
         warnings.warn(f"export_hf: the model's MoE layers drop tokens over capacity (capacity_factor="
-                      f"{moe.capacity_factor}, eval_capacity_factor={moe.eval_capacity_factor}); the exported "
-                      f"folder computes the dropless output", stacklevel=3)
+                      f"{moe.capacity_factor}, eval_capacity_factor={moe.eval_capacity_factor}); {where}",
+                      stacklevel=3)
 
 
 @torch.no_grad()
 def export_upcycled(model: nn.Module, directory: Union[str, os.PathLike]) -> Path:
     """export_hf of an upcycled model: the MoE family's folder, or the dense folder with moe_plugin's expert
     files (see the module). Under expert parallelism every rank must call it; global rank 0 writes."""
-    _check_dropless(model)
     target = moe_family_target(model)
+    _check_dropless(model, target)
     blocks = upcycled_blocks(model)
     layer_states = {name: full_layer_state(block) for name, _, block in blocks}   # a collective under EP
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -258,7 +258,12 @@ def test_export_warns_when_the_model_drops_tokens(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         export_hf(model, tmp_path / "folder")
-    assert any("computes the dropless output" in str(w.message) for w in caught)
+    assert any("the exported mixtral folder computes the dropless output" in str(w.message) for w in caught)
+    generic = upcycle(dense_model("vit")[0], num_experts=4, top_k=2, capacity_factor=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_hf(generic, tmp_path / "generic")
+    assert any("load_upcycled restores them" in str(w.message) for w in caught)
 
 
 def expert_parallel_worker(rank, world, folder):
