@@ -88,7 +88,7 @@ def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: floa
     load_E = torch.zeros(num_experts, dtype=torch.long, device=expert_TK.device).scatter_add_(
         0, expert_TK.reshape(-1), torch.ones_like(expert_TK.reshape(-1)))
     fixed = fixed_capacity(abs(capacity_factor), T, num_experts, K, min_capacity) if capacity_factor else T
-    cap = T if capacity_factor == 0 else fixed
+    cap = T * K if capacity_factor == 0 else fixed   # dropless: all, even a token naming one expert k times
     kept_E = load_E.clamp(max=cap)
     offs_E = kept_E.cumsum(0)
     pos_TK, _ = ops.route_slots(expert_TK, order_T, offs_E - kept_E, cap, T * K)

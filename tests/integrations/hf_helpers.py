@@ -1,5 +1,6 @@
 """Tiny random Hugging Face MoE models (built from config classes, no download) and comparisons."""
 import copy
+import re
 
 import pytest
 import torch
@@ -248,3 +249,15 @@ def save_and_resume(engine_from, step, logits, directory, rank, probe):
     more = [tokens(seed=70 + 10 * i + rank) for i in range(2)]
     report["losses"] = [[step(e, ids) for ids in more] for e in (engine, resumed)]
     return report, saved, engine, resumed
+
+
+# hyper-connection parameters (HY-V4, GLM-5-Next, DeepSeek-V4: hc_head.*, layers.*.attn_hc.*, ffn_hc.*)
+HYPER_CONNECTION = re.compile(r"(^|\.)(hc_head|attn_hc|ffn_hc)\.")
+
+
+def gradient_floor(name: str, largest: float) -> float:
+    """The smallest scale a gradient's relative error is taken against: 1e-3 of the model's largest gradient (1e-2
+    for hyper-connection parameters). Their gradients are tiny sums that cancel (~1e-6 .. 1e-4), and fp32 rounding
+    of the MoE output alone (HF's model against HF's with the experts moved by 1e-7) moves them by 2e-5 of the
+    1e-3 floor (DeepSeek-V4's hc_head.hc_fn; HC computes in fp32 whatever the model's dtype)."""
+    return (1e-2 if HYPER_CONNECTION.search(name) else 1e-3) * largest

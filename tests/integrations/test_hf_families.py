@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_helpers import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, assert_close_rel, family_config, hf_key, hf_moe,
-                        hf_named_grads, model_class, needs_transformers, swapped_copy, tokens,
-                        transformers)
+from hf_helpers import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, assert_close_rel, family_config, gradient_floor,
+                        hf_moe, hf_named_grads, model_class, needs_transformers, swapped_copy, tokens, transformers)
 from launch import run_workers
 
 pytestmark = [needs_transformers, pytest.mark.timeout(600)]
@@ -142,17 +141,10 @@ def largest_grad(model) -> float:
     return max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
 
 
-# hyper-connection parameters (HY-V4, GLM-5-Next, DeepSeek-V4: hc_head.*, layers.*.attn_hc.*, ffn_hc.*)
-HYPER_CONNECTION = re.compile(r"(^|\.)(hc_head|attn_hc|ffn_hc)\.")
-
-
 def assert_grad_close(actual, expected, scale, what):
-    """TOL relative to the gradient itself, or to 1e-3 of the model's largest gradient where it is smaller (1e-2 for
-    hyper-connection parameters): their gradients are tiny sums that cancel (~1e-6 .. 1e-4), and fp32 rounding of
-    the MoE output alone (HF's model against HF's with the experts moved by 1e-7) moves them by 2e-5 of the
-    1e-3 floor (DeepSeek-V4's hc_head.hc_fn; HC computes in fp32 whatever the model's dtype)."""
+    """TOL relative to the gradient itself, or to hf_helpers.gradient_floor where that is larger."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    floor = (1e-2 if HYPER_CONNECTION.search(what.rpartition(" ")[2]) else 1e-3) * scale
+    floor = gradient_floor(what.rpartition(" ")[2], scale)
     err = float((actual.double() - expected.double()).abs().max()) / max(float(expected.abs().max()), floor)
     assert err <= TOL, f"{what}: relative error {err:.3g} > {TOL}"
 
