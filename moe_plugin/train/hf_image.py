@@ -82,22 +82,11 @@ def stage_widths(config) -> List[int]:
     return [config.embed_dim * 2 ** stage for stage, depth in enumerate(config.depths) for _ in range(depth)]
 
 
-def upcycle_arguments(cfg, config) -> Dict[str, Any]:
-    """upcycle()'s keyword arguments from the upcycle and moe sections (cfg.upcycle must be set). The dense MLP
-    fixes model_dim, hidden_size, activation and bias: a moe key among them set in the YAML (not the built-in
-    default) is an error."""
-    from .config import DEFAULT_MOE
-    fixed = _upcycle_module().FIXED_BY_MLP
-    arguments = {"every": cfg.upcycle.every, "layers": cfg.upcycle.layers, "noise": cfg.upcycle.noise,
-                 "reinit_fraction": cfg.upcycle.reinit_fraction, "ep_size": cfg.parallel.ep_size}
-    for key, value in cfg.moe.items():
-        if key in fixed:
-            if key not in DEFAULT_MOE or value != DEFAULT_MOE[key]:
-                raise ValueError(f"moe.{key}={value!r} is invalid with upcycle: the dense MLPs of the hf model fix it "
-                                 f"(hf.embed_dim, hf.mlp_ratio, hf.hidden_act); leave it out")
-            continue
-        arguments[key] = value
-    return arguments
+def upcycle_arguments(cfg) -> Dict[str, Any]:
+    """upcycle()'s keyword arguments from the upcycle and moe sections (cfg.upcycle must be set), as for a
+    dense language model (hf_model.upcycle_arguments): a moe key the dense MLP fixes is an error."""
+    from .hf_model import upcycle_arguments as arguments_of
+    return arguments_of(cfg, mlp_keys="hf.embed_dim, hf.mlp_ratio, hf.hidden_act")
 
 
 def image_moe_configs(cfg) -> List[MoEConfig]:
@@ -109,7 +98,7 @@ def image_moe_configs(cfg) -> List[MoEConfig]:
     if cfg.upcycle is None:
         return []
     upcycle = _upcycle_module()
-    arguments = upcycle_arguments(cfg, config)
+    arguments = upcycle_arguments(cfg)
     moe = {k: v for k, v in arguments.items() if k not in ("every", "layers", "noise", "reinit_fraction")}
     widths = stage_widths(config)
     try:
@@ -166,5 +155,5 @@ def build_image_model(cfg) -> HFImageClassifier:
             load_dense(model, cfg.upcycle.checkpoint, "AutoModelForImageClassification")
         hf_moe = _integration()
         # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
-        hf_moe.upcycle(model, block_class=hf_moe.HFMoEBlock, **upcycle_arguments(cfg, config))
+        hf_moe.upcycle(model, block_class=hf_moe.HFMoEBlock, **upcycle_arguments(cfg))
     return HFImageClassifier(model)

@@ -90,9 +90,11 @@ def is_dense(config) -> bool:
     return _integration().family_of(config) is None
 
 
-def upcycle_arguments(cfg) -> Dict[str, Any]:
+def upcycle_arguments(cfg, mlp_keys: str = "hf.hidden_size, hf.intermediate_size, hf.hidden_act, hf.mlp_bias"
+                      ) -> Dict[str, Any]:
     """upcycle()'s arguments from the upcycle and moe sections. A moe key the dense MLP fixes (hidden_size,
-    activation, bias) set in the YAML (not the built-in default) is an error."""
+    activation, bias) set in the YAML (not the built-in default) is an error naming mlp_keys, the hf keys
+    that set them instead."""
     from .config import DEFAULT_MOE
     from moe_plugin.integrations.transformers.upcycle import FIXED_BY_MLP
     up = cfg.upcycle
@@ -102,7 +104,7 @@ def upcycle_arguments(cfg) -> Dict[str, Any]:
         if key in FIXED_BY_MLP:
             if key not in DEFAULT_MOE or value != DEFAULT_MOE[key]:
                 raise ValueError(f"moe.{key}={value!r} is invalid with upcycle: the dense MLPs of the hf model fix it "
-                                 f"(hf.hidden_size, hf.intermediate_size, hf.hidden_act, hf.mlp_bias); leave it out")
+                                 f"({mlp_keys}); leave it out")
             continue
         arguments[key] = value
     return arguments
