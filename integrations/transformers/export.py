@@ -1,13 +1,14 @@
 """export_hf: a swapped model back to a folder that plain transformers loads (HF names and layouts)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -95,21 +96,34 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike]) -> Path:
     if not dist.is_initialized() or dist.get_rank() == 0:
         with torch.device("meta"):
             fresh = type(model)(model.config)          # the original HF class: only the blocks were swapped
-        missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if k not in _tied_keys(fresh)]
-        if missing or unexpected:
-            raise RuntimeError(f"export_hf: the state does not match {type(model).__name__}: missing {missing}, "
-                               f"unexpected {unexpected}")
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
-            fresh.save_pretrained(tmp)
-            _replace_dir(tmp, directory)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_folder(fresh, state, directory)
     if dist.is_initialized():
         dist.barrier()
     return directory
+
+
+def write_folder(fresh: nn.Module, state: Mapping[str, torch.Tensor], directory: Path,
+                 extra: Optional[Mapping[str, Any]] = None) -> None:
+    """fresh (an HF model built on the meta device) given state and saved with save_pretrained, plus the extra
+    files (name -> a dict for .json, else tensors for safetensors), atomically: written beside and renamed."""
+    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k not in _tied_keys(fresh)]
+    if missing or unexpected:
+        raise RuntimeError(f"export_hf: the state does not match {type(fresh).__name__}: missing {missing}, "
+                           f"unexpected {unexpected}")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        for name, content in (extra or {}).items():
+            if name.endswith(".json"):
+                (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
+            else:
+                from safetensors.torch import save_file
+                save_file({k: v.detach().cpu() for k, v in content.items()}, str(tmp / name))
+        _replace_dir(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tied_keys(model: nn.Module):

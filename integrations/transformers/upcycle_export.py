@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -27,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .export import _replace_dir, _tied_keys, full_layer_state
+from .export import full_layer_state, write_folder
 from .family import routed_experts
 from .upcycle import ATTRIBUTE, is_upcycled, upcycle, upcycled_blocks
 
@@ -161,30 +159,12 @@ def _record(model: nn.Module) -> dict:
 
 def _write(model_class: type, config, state: Dict[str, torch.Tensor], directory: Path, extra: Dict[str, Any]) -> None:
     """model_class(config) holding state, saved (atomically) with the extra files."""
-    from safetensors.torch import save_file
     with torch.device("meta"):
         fresh = model_class(config)
-    expected = fresh.state_dict()
-    for key, tensor in expected.items():   # qwen2_moe's width-0 shared expert: zeros (it adds nothing)
+    for key, tensor in fresh.state_dict().items():   # qwen2_moe's width-0 shared expert: zeros (it adds nothing)
         if key not in state and ".shared_expert" in key:
             state[key] = torch.zeros(tensor.shape, dtype=next(iter(state.values())).dtype)
-    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if k not in _tied_keys(fresh)]
-    if missing or unexpected:
-        raise RuntimeError(f"export_hf: the upcycled state does not match {model_class.__name__}: missing {missing}, "
-                           f"unexpected {unexpected}")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        fresh.save_pretrained(tmp)
-        for name, content in extra.items():
-            if name.endswith(".json"):
-                (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
-            else:
-                save_file({k: v.detach().cpu() for k, v in content.items()}, str(tmp / name))
-        _replace_dir(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_folder(fresh, state, directory, extra)
 
 
 def load_upcycled(directory: Union[str, os.PathLike], model_class: Optional[type] = None, **moe_overrides: Any):
