@@ -151,14 +151,19 @@ def main(argv=None):
         results += [bench_block(name, args) for name in BLOCK_SHAPES]
     if args.case in ("train", "all"):
         results.append(bench_train(args))
-    if args.json:
+    report(results, args.json)
+
+
+def report(results, as_json: bool, width: int = 16) -> None:
+    """The results as one JSON object, or one line per case."""
+    if as_json:
         print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
                           "transformers": transformers.__version__, "results": results}))
         return
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     for r in results:
         times = ", ".join(f"{k} {v} ms" for k, v in r["ms"].items())
-        print(f"{r['case']:16s} {times}; ours / HF grouped_mm = {r['ours_over_grouped_mm']}")
+        print(f"{r['case']:{width}s} {times}; ours / HF grouped_mm = {r['ours_over_grouped_mm']}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ of each is reported with ours / HF grouped_mm (< 1: ours is faster).
     python benchmarks/bench_hf_featured.py --threads 1 --repeats 6 --case train
 """
 import argparse
-import json
 import os
 import sys
 
@@ -33,7 +32,7 @@ import moe_plugin.integrations.transformers as hf_moe   # hides an unloadable to
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hf import Holder, hf_block, timed  # noqa: E402  (one HF block, interleaved medians)
+from bench_hf import Holder, hf_block, report, timed  # noqa: E402  (one HF block, interleaved medians)
 
 SHAPES = {
     "gpt_oss": lambda: transformers.GptOssConfig(hidden_size=512, intermediate_size=512, num_local_experts=32,
@@ -134,14 +133,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     names = sorted(SHAPES) if args.shape == "all" else [args.shape]
     results = [(bench if args.case == "block" else bench_train)(name, args) for name in names]
-    if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "transformers": transformers.__version__, "results": results}))
-        return
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
-    for r in results:
-        times = ", ".join(f"{k} {v} ms" for k, v in r["ms"].items())
-        print(f"{r['case']:18s} {times}; ours / HF grouped_mm = {r['ours_over_grouped_mm']}")
+    report(results, args.json, width=18)
 
 
 if __name__ == "__main__":
