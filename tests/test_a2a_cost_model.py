@@ -96,7 +96,9 @@ def test_layer_by_hand():
     assert cm.degrees(8, 2) == [0, 1, 2, 4]
     f = 2 * 1000 * 100 * 200 * 2 / 100e12                          # forward flops / rate
     a2a = cm.a2a_seconds("flat", 2 * 400e3 / 4, 8, 4, SIMPLE)     # r=2 sends every row twice, d=4 chunks
-    gather = 2 * cm.allgather_seconds(2 * 100 * 200 * 4 / 2, 2, 4, SIMPLE)   # G = 4/2 ranks, inside a node
+    # G = 4/2 ranks, inside a node: per weight tensor (4) an all-gather forward and an all-reduce backward (one
+    # call each, 1 ring step each way); the ring moves the 80e3 gathered bytes / G once forward, twice backward.
+    gather = 2 * 4 * (20e-6 + 1 * 2e-6) + 3 * 80e3 / 2 / 100e9
     fwd = 2 * a2a + f / 4 + 3 * max(2 * a2a, f / 4)
     bwd = 2 * a2a + 2 * f / 4 + 3 * max(2 * a2a, 2 * f / 4)
     assert cm.layer_seconds(2, 4, "flat", w, 8, 4, SIMPLE) == pytest.approx(gather + fwd + bwd)
@@ -105,7 +107,7 @@ def test_layer_by_hand():
     assert cm.layer_parts(4, 1, "flat", w, 8, 4, SIMPLE)["gather"] == 0.0
     skewed = cm.Workload(rows_per_rank=5000, model_dim=100, hidden_dim=200, num_experts=2, dtype_bytes=4,
                          local_rows=1000)
-    everything = 2 * cm.allgather_seconds(2 * 2 * 100 * 200 * 4, 8, 4, SIMPLE)
+    everything = 2 * 4 * (20e-6 + 7 * 10e-6) + 3 * 7 * 320e3 / 8 / 10e9       # all 8 ranks: across nodes
     assert cm.layer_seconds(0, 1, "flat", skewed, 8, 4, SIMPLE) == pytest.approx(everything + 3 * f)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_plugin import MoEConfig
-from moe_plugin.parallel.tuner import Tuner, load_key
+from moe_plugin.parallel.tuner import Tuner, load_key, model_seconds
 
 GATHERED = (0, 1, "flat")
 EP = (1, 1, "flat")
@@ -160,6 +160,47 @@ def test_a_new_key_starts_from_the_nearest_known_choice_and_the_cost_model_prune
     assert EP_2DH not in ranks.used and ranks.used[:3] == [EP, EP, EP]     # the model's order
     assert ranks.tuners[0].table == {load_key(counts_with_largest(SMALL)): GATHERED}
     assert ranks.step(SMALL + 3) == GATHERED                                # next key: nearest choice first
+
+
+def test_a_probe_far_behind_the_best_is_not_timed_again_and_close_ones_get_every_trial():
+    """Once EP has its median, each other setting gets one probe call (plus its warm-up): past reject x the
+    best it is dropped, within it gets all its trials. The slow ones cost 2 calls each instead of 4."""
+    costs = {GATHERED: 3.0, EP: 1.0, EP_OVERLAP: 1.2, EP_2DH: 2.5}
+    ranks = Ranks(lambda rank, rows, setting: costs[setting], world=2, trials=3, reject=1.5,
+                  cost=lambda setting, rows, shape: {EP: 1.0, EP_OVERLAP: 1.1, GATHERED: 1.15, EP_2DH: 1.2}[setting])
+    for _ in range(30):
+        ranks.step(SMALL)
+    search = ranks.tuners[0].searches[load_key(counts_with_largest(SMALL))]
+    assert ranks.tuners[0].table == {load_key(counts_with_largest(SMALL)): EP}
+    assert {s: len(t) for s, t in search.samples.items()} == {EP: 3, EP_OVERLAP: 3, GATHERED: 1, EP_2DH: 1}
+    used = {s: ranks.used.count(s) for s in CANDIDATES}
+    assert used[GATHERED] == used[EP_2DH] == 2 and used[EP_OVERLAP] == 4     # warm-up + probe; warm-up + 3
+
+
+def test_the_model_drops_settings_far_behind_their_own_r_and_sees_each_ranks_own_rows():
+    """prune_same_r compares settings of one r only (same rows and weights moved): EP_2DH, 3x EP in the model,
+    is never timed, while GATHERED, 3x EP too but another r, is. The model gets the most rows one rank routes."""
+    seen = []
+
+    def model(setting, rows, shape):
+        seen.append(shape["local_rows"])
+        return {GATHERED: 3.0, EP: 1.0, EP_OVERLAP: 1.2, EP_2DH: 3.0}[setting]
+
+    ranks = Ranks(lambda rank, rows, setting: {GATHERED: 1.0, EP: 2.0, EP_OVERLAP: 2.1, EP_2DH: 0.1}[setting],
+                  world=2, trials=2, cost=model, prune=100.0, prune_same_r=2.0)
+    for _ in range(20):
+        ranks.step(LARGE)
+    assert EP_2DH not in ranks.used and GATHERED in ranks.used
+    assert ranks.tuners[0].table == {load_key(counts_with_largest(LARGE)): GATHERED}
+    assert set(seen) == {int(counts_with_largest(LARGE).sum(1).max())}
+
+
+def test_the_cost_model_charges_r0_for_its_own_rows_only():
+    shape = {**SHAPE, "model_dim": 64, "hidden_size": 64}
+    skewed = model_seconds(GATHERED, 4000, {**shape, "local_rows": 1000})
+    assert skewed < model_seconds(GATHERED, 4000, shape)
+    assert skewed == pytest.approx(model_seconds(GATHERED, 1000, shape))
+    assert model_seconds(EP, 4000, {**shape, "local_rows": 1000}) == model_seconds(EP, 4000, shape)
 
 
 def test_the_dictionary_round_trips_through_state_dict(caplog):

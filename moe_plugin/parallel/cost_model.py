@@ -24,8 +24,8 @@ L = 1 the layer runs the flat exchange for "2dh" (parallel/expert_parallel.py), 
 model.
 
 A layer (forward + backward) under degree r (parallel/expert_parallel.py):
-    r = 0: every rank gathers all E experts (all-gather forward, reduce-scatter backward), no
-           token exchange;
+    r = 0: every rank gathers all E experts (an all-gather forward, an all-reduce of the gathered
+           gradients backward, one of each per weight tensor: w1, b1, w2, b2), no token exchange;
     r >= 1: rows go by all-to-all (r copies of each when experts are sliced), weights are gathered
            over the G = (W / E) / r ranks that make one compute slice.
 The expert compute is the same for every r: 2 * R * D * H * matrices flops forward, twice that
@@ -163,16 +163,27 @@ def a2a_seconds(algorithm: str, bytes_per_rank: float, world_size: int, node_siz
     return parts["call"] + parts["copies"] + links
 
 
-def allgather_seconds(gathered_bytes: float, group_size: int, node_size: int, params: Params) -> float:
-    """A ring all-gather in which every rank ends with gathered_bytes (its own 1/group_size share
-    included); the slowest link of the ring sets the pace. A reduce-scatter costs the same."""
+def allgather_seconds(gathered_bytes: float, group_size: int, node_size: int, params: Params,
+                      calls: int = 1) -> float:
+    """Ring all-gathers (`calls` of them) in which every rank ends with gathered_bytes in all (its own
+    1/group_size share included); the slowest link of the ring sets the pace. A reduce-scatter costs
+    the same; an all-reduce is a reduce-scatter then an all-gather."""
     if group_size <= 1:
         return 0.0
     inside = group_size <= node_size
     gbps = params.intra_gbps if inside else params.inter_gbps
     startup = params.intra_startup_us if inside else params.inter_startup_us
     steps = group_size - 1
-    return params.call_us * US + steps * (startup * US + gathered_bytes / group_size / (gbps * GB))
+    return calls * (params.call_us + steps * startup) * US + steps * gathered_bytes / group_size / (gbps * GB)
+
+
+def gather_weights_seconds(weight_bytes: float, group_size: int, node_size: int, params: Params,
+                           tensors: int) -> float:
+    """What parallel/expert_parallel.py's weight gather costs, forward + backward: per weight tensor an
+    all-gather, and in the backward an all-reduce of the gathered gradients (twice the ring steps)."""
+    forward = allgather_seconds(weight_bytes, group_size, node_size, params, calls=tensors)
+    backward = allgather_seconds(2 * weight_bytes, group_size, node_size, params, calls=tensors)
+    return forward + backward
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,7 @@ class Workload:
     dtype_bytes: int = 2
     matrices: int = 2           # 2: w1, w2; 3 for a gated (SwiGLU) expert
     local_rows: Optional[int] = None
+    weight_tensors: int = 4     # gathered one by one: w1, b1, w2, b2
 
     def __post_init__(self):
         for name in ("rows_per_rank", "local_rows"):
@@ -197,7 +209,7 @@ class Workload:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Workload.{name} must be an integer >= 0, got {value!r}")
-        for name in ("model_dim", "hidden_dim", "num_experts", "dtype_bytes", "matrices"):
+        for name in ("model_dim", "hidden_dim", "num_experts", "dtype_bytes", "matrices", "weight_tensors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Workload.{name} must be an integer >= 1, got {value!r}")
@@ -233,7 +245,7 @@ def pipelined_seconds(a2a_chunk: float, compute_chunk: float, overlap_degree: in
 def layer_parts(r: int, overlap_degree: int, algorithm: str, workload: Workload, world_size: int,
                 node_size: int, params: Params) -> Dict[str, float]:
     """The terms of layer_seconds, in seconds: gather (forward all-gather + backward
-    reduce-scatter of weights), forward, backward (exchange and compute, overlapped), a2a (one
+    all-reduce of weights), forward, backward (exchange and compute, overlapped), a2a (one
     unchunked all-to-all, for reference) and compute (forward + backward, unoverlapped)."""
     _check_sizes(workload.a2a_bytes, world_size, node_size)
     if isinstance(overlap_degree, bool) or not isinstance(overlap_degree, int) or overlap_degree < 1:
@@ -248,11 +260,11 @@ def layer_parts(r: int, overlap_degree: int, algorithm: str, workload: Workload,
     if r == 0:
         local = workload.rows_per_rank if workload.local_rows is None else workload.local_rows
         own_f = workload.forward_flops(local) / (params.compute_tflops * TFLOP)
-        gather = 2 * allgather_seconds(E * workload.expert_bytes, W, node_size, params)
+        gather = gather_weights_seconds(E * workload.expert_bytes, W, node_size, params, workload.weight_tensors)
         return {"gather": gather, "forward": own_f, "backward": 2 * own_f, "a2a": 0.0, "compute": 3 * own_f}
     slices = max(1, W // E)
     group = slices // r
-    gather = 2 * allgather_seconds(workload.expert_bytes / r, group, node_size, params)
+    gather = gather_weights_seconds(workload.expert_bytes / r, group, node_size, params, workload.weight_tensors)
     sent = r * workload.a2a_bytes
     chunk = a2a_seconds(algorithm, sent / d, W, node_size, params)
     return {"gather": gather,

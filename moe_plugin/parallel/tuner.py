@@ -59,12 +59,15 @@ def as_dict(setting: Optional[Setting]) -> Optional[dict]:
 
 def model_seconds(setting: Setting, rows: float, shape: dict) -> float:
     """The cost model's time of one call, forward + backward, when the largest expert gets `rows` rows
-    (the slowest rank receives that for each of its experts); shape: the tag plus dtype_bytes, device."""
+    (the slowest rank receives that for each of its experts); shape: the tag plus dtype_bytes, device and
+    local_rows (the most rows one rank routes, what r = 0 computes; None: as many as it receives)."""
     r, d, a2a = setting
     W, E = shape["ep_size"], shape["num_experts"]
+    local = shape.get("local_rows")
     workload = cost_model.Workload(rows_per_rank=int(round(rows)) * max(1, E // W), model_dim=shape["model_dim"],
                                    hidden_dim=shape["hidden_size"], num_experts=E,
-                                   dtype_bytes=shape.get("dtype_bytes", 4), matrices=shape.get("matrices", 2))
+                                   dtype_bytes=shape.get("dtype_bytes", 4), matrices=shape.get("matrices", 2),
+                                   local_rows=None if local is None else int(local))
     params = cost_model.NDM_A100_V4 if shape.get("device") == "cuda" else cost_model.GLOO_HERE
     return cost_model.layer_seconds(r, d, a2a, workload, W, shape["node_size"], params)
 
@@ -158,11 +161,12 @@ class Tuner(nn.Module):
     then enter()/leave() around its expert path."""
 
     def __init__(self, candidates: List[Setting], shape: dict, trials: int = 3, retune_every: int = 500,
-                 drift: float = 0.3, prune: float = 3.0,
+                 drift: float = 0.3, prune: float = 3.0, prune_same_r: float = 1.25, reject: float = 1.3,
                  cost: Optional[Callable[[Setting, float, dict], float]] = None, clock=None):
         super().__init__()
         self.candidates, self.shape = list(candidates), dict(shape)
         self.trials, self.retune_every, self.drift, self.prune = trials, retune_every, drift, prune
+        self.prune_same_r, self.reject = prune_same_r, reject
         self.cost = cost or model_seconds
         self.clock = clock or (CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
                                else HostClock())
@@ -173,6 +177,7 @@ class Tuner(nn.Module):
         self.dtype: Optional[str] = None
         self.dtype_bytes = 4
         self.key: Optional[int] = None
+        self.local_rows: Dict[int, int] = {}         # per key: the most rows one rank routes (what r = 0 computes)
         self._loaded: Optional[dict] = None
         self._open: Optional[_Measurement] = None    # this call's
         self._done: Optional[_Measurement] = None    # the last call's, read at the next choose
@@ -195,6 +200,7 @@ class Tuner(nn.Module):
         self._outgoing_of = None if seconds is None else (done.key, done.setting)
 
         self.key = load_key(counts_WE)
+        self.local_rows[self.key] = int(counts_WE.sum(1).max()) if counts_WE.numel() else 0
         setting = self._pick(self.key, explore=measure)
         self._open = _Measurement(self.key, setting, self.clock) if measure else None
         return setting
@@ -224,10 +230,12 @@ class Tuner(nn.Module):
         if search.queue:
             if setting not in search.queue:
                 return
-            search.samples.setdefault(setting, []).append(seconds)
-            if len(search.samples[setting]) < self.trials:
+            samples = search.samples.setdefault(setting, [])
+            samples.append(seconds)
+            rejected = bool(search.medians) and min(samples) > self.reject * min(search.medians.values())
+            if len(samples) < self.trials and not rejected:
                 return
-            search.medians[setting] = statistics.median(search.samples[setting])
+            search.medians[setting] = statistics.median(samples)
             search.queue.remove(setting)
             best = min(search.medians, key=search.medians.get)
             ceiling = self.prune * self._cost(best, key)
@@ -263,12 +271,14 @@ class Tuner(nn.Module):
 
     def _next_to_time(self, search: _Search) -> Setting:
         """The first queued setting short of its calls (its warm-up included); while the last ones' times
-        are on their way, the best setting timed so far."""
+        are on their way, the best setting timed so far. Once one setting has its median, the others get
+        one probe call first, and their other trials only if the probe was within `reject` x the best."""
         for setting in search.queue:
             if setting not in self.issued_ever:
                 self.issued_ever.add(setting)
                 search.warming.add(setting)
-            if search.issued.get(setting, 0) < self.trials + (setting in search.warming):
+            calls = 1 if search.medians and not search.samples.get(setting) else self.trials
+            if search.issued.get(setting, 0) < calls + (setting in search.warming):
                 search.issued[setting] = search.issued.get(setting, 0) + 1
                 search.waiting = 0
                 return setting
@@ -280,13 +290,22 @@ class Tuner(nn.Module):
         return min(search.medians, key=search.medians.get) if search.medians else search.queue[0]
 
     def _order(self, key: int) -> List[Setting]:
-        order = sorted(self.candidates, key=lambda s: self._cost(s, key))
+        """The candidates in the cost model's order, without those it puts past prune_same_r x the best
+        one of the same r (same rows and weights moved: the model ranks those well); the nearest known
+        key's choice first."""
+        costs = {setting: self._cost(setting, key) for setting in self.candidates}
+        best_of_r: Dict[int, float] = {}
+        for setting, seconds in costs.items():
+            best_of_r[setting[0]] = min(seconds, best_of_r.get(setting[0], math.inf))
+        kept = [s for s in self.candidates if costs[s] <= self.prune_same_r * best_of_r[s[0]]]
+        order = sorted(kept, key=costs.get)
         start = self.nearest_choice(key)
         return order if start is None else [start] + [s for s in order if s != start]
 
     def _cost(self, setting: Setting, key: int) -> float:
         device = "cuda" if isinstance(self.clock, CudaClock) else "cpu"
-        return self.cost(setting, key_rows(key), {**self.shape, "dtype_bytes": self.dtype_bytes, "device": device})
+        return self.cost(setting, key_rows(key), {**self.shape, "dtype_bytes": self.dtype_bytes, "device": device,
+                                                  "local_rows": self.local_rows.get(key)})
 
     def _settle(self, key: int, search: _Search, best: Setting) -> None:
         before = self.table.get(key)
