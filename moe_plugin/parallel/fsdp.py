@@ -3,16 +3,20 @@
 Legend: W ranks in the world, P = W / ep_size ranks holding the same experts (the layer's expert-data
 group), E_local experts per rank.
 
-Each rank of an ep group holds other experts, so its expert tensors are not replicas of the other
-ranks' and must not be sharded over the world (plain fully_shard would gather a mix of experts).
-fully_shard_moe shards every MoELayer in three parts:
+A layer at ep_size 1 holds ordinary dense replicas: it is sharded with its block, exactly as the block's own
+feed-forward would be (one FSDP unit per block, as a plain fully_shard per block gives). At ep_size > 1 each rank
+of an ep group holds other experts, so its expert tensors are not replicas of the other ranks' and must not be
+sharded over the world (plain fully_shard would gather a mix of experts). fully_shard_moe shards such a layer
 
     router, shared expert      over the dense mesh (all W ranks), like every other dense parameter
-    experts                    over the P ranks holding the same experts (the layer's own fully_shard)
+    experts                    over the P ranks holding the same experts
 
 and divides the experts' reduce-scattered gradient by W, not P: each rank's loss is its own mean, and an
 expert's gradient must end as DDP mode leaves it (parallel/expert_grads.py), the sum over its holders / W.
-The router and shared expert are sharded first, so the layer's own fully_shard is left with the experts.
+With torch's per-parameter mesh (shard_placement_fn returning a ShardPlacementResult) the experts stay in
+their block's unit as a second parameter group, so a block is still one unit: one all-gather per mesh.
+Without it (older torch) the router and shared expert get units of their own, then the layer one on the
+expert mesh, then the block.
 
 check_expert_sharding (called by MoELayer.forward) catches a plain fully_shard over the wrong ranks.
 """
@@ -28,6 +32,10 @@ try:
     from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
 except ImportError:
     _STATES = None
+try:   # per-parameter meshes in one fully_shard call (torch >= 2.13)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+except ImportError:
+    FSDPMeshInfo = ShardPlacementResult = None
 
 EXPERT_DIM = {"w1_EDH": 1, "w2_EHD": 2, "b1_EH": 0, "b2_ED": 0}   # sharded dim when E_local < P: D (biases: E)
 
@@ -62,28 +70,55 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
         options.pop("mp_policy")
 
     from ..layer import MoELayer
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
+    meshes = {id(layer): expert_mesh(layer, device_type) for layer in parallel}
+    if parallel and ShardPlacementResult is None:
+        _shard_layers_apart(parallel, meshes, mesh, world, options, mp_policy)
+        parallel = []
+    units = [b for b in (default_blocks(model) if blocks is None else blocks)
+             if b is not model and not isinstance(b, FSDPModule)]
+    units += [] if isinstance(model, FSDPModule) else [model]
+    infos = {}   # expert-data group -> its FSDPMeshInfo (fully_shard wants one object per group)
+    for unit in units:
+        inside = {id(m) for m in unit.modules()}
+        here, parallel = [l for l in parallel if id(l) in inside], [l for l in parallel if id(l) not in inside]
+        placements = {}
+        for layer in here:
+            experts_mesh = meshes[id(layer)]
+            info = infos.setdefault(layer.groups.expert_data_group, FSDPMeshInfo(mesh=experts_mesh, shard_mesh_dim=0))
+            dims = _expert_dims(layer, experts_mesh.size())
+            for param in layer.experts.parameters():
+                placements[id(param)] = ShardPlacementResult(dims and _shard(dims.get(id(param), 0)), info)
+        fully_shard(unit, mesh=mesh, shard_placement_fn=(lambda p, at=placements: at.get(id(p))) if here else None,
+                    **options)
+        for group in unit._get_fsdp_state()._fsdp_param_groups if here else []:
+            if any(group.mesh_info is info for info in infos.values()):
+                factor, force_sum = _expert_divide(float(world), group.mesh_info.shard_mesh_size, mp_policy, here[0])
+                group.gradient_divide_factor, group.force_sum_reduction_for_comms = factor, force_sum
+    return model
+
+
+def _shard_layers_apart(layers, meshes, mesh, world: int, options, mp_policy) -> None:
+    """Before torch's per-parameter meshes: the router and shared expert over mesh, then each layer (the
+    experts left) over its expert mesh, each a unit of its own."""
+    from torch.distributed.fsdp import fully_shard
     for layer in layers:
         for part in (layer.router, layer.shared_expert):
             if part is not None and any(True for _ in part.parameters()):
                 fully_shard(part, mesh=mesh, **options)
-        if layer.is_parallel:
-            experts_mesh = expert_mesh(layer, device_type)
-            fully_shard(layer, mesh=experts_mesh, shard_placement_fn=_placement_fn(layer, experts_mesh.size()),
-                        **options)
-            _divide_gradients(layer, float(world), experts_mesh.size(), mp_policy)
-        else:
-            fully_shard(layer, mesh=mesh, **options)
-    for block in (default_blocks(model) if blocks is None else blocks):
-        if block is not model and not isinstance(block, FSDPModule):
-            fully_shard(block, mesh=mesh, **options)
-    if not isinstance(model, FSDPModule):
-        fully_shard(model, mesh=mesh, **options)
-    return model
+        experts_mesh = meshes[id(layer)]
+        dims = _expert_dims(layer, experts_mesh.size())
+        fully_shard(layer, mesh=experts_mesh, **options,
+                    shard_placement_fn=dims and (lambda p, dims=dims: _shard(dims.get(id(p), 0))))
+        factor, force_sum = _expert_divide(float(world), experts_mesh.size(), mp_policy, layer)
+        layer.set_gradient_divide_factor(factor)
+        if force_sum:
+            layer.set_force_sum_reduction_for_comms(True)
 
 
-def _divide_gradients(layer, world: float, ranks: int, mp_policy) -> None:
-    """Make the layer's reduce-scatter over its P ranks divide the experts' gradient sum by W.
+def _expert_divide(world: float, ranks: int, mp_policy, layer):
+    """(divide factor, force a sum) that make a reduce-scatter over the P holders divide the experts'
+    gradient sum by W.
 
     gloo has no PREMUL_SUM, so there it sums and then divides. With P = 1, torch (2.13) divides twice
     whenever it divides after the (skipped) reduction: with that forced sum, and for reduce dtypes other
@@ -91,13 +126,10 @@ def _divide_gradients(layer, world: float, ranks: int, mp_policy) -> None:
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or getattr(mp_policy, "param_dtype", None) or \
         next(layer.experts.parameters()).dtype
     if ranks > 1:
-        layer.set_gradient_divide_factor(world)
-        if dist.get_backend() == "gloo":
-            layer.set_force_sum_reduction_for_comms(True)
-    elif reduce_dtype in (torch.float32, torch.bfloat16):
-        layer.set_gradient_divide_factor(world)
-    else:
-        layer.set_gradient_divide_factor(world ** 0.5)
+        return world, dist.get_backend() == "gloo"
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return world, False
+    return world ** 0.5, False
 
 
 def expert_mesh(layer, device_type: str):
@@ -111,13 +143,17 @@ def expert_mesh(layer, device_type: str):
     return DeviceMesh.from_group(group, device_type)
 
 
-def _placement_fn(layer, ranks: int):
-    """Shard(0) over the experts when each rank holds at least P of them; else the model dim (see EXPERT_DIM)."""
-    from torch.distributed.tensor import Shard
+def _expert_dims(layer, ranks: int):
+    """None (Shard(0), over the experts) when each rank holds at least P experts; else {id(param): the dim
+    to shard} along the model dim (EXPERT_DIM; others dim 0)."""
     if layer.groups.layout.local_experts >= ranks:
         return None
-    dims = {id(getattr(layer.experts, name, None)): dim for name, dim in EXPERT_DIM.items()}
-    return lambda param: Shard(dims.get(id(param), 0))
+    return {id(getattr(layer.experts, name, None)): dim for name, dim in EXPERT_DIM.items()}
+
+
+def _shard(dim: int):
+    from torch.distributed.tensor import Shard
+    return Shard(dim)
 
 
 def default_blocks(model: nn.Module) -> List[nn.Module]:

@@ -44,8 +44,9 @@ def reference_losses(spec, batches, world):
 
 
 def _train_sharded(rank, world, spec):
-    """(worst relative loss error against one process, how far the reference losses moved)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """(worst relative loss error against one process, how far the reference losses moved, the names of the
+    modules that are FSDP units)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     generator = torch.Generator().manual_seed(spec["seed"] + 1)
     batches = [[(torch.randint(V, (B, S), generator=generator), torch.randint(V, (B, S), generator=generator))
                 for _ in range(world)] for _ in range(STEPS)]
@@ -56,7 +57,11 @@ def _train_sharded(rank, world, spec):
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if spec.get("bf16") else None
+    if spec.get("apart"):   # the path for a torch without per-parameter meshes
+        import moe_plugin.parallel.fsdp as fsdp
+        fsdp.ShardPlacementResult = None
     fully_shard_moe(model, mp_policy=policy)
+    units = sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     got = []
     for step in range(STEPS):
@@ -70,7 +75,7 @@ def _train_sharded(rank, world, spec):
     dist.all_gather(everyone, losses)
     got = torch.stack(everyone).t()
     want = torch.tensor(want)
-    return ((got - want).abs().max() / want.abs().max()).item(), (want[1:] - want[0]).abs().max().item()
+    return ((got - want).abs().max() / want.abs().max()).item(), (want[1:] - want[0]).abs().max().item(), units
 
 
 def _plain_fully_shard(rank, world):
@@ -94,7 +99,8 @@ def _train_cases(rank, world, seed, specs):
 BASE = dict(E=4, H=8, activation="swiglu", bias=True, layers=2)
 CASES = {  # world: specs; the tolerance is fp64's, except under bf16 parameters
     2: [dict(BASE, ep=1, activation="gelu"), dict(BASE, ep=2, bias=False),
-        dict(BASE, ep=2, layers=4, checkpointing=True), dict(BASE, ep=2, layers=4, bf16=True)],
+        dict(BASE, ep=2, layers=4, checkpointing=True), dict(BASE, ep=2, layers=4, bf16=True),
+        dict(BASE, ep=2, apart=True)],
     4: [dict(BASE, ep=2, H=6, activation="relu"),   # 2 ranks hold each expert: sharded over them, divided by 4
         dict(BASE, ep=4, E=2)],                     # hidden-sliced experts: each expert in 2 slices
 }
@@ -103,13 +109,20 @@ CASES = {  # world: specs; the tolerance is fp64's, except under bf16 parameters
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
-    """ep_size 1, 2 and 4 (sliced), activation checkpointing and bf16 parameters with fp32 reduction;
-    on 2 processes also: plain fully_shard of an expert-parallel model fails at its first forward."""
+    """ep_size 1, 2 and 4 (sliced), activation checkpointing and bf16 parameters with fp32 reduction, and the
+    layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit (the experts
+    in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
+    of an expert-parallel model fails at its first forward."""
     results = run_workers(_train_cases, world, fresh_seed, CASES[world], timeout=300)
     for rank_results in results:
-        for spec, (error, moved) in zip(CASES[world], rank_results):
+        for spec, (error, moved, units) in zip(CASES[world], rank_results):
             assert moved > 1e-3, "the optimizer steps must change the losses, or the test could not fail"
             assert error < (3e-2 if spec.get("bf16") else 1e-10), spec
+            blocks = ["", *(f"blocks.{i}" for i in range(spec["layers"]))]
+            if spec.get("apart"):
+                assert set(blocks) < set(units) and any(name.endswith(".ffn") for name in units), units
+            else:
+                assert units == blocks, units
         if world == 2:
             message = rank_results[-1]
             assert message is not None and "fully_shard_moe" in message and "ep_size=2" in message, message
