@@ -22,6 +22,7 @@ check_expert_sharding (called by MoELayer.forward) catches a plain fully_shard o
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable, List, Optional
 
 import torch
@@ -69,6 +70,7 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     if mp_policy is None:
         options.pop("mp_policy")
 
+    _plain_swapped_blocks(model)
     from ..layer import MoELayer
     parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
     meshes = {id(layer): expert_mesh(layer, device_type) for layer in parallel}
@@ -96,6 +98,17 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
                 factor, force_sum = _expert_divide(float(world), group.mesh_info.shard_mesh_size, mp_policy, here[0])
                 group.gradient_divide_factor, group.force_sum_reduction_for_comms = factor, force_sum
     return model
+
+
+def _plain_swapped_blocks(model: nn.Module) -> None:
+    """DeepSpeed's subclass of the swapped HF block (swap_moe_blocks' default with DeepSpeed installed) renames
+    its experts in state_dict() to DeepSpeed's per-expert file names, for DeepSpeed's engine. torch's state-dict
+    functions (get_model_state_dict, which Accelerate's FSDP2 save calls) walk every key as an attribute path
+    and fail on those names: under FSDP2 the block is the plain HFMoEBlock, as under ZeRO-3."""
+    deepspeed_hf = sys.modules.get("moe_plugin.integrations.deepspeed.hf")   # loaded if such a block exists
+    for module in model.modules() if deepspeed_hf is not None else ():
+        if isinstance(module, deepspeed_hf.DeepSpeedHFMoEBlock):
+            module.__class__ = deepspeed_hf.HFMoEBlock
 
 
 def _shard_layers_apart(layers, meshes, mesh, world: int, options, mp_policy) -> None:

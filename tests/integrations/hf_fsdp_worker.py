@@ -1,11 +1,12 @@
 """Run under torchrun by test_transformers_fsdp.py: a swapped HF model sharded with fully_shard_moe, trained
 by transformers.Trainer with Accelerate's FSDP2 (fsdp_version 2), CPU and gloo.
 
-    torchrun --nproc_per_node 2 hf_fsdp_worker.py OUT_DIR EP_SIZE STEPS     (EP_SIZE 0: HF's own blocks)
+    torchrun --nproc_per_node 2 hf_fsdp_worker.py OUT_DIR EP_SIZE STEPS SAVE_MODEL    (EP_SIZE 0: HF's own blocks)
 
-Writes result<rank>.json: the logged losses, the block classes and, for a swapped model, the largest difference
+Writes result<rank>.json: the logged losses, the block classes, for a swapped model the largest difference
 between the trained model's logits and those of the folder export_hf wrote from its FSDP2 shards, loaded by plain
-from_pretrained. (trainer.save_model under this CPU FSDP state hangs for HF's own blocks as for ours: not run.)
+from_pretrained, and with SAVE_MODEL 1 the same for trainer.save_model's folder. A rank waiting more than
+SAVE_TIMEOUT s in save_model prints where every thread is and exits (a hang fails the test, with the place).
 """
 import json
 import os
@@ -22,15 +23,21 @@ def on_fsdp(trainer):
     cannot hold DTensors): here, on CPU, the state is switched to FSDP with the plugin Trainer made from
     fsdp_config, so that Accelerate's and Trainer's FSDP2 code (fsdp2_prepare_model, which leaves a model that
     is already an FSDPModule as it is; the FSDP2 state dicts of save_model) runs as it does on GPUs."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     state = trainer.accelerator.state
     if state.distributed_type != DistributedType.FSDP:
-        state.distributed_type = DistributedType.FSDP
+        # PartialState's too, as AcceleratorState's own init does: every later AcceleratorState() copies it back
+        state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
         state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
         trainer.is_fsdp_enabled = True
 
 
-def main(out_dir, ep_size, steps):
+SAVE_TIMEOUT = 120
+
+
+def main(out_dir, ep_size, steps, save_model):
+    import faulthandler
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
     from moe_plugin.parallel import fully_shard_moe
@@ -51,18 +58,25 @@ def main(out_dir, ep_size, steps):
     rank = dist.get_rank()
     result = {"losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
               "blocks": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "moe")})}
-    if ep_size:
-        result["export_logits_diff"] = exported_logits_diff(model, os.path.join(out_dir, "exported"))
+    if save_model:
+        faulthandler.dump_traceback_later(SAVE_TIMEOUT, exit=True)
+        trainer.save_model(os.path.join(out_dir, "saved"))
+        faulthandler.cancel_dump_traceback_later()
+        result["save_model_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "saved"))
+    if ep_size:   # export_hf on every rank: it gathers the FSDP2 shards and the experts
+        hf_moe.export_hf(model, os.path.join(out_dir, "exported"))
+        result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
         json.dump(result, file)
+    dist.barrier()   # no rank leaves while another still uses the process group (gloo aborts then)
+    dist.destroy_process_group()
 
 
-def exported_logits_diff(model, directory):
-    """export_hf on every rank (it gathers the FSDP2 shards and the experts); rank 0 loads the folder with plain
-    transformers and compares its logits with the trained model's on the same tokens (None on other ranks)."""
+def loaded_logits_diff(model, directory):
+    """Rank 0 loads the folder with plain transformers and compares its logits with the trained model's on the
+    same tokens (None on other ranks; every rank runs the trained model)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
-    hf_moe.export_hf(model, directory)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     model.eval()
     with torch.no_grad():
@@ -74,4 +88,4 @@ def exported_logits_diff(model, directory):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

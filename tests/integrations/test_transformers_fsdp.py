@@ -1,7 +1,8 @@
 """A swapped HF model sharded with fully_shard_moe trains under transformers.Trainer with Accelerate's FSDP2
 (fsdp_version 2) on 2 gloo processes, at ep_size 1 and 2, with the losses of HF's own blocks sharded by
 Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the sharded model gives a folder plain
-from_pretrained loads as the trained model."""
+from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
+for HF's own blocks."""
 import json
 import os
 import subprocess
@@ -13,12 +14,16 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
+SAVE_MODEL_EPS = (0,)   # trainer.save_model checked for these (0: HF's own blocks)
+
+
 def launch(out, ep_size, steps=4):
+    save_model = int(ep_size in SAVE_MODEL_EPS)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "hf_fsdp_worker.py"), str(out), str(ep_size), str(steps)]
+               str(HERE / "hf_fsdp_worker.py"), str(out), str(ep_size), str(steps), str(save_model)]
     env = {**os.environ, "PYTHONPATH": f"{HERE.parent.parent}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-6000:]
     return [json.loads((out / f"result{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -27,8 +32,11 @@ def test_trainer_with_accelerate_fsdp2_trains_a_sharded_swapped_model_as_hf_own_
     own = launch(tmp_path / "hf", 0)
     assert own[0]["blocks"] == [] and len(own[0]["losses"]) == 4
     assert own[0]["losses"][-1] < own[0]["losses"][0] - 0.3
+    assert own[0]["save_model_logits_diff"] < 1e-4   # save_model's folder loads as the trained model
     for ep_size in (1, 2):
         swapped = launch(tmp_path / f"ep{ep_size}", ep_size)
         for rank in range(2):
             assert swapped[rank]["blocks"] and swapped[rank]["losses"] == pytest.approx(own[rank]["losses"], rel=1e-5)
         assert swapped[0]["export_logits_diff"] < 1e-4   # export_hf of the FSDP2 shards loads as the trained model
+        if ep_size in SAVE_MODEL_EPS:
+            assert swapped[0]["save_model_logits_diff"] < 1e-4
