@@ -43,6 +43,7 @@ def run(args, rank, world) -> dict:
     static.load_state_dict({k: v for k, v in adaptive.state_dict().items() if not k.startswith("tuner.")})
     tuner = adaptive.tuner
     tuner.trials, tuner.drift, tuner.retune_every, tuner.prune = args.trials, args.drift, args.retune_every, args.prune
+    tuner.prune_same_r, tuner.reject = args.prune_same_r, args.reject
     a2as = ["flat", "2dh"] if 1 < args.node_size < world else ["flat"]
     settings = [(0, 1, "flat")] + [(r, d, a2a) for r in static.groups.layout.degrees() if r
                                    for d in (1, 2, 4) for a2a in a2as]   # every static, whatever the tuner searches
@@ -145,6 +146,10 @@ def main():
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--drift", type=float, default=0.5)
     parser.add_argument("--prune", type=float, default=3.0, help="skip what the cost model puts past this x the best")
+    parser.add_argument("--prune-same-r", type=float, default=1.25,
+                        help="skip what the cost model puts past this x the best setting of the same r")
+    parser.add_argument("--reject", type=float, default=1.3,
+                        help="after one probe call, drop a setting past this x the best median")
     parser.add_argument("--retune-every", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)

@@ -179,11 +179,12 @@ def test_a_probe_far_behind_the_best_is_not_timed_again_and_close_ones_get_every
 
 def test_the_model_drops_settings_far_behind_their_own_r_and_sees_each_ranks_own_rows():
     """prune_same_r compares settings of one r only (same rows and weights moved): EP_2DH, 3x EP in the model,
-    is never timed, while GATHERED, 3x EP too but another r, is. The model gets the most rows one rank routes."""
+    is never timed, while GATHERED, 3x EP too but another r, is. The model gets the most rows one rank routes
+    and all ranks' rows."""
     seen = []
 
     def model(setting, rows, shape):
-        seen.append(shape["local_rows"])
+        seen.append((shape["local_rows"], shape["total_rows"]))
         return {GATHERED: 3.0, EP: 1.0, EP_OVERLAP: 1.2, EP_2DH: 3.0}[setting]
 
     ranks = Ranks(lambda rank, rows, setting: {GATHERED: 1.0, EP: 2.0, EP_OVERLAP: 2.1, EP_2DH: 0.1}[setting],
@@ -192,7 +193,7 @@ def test_the_model_drops_settings_far_behind_their_own_r_and_sees_each_ranks_own
         ranks.step(LARGE)
     assert EP_2DH not in ranks.used and GATHERED in ranks.used
     assert ranks.tuners[0].table == {load_key(counts_with_largest(LARGE)): GATHERED}
-    assert set(seen) == {int(counts_with_largest(LARGE).sum(1).max())}
+    assert set(seen) == {(int(counts_with_largest(LARGE).sum(1).max()), int(counts_with_largest(LARGE).sum()))}
 
 
 def test_the_cost_model_charges_r0_for_its_own_rows_only():
@@ -200,7 +201,10 @@ def test_the_cost_model_charges_r0_for_its_own_rows_only():
     skewed = model_seconds(GATHERED, 4000, {**shape, "local_rows": 1000})
     assert skewed < model_seconds(GATHERED, 4000, shape)
     assert skewed == pytest.approx(model_seconds(GATHERED, 1000, shape))
-    assert model_seconds(EP, 4000, {**shape, "local_rows": 1000}) == model_seconds(EP, 4000, shape)
+    def ep(**rows):
+        return model_seconds(EP, 4000, {**shape, **rows})
+    assert ep(local_rows=1000, total_rows=4000) == ep(local_rows=500, total_rows=4000)    # computes what it gets
+    assert ep(local_rows=1000, total_rows=16000) > ep(local_rows=1000, total_rows=4000)   # GLOO_HERE: 2 cores
 
 
 def test_the_dictionary_round_trips_through_state_dict(caplog):

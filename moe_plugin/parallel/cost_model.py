@@ -63,11 +63,15 @@ class Params:
     compute_tflops: float
     levels_concurrent: bool = True
     overlap: bool = True        # exchange and compute can run at the same time (False: chunks run one by one)
+    cores: float = 0.0          # > 0: all ranks share this many cores (one host), 0: each rank has its own
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("levels_concurrent", "overlap"):
+            if f.name == "cores":
+                if not value >= 0:
+                    raise ValueError(f"Params.cores must be >= 0, got {value!r}")
+            elif f.name in ("levels_concurrent", "overlap"):
                 if not isinstance(value, bool):
                     raise TypeError(f"Params.{f.name} must be a bool, got {value!r}")
             elif f.name.endswith("_us"):
@@ -112,6 +116,7 @@ GLOO_HERE = Params(
     compute_tflops=0.028,       # one thread's fp32 GEMM rate
     levels_concurrent=False,
     overlap=False,              # no spare core: chunking only adds calls (benchmarks/RESULTS.md, bench_parallel)
+    cores=2.0,                  # 4 ranks on 2 cores: the busiest rank computes alone only when the others idle
 )
 
 
@@ -191,7 +196,8 @@ class Workload:
     """One layer call as the slowest rank sees it: rows_per_rank rows (kept, all k choices counted)
     to exchange and compute, the expert shape and the element size. local_rows: the rows a rank
     routes from its own tokens, which r = 0 computes (default rows_per_rank); with skewed routing
-    the slowest rank's rows_per_rank exceeds it."""
+    the slowest rank's rows_per_rank exceeds it. total_rows: the rows all ranks compute together
+    (default world_size * local_rows); it matters only where ranks share cores (Params.cores)."""
 
     rows_per_rank: int
     model_dim: int
@@ -201,11 +207,12 @@ class Workload:
     matrices: int = 2           # 2: w1, w2; 3 for a gated (SwiGLU) expert
     local_rows: Optional[int] = None
     weight_tensors: int = 4     # gathered one by one: w1, b1, w2, b2
+    total_rows: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("rows_per_rank", "local_rows"):
+        for name in ("rows_per_rank", "local_rows", "total_rows"):
             value = getattr(self, name)
-            if value is None and name == "local_rows":
+            if value is None and name != "rows_per_rank":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Workload.{name} must be an integer >= 0, got {value!r}")
@@ -256,10 +263,17 @@ def layer_parts(r: int, overlap_degree: int, algorithm: str, workload: Workload,
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     W, E, d = world_size, workload.num_experts, overlap_degree
-    compute_f = workload.forward_flops() / (params.compute_tflops * TFLOP)
+    local = workload.rows_per_rank if workload.local_rows is None else workload.local_rows
+    total = W * local if workload.total_rows is None else workload.total_rows
+
+    def compute_seconds(rows):
+        """The slowest rank's forward compute; on shared cores no faster than all ranks' rows on them."""
+        rows = max(rows, total / params.cores) if params.cores else rows
+        return workload.forward_flops(rows) / (params.compute_tflops * TFLOP)
+
+    compute_f = compute_seconds(workload.rows_per_rank)
     if r == 0:
-        local = workload.rows_per_rank if workload.local_rows is None else workload.local_rows
-        own_f = workload.forward_flops(local) / (params.compute_tflops * TFLOP)
+        own_f = compute_seconds(local)
         gather = gather_weights_seconds(E * workload.expert_bytes, W, node_size, params, workload.weight_tensors)
         return {"gather": gather, "forward": own_f, "backward": 2 * own_f, "a2a": 0.0, "compute": 3 * own_f}
     slices = max(1, W // E)

@@ -59,15 +59,18 @@ def as_dict(setting: Optional[Setting]) -> Optional[dict]:
 
 def model_seconds(setting: Setting, rows: float, shape: dict) -> float:
     """The cost model's time of one call, forward + backward, when the largest expert gets `rows` rows
-    (the slowest rank receives that for each of its experts); shape: the tag plus dtype_bytes, device and
-    local_rows (the most rows one rank routes, what r = 0 computes; None: as many as it receives)."""
+    (the slowest rank gets that for each of its E / W experts; with E < W an expert's rows are shared by
+    its W / E ranks, whole rows at r = 1, hidden slices at r > 1: the same flops); shape: the tag plus dtype_bytes, device,
+    local_rows (the most rows one rank routes, what r = 0 computes; None: as many as it receives) and
+    total_rows (all ranks' rows; None: ep_size * local_rows)."""
     r, d, a2a = setting
     W, E = shape["ep_size"], shape["num_experts"]
-    local = shape.get("local_rows")
-    workload = cost_model.Workload(rows_per_rank=int(round(rows)) * max(1, E // W), model_dim=shape["model_dim"],
+    local, total = shape.get("local_rows"), shape.get("total_rows")
+    workload = cost_model.Workload(rows_per_rank=int(round(rows * E / W)), model_dim=shape["model_dim"],
                                    hidden_dim=shape["hidden_size"], num_experts=E,
                                    dtype_bytes=shape.get("dtype_bytes", 4), matrices=shape.get("matrices", 2),
-                                   local_rows=None if local is None else int(local))
+                                   local_rows=None if local is None else int(local),
+                                   total_rows=None if total is None else int(total))
     params = cost_model.NDM_A100_V4 if shape.get("device") == "cuda" else cost_model.GLOO_HERE
     return cost_model.layer_seconds(r, d, a2a, workload, W, shape["node_size"], params)
 
@@ -177,7 +180,8 @@ class Tuner(nn.Module):
         self.dtype: Optional[str] = None
         self.dtype_bytes = 4
         self.key: Optional[int] = None
-        self.local_rows: Dict[int, int] = {}         # per key: the most rows one rank routes (what r = 0 computes)
+        self.rows: Dict[int, Tuple[int, int]] = {}   # per key: the most rows one rank routes (what r = 0
+                                                     # computes) and all ranks' rows
         self._loaded: Optional[dict] = None
         self._open: Optional[_Measurement] = None    # this call's
         self._done: Optional[_Measurement] = None    # the last call's, read at the next choose
@@ -200,7 +204,7 @@ class Tuner(nn.Module):
         self._outgoing_of = None if seconds is None else (done.key, done.setting)
 
         self.key = load_key(counts_WE)
-        self.local_rows[self.key] = int(counts_WE.sum(1).max()) if counts_WE.numel() else 0
+        self.rows[self.key] = (int(counts_WE.sum(1).max()), int(counts_WE.sum())) if counts_WE.numel() else (0, 0)
         setting = self._pick(self.key, explore=measure)
         self._open = _Measurement(self.key, setting, self.clock) if measure else None
         return setting
@@ -305,7 +309,8 @@ class Tuner(nn.Module):
     def _cost(self, setting: Setting, key: int) -> float:
         device = "cuda" if isinstance(self.clock, CudaClock) else "cpu"
         return self.cost(setting, key_rows(key), {**self.shape, "dtype_bytes": self.dtype_bytes, "device": device,
-                                                  "local_rows": self.local_rows.get(key)})
+                                                  "local_rows": self.rows.get(key, (None,))[0],
+                                                  "total_rows": self.rows.get(key, (None, None))[1]})
 
     def _settle(self, key: int, search: _Search, best: Setting) -> None:
         before = self.table.get(key)

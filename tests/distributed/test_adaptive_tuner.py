@@ -30,7 +30,8 @@ def drifting_load_equals_one_process(rank, world):
     layer = MoELayer(MoEConfig(**tuned)).double()
     layer.load_full_state_dict(reference.state_dict())
     layer.tuner.trials = 1                     # explore fast: one timed call per setting after its warm-up
-    layer.tuner.prune = float("inf")           # time every candidate: which ones run must not depend on timings
+    layer.tuner.prune = layer.tuner.prune_same_r = float("inf")   # time every candidate: which ones run must
+                                                                  # not depend on timings (nor on the model)
     generator = torch.Generator().manual_seed(1)
     worst, used = 0.0, []
     for tokens in [n for n in PHASES for _ in range(STEPS_PER_PHASE)]:
@@ -136,7 +137,7 @@ def one_host_synchronization(rank, world):
     layer = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=2, top_k=2, capacity_factor=-1.0,
                                ep_size=world, node_size=2, parallel="auto", overlap_degree="auto", a2a="auto",
                                shared_hidden_size=4))
-    layer.tuner.prune = float("inf")
+    layer.tuner.prune = layer.tuner.prune_same_r = float("inf")
     record, original = HostReads(), layer_module.route_counts
     calls = []
 
