@@ -5,7 +5,8 @@ by transformers.Trainer with Accelerate's FSDP2 (fsdp_version 2), CPU and gloo.
 
 Writes result<rank>.json: the logged losses, the block classes, for a swapped model the largest difference
 between the trained model's logits and those of the folder export_hf wrote from its FSDP2 shards, loaded by plain
-from_pretrained, and with SAVE_MODEL 1 the same for trainer.save_model's folder. A rank waiting more than
+from_pretrained, whether Accelerate's full state dict (save_model's) is the trained model's, and with SAVE_MODEL 1
+the logits difference for trainer.save_model's folder. A rank waiting more than
 SAVE_TIMEOUT s in save_model prints where every thread is and exits (a hang fails the test, with the place).
 """
 import json
@@ -63,6 +64,8 @@ def main(out_dir, ep_size, steps, save_model):
         trainer.save_model(os.path.join(out_dir, "saved"))
         faulthandler.cancel_dump_traceback_later()
         result["save_model_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "saved"))
+    if ep_size:
+        result["full_state_dict_equal"] = full_state_dict_equal(trainer, model)
     if ep_size:   # export_hf on every rank: it gathers the FSDP2 shards and the experts
         hf_moe.export_hf(model, os.path.join(out_dir, "exported"))
         result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
@@ -70,6 +73,19 @@ def main(out_dir, ep_size, steps, save_model):
         json.dump(result, file)
     dist.barrier()   # no rank leaves while another still uses the process group (gloo aborts then)
     dist.destroy_process_group()
+
+
+def full_state_dict_equal(trainer, model):
+    """Whether Accelerate's FSDP2 full state dict (what save_model hands to save_pretrained; torch's
+    get_model_state_dict) holds, on rank 0, the keys and tensors of the model's state dict with every shard
+    gathered (the experts: this rank's); None on other ranks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    state = trainer.accelerator.get_state_dict(model)
+    live = {key: (t.full_tensor() if isinstance(t, DTensor) else t) for key, t in model.state_dict().items()}
+    if dist.get_rank() != 0:
+        return None
+    return sorted(state) == sorted(live) and all(torch.equal(state[key], live[key]) for key in live)
 
 
 def loaded_logits_diff(model, directory):
