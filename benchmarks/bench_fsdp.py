@@ -1,14 +1,15 @@
 """FSDP2 (fully_shard_moe) against DDP on gloo CPU processes: bytes held per rank and step time.
 
-    python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf]
+    python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf]   (--worlds --hf: HF's only)
 
 For each world size W and ep_size: the moe-plugin train model (TransformerLM, the sizes below) in DDP mode
 (parts.data_parallel: DDP plus the expert-gradient hooks) and in FSDP2 mode (fully_shard_moe), one AdamW step
 each to create the optimizer state, then the bytes this rank holds (parameters, gradients, AdamW state: the
 local shards under FSDP2) and the median step time of --steps steps. Both modes run in the same processes,
 one after the other. --hf: a tiny-but-not-noise Mixtral, swapped (fully_shard_moe) against HF's own blocks
-under the same FSDP2 sharding (plain fully_shard per decoder layer, then the root), at ep_size 1; step time.
-Prints one table row per case, ratios FSDP2 / DDP and swapped / HF.
+under the same FSDP2 sharding (plain fully_shard per decoder layer, then the root), at ep_size 1; step time, the two
+models' steps interleaved in the same processes. Prints one table row per case, ratios FSDP2 / DDP and swapped / HF
+(`--worlds` with no value: the --hf comparison only).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _native(rank, world, ep, fsdp, steps):
             "optimizer": _bytes(state), "step_s": statistics.median(times[1:])}
 
 
-def _hf(rank, world, swapped, steps):
+def _hf_model(swapped):
     import moe_plugin.integrations.transformers as hf_moe
     from torch.distributed.fsdp import fully_shard
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -72,24 +73,32 @@ def _hf(rank, world, swapped, steps):
     torch.manual_seed(0)
     model = MixtralForCausalLM(config)
     if swapped:
-        fully_shard_moe(hf_moe.swap_moe_blocks(model))
-    else:
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return fully_shard_moe(hf_moe.swap_moe_blocks(model))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _hf(rank, world, _, steps):
+    """HF's own blocks and the swapped ones in the same processes, one step of each per round (the machine's
+    load moves both alike); returns the median over rounds of swapped / own, and each one's median step."""
+    models = [_hf_model(False), _hf_model(True)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     generator = torch.Generator().manual_seed(rank)
-    times = []
+    times = [[], []]
     for _ in range(steps + 1):
         ids = torch.randint(0, 256, (BATCH, SEQ), generator=generator)
-        dist.barrier()
-        tick = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - tick)
-    return {"step_s": statistics.median(times[1:])}
+        for model, optimizer, spent in zip(models, optimizers, times):
+            dist.barrier()
+            tick = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            spent.append(time.perf_counter() - tick)
+    own, swapped = times[0][1:], times[1][1:]
+    return {"own_s": statistics.median(own), "swapped_s": statistics.median(swapped),
+            "ratio": statistics.median(b / a for a, b in zip(own, swapped))}
 
 
 def _worker(rank, world, port, cases, steps, queue):
@@ -120,16 +129,17 @@ def run(world, cases, steps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])   # none: --hf only
     parser.add_argument("--eps", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hf", action="store_true")
     args = parser.parse_args()
     mib = 2 ** 20
-    print(f"model: dim {DIM}, layers {LAYERS} (MoE every 2nd), experts {EXPERTS} x hidden {HIDDEN}, "
-          f"batch {BATCH}x{SEQ} per rank; MiB per rank (rank 0), step = median of {args.steps}")
-    print(f"{'W':>2} {'ep':>2}  {'mode':5} {'params':>8} {'grads':>8} {'adam':>8} {'total':>8} {'step s':>7}  "
-          f"{'total/DDP':>9} {'step/DDP':>8}")
+    if args.worlds:
+        print(f"model: dim {DIM}, layers {LAYERS} (MoE every 2nd), experts {EXPERTS} x hidden {HIDDEN}, "
+              f"batch {BATCH}x{SEQ} per rank; MiB per rank (rank 0), step = median of {args.steps}")
+        print(f"{'W':>2} {'ep':>2}  {'mode':5} {'params':>8} {'grads':>8} {'adam':>8} {'total':>8} {'step s':>7}  "
+              f"{'total/DDP':>9} {'step/DDP':>8}")
     for world in args.worlds:
         cases = [("native", ep, fsdp) for ep in args.eps if world % ep == 0 for fsdp in (False, True)]
         results = run(world, cases, args.steps)
@@ -141,10 +151,10 @@ def main():
                   f"{r['grads'] / mib:8.2f} {r['optimizer'] / mib:8.2f} {total / mib:8.2f} {r['step_s']:7.3f}  "
                   f"{total / ddp_total:9.3f} {r['step_s'] / ddp_step:8.3f}")
     if args.hf:
-        results = run(2, [("hf", 1, False), ("hf", 1, True)], args.steps)
-        own, swapped = results[0]["step_s"], results[1]["step_s"]
-        print(f"Mixtral under FSDP2 on 2 processes, ep_size 1: HF's own {own:.3f} s, swapped {swapped:.3f} s, "
-              f"swapped / HF = {swapped / own:.3f}")
+        r = run(2, [("hf", 1, None)], args.steps)[0]
+        print(f"Mixtral under FSDP2 on 2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
+              f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
+              f"(median of the rounds' ratios)")
 
 
 if __name__ == "__main__":

@@ -42,14 +42,15 @@ EXPERT_DIM = {"w1_EDH": 1, "w2_EHD": 2, "b1_EH": 0, "b2_ED": 0}   # sharded dim 
 
 
 def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn.Module]] = None,
-                    mp_policy=None, reshard_after_forward: bool = True, offload_policy=None) -> nn.Module:
+                    mp_policy=None, reshard_after_forward: Optional[bool] = None, offload_policy=None) -> nn.Module:
     """Shard model with FSDP2 so that expert-parallel MoE layers train as under DDP; returns model (an FSDPModule).
 
     mesh: the dense 1-D DeviceMesh over every rank (default: the whole world, on the model's device type).
-    blocks: the modules to shard one by one between the MoE layers and the root (default: the children of
-    every nn.ModuleList that holds an MoE layer, i.e. the transformer blocks). mp_policy, offload_policy and
-    reshard_after_forward are fully_shard's. Call it once, after torch.distributed is initialized and after
-    activation checkpointing is applied, before building the optimizer.
+    blocks: the modules to shard one by one before the root (default: the children of every nn.ModuleList
+    that holds an MoE layer, i.e. the transformer blocks). mp_policy, offload_policy and reshard_after_forward
+    are fully_shard's (None, its default: every unit but the root reshards). Call it once, after
+    torch.distributed is initialized and after activation checkpointing is applied, before building the
+    optimizer.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
     if not (dist.is_available() and dist.is_initialized()):
