@@ -48,7 +48,8 @@ def _train_sharded(rank, world, spec):
     modules that are FSDP units)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     generator = torch.Generator().manual_seed(spec["seed"] + 1)
-    batches = [[(torch.randint(V, (B, S), generator=generator), torch.randint(V, (B, S), generator=generator))
+    shape = spec.get("tokens", (B, S))
+    batches = [[(torch.randint(V, shape, generator=generator), torch.randint(V, shape, generator=generator))
                 for _ in range(world)] for _ in range(STEPS)]
     want = reference_losses(spec, batches, world)
     model = build(spec["seed"], spec["ep"], spec["E"], spec["H"], spec["activation"], spec["bias"], spec["layers"])
@@ -57,10 +58,14 @@ def _train_sharded(rank, world, spec):
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if spec.get("bf16") else None
+    import moe_plugin.parallel.fsdp as fsdp
+    per_parameter_mesh = fsdp.ShardPlacementResult
     if spec.get("apart"):   # the path for a torch without per-parameter meshes
-        import moe_plugin.parallel.fsdp as fsdp
         fsdp.ShardPlacementResult = None
-    fully_shard_moe(model, mp_policy=policy)
+    try:
+        fully_shard_moe(model, mp_policy=policy)
+    finally:
+        fsdp.ShardPlacementResult = per_parameter_mesh
     units = sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     got = []
@@ -100,7 +105,8 @@ BASE = dict(E=4, H=8, activation="swiglu", bias=True, layers=2)
 CASES = {  # world: specs; the tolerance is fp64's, except under bf16 parameters
     2: [dict(BASE, ep=1, activation="gelu"), dict(BASE, ep=2, bias=False),
         dict(BASE, ep=2, layers=4, checkpointing=True), dict(BASE, ep=2, layers=4, bf16=True),
-        dict(BASE, ep=2, apart=True)],
+        dict(BASE, ep=2, apart=True),
+        dict(BASE, ep=2, E=8, tokens=(1, 2))],      # 4 choices per rank: each rank routes none to 4+ experts
     4: [dict(BASE, ep=2, H=6, activation="relu"),   # 2 ranks hold each expert: sharded over them, divided by 4
         dict(BASE, ep=4, E=2)],                     # hidden-sliced experts: each expert in 2 slices
 }
