@@ -6,7 +6,8 @@ The routing drifts: phase p adds --skews[p % len] to expert 0's routing score (r
 balanced routing, 1 sends every token's first choice to expert 0), for --steps-per-phase steps each. With
 capacity_factor < 0 the capacity follows the load. Every step runs the adaptive layer and each static
 (r, d, a2a) once, interleaved, on the same input and the same weights; a step's time is the slowest rank's
-forward + backward. Printed: each one's total, the oracle (the sum over phases of the best static's
+forward + backward. Before the timed steps, both layers run every setting once, untimed (each layer
+has its own process groups). Printed: each one's total, the oracle (the sum over phases of the best static's
 phase total), the ratios, and the adaptive layer's choices per phase.
 Legend: W ranks, T tokens per rank, D model dim, H hidden, E experts.
 """
@@ -52,12 +53,18 @@ def run(args, rank, world) -> dict:
         if setting is None:
             layer(x_TD).backward(grad_TD)
         else:
-            layer.config.a2a = setting[2]
+            a2a, layer.config.a2a = layer.config.a2a, setting[2]
             layer(x_TD, parallel=setting[0], overlap_degree=setting[1]).backward(grad_TD)
+            layer.config.a2a = a2a
 
     warm_TD = torch.randn(args.tokens, args.model_dim, requires_grad=True)
-    for setting in settings:                # process warm-up (kernel choice, first collectives): not counted
+    choose = tuner.choose
+    for setting in settings:   # process warm-up (kernel choice, each layer's groups' first collectives): not counted
         step(static, warm_TD, torch.ones_like(warm_TD), setting)
+        # the adaptive layer runs the setting too, untimed (explicit degrees), its a2a forced through choose
+        tuner.choose = lambda *given, setting=setting, **named: (choose(*given, **named), setting)[1]
+        step(adaptive, warm_TD, torch.ones_like(warm_TD), setting)
+    del tuner.choose
     step(adaptive, warm_TD, torch.ones_like(warm_TD))
 
     names = ["adaptive"] + [name_of(s) for s in settings]

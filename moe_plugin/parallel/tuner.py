@@ -9,11 +9,13 @@ setting, filled online and re-tuned as the load drifts (Tutel, section 3.3).
   time rides to the other ranks on a later forward's route_counts all-gather (read one forward after
   it ends, when its events are complete; shared on the next), so the max over ranks costs no
   collective and no host synchronization of its own. Every rank sees the same times: same decisions.
-- Search per key: the candidates in the cost model's order (the nearest known key's choice first);
-  a setting's first call ever is dropped (warm-up: a new communicator's first use); each is timed
-  `trials` times, its median kept; those the cost model puts past `prune` x the best one measured
-  so far are skipped. The next setting is called as soon as this one's calls are issued; while the
-  last times are on their way, the best setting so far runs. The choice is re-timed every
+- Search per key: the candidates in the cost model's order (the nearest known key's choice first),
+  without those the model puts past `prune_same_r` x the best of the same r; a setting's first call
+  ever is dropped (warm-up: a new communicator's first use); the first is timed `trials` times, each
+  other one gets one probe call and its other trials only if the probe is within `reject` x the best
+  median; medians are kept; those the cost model puts past `prune` x the best one measured so far are
+  skipped. The next setting is called as soon as this one's calls are issued; while the last times
+  are on their way, the best setting so far runs. The choice is re-timed every
   `retune_every` calls of its key, or when its median over the last `trials` calls drifts past
   `drift` from the one it won with.
 - Persistence: the dictionary is the module's extra state, tagged (ep_size, node_size, dims, dtype).
@@ -60,9 +62,9 @@ def as_dict(setting: Optional[Setting]) -> Optional[dict]:
 def model_seconds(setting: Setting, rows: float, shape: dict) -> float:
     """The cost model's time of one call, forward + backward, when the largest expert gets `rows` rows
     (the slowest rank gets that for each of its E / W experts; with E < W an expert's rows are shared by
-    its W / E ranks, whole rows at r = 1, hidden slices at r > 1: the same flops); shape: the tag plus dtype_bytes, device,
-    local_rows (the most rows one rank routes, what r = 0 computes; None: as many as it receives) and
-    total_rows (all ranks' rows; None: ep_size * local_rows)."""
+    its W / E ranks, whole rows at r = 1, hidden slices at r > 1: the same flops); shape: the tag plus
+    dtype_bytes, device, local_rows (the most rows one rank routes, what r = 0 computes; None: as many
+    as it receives) and total_rows (all ranks' rows; None: ep_size * local_rows)."""
     r, d, a2a = setting
     W, E = shape["ep_size"], shape["num_experts"]
     local, total = shape.get("local_rows"), shape.get("total_rows")
