@@ -33,7 +33,7 @@ try:
     from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
 except ImportError:
     _STATES = None
-try:   # per-parameter meshes in one fully_shard call (torch >= 2.13)
+try:   # per-parameter meshes in one fully_shard call (pytorch PR 173509; absent from older torch)
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 except ImportError:
     FSDPMeshInfo = ShardPlacementResult = None
@@ -88,7 +88,8 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
         placements = {}
         for layer in here:
             experts_mesh = meshes[id(layer)]
-            info = infos.setdefault(layer.groups.expert_data_group, FSDPMeshInfo(mesh=experts_mesh, shard_mesh_dim=0))
+            data_group = layer.groups.expert_data_group
+            info = infos[data_group] = infos.get(data_group) or FSDPMeshInfo(mesh=experts_mesh, shard_mesh_dim=0)
             dims = _expert_dims(layer, experts_mesh.size())
             for param in layer.experts.parameters():
                 placements[id(param)] = ShardPlacementResult(dims and _shard(dims.get(id(param), 0)), info)
