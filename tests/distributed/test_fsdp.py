@@ -96,9 +96,28 @@ def _plain_fully_shard(rank, world):
     return None
 
 
+def _refusals(rank, world):
+    """fully_shard_moe's ValueError messages for: a model sharded already, a 2-D mesh, a layer built with a host's
+    ep_group (it does not know its expert-data group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from moe_plugin import MoELayer
+    cases = [lambda: fully_shard_moe(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
+             lambda: fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2), mesh=init_device_mesh("cpu", (1, world))),
+             lambda: fully_shard_moe(MoELayer(dict(model_dim=8, hidden_size=8, num_experts=4, ep_size=world),
+                                              ep_group=dist.group.WORLD))]
+    messages = []
+    for case in cases:
+        try:
+            case()
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
 def _train_cases(rank, world, seed, specs):
     results = [_train_sharded(rank, world, dict(spec, seed=seed + i)) for i, spec in enumerate(specs)]
-    return results + [_plain_fully_shard(rank, world)] if world == 2 else results
+    return results + [_plain_fully_shard(rank, world), _refusals(rank, world)] if world == 2 else results
 
 
 BASE = dict(E=4, H=8, activation="swiglu", bias=True, layers=2)
@@ -118,7 +137,7 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
     """ep_size 1, 2 and 4 (sliced), activation checkpointing and bf16 parameters with fp32 reduction, and the
     layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit (the experts
     in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
-    of an expert-parallel model fails at its first forward."""
+    of an expert-parallel model fails at its first forward, and fully_shard_moe refuses what it cannot shard."""
     results = run_workers(_train_cases, world, fresh_seed, CASES[world], timeout=300)
     for rank_results in results:
         for spec, (error, moved, units) in zip(CASES[world], rank_results):
@@ -130,5 +149,7 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
             else:
                 assert units == blocks, units
         if world == 2:
-            message = rank_results[-1]
+            message = rank_results[-2]
             assert message is not None and "fully_shard_moe" in message and "ep_size=2" in message, message
+            sharded, two_d, host_group = rank_results[-1]
+            assert "already sharded" in sharded and "1-D" in two_d and "ep_group" in host_group, rank_results[-1]
