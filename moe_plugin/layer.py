@@ -206,7 +206,7 @@ class MoELayer(nn.Module):
             r, d, a2a = tuner.choose(counts_WE, times_W, x_TD.dtype, measure=tuning)
             r = r if parallel is None else parallel
             d = d if overlap_degree is None else overlap_degree
-            x_TD, gate_TK = tuner.enter(x_TD, gate_TK)
+            x_TD, gate_TK = tuner.enter(x_TD, gate_TK, self.experts.parameters())
             y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, a2a, in_flight=in_flight,
                                        counts_WE=counts_WE)
             return tuner.leave(y_TD), (r, d, a2a)

@@ -207,6 +207,31 @@ def test_the_cost_model_charges_r0_for_its_own_rows_only():
     assert ep(local_rows=1000, total_rows=16000) > ep(local_rows=1000, total_rows=4000)   # GLOO_HERE: 2 cores
 
 
+def test_the_time_includes_the_weights_gradient_reduction_that_ends_after_x_gets_its_gradient():
+    """r = 0 and gathered slices sum the weights' gradients over ranks (an all-reduce) on a branch of the
+    backward that can end after x's gradient: the end mark waits for the weights' gradients."""
+    clock = Clock()
+    tuner = Tuner(CANDIDATES, SHAPE, clock=clock)
+    weight = torch.randn(3, requires_grad=True)
+
+    class SlowReduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock.now += 10.0                   # the all-reduce of the gathered gradients
+            return grad
+
+    gathered = SlowReduce.apply(weight)        # made before the path's entry: it runs after x's gradient
+    tuner.choose(counts_with_largest(SMALL), None, torch.float64, measure=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    x_in, gate_in = tuner.enter(x, x.sum(1, keepdim=True), [weight])
+    tuner.leave(x_in * gate_in * gathered).sum().backward()
+    assert tuner._done.seconds() >= 10.0 and weight.grad is not None
+
+
 def test_the_dictionary_round_trips_through_state_dict(caplog):
     ranks = Ranks(phase_costs, world=2, trials=2)
     for rows in [SMALL] * 20 + [LARGE] * 20:

@@ -31,7 +31,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,8 @@ class _Measurement:
 
 
 class _Enter(torch.autograd.Function):
-    """Identity on (x, gate); its backward is the last step of the path's backward: the end mark."""
+    """Identity on (x, gate); the forward's start mark. (The end mark is taken once the gradients of x,
+    gate and the expert weights are all computed: the weights' all-reduce may run after x's gradient.)"""
 
     @staticmethod
     def forward(ctx, measurement, x_TD, gate_TK):
@@ -127,7 +128,6 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, grad_gate):
-        ctx.measurement.marks.append(ctx.measurement.clock.mark())
         return None, grad_x, grad_gate
 
 
@@ -211,11 +211,19 @@ class Tuner(nn.Module):
         self._open = _Measurement(self.key, setting, self.clock) if measure else None
         return setting
 
-    def enter(self, x_TD: torch.Tensor, gate_TK: torch.Tensor):
+    def enter(self, x_TD: torch.Tensor, gate_TK: torch.Tensor, weights: Iterable[torch.Tensor] = ()):
+        """weights: the expert parameters; the backward's end mark waits for their gradients too."""
         if self._open is None:
             return x_TD, gate_TK
-        self._open.backward = x_TD.requires_grad or gate_TK.requires_grad
-        return _Enter.apply(self._open, x_TD, gate_TK)
+        measurement = self._open
+        watched = [t for t in (x_TD, gate_TK, *weights) if t.requires_grad]
+        measurement.backward = bool(watched)
+        if watched:
+            def end(grads):
+                measurement.marks.append(measurement.clock.mark())
+                handle.remove()
+            handle = torch.autograd.graph.register_multi_grad_hook(watched, end, mode="all")
+        return _Enter.apply(measurement, x_TD, gate_TK)
 
     def leave(self, y_TD: torch.Tensor) -> torch.Tensor:
         if self._open is None:
