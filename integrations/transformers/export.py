@@ -36,10 +36,11 @@ def full_layer_state(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
     return state
 
 
-def hf_tensors(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
-    """The block's tensors in its HF block's names and layouts, every expert (a collective under expert
-    parallelism); the choice bias only when the HF block has one (LFM2-MoE's is optional)."""
-    state = full_layer_state(block)
+def hf_tensors(block: HFMoEBlock, layer_state: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """The block's tensors in its HF block's names and layouts, every expert: from layer_state (its MoELayer's
+    state, whole) or else from the block (a collective under expert parallelism); the choice bias only when the
+    HF block has one (LFM2-MoE's is optional)."""
+    state = full_layer_state(block) if layer_state is None else dict(layer_state)
     if not block.moe.router.fixed_bias:
         state.pop("router.expert_bias_E", None)
     return layer_to_hf(FAMILIES[block.family], state)
@@ -53,15 +54,20 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def hf_state_dict(model: nn.Module, state: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """model.state_dict() (or state, a state dict of model) in the HF names and layouts of its family, every
-    expert included: the blocks' entries come from the blocks themselves (a collective under expert
-    parallelism: every rank must call it), the others from state."""
+    expert included. A block's entries come from state when it holds the block's layer whole (the layer's own
+    names, experts not spread over processes: e.g. the gathered state HF Trainer passes on one rank under FSDP2
+    or ZeRO-3), else from the block itself (a collective under expert parallelism: every rank must call it)."""
     require_families(model)
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     state = model.state_dict() if state is None else state
     hf_state = {name: _whole(tensor) for name, tensor in state.items()
                 if not any(name.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
-        for key, tensor in hf_tensors(block).items():
+        prefix = f"{name}.moe."
+        given = {key[len(prefix):]: tensor for key, tensor in state.items() if key.startswith(prefix)}
+        whole = "experts.w1_EDH" in given and not block.moe.is_parallel    # not DeepSpeed's per-expert names
+        layer_state = {key: _whole(tensor) for key, tensor in given.items()} if whole else None
+        for key, tensor in hf_tensors(block, layer_state).items():
             hf_state[hf_key(name, block, key)] = tensor.contiguous()
     return hf_state
 
