@@ -1,20 +1,22 @@
 """FSDP2 (fully_shard_moe) against DDP on gloo CPU processes: bytes held per rank and step time.
 
-    python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf]   (--worlds --hf: HF's only)
+    python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf [--hf-model mixtral|fine]]
+    (--worlds --hf: HF's only)
 
 For each world size W and ep_size: the moe-plugin train model (TransformerLM, the sizes below) in DDP mode
 (parts.data_parallel: DDP plus the expert-gradient hooks) and in FSDP2 mode (fully_shard_moe), one AdamW step
 each to create the optimizer state, then the bytes this rank holds (parameters, gradients, AdamW state: the
 local shards under FSDP2) and the median step time of --steps steps. Both modes run in the same processes,
-one after the other. --hf: a tiny-but-not-noise Mixtral, swapped (fully_shard_moe) against HF's own blocks
+one after the other. --hf: an HF MoE model (--hf-model: the tiny Mixtral, or a fine-grained Qwen3-MoE), swapped (fully_shard_moe) against HF's own blocks
 under the same FSDP2 sharding (plain fully_shard per decoder layer, then the root), at ep_size 1; step time, the two
-models' steps interleaved in the same processes. Prints one table row per case, ratios FSDP2 / DDP and swapped / HF
+models' steps interleaved in the same processes, their first losses checked equal. Prints one table row per case, ratios FSDP2 / DDP and swapped / HF
 (`--worlds` with no value: the --hf comparison only).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_module
 import socket
 import statistics
 import time
@@ -62,16 +64,30 @@ def _native(rank, world, ep, fsdp, steps):
             "optimizer": _bytes(state), "step_s": statistics.median(times[1:])}
 
 
-def _hf_model(swapped):
-    import moe_plugin.integrations.transformers as hf_moe
+# --hf-model: the HF config and the tokens (batch, sequence) per rank. "mixtral": tiny, 8 experts x 512, top-2,
+# where the MoE is ~22% of the step; "fine": fine-grained like Qwen3-MoE / DeepSeek-V3 / OLMoE, 64 experts x 256,
+# top-8, enough tokens that the MoE dominates the step.
+HF_MODELS = {
+    "mixtral": ("mixtral", "MixtralConfig", "MixtralForCausalLM", (BATCH, SEQ),
+                dict(vocab_size=256, hidden_size=DIM, intermediate_size=HIDDEN // 2, num_hidden_layers=2,
+                     num_attention_heads=HEADS, num_key_value_heads=HEADS, num_local_experts=EXPERTS,
+                     num_experts_per_tok=2, max_position_embeddings=SEQ)),
+    "fine": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", (8, 256),
+             dict(vocab_size=256, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=64,
+                  num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=256)),
+}
+
+
+def _hf_model(name, swapped):
+    import importlib
+    import moe_plugin.integrations.transformers as hf_moe   # first: it hides an unloadable torchaudio
     from torch.distributed.fsdp import fully_shard
-    from transformers import MixtralConfig, MixtralForCausalLM
     from moe_plugin.parallel import fully_shard_moe
-    config = MixtralConfig(vocab_size=256, hidden_size=DIM, intermediate_size=HIDDEN // 2, num_hidden_layers=2,
-                           num_attention_heads=HEADS, num_key_value_heads=HEADS, num_local_experts=EXPERTS,
-                           num_experts_per_tok=2, max_position_embeddings=SEQ)
+    family, config_class, model_class, _, kwargs = HF_MODELS[name]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(0)
-    model = MixtralForCausalLM(config)
+    model = getattr(modeling, model_class)(getattr(modeling, config_class)(**kwargs))
     if swapped:
         return fully_shard_moe(hf_moe.swap_moe_blocks(model))
     for layer in model.model.layers:
@@ -79,15 +95,17 @@ def _hf_model(swapped):
     return fully_shard(model)
 
 
-def _hf(rank, world, _, steps):
+def _hf(rank, world, name, steps):
     """HF's own blocks and the swapped ones in the same processes, one step of each per round (the machine's
-    load moves both alike); returns the median over rounds of swapped / own, and each one's median step."""
-    models = [_hf_model(False), _hf_model(True)]
+    load moves both alike); returns the median over rounds of swapped / own, and each one's median step.
+    The first round's losses must agree (same weights, same tokens)."""
+    models = [_hf_model(name, False), _hf_model(name, True)]
+    batch, seq = HF_MODELS[name][3]
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     generator = torch.Generator().manual_seed(rank)
-    times = [[], []]
-    for _ in range(steps + 1):
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=generator)
+    times, first_losses = [[], []], []
+    for round_ in range(steps + 1):
+        ids = torch.randint(0, 256, (batch, seq), generator=generator)
         for model, optimizer, spent in zip(models, optimizers, times):
             dist.barrier()
             tick = time.perf_counter()
@@ -96,9 +114,13 @@ def _hf(rank, world, _, steps):
             loss.backward()
             optimizer.step()
             spent.append(time.perf_counter() - tick)
+            if round_ == 0:
+                first_losses.append(loss.item())
+    if abs(first_losses[0] - first_losses[1]) > 1e-4 * abs(first_losses[0]):
+        raise RuntimeError(f"first losses differ: HF's own {first_losses[0]}, swapped {first_losses[1]}")
     own, swapped = times[0][1:], times[1][1:]
     return {"own_s": statistics.median(own), "swapped_s": statistics.median(swapped),
-            "ratio": statistics.median(b / a for a, b in zip(own, swapped))}
+            "ratio": statistics.median(b / a for a, b in zip(own, swapped)), "losses": first_losses}
 
 
 def _worker(rank, world, port, cases, steps, queue):
@@ -121,7 +143,17 @@ def run(world, cases, steps):
     procs = [context.Process(target=_worker, args=(r, world, port, cases, steps, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=1800) for _ in range(world))
+    results = {}
+    deadline = time.monotonic() + 1800
+    while len(results) < world:
+        try:
+            rank, out = queue.get(timeout=5)
+            results[rank] = out
+        except queue_module.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a worker failed or hung; exit codes {[p.exitcode for p in procs]}")
     for p in procs:
         p.join()
     return results[0]   # rank 0's figures (ranks hold the same amounts; step times are barrier-aligned)
@@ -133,6 +165,7 @@ def main():
     parser.add_argument("--eps", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hf", action="store_true")
+    parser.add_argument("--hf-model", choices=sorted(HF_MODELS), default="mixtral")
     args = parser.parse_args()
     mib = 2 ** 20
     if args.worlds:
@@ -151,10 +184,11 @@ def main():
                   f"{r['grads'] / mib:8.2f} {r['optimizer'] / mib:8.2f} {total / mib:8.2f} {r['step_s']:7.3f}  "
                   f"{total / ddp_total:9.3f} {r['step_s'] / ddp_step:8.3f}")
     if args.hf:
-        r = run(2, [("hf", 1, None)], args.steps)[0]
-        print(f"Mixtral under FSDP2 on 2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
+        r = run(2, [("hf", 1, args.hf_model)], args.steps)[0]
+        batch, seq = HF_MODELS[args.hf_model][3]
+        print(f"{HF_MODELS[args.hf_model][2]} ({args.hf_model}, {batch}x{seq} tokens per rank) under FSDP2 on 2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
               f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
-              f"(median of the rounds' ratios)")
+              f"(median of the rounds' ratios); first losses {r['losses'][0]:.6f} / {r['losses'][1]:.6f}")
 
 
 if __name__ == "__main__":
