@@ -5,7 +5,8 @@ setting, filled online and re-tuned as the load drifts (Tutel, section 3.3).
 - Key: a half-octave bucket of the largest expert's kept rows (the capacity used), read from
   route_counts' gathered counts, which every rank holds: the ranks agree without a word.
 - Timing: each call is timed from the start of its expert path to the end of that path's backward
-  (the forward part plus the backward part, marked by two autograd functions around the path). The
+  (the forward part plus the backward part: clock marks at its entry and exit, a hook on the output's
+  gradient, and a multi-grad hook that waits for x's, the gate's and the weights' gradients). The
   time rides to the other ranks on a later forward's route_counts all-gather (read one forward after
   it ends, when its events are complete; shared on the next), so the max over ranks costs no
   collective and no host synchronization of its own. Every rank sees the same times: same decisions.
@@ -114,38 +115,6 @@ class _Measurement:
         return self.clock.seconds(self.marks[0], self.marks[1]) + self.clock.seconds(self.marks[2], self.marks[3])
 
 
-class _Enter(torch.autograd.Function):
-    """Identity on (x, gate); the forward's start mark. (The end mark is taken once the gradients of x,
-    gate and the expert weights are all computed: the weights' all-reduce may run after x's gradient.)"""
-
-    @staticmethod
-    def forward(ctx, measurement, x_TD, gate_TK):
-        ctx.measurement = measurement
-        measurement.marks.append(measurement.clock.mark())
-        outputs = x_TD.view_as(x_TD), gate_TK.view_as(gate_TK)
-        ctx.mark_non_differentiable(*[out for out, given in zip(outputs, (x_TD, gate_TK)) if not given.requires_grad])
-        return outputs
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_gate):
-        return None, grad_x, grad_gate
-
-
-class _Leave(torch.autograd.Function):
-    """Identity on y; the forward's end mark, and its backward is the path's backward's start mark."""
-
-    @staticmethod
-    def forward(ctx, measurement, y_TD):
-        ctx.measurement = measurement
-        measurement.marks.append(measurement.clock.mark())
-        return y_TD.view_as(y_TD)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        ctx.measurement.marks.append(ctx.measurement.clock.mark())
-        return None, grad_y
-
-
 class _Search:
     """One key's entry: the settings still to time (in order), the calls issued to each and the times
     that came back, their medians, the choice."""
@@ -216,6 +185,7 @@ class Tuner(nn.Module):
         if self._open is None:
             return x_TD, gate_TK
         measurement = self._open
+        measurement.marks.append(measurement.clock.mark())
         watched = [t for t in (x_TD, gate_TK, *weights) if t.requires_grad]
         measurement.backward = bool(watched)
         if watched:
@@ -223,14 +193,17 @@ class Tuner(nn.Module):
                 measurement.marks.append(measurement.clock.mark())
                 handle.remove()
             handle = torch.autograd.graph.register_multi_grad_hook(watched, end, mode="all")
-        return _Enter.apply(measurement, x_TD, gate_TK)
+        return x_TD, gate_TK
 
     def leave(self, y_TD: torch.Tensor) -> torch.Tensor:
         if self._open is None:
             return y_TD
         measurement, self._open = self._open, None
         self._done = measurement
-        return _Leave.apply(measurement, y_TD) if measurement.backward else _mark_now(measurement, y_TD)
+        measurement.marks.append(measurement.clock.mark())
+        if measurement.backward and y_TD.requires_grad:
+            y_TD.register_hook(lambda grad: measurement.marks.append(measurement.clock.mark()))
+        return y_TD
 
     # the dictionary
     def observe(self, key: int, setting: Setting, seconds: float) -> None:
@@ -375,11 +348,6 @@ class Tuner(nn.Module):
             if setting in self.candidates:
                 search = self.searches[int(key)] = _Search([])
                 search.choice = self.table[int(key)] = setting
-
-
-def _mark_now(measurement: _Measurement, y_TD: torch.Tensor) -> torch.Tensor:
-    measurement.marks.append(measurement.clock.mark())
-    return y_TD
 
 
 class OnceTuner:
