@@ -120,7 +120,8 @@ def _hf(rank, world, name, steps):
         raise RuntimeError(f"first losses differ: HF's own {first_losses[0]}, swapped {first_losses[1]}")
     own, swapped = times[0][1:], times[1][1:]
     return {"own_s": statistics.median(own), "swapped_s": statistics.median(swapped),
-            "ratio": statistics.median(b / a for a, b in zip(own, swapped)), "losses": first_losses}
+            "ratio": statistics.median(b / a for a, b in zip(own, swapped)), "losses": first_losses,
+            "ratios": [b / a for a, b in zip(own, swapped)]}
 
 
 def _worker(rank, world, port, cases, steps, queue):
@@ -189,6 +190,7 @@ def main():
         print(f"{HF_MODELS[args.hf_model][2]} ({args.hf_model}, {batch}x{seq} tokens per rank) under FSDP2 on 2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
               f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
               f"(median of the rounds' ratios); first losses {r['losses'][0]:.6f} / {r['losses'][1]:.6f}")
+        print("rounds' ratios:", " ".join(f"{x:.3f}" for x in r["ratios"]))
 
 
 if __name__ == "__main__":
