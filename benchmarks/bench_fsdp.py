@@ -7,9 +7,10 @@ For each world size W and ep_size: the moe-plugin train model (TransformerLM, th
 (parts.data_parallel: DDP plus the expert-gradient hooks) and in FSDP2 mode (fully_shard_moe), one AdamW step
 each to create the optimizer state, then the bytes this rank holds (parameters, gradients, AdamW state: the
 local shards under FSDP2) and the median step time of --steps steps. Both modes run in the same processes,
-one after the other. --hf: an HF MoE model (--hf-model: the tiny Mixtral, or a fine-grained Qwen3-MoE), swapped (fully_shard_moe) against HF's own blocks
-under the same FSDP2 sharding (plain fully_shard per decoder layer, then the root), at ep_size 1; step time, the two
-models' steps interleaved in the same processes, their first losses checked equal. Prints one table row per case, ratios FSDP2 / DDP and swapped / HF
+one after the other. --hf: an HF MoE model (--hf-model: the tiny Mixtral, or a fine-grained Qwen3-MoE),
+swapped (fully_shard_moe) against HF's own blocks under the same FSDP2 sharding (plain fully_shard per decoder
+layer, then the root), at ep_size 1; step time, the two models' steps interleaved in the same processes, their
+first losses checked equal. Prints one table row per case, ratios FSDP2 / DDP and swapped / HF
 (`--worlds` with no value: the --hf comparison only).
 """
 from __future__ import annotations
@@ -187,7 +188,8 @@ def main():
     if args.hf:
         r = run(2, [("hf", 1, args.hf_model)], args.steps)[0]
         batch, seq = HF_MODELS[args.hf_model][3]
-        print(f"{HF_MODELS[args.hf_model][2]} ({args.hf_model}, {batch}x{seq} tokens per rank) under FSDP2 on 2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
+        print(f"{HF_MODELS[args.hf_model][2]} ({args.hf_model}, {batch}x{seq} tokens per rank) under FSDP2 on "
+              f"2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
               f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
               f"(median of the rounds' ratios); first losses {r['losses'][0]:.6f} / {r['losses'][1]:.6f}")
         print("rounds' ratios:", " ".join(f"{x:.3f}" for x in r["ratios"]))
