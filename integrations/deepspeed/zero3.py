@@ -13,7 +13,6 @@ weights and forward (an HF block becomes its HFMoEBlock, the native-API layer a 
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 from torch import nn
@@ -73,30 +72,7 @@ def to_zero3(model: nn.Module) -> nn.Module:
         layer.__class__ = HFMoEBlock if isinstance(layer, DeepSpeedHFMoEBlock) else Zero3MoE
     if any(isinstance(m, (HFMoEBlock, Zero3MoE)) for m in model.modules()):
         set_z3_leaf_modules(model, [HFMoEBlock, Zero3MoE])
-    if isinstance(model.__dict__.get("save_pretrained"), functools.partial):   # installed by swap_moe_blocks
-        model.save_pretrained = functools.partial(save_pretrained_from_state, model)
     return model
-
-
-def save_pretrained_from_state(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
-    """A swapped model's save_pretrained under ZeRO-3, where the blocks' own parameters are partitions: the blocks'
-    HF tensors come from state_dict, the gathered state HF Trainer passes (stage3_gather_16bit_weights_on_model_save).
-    Without one, or with the experts spread over processes, the swapped model's own save_pretrained runs."""
-    from moe_plugin.integrations.transformers import FAMILIES, layer_to_hf
-    from moe_plugin.integrations.transformers.block import HFMoEBlock, hf_key
-    from moe_plugin.integrations.transformers.export import save_pretrained_in_hf_names
-    blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
-    if state_dict is None or any(block.moe.is_parallel for block in blocks.values()):
-        return save_pretrained_in_hf_names(model, save_directory, *args, state_dict=state_dict, **kwargs)
-    hf_state = dict(state_dict)
-    for name, block in blocks.items():
-        prefix = f"{name}.moe."
-        layer_state = {key[len(prefix):]: hf_state.pop(key) for key in list(hf_state) if key.startswith(prefix)}
-        if not block.moe.router.fixed_bias:   # the choice bias only where the HF block has one (as export_hf)
-            layer_state.pop("router.expert_bias_E", None)
-        hf_state.update({hf_key(name, block, key): t.contiguous()
-                         for key, t in layer_to_hf(FAMILIES[block.family], layer_state).items()})
-    return type(model).save_pretrained(model, save_directory, *args, state_dict=hf_state, **kwargs)
 
 
 def _place_experts(layer: nn.Module) -> None:
