@@ -291,9 +291,9 @@ class Tuner(nn.Module):
 
     def _cost(self, setting: Setting, key: int) -> float:
         device = "cuda" if isinstance(self.clock, CudaClock) else "cpu"
+        local_rows, total_rows = self.rows.get(key, (None, None))
         return self.cost(setting, key_rows(key), {**self.shape, "dtype_bytes": self.dtype_bytes, "device": device,
-                                                  "local_rows": self.rows.get(key, (None,))[0],
-                                                  "total_rows": self.rows.get(key, (None, None))[1]})
+                                                  "local_rows": local_rows, "total_rows": total_rows})
 
     def _settle(self, key: int, search: _Search, best: Setting) -> None:
         before = self.table.get(key)

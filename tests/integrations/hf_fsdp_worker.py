@@ -64,9 +64,8 @@ def main(out_dir, ep_size, steps, save_model):
         trainer.save_model(os.path.join(out_dir, "saved"))
         faulthandler.cancel_dump_traceback_later()
         result["save_model_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "saved"))
-    if ep_size:
-        result["full_state_dict_equal"] = full_state_dict_equal(trainer, model)
     if ep_size:   # export_hf on every rank: it gathers the FSDP2 shards and the experts
+        result["full_state_dict_equal"] = full_state_dict_equal(trainer, model)
         hf_moe.export_hf(model, os.path.join(out_dir, "exported"))
         result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:

@@ -2,7 +2,7 @@
 (fsdp_version 2) on 2 gloo processes, at ep_size 1 and 2, with the losses of HF's own blocks sharded by
 Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the sharded model gives a folder plain
 from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
-for HF's own blocks."""
+for HF's own blocks and the swapped model at ep_size 1."""
 import json
 import os
 import subprocess
