@@ -22,7 +22,8 @@ _ORIGINAL = "_moe_plugin_original"   # attribute of the wrapper: the deepspeed.i
 
 def enable() -> None:
     """Wrap deepspeed.initialize so that a "moe" section in its config takes effect, and a model already holding
-    moe_plugin's layers goes through moe_plugin's initialize (ZeRO-3 placement, MoE optimizer groups). Idempotent."""
+    moe_plugin's layers goes through moe_plugin's initialize (ZeRO-3 placement, MoE optimizer groups); make
+    DeepSpeed's zero_to_fp32 functions consolidate ZeRO-3 checkpoints at ep_size > 1 (consolidate.py). Idempotent."""
     import deepspeed
     if is_enabled():
         return
@@ -39,13 +40,17 @@ def enable() -> None:
 
     setattr(initialize, _ORIGINAL, original)
     deepspeed.initialize = initialize
+    from moe_plugin.integrations.deepspeed.consolidate import patch_zero_to_fp32
+    patch_zero_to_fp32()
 
 
 def disable() -> None:
-    """Undo enable(): deepspeed.initialize is DeepSpeed's own again."""
+    """Undo enable(): deepspeed.initialize and zero_to_fp32 are DeepSpeed's own again."""
     import deepspeed
     if is_enabled():
         deepspeed.initialize = getattr(deepspeed.initialize, _ORIGINAL)
+        from moe_plugin.integrations.deepspeed.consolidate import unpatch_zero_to_fp32
+        unpatch_zero_to_fp32()
 
 
 def is_enabled() -> bool:

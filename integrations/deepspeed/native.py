@@ -173,7 +173,10 @@ def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: st
     """router.weight_ED -> gate.wg.weight; stacked experts -> experts.deepspeed_experts.<i>.<linear>.*
 
     The balancing bias stays only when it is on (the native layer has none, and a missing one loads as
-    zeros), as router.Expert_bias_E (see hide_from_expert_files)."""
+    zeros), as router.Expert_bias_E (see hide_from_expert_files). Under ZeRO-3 (parameters partitioned: the layer
+    is no DeepSpeed MoE there, see zero3.py) the names stay the parameters' own, as zero_to_fp32 gives them."""
+    if any(hasattr(param, "ds_id") for param in layer.experts.parameters()):
+        return
     state[prefix + "gate.wg.weight"] = state.pop(prefix + "router.weight_ED")
     if layer.config.expert_bias_update_rate == 0:
         state.pop(prefix + "router.expert_bias_E", None)

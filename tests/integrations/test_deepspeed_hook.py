@@ -41,10 +41,12 @@ def hook_state():
     """enable()/disable() in this process, put back as they were."""
     import deepspeed
 
+    from deepspeed.utils import zero_to_fp32
+
     from moe_plugin.integrations.deepspeed import hook
-    before = deepspeed.initialize
+    before = deepspeed.initialize, zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint
     yield hook
-    deepspeed.initialize = before
+    deepspeed.initialize, zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint = before
 
 
 @pytest.mark.parametrize("switch", [None, "0"])
@@ -63,18 +65,25 @@ def test_the_installed_pth_hooks_deepspeed_when_first_imported_and_can_be_turned
 
 
 def test_enable_is_idempotent_and_disable_restores_deepspeed_s_initialize(hook_state):
+    """Also DeepSpeed's zero_to_fp32 consolidation, which enable() makes expert-aware (consolidate.py)."""
     import deepspeed
+    from deepspeed.utils import zero_to_fp32
 
     from moe_plugin.integrations.deepspeed import enable
     hook_state.disable()
     original = deepspeed.initialize
+    consolidate = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint
     assert not hook_state.is_enabled() and not hasattr(original, "_moe_plugin_original")
+    assert not hasattr(consolidate, "_moe_plugin_original")
     enable()
     wrapped = deepspeed.initialize
+    wrapped_consolidate = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint
     enable()
     assert deepspeed.initialize is wrapped and wrapped._moe_plugin_original is original
+    assert zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint is wrapped_consolidate
+    assert wrapped_consolidate._moe_plugin_original is consolidate
     hook_state.disable()
-    assert deepspeed.initialize is original
+    assert deepspeed.initialize is original and zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint is consolidate
 
 
 def test_calls_are_routed_by_their_config_and_moe_plugin_s_own_calls_pass_through(hook_state, tmp_path, monkeypatch):

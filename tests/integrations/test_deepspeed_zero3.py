@@ -208,9 +208,10 @@ def test_native_layer_with_disjoint_and_empty_experts_equals_zero1(world, cases)
         assert "(deepspeed.moe.layer.MoE) was built under deepspeed.zero.Init" in errors[1], errors
 
 
-def expert_parallel_worker(rank, world, steps):
+def expert_parallel_worker(rank, world, steps, directory):
     """The native demo model, ep_size 2 (dropless): ZeRO-3 against ZeRO-1 and, for the first step's expert
-    gradients, one process on every rank's batch; where ZeRO-3 put each parameter."""
+    gradients, one process on every rank's batch; where ZeRO-3 put each parameter; after training, the ZeRO-3
+    engine's checkpoint and its logits on a probe batch (for the consolidation check)."""
     setup_worker(rank, world)
     import torch.distributed as dist
     from deepspeed.utils import groups, safe_get_full_grad
@@ -243,6 +244,9 @@ def expert_parallel_worker(rank, world, steps):
                                              for n, p in engine.module.named_parameters() if n not in experts)
             engine.step()
             report[stage].append(loss.item())
+    engine.save_checkpoint(directory, tag="c")
+    with torch.no_grad():
+        report["probe logits"] = engine(synthetic_batch(torch.Generator().manual_seed(99), 2, 16, 64)[:, :-1]).tolist()
     reference = dsi.swap_moe_layers(model(ep_size=1), {**section, "ep_size": 1})[0]
     ids = torch.cat(batches[0])
     lm_loss(reference, ids).backward()
@@ -253,19 +257,53 @@ def expert_parallel_worker(rank, world, steps):
     return report
 
 
-def test_expert_parallel_under_zero3_on_four_ranks():
+def test_expert_parallel_under_zero3_on_four_ranks(tmp_path):
     """4 ranks, ep_size 2: experts split over their expert-data-parallel group of 2, dense parameters over all 4;
-    losses equal ZeRO-1's, first-step expert gradients equal one process's."""
-    for report in run_workers(expert_parallel_worker, 4, 3, timeout=600):
+    losses equal ZeRO-1's, first-step expert gradients equal one process's; DeepSpeed's zero_to_fp32 (with the
+    hook on) merges each expert over its expert-data group and the experts over the expert-parallel ranks: the
+    one-process model (ep_size 1) loading its state dict gives the engine's logits."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import moe_plugin.integrations.deepspeed as dsi
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, synthetic_batch
+    reports = run_workers(expert_parallel_worker, 4, 3, str(tmp_path), timeout=600)
+    for report in reports:
         assert report["experts placed"] and report["dense placed"], report
         assert all(relative(a, b) < TOLERANCE for a, b in zip(report[3], report[1])), report
         assert report["grad error"] < 1e-5, report
+    section = {"backend": "tutel", "num_experts": 4, "ep_size": 1, "top_k": 2, "drop_tokens": False}
+    one_process = dsi.swap_moe_layers(MoETransformerLM(section, seed=1, seq_len=16), section)[0]
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="c")
+    assert state["blocks.0.ffn.moe.deepspeed_moe.experts.w1_EDH"].shape[0] == 4, {k: v.shape for k, v in state.items()}
+    one_process.load_state_dict(state)
+    with torch.no_grad():
+        logits = one_process(synthetic_batch(torch.Generator().manual_seed(99), 2, 16, 64)[:, :-1])
+    assert (logits - torch.tensor(reports[0]["probe logits"])).abs().max() < 1e-5 * logits.abs().max()
+
+
+def test_consolidation_puts_hidden_slices_back_together():
+    """ep_size 4 over 2 experts (each rank holds half of one expert's hidden units, gated, with biases): the
+    checkpoint's per-rank expert tensors come back as the whole experts a one-process layer draws from the seed."""
+    from moe_plugin.config import MoEConfig
+    from moe_plugin.experts import Experts
+    from moe_plugin.integrations.deepspeed.consolidate import _whole_experts
+    config = MoEConfig(model_dim=6, hidden_size=10, num_experts=2, activation="swiglu", bias=True)
+    torch.manual_seed(3)
+    whole = Experts(config)
+    ranks = []
+    for ep_rank in range(4):
+        torch.manual_seed(3)
+        ranks.append(Experts(config, first_expert=ep_rank // 2, local_experts=1, slices=2, slice_index=ep_rank % 2))
+    shapes = {"moe.router.weight_ED": torch.Size([2, 6]), "moe.experts.w2_EHD": ranks[0].w2_EHD.shape}
+    for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED"):
+        merged = _whole_experts(f"moe.experts.{name}", {r: getattr(e, name).detach() for r, e in enumerate(ranks)},
+                                shapes)
+        assert torch.equal(merged[f"moe.experts.{name}"], getattr(whole, name)), name
 
 
 def checkpoint_worker(rank, world, directory, ep_size):
     """Tiny Mixtral under ZeRO-3 (Adam): train, save_checkpoint, a fresh engine loads it (same logits, same next
-    losses); at ep_size 1 DeepSpeed's consolidation gives a state dict that loads into a swapped model (-> unswapped
-    HF weights, export_hf) on one process."""
+    losses); the logits saved for consolidate()."""
     setup_worker(rank, world)
     import torch.distributed as dist
 
@@ -295,11 +333,14 @@ def checkpoint_worker(rank, world, directory, ep_size):
 
 
 def consolidate(directory):
-    """One process, after training: DeepSpeed's zero_to_fp32 state dict -> a swapped model -> HF names and
-    export_hf; the logits of each against the engine's."""
+    """One process, after training: DeepSpeed's zero_to_fp32 state dict (expert-aware once moe_plugin's hook is on)
+    -> a swapped model (ep_size 1) -> HF names and export_hf, and the same through moe_plugin's zero_to_fp32 command
+    line; the logits of each against the engine's."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from moe_plugin.integrations.deepspeed.consolidate import main
     from moe_plugin.integrations.transformers import export_hf, hf_state_dict, swap_moe_blocks
     state = get_fp32_state_dict_from_zero_checkpoint(directory, tag="t")
     swapped = swap_moe_blocks(build_model("mixtral", seed=5))
@@ -308,23 +349,27 @@ def consolidate(directory):
     hf.load_state_dict(hf_state_dict(swapped))
     export_hf(swapped, os.path.join(directory, "exported"))
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(directory, "exported"))
+    main([directory, os.path.join(directory, "fp32"), "-t", "t", "--safe_serialization"])
+    from_command = swap_moe_blocks(build_model("mixtral", seed=7))
+    from_command.load_state_dict(load_file(os.path.join(directory, "fp32", "model.safetensors")))
     probe, saved = tokens(seed=50), torch.load(os.path.join(directory, "saved_logits.pt"))
     with torch.no_grad():
         return {name: (model(input_ids=probe).logits - saved).abs().max().item()
-                for name, model in (("swapped", swapped), ("hf", hf), ("exported", exported))}
+                for name, model in (("swapped", swapped), ("hf", hf), ("exported", exported),
+                                    ("command line", from_command))}
 
 
 @needs_transformers
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_checkpoints_under_zero3(ep_size, tmp_path):
     """save_checkpoint / load_checkpoint round trip (ep_size 1 and 2, optimizer state included: training goes on
-    identically); at ep_size 1 zero_to_fp32's state dict loads into an unswapped HF model and export_hf."""
+    identically); zero_to_fp32's state dict (every expert at ep_size 2) loads into an unswapped HF model and
+    export_hf."""
     for report in run_workers(checkpoint_worker, 2, str(tmp_path), ep_size, timeout=600):
         assert report["fresh differs"] > 1e-3 and report["restored"] < 1e-6, report
         assert report["losses"][0] == report["losses"][1], report
-    if ep_size == 1:
-        errors = consolidate(str(tmp_path))
-        assert max(errors.values()) < 1e-5, errors
+    errors = consolidate(str(tmp_path))
+    assert max(errors.values()) < 1e-5, errors
 
 
 @needs_transformers
