@@ -195,13 +195,18 @@ def best_groups_only(choice_TE: torch.Tensor, num_groups: int, topk_groups: int,
     return choice_TGM.masked_fill(outside_TG.unsqueeze(-1), -math.inf).view(T, E)
 
 
+@torch.compiler.assume_constant_result   # torch 2.11's dynamo cannot trace is_autocast_available (2.13's can)
+def autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
+
 def autocast_on(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def autocast_off(device_type: str):
     """A context without autocast for device_type (nothing to do for devices autocast does not know)."""
-    if torch.amp.is_autocast_available(device_type):
+    if autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
