@@ -61,11 +61,20 @@ def test_interpreter_run():
     """Every kernel case of this file again, on CPU, in a child process started with TRITON_INTERPRET=1."""
     if triton is None:
         pytest.skip(NO_TRITON)
+    import numpy   # the interpreter's own dependency
+    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run under numpy {numpy.__version__} (it calls "
+                    f"int() on 1-element arrays, which numpy 2.4 refuses): triton >= 3.7.1 or numpy < 2.4 runs it; "
+                    f"torch 2.11 pins triton 3.6.0. The compiled kernels are unaffected")
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                            cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
     print(child.stdout.splitlines()[-1])
+
+
+def version(text):
+    return tuple(int(n) for n in text.split(".")[:2])
 
 
 def random_routing(T, E, K, capacity, prioritized, device):
