@@ -74,6 +74,8 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     _plain_swapped_blocks(model)
     from ..layer import MoELayer
     parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
+    for layer in parallel:
+        layer.register_state_dict_post_hook(refuse_torch_state_dict_api)
     meshes = {id(layer): expert_mesh(layer, device_type) for layer in parallel}
     if parallel and ShardPlacementResult is None:
         _shard_layers_apart(parallel, meshes, mesh, world, options, mp_policy)
@@ -212,6 +214,27 @@ def check_expert_sharding(layer) -> None:
                         f"moe_plugin.parallel.fully_shard_moe(model) instead (it shards the experts over the "
                         f"ranks holding the same experts), before any other fully_shard call")
     layer._fsdp_states_seen = len(_STATES)
+
+
+def refuse_torch_state_dict_api(layer, state, prefix, local_metadata) -> None:
+    """ValueError when torch.distributed.checkpoint.state_dict (get_model_state_dict, get_state_dict,
+    set_model_state_dict: Accelerate's FSDP2 save and load, HF Trainer's save_model and checkpoints, DCP loops)
+    takes this sharded expert-parallel layer's state. It keys every tensor by name alone, and the experts differ
+    from rank to rank under the same names: a checkpoint would keep one rank's experts for all (measured)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            raise ValueError(
+                f"torch.distributed.checkpoint.state_dict (get_model_state_dict / get_state_dict, which "
+                f"Accelerate's FSDP2 save and load and HF Trainer's save_model and checkpoints call) cannot hold "
+                f"the experts of {prefix.rstrip('.') or 'an MoELayer'} (ep_size={layer.config.ep_size}, sharded "
+                f"by fully_shard_moe): each rank holds other experts under the same names, so one rank's would "
+                f"be kept for all. Save and resume with moe_plugin.checkpoint: save(sharded_state(model, "
+                f"optimizer), path) and load(sharded_state(model, optimizer, writing=False), path); write an HF "
+                f"folder with "
+                f"moe_plugin.integrations.transformers.export_hf(model, dir) on every rank (with HF Trainer: "
+                f"save_strategy='no'); at ep_size 1 torch's API works")
+        frame = frame.f_back
 
 
 def _param_groups(state) -> list:

@@ -98,13 +98,37 @@ def _plain_fully_shard(rank, world):
 
 def _refusals(rank, world):
     """fully_shard_moe's ValueError messages for: a model sharded already, a 2-D mesh, a layer built with a host's
-    ep_group (it does not know its expert-data group)."""
+    ep_group (it does not know its expert-data group); torch's get_model_state_dict and get_state_dict (DCP,
+    Accelerate) of an expert-parallel model, which would keep one rank's experts for all; None where the call
+    worked: torch's API at ep_size 1, and moe_plugin.checkpoint's save and load at ep_size 2 (its experts come
+    back exactly)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from moe_plugin import MoELayer
+    from moe_plugin import MoELayer, checkpoint
+    expert_parallel = fully_shard_moe(build(0, world, 4, 8, "gelu", True, 2))
+    optimizer = torch.optim.AdamW(expert_parallel.parameters())
+    path = tempfile.mkdtemp() if rank == 0 else None
+    box = [path]
+    dist.broadcast_object_list(box)
+
+    def own_checkpoint_round_trip():
+        checkpoint.save(checkpoint.sharded_state(expert_parallel), box[0])
+        fresh = fully_shard_moe(build(5, world, 4, 8, "gelu", True, 2))
+        checkpoint.load(checkpoint.sharded_state(fresh, writing=False), box[0])
+        for (name, p), q in zip(expert_parallel.named_parameters(), fresh.parameters()):
+            if not torch.equal(p.to_local(), q.to_local()):
+                raise AssertionError(f"moe_plugin.checkpoint did not restore {name}")
+
     cases = [lambda: fully_shard_moe(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
              lambda: fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2), mesh=init_device_mesh("cpu", (1, world))),
              lambda: fully_shard_moe(MoELayer(dict(model_dim=8, hidden_size=8, num_experts=4, ep_size=world),
-                                              ep_group=dist.group.WORLD))]
+                                              ep_group=dist.group.WORLD)),
+             lambda: get_model_state_dict(expert_parallel),
+             lambda: get_state_dict(expert_parallel, optimizer),
+             lambda: get_model_state_dict(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
+             own_checkpoint_round_trip]
     messages = []
     for case in cases:
         try:
@@ -137,7 +161,8 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
     """ep_size 1, 2 and 4 (sliced), activation checkpointing and bf16 parameters with fp32 reduction, and the
     layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit (the experts
     in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
-    of an expert-parallel model fails at its first forward, and fully_shard_moe refuses what it cannot shard."""
+    of an expert-parallel model fails at its first forward, fully_shard_moe refuses what it cannot shard, and
+    torch's state-dict API refuses expert-parallel layers (moe_plugin.checkpoint saves and loads them)."""
     results = run_workers(_train_cases, world, fresh_seed, CASES[world], timeout=300)
     for rank_results in results:
         for spec, (error, moved, units) in zip(CASES[world], rank_results):
@@ -151,5 +176,9 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
         if world == 2:
             message = rank_results[-2]
             assert message is not None and "fully_shard_moe" in message and "ep_size=2" in message, message
-            sharded, two_d, host_group = rank_results[-1]
+            sharded, two_d, host_group, model_state, state, ep1_state, own = rank_results[-1]
             assert "already sharded" in sharded and "1-D" in two_d and "ep_group" in host_group, rank_results[-1]
+            for refused in (model_state, state):
+                assert refused is not None and "ep_size=2" in refused and "export_hf" in refused, refused
+                assert "moe_plugin.checkpoint" in refused, refused
+            assert ep1_state is None and own is None, rank_results[-1]

@@ -38,6 +38,11 @@ def test_trainer_with_accelerate_fsdp2_trains_a_sharded_swapped_model_as_hf_own_
         for rank in range(2):
             assert swapped[rank]["blocks"] and swapped[rank]["losses"] == pytest.approx(own[rank]["losses"], rel=1e-5)
         assert swapped[0]["export_logits_diff"] < 1e-4   # export_hf of the FSDP2 shards loads as the trained model
-        assert swapped[0]["full_state_dict_equal"] is True   # torch's get_model_state_dict (save_model's first half)
+        if ep_size == 1:
+            assert swapped[0]["full_state_dict_equal"] is True   # torch's get_model_state_dict (save_model's first half)
+        else:   # refused on every rank: one rank's experts would stand for all in save_model's and DCP's state
+            for rank_result in swapped:
+                message = rank_result["full_state_dict_refused"]
+                assert "ep_size=2" in message and "export_hf" in message, message
         if ep_size in SAVE_MODEL_EPS:
             assert swapped[0]["save_model_logits_diff"] < 1e-4
