@@ -29,6 +29,11 @@ class Routes:
     z_loss: torch.Tensor      # unweighted router z-loss
 
 
+# A pytree node, so that torch utilities that walk a module's output find its tensors: torch 2.11's FSDP2
+# (a router sharded as a unit of its own) hooks its backward all-gather only on tensors tree_flatten finds.
+torch.export.register_dataclass(Routes)
+
+
 class Router(nn.Module):
     """Holds weight_ED (bias_E with router_bias, input_scale_D with router_norm, gate_scale_E with
     expert_gate_scale, log_scale for cosine), and the buffer expert_bias_E: fp32, added to the
