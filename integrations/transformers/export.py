@@ -46,6 +46,11 @@ def hf_tensors(block: HFMoEBlock, layer_state: Optional[Mapping[str, torch.Tenso
     return layer_to_hf(FAMILIES[block.family], state)
 
 
+def _layer_entries(state: Mapping[str, torch.Tensor], block_name: str) -> Dict[str, torch.Tensor]:
+    prefix = f"{block_name}.moe."
+    return {key[len(prefix):]: tensor for key, tensor in state.items() if key.startswith(prefix)}
+
+
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """An FSDP2 shard (a DTensor) as the whole tensor (a collective over its mesh); other tensors as they are."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -63,22 +68,32 @@ def hf_state_dict(model: nn.Module, state: Optional[Mapping[str, torch.Tensor]] 
     hf_state = {name: _whole(tensor) for name, tensor in state.items()
                 if not any(name.startswith(f"{b}.") for b in blocks)}
     for name, block in blocks.items():
-        prefix = f"{name}.moe."
-        given = {key[len(prefix):]: tensor for key, tensor in state.items() if key.startswith(prefix)}
-        whole = "experts.w1_EDH" in given and not block.moe.is_parallel    # not DeepSpeed's per-expert names
+        given = _layer_entries(state, name)
+        whole = holds_every_expert(block, given)
         layer_state = {key: _whole(tensor) for key, tensor in given.items()} if whole else None
         for key, tensor in hf_tensors(block, layer_state).items():
             hf_state[hf_key(name, block, key)] = tensor.contiguous()
     return hf_state
 
 
+def holds_every_expert(block: HFMoEBlock, layer_state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether layer_state (the block's MoELayer entries) holds the layer whole: in its own names (not
+    DeepSpeed's per-expert ones) with every expert, e.g. the full state dict HF Trainer gathers under FSDP2."""
+    w2 = layer_state.get("experts.w2_EHD")
+    config = block.moe.config
+    return w2 is not None and tuple(w2.shape[:2]) == (config.num_experts, config.hidden_size)
+
+
 def save_pretrained_in_hf_names(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
     """A swapped model's save_pretrained (swap_moe_blocks installs it on the model): HF's own, writing the
     blocks in HF names and layouts, so that plain transformers' from_pretrained loads the folder (HF Trainer
     saves through it). With the experts spread over processes a single rank cannot write them all (Trainer
-    calls save_pretrained on one rank only): it then writes the swapped names and warns; use export_hf."""
+    calls save_pretrained on one rank only) unless state_dict holds every expert (the full state dict Trainer
+    gathers under fully_shard_moe): else it writes the swapped names and warns; use export_hf."""
     hf_save = type(model).save_pretrained
-    if any(block.moe.is_parallel for block in model.modules() if isinstance(block, HFMoEBlock)):
+    given = {} if state_dict is None else state_dict
+    if any(block.moe.is_parallel and not holds_every_expert(block, _layer_entries(given, name))
+           for name, block in model.named_modules() if isinstance(block, HFMoEBlock)):
         warnings.warn("save_pretrained of a model whose experts are spread over processes writes this rank's "
                       "share in moe_plugin's names, which plain transformers cannot load; call "
                       "moe_plugin.integrations.transformers.export_hf(model, directory) on every rank for an "

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import EXPERT_NAMES
+
 try:
     from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
 except ImportError:
@@ -75,7 +77,8 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     from ..layer import MoELayer
     parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
     for layer in parallel:
-        layer.register_state_dict_post_hook(refuse_torch_state_dict_api)
+        layer.register_state_dict_post_hook(torch_state_dict_api_hook)
+        layer.register_load_state_dict_pre_hook(torch_load_state_dict_api_hook)
     meshes = {id(layer): expert_mesh(layer, device_type) for layer in parallel}
     if parallel and ShardPlacementResult is None:
         _shard_layers_apart(parallel, meshes, mesh, world, options, mp_policy)
@@ -216,25 +219,67 @@ def check_expert_sharding(layer) -> None:
     layer._fsdp_states_seen = len(_STATES)
 
 
-def refuse_torch_state_dict_api(layer, state, prefix, local_metadata) -> None:
-    """ValueError when torch.distributed.checkpoint.state_dict (get_model_state_dict, get_state_dict,
-    set_model_state_dict: Accelerate's FSDP2 save and load, HF Trainer's save_model and checkpoints, DCP loops)
-    takes this sharded expert-parallel layer's state. It keys every tensor by name alone, and the experts differ
-    from rank to rank under the same names: a checkpoint would keep one rank's experts for all (measured)."""
-    frame = sys._getframe(1)
+def torch_state_dict_api_hook(layer, state, prefix, local_metadata) -> None:
+    """What torch.distributed.checkpoint.state_dict (get_model_state_dict, get_state_dict, set_model_state_dict:
+    Accelerate's FSDP2 save and load, HF Trainer's save_model and checkpoints, DCP loops) gets from this sharded
+    expert-parallel layer. That API keys every tensor by name alone, and each rank holds other experts under the
+    same names: a sharded checkpoint through it would keep one rank's experts for all (measured). So a full state
+    dict (get_model_state_dict with full_state_dict=True, what save_model gathers on every rank) gets every
+    expert, gathered here over the layer's ranks; anything else through it is refused."""
+    frames = _torch_state_dict_api_frames()
+    if not frames:
+        return
+    loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
+    info = next((f.f_locals.get("info") for f in frames if f.f_code.co_name == "_get_model_state_dict"), None)
+    if not loading and getattr(info, "full_state_dict", False) and _stacked(layer):
+        state.update({prefix + "experts." + name: tensor for name, tensor in every_expert(layer).items()})
+        return
+    _refuse(layer, prefix)
+
+
+def torch_load_state_dict_api_hook(layer, state, prefix, *args) -> None:
+    """A load of this sharded expert-parallel layer through torch's state-dict API: refused (see above)."""
+    if _torch_state_dict_api_frames():
+        _refuse(layer, prefix)
+
+
+def _torch_state_dict_api_frames() -> list:
+    frames, frame = [], sys._getframe(2)
     while frame is not None:
         if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            raise ValueError(
-                f"torch.distributed.checkpoint.state_dict (get_model_state_dict / get_state_dict, which "
-                f"Accelerate's FSDP2 save and load and HF Trainer's save_model and checkpoints call) cannot hold "
-                f"the experts of {prefix.rstrip('.') or 'an MoELayer'} (ep_size={layer.config.ep_size}, sharded "
-                f"by fully_shard_moe): each rank holds other experts under the same names, so one rank's would "
-                f"be kept for all. Save and resume with moe_plugin.checkpoint: save(sharded_state(model, "
-                f"optimizer), path) and load(sharded_state(model, optimizer, writing=False), path); write an HF "
-                f"folder with "
-                f"moe_plugin.integrations.transformers.export_hf(model, dir) on every rank (with HF Trainer: "
-                f"save_strategy='no'); at ep_size 1 torch's API works")
+            frames.append(frame)
         frame = frame.f_back
+    return frames
+
+
+def _refuse(layer, prefix: str) -> None:
+    raise ValueError(
+        f"torch.distributed.checkpoint.state_dict (get_model_state_dict / get_state_dict / set_model_state_dict, "
+        f"which Accelerate's FSDP2 save and load and HF Trainer's checkpoints call) cannot hold the experts of "
+        f"{prefix.rstrip('.') or 'an MoELayer'} (ep_size={layer.config.ep_size}, sharded by fully_shard_moe) in "
+        f"a sharded state dict or load them: each rank holds other experts under the same names, so one rank's "
+        f"would be kept for all. A full state dict (full_state_dict=True, what Trainer's save_model gathers) "
+        f"works. Save and resume with moe_plugin.checkpoint: save(sharded_state(model, optimizer), path) and "
+        f"load(sharded_state(model, optimizer, writing=False), path); write an HF folder with "
+        f"moe_plugin.integrations.transformers.export_hf(model, dir) on every rank (with HF Trainer: "
+        f"save_strategy='no', then save_model or export_hf); at ep_size 1 torch's API works")
+
+
+def _stacked(layer) -> bool:
+    return all(hasattr(layer.experts, name) for name in EXPERT_NAMES)
+
+
+def every_expert(layer) -> dict:
+    """The layer's expert tensors with every expert, whole (collectives over its FSDP2 and expert groups)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    from .expert_parallel import gathered_experts
+    local = {name: getattr(layer.experts, name) for name in EXPERT_NAMES}
+    local = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in local.items()}
+    whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
+    return {name: getattr(whole, name).detach() for name in EXPERT_NAMES if getattr(whole, name) is not None}
 
 
 def _param_groups(state) -> list:

@@ -13,7 +13,7 @@ from launch import run_workers
 from moe_plugin import MoEConfig, aux_loss
 from moe_plugin.models import TransformerLM
 from moe_plugin.models.transformer import ModelConfig
-from moe_plugin.parallel import fully_shard_moe
+from moe_plugin.parallel import fsdp, fully_shard_moe
 
 V, B, S, STEPS, LR = 50, 3, 6, 3, 0.3
 
@@ -58,7 +58,6 @@ def _train_sharded(rank, world, spec):
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if spec.get("bf16") else None
-    import moe_plugin.parallel.fsdp as fsdp
     per_parameter_mesh = fsdp.ShardPlacementResult
     if spec.get("apart"):   # the path for a torch without per-parameter meshes
         fsdp.ShardPlacementResult = None
@@ -98,13 +97,15 @@ def _plain_fully_shard(rank, world):
 
 def _refusals(rank, world):
     """fully_shard_moe's ValueError messages for: a model sharded already, a 2-D mesh, a layer built with a host's
-    ep_group (it does not know its expert-data group); torch's get_model_state_dict and get_state_dict (DCP,
-    Accelerate) of an expert-parallel model, which would keep one rank's experts for all; None where the call
-    worked: torch's API at ep_size 1, and moe_plugin.checkpoint's save and load at ep_size 2 (its experts come
-    back exactly)."""
+    ep_group (it does not know its expert-data group); torch's sharded get_model_state_dict and get_state_dict
+    (DCP, Accelerate) and set_model_state_dict of an expert-parallel model, which would keep one rank's experts
+    for all; None where the call worked: torch's API at ep_size 1, its full state dict at ep_size 2 (every
+    expert: those of one process building the model from the same seed), and moe_plugin.checkpoint's save and
+    load at ep_size 2 (its experts come back exactly)."""
     import tempfile
 
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from moe_plugin import MoELayer, checkpoint
     expert_parallel = fully_shard_moe(build(0, world, 4, 8, "gelu", True, 2))
@@ -121,13 +122,26 @@ def _refusals(rank, world):
             if not torch.equal(p.to_local(), q.to_local()):
                 raise AssertionError(f"moe_plugin.checkpoint did not restore {name}")
 
+    def full_state_has_every_expert():
+        full = get_model_state_dict(expert_parallel, options=StateDictOptions(full_state_dict=True))
+        for name, tensor in build(0, 1, 4, 8, "gelu", True, 2).state_dict().items():
+            if not torch.equal(full[name], tensor):
+                raise AssertionError(f"the full state dict's {name} is not one process's")
+
+    def load_full_state():
+        set_model_state_dict(expert_parallel, build(0, 1, 4, 8, "gelu", True, 2).state_dict(),
+                             options=StateDictOptions(full_state_dict=True))
+
     cases = [lambda: fully_shard_moe(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
              lambda: fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2), mesh=init_device_mesh("cpu", (1, world))),
              lambda: fully_shard_moe(MoELayer(dict(model_dim=8, hidden_size=8, num_experts=4, ep_size=world),
                                               ep_group=dist.group.WORLD)),
              lambda: get_model_state_dict(expert_parallel),
              lambda: get_state_dict(expert_parallel, optimizer),
+             load_full_state,
              lambda: get_model_state_dict(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
+             full_state_has_every_expert if rank == 0 else lambda: get_model_state_dict(
+                 expert_parallel, options=StateDictOptions(full_state_dict=True)),
              own_checkpoint_round_trip]
     messages = []
     for case in cases:
@@ -169,16 +183,16 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
             assert moved > 1e-3, "the optimizer steps must change the losses, or the test could not fail"
             assert error < (3e-2 if spec.get("bf16") else 1e-10), spec
             blocks = ["", *(f"blocks.{i}" for i in range(spec["layers"]))]
-            if spec.get("apart"):
+            if spec.get("apart") or (spec["ep"] > 1 and fsdp.ShardPlacementResult is None):   # torch < 2.13
                 assert set(blocks) < set(units) and any(name.endswith(".ffn") for name in units), units
             else:
                 assert units == blocks, units
         if world == 2:
             message = rank_results[-2]
             assert message is not None and "fully_shard_moe" in message and "ep_size=2" in message, message
-            sharded, two_d, host_group, model_state, state, ep1_state, own = rank_results[-1]
+            sharded, two_d, host_group, model_state, state, load, ep1_state, full, own = rank_results[-1]
             assert "already sharded" in sharded and "1-D" in two_d and "ep_group" in host_group, rank_results[-1]
-            for refused in (model_state, state):
+            for refused in (model_state, state, load):
                 assert refused is not None and "ep_size=2" in refused and "export_hf" in refused, refused
                 assert "moe_plugin.checkpoint" in refused, refused
-            assert ep1_state is None and own is None, rank_results[-1]
+            assert ep1_state is None and full is None and own is None, rank_results[-1]

@@ -65,10 +65,19 @@ def main(out_dir, ep_size, steps, save_model):
         faulthandler.cancel_dump_traceback_later()
         result["save_model_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "saved"))
     if ep_size:   # export_hf on every rank: it gathers the FSDP2 shards and the experts
-        try:
+        if ep_size == 1:
             result["full_state_dict_equal"] = full_state_dict_equal(trainer, model)
-        except ValueError as error:   # ep_size > 1: torch's state-dict API would keep one rank's experts
-            result["full_state_dict_refused"] = str(error)
+        else:   # Trainer's FSDP2 checkpoints (Accelerate's default for FSDP2: sharded, through DCP)
+            import copy
+
+            from accelerate.utils.fsdp_utils import save_fsdp_model
+            sharded = copy.copy(trainer.accelerator.state.fsdp_plugin)
+            sharded.state_dict_config = sharded.optim_state_dict_config = None   # as a plugin made sharded has
+            sharded.set_state_dict_type("SHARDED_STATE_DICT")
+            try:
+                save_fsdp_model(sharded, trainer.accelerator, model, os.path.join(out_dir, "checkpoint"))
+            except ValueError as error:
+                result["sharded_state_dict_refused"] = str(error)
         hf_moe.export_hf(model, os.path.join(out_dir, "exported"))
         result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:

@@ -2,7 +2,8 @@
 (fsdp_version 2) on 2 gloo processes, at ep_size 1 and 2, with the losses of HF's own blocks sharded by
 Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the sharded model gives a folder plain
 from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
-for HF's own blocks and the swapped model at ep_size 1."""
+for HF's own blocks and the swapped model at ep_size 1 and 2; at ep_size 2 Accelerate's sharded state dict (Trainer's
+checkpoints) is refused."""
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-SAVE_MODEL_EPS = (0, 1)   # trainer.save_model checked for these (0: HF's own blocks)
+SAVE_MODEL_EPS = (0, 1, 2)   # trainer.save_model checked for these (0: HF's own blocks)
 
 
 def launch(out, ep_size, steps=4):
@@ -40,9 +41,9 @@ def test_trainer_with_accelerate_fsdp2_trains_a_sharded_swapped_model_as_hf_own_
         assert swapped[0]["export_logits_diff"] < 1e-4   # export_hf of the FSDP2 shards loads as the trained model
         if ep_size == 1:
             assert swapped[0]["full_state_dict_equal"] is True   # torch's get_model_state_dict (save_model's first half)
-        else:   # refused on every rank: one rank's experts would stand for all in save_model's and DCP's state
+        else:   # Trainer's checkpoints (a sharded state dict) refused on every rank: one rank's experts for all
             for rank_result in swapped:
-                message = rank_result["full_state_dict_refused"]
+                message = rank_result["sharded_state_dict_refused"]
                 assert "ep_size=2" in message and "export_hf" in message, message
         if ep_size in SAVE_MODEL_EPS:
             assert swapped[0]["save_model_logits_diff"] < 1e-4
