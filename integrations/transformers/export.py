@@ -7,7 +7,6 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
@@ -15,24 +14,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moe_plugin.parallel.expert_parallel import gathered_experts
+from moe_plugin.parallel.expert_parallel import whole_experts
 
 from .block import HFMoEBlock, hf_key
 from .families import FAMILIES, layer_to_hf, require_families
-
-EXPERT_TENSORS = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 
 
 @torch.no_grad()
 def full_layer_state(block: HFMoEBlock) -> Dict[str, torch.Tensor]:
     """The block's MoELayer state with every expert (a collective over its expert-parallel group)."""
     layer = block.moe
-    state = {name: _whole(tensor) for name, tensor in layer.state_dict().items()}
+    state = {name: _whole(tensor) for name, tensor in layer.state_dict().items()
+             if not (layer.is_parallel and name.startswith("experts."))}
     if layer.is_parallel:
-        local = SimpleNamespace(activation=layer.experts.activation,
-                                **{n: state.get(f"experts.{n}") for n in EXPERT_TENSORS})
-        full = gathered_experts(local, layer.groups, 0)
-        state.update({f"experts.{n}": getattr(full, n) for n in EXPERT_TENSORS if getattr(full, n) is not None})
+        state.update({f"experts.{name}": tensor for name, tensor in whole_experts(layer).items()})
     return state
 
 

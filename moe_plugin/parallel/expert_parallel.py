@@ -94,6 +94,17 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
                            b2_ED=join(experts.b2_ED, None) if use_b2 else None)
 
 
+def whole_experts(layer) -> dict:
+    """The stacked expert tensors of an expert-parallel layer with every expert, whole, detached (collectives over
+    its FSDP2 mesh, where sharded, and its expert-parallel group): name -> tensor, for w1_EDH, b1_EH, ..."""
+    from torch.distributed.tensor import DTensor
+    names = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
+    local = {name: getattr(layer.experts, name) for name in names}
+    local = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in local.items()}
+    whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
+    return {name: getattr(whole, name).detach() for name in names if getattr(whole, name) is not None}
+
+
 def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,
                         groups: ExpertGroups, r: int, d: int, a2a: str, in_flight=None,
                         counts_WE: Optional[torch.Tensor] = None) -> torch.Tensor:

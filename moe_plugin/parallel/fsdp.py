@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import EXPERT_NAMES
+from .expert_parallel import whole_experts
 
 try:
     from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
@@ -232,7 +233,7 @@ def torch_state_dict_api_hook(layer, state, prefix, local_metadata) -> None:
     loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
     info = next((f.f_locals.get("info") for f in frames if f.f_code.co_name == "_get_model_state_dict"), None)
     if not loading and getattr(info, "full_state_dict", False) and _stacked(layer):
-        state.update({prefix + "experts." + name: tensor for name, tensor in every_expert(layer).items()})
+        state.update({prefix + "experts." + name: tensor for name, tensor in whole_experts(layer).items()})
         return
     _refuse(layer, prefix)
 
@@ -267,19 +268,6 @@ def _refuse(layer, prefix: str) -> None:
 
 def _stacked(layer) -> bool:
     return all(hasattr(layer.experts, name) for name in EXPERT_NAMES)
-
-
-def every_expert(layer) -> dict:
-    """The layer's expert tensors with every expert, whole (collectives over its FSDP2 and expert groups)."""
-    from types import SimpleNamespace
-
-    from torch.distributed.tensor import DTensor
-
-    from .expert_parallel import gathered_experts
-    local = {name: getattr(layer.experts, name) for name in EXPERT_NAMES}
-    local = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in local.items()}
-    whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
-    return {name: getattr(whole, name).detach() for name in EXPERT_NAMES if getattr(whole, name) is not None}
 
 
 def _param_groups(state) -> list:
