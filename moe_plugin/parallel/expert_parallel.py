@@ -99,7 +99,7 @@ def whole_experts(layer) -> dict:
     its FSDP2 mesh, where sharded, and its expert-parallel group): name -> tensor, for w1_EDH, b1_EH, ..."""
     from torch.distributed.tensor import DTensor
     names = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
-    local = {name: getattr(layer.experts, name) for name in names}
+    local = {name: getattr(layer.experts, name, None) for name in names}
     local = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in local.items()}
     whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
     return {name: getattr(whole, name).detach() for name in names if getattr(whole, name) is not None}

@@ -32,7 +32,6 @@ import json
 import random
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, List, Tuple
 
 import torch
@@ -40,7 +39,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as sharded
 from ..parallel.expert_grads import expert_layers
-from ..parallel.expert_parallel import gathered_experts
+from ..parallel.expert_parallel import whole_experts
 from .config import ExperimentConfig
 from .metrics import Window
 from .parts import Parts
@@ -96,12 +95,7 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     FSDP2 shards are gathered first (an expert's over the ranks holding it, then over its ep group)."""
     state = {k: whole(v) for k, v in model.state_dict().items()}
     for prefix, layer in expert_layers(model):
-        local = SimpleNamespace(activation=layer.experts.activation,
-                                **{n: state.get(f"{prefix}experts.{n}") for n in sharded.EXPERT_NAMES})
-        full = gathered_experts(local, layer.groups, 0)
-        for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED"):
-            if getattr(full, name) is not None:
-                state[f"{prefix}experts.{name}"] = getattr(full, name)
+        state.update({f"{prefix}experts.{name}": tensor for name, tensor in whole_experts(layer).items()})
     return state
 
 
