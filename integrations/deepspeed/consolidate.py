@@ -10,10 +10,8 @@ result loads into the same model built in one process (ep_size 1).
 
 enable() (hook.py) makes DeepSpeed's get_fp32_state_dict_from_zero_checkpoint, convert_zero_checkpoint_to_*,
 and load_state_dict_from_zero_checkpoint use it; checkpoints without such groups go to DeepSpeed unchanged.
-The zero_to_fp32.py that DeepSpeed copies next to a checkpoint is DeepSpeed's own; this module's command line
-takes its arguments instead:
-
-    python -m moe_plugin.integrations.deepspeed.consolidate CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+The zero_to_fp32.py that DeepSpeed copies next to a checkpoint is DeepSpeed's own; main() (run by
+`python -m moe_plugin.integrations.deepspeed.zero_to_fp32`) takes its arguments instead.
 """
 import argparse
 import glob
@@ -214,7 +212,8 @@ def unpatch_zero_to_fp32() -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """zero_to_fp32.py's command line (checkpoint_dir output_dir [-t tag] ...), expert-partitioned checkpoints too."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_plugin.integrations.deepspeed.zero_to_fp32",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="the folder holding 'latest' and the tag folders")
     parser.add_argument("output_dir", help="where the consolidated fp32 weights are written")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
@@ -229,6 +228,3 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                safe_serialization=args.safe_serialization,
                                                exclude_frozen_parameters=args.exclude_frozen_parameters)
 
-
-if __name__ == "__main__":
-    main()
