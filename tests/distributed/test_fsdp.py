@@ -153,9 +153,24 @@ def _refusals(rank, world):
     return messages
 
 
+def _full_state_error(rank, world, ep, E):
+    """On rank 0, how far torch's full state dict (full_state_dict=True, what HF Trainer's save_model gathers) of a
+    model sharded by fully_shard_moe is from one process's model built from the same seed (None elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    model = fully_shard_moe(build(0, ep, E, 8, "swiglu", True, 2))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank != 0:
+        return None
+    want = build(0, 1, E, 8, "swiglu", True, 2).state_dict()
+    assert sorted(full) == sorted(want), (sorted(full), sorted(want))
+    return max((full[name] - tensor).abs().max().item() for name, tensor in want.items())
+
+
 def _train_cases(rank, world, seed, specs):
     results = [_train_sharded(rank, world, dict(spec, seed=seed + i)) for i, spec in enumerate(specs)]
-    return results + [_plain_fully_shard(rank, world), _refusals(rank, world)] if world == 2 else results
+    if world == 2:
+        return results + [_plain_fully_shard(rank, world), _refusals(rank, world)]
+    return results + [_full_state_error(rank, world, ep=4, E=2)]   # hidden-sliced experts
 
 
 BASE = dict(E=4, H=8, activation="swiglu", bias=True, layers=2)
@@ -176,8 +191,12 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
     layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit (the experts
     in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
     of an expert-parallel model fails at its first forward, fully_shard_moe refuses what it cannot shard, and
-    torch's state-dict API refuses expert-parallel layers (moe_plugin.checkpoint saves and loads them)."""
+    torch's state-dict API refuses sharded state dicts of expert-parallel layers (moe_plugin.checkpoint saves
+    and loads them) and gives every expert in a full state dict (on 4: of hidden-sliced experts)."""
     results = run_workers(_train_cases, world, fresh_seed, CASES[world], timeout=300)
+    if world == 4:
+        assert results[0][-1] == 0.0, results[0][-1]   # every sliced expert back whole, bit for bit
+        results = [rank_results[:-1] for rank_results in results]
     for rank_results in results:
         for spec, (error, moved, units) in zip(CASES[world], rank_results):
             assert moved > 1e-3, "the optimizer steps must change the losses, or the test could not fail"
