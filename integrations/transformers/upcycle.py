@@ -2,14 +2,16 @@
 (Komatsuzaki et al., "Sparse Upcycling", arXiv 2212.05055).
 
 The MLPs it recognises (in model.named_modules() order; that order numbers them, see mlp_sites):
-  gated  a module with Linear gate_proj, up_proj, down_proj and a SiLU act_fn (llama, qwen2, mistral, ...):
-         down(silu(gate x) * up x), our swiglu experts (w1 columns [gate | up]);
+  gated  a module with Linear gate_proj, up_proj, down_proj and an act_fn (llama, qwen2, mistral, gemma, ...):
+         down(act(gate x) * up x), our swiglu / geglu / geglu_tanh experts (w1 columns [gate | up]) for a
+         silu / gelu / tanh-approximated gelu act_fn;
   plain  a module with Linear fc1, fc2 and an activation_fn (ViT, CLIP, ...): fc2(act(fc1 x));
   pair   a layer holding `intermediate` (Linear dense + intermediate_act_fn) and `output` (Linear dense,
          then dropout, ...) (Swin, Swinv2, BERT-style): `intermediate` becomes the MoE block and
          `output.dense` an nn.Identity, so the output's dropout (and residual/LayerNorm, where it has them)
          applies to the MoE's output as it applied to the dense MLP's.
-The activation is recognised by its values (relu, gelu (exact erf), silu); others are an error.
+The activation is recognised by its values (relu, gelu (exact erf), gelu_tanh, silu; the layer's plain experts
+take relu, gelu and silu, its gated ones silu and both gelus); others are an error.
 
 Legend: D model dim, H dense (and expert) hidden dim, E experts.
 """
@@ -26,7 +28,10 @@ from moe_plugin import MoEConfig, MoELayer
 
 from .block import block_type
 
-ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+               "silu": F.silu}
+PLAIN = ("relu", "gelu", "silu")                                         # the layer's plain expert activations
+GATED = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}   # act(gate) * up: the layer's name
 FIXED_BY_MLP = ("model_dim", "hidden_size", "activation", "bias")
 ATTRIBUTE = "moe_plugin_upcycled"   # the model attribute recording what upcycle did (export reads it)
 
@@ -84,7 +89,7 @@ def activation_of(act, where: str) -> str:
         if torch.is_tensor(y) and y.shape == x.shape and torch.allclose(y, fn(x), atol=1e-7, rtol=0):
             return name
     raise ValueError(f"upcycle: the activation of {where} ({type(act).__name__}) computes none of "
-                     f"{', '.join(ACTIVATIONS)} (the MoE layer's experts support those; a gated MLP needs silu)")
+                     f"{', '.join(ACTIVATIONS)} (the MoE layer's experts support those)")
 
 
 def dense_state(site: nn.Module, kind: str, where: str) -> Tuple[Dict[str, torch.Tensor], str]:
@@ -93,10 +98,13 @@ def dense_state(site: nn.Module, kind: str, where: str) -> Tuple[Dict[str, torch
     first, up, last, act = dense_parts(site, kind)
     activation = activation_of(act, where)
     if kind == "gated":
-        if activation != "silu":
+        if activation not in GATED:
             raise ValueError(f"upcycle: {where} is a gated MLP with a {activation} activation; the MoE layer's "
-                             f"gated experts are SwiGLU (silu) only")
-        activation = "swiglu"
+                             f"gated experts take {', '.join(GATED)}")
+        activation = GATED[activation]
+    elif activation not in PLAIN:
+        raise ValueError(f"upcycle: {where} is an MLP with a {activation} activation; the MoE layer's plain "
+                         f"experts take {', '.join(PLAIN)} (gelu_tanh only gated)")
     linears = [first, last] + ([up] if up is not None else [])
     if len({lin.bias is None for lin in linears}) > 1:
         raise ValueError(f"upcycle: the Linears of {where} mix bias and no bias; the MoE layer's experts have "
@@ -192,7 +200,7 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
     for index, name, kind, dense, config in planned:
         site = model.get_submodule(name)
         experts = expert_copies(dense, num_experts, noise, reinit_fraction, init_std, seed + index * 1_000_003,
-                                config.activation == "swiglu")
+                                config.activation in GATED.values())
         block = _new_block(config, experts, init_std, ep_group, block_class, getattr(hf_config, "model_type", None))
         _install(model, name, kind, site, block.train(site.training))
     _init_blocks_in_init_weights(model)

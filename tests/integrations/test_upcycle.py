@@ -21,10 +21,13 @@ transformers = pytest.importorskip("transformers")
 DECODER = dict(vocab_size=61, hidden_size=24, intermediate_size=36, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
 FAMILIES = ["llama", "llama_bias", "qwen2", "mistral", "vit", "swinv2"]
+GATED_GELU = {"llama_geglu": "gelu", "llama_geglu_tanh": "gelu_pytorch_tanh"}   # Gemma's MLP: gelu_pytorch_tanh
 
 
 def dense_model(family: str, **extra):
     """A tiny random dense HF model and its inputs (as keyword arguments)."""
+    if family in GATED_GELU:
+        return dense_model("llama", hidden_act=GATED_GELU[family], **extra)
     if family in ("llama", "llama_bias", "qwen2", "mistral"):
         model_type = "llama" if family == "llama_bias" else family
         more = dict(mlp_bias=True, attention_bias=True) if family == "llama_bias" else {}
@@ -61,7 +64,7 @@ def dense_grads(site, kind):
     return grads
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + list(GATED_GELU))
 def test_step0_computes_the_dense_model(family):
     """Exact copies, normalized gates, dropless: the upcycled model's outputs and gradients are the dense
     model's; each dense MLP weight's gradient is the sum of its experts' gradients; the router's is 0."""
@@ -177,9 +180,17 @@ def test_bad_input():
         upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, reinit_fraction=1.5)
     with pytest.raises(ValueError, match="no dense MLP upcycle recognises"):
         upcycle(torch.nn.Sequential(torch.nn.Linear(4, 4)), num_experts=4, top_k=2)
-    gelu_tanh, _ = dense_model("llama", hidden_act="gelu_pytorch_tanh")
-    with pytest.raises(ValueError, match="computes none of relu, gelu, silu"):
-        upcycle(gelu_tanh, num_experts=4, top_k=2)
+    tanh, _ = dense_model("llama", hidden_act="tanh")
+    with pytest.raises(ValueError, match="computes none of relu, gelu, gelu_tanh, silu"):
+        upcycle(tanh, num_experts=4, top_k=2)
+    gated_relu, _ = dense_model("llama", hidden_act="relu")
+    with pytest.raises(ValueError, match="gated MLP with a relu activation; the MoE layer's gated experts take "
+                                         "silu, gelu, gelu_tanh"):
+        upcycle(gated_relu, num_experts=4, top_k=2)
+    plain_gelu_tanh, _ = dense_model("vit", hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="MLP with a gelu_tanh activation; the MoE layer's plain experts take "
+                                         "relu, gelu, silu"):
+        upcycle(plain_gelu_tanh, num_experts=4, top_k=2)
     upcycle(dense, num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="upcycled already"):
         upcycle(dense, num_experts=4, top_k=2)
@@ -225,7 +236,7 @@ def test_deepspeed_blocks_and_hf_blocks():
 @pytest.mark.parametrize("family,target,layers", [("llama", "mixtral", None), ("mistral", "mixtral", None),
                                                   ("qwen2", "qwen2_moe", [0, 2, 3]), ("llama", None, [1, 3]),
                                                   ("llama_bias", None, None), ("vit", None, None),
-                                                  ("swinv2", None, [3, 5, 7])])
+                                                  ("swinv2", None, [3, 5, 7]), ("llama_geglu_tanh", None, None)])
 def test_export(tmp_path, family, target, layers):
     """An HF MoE family's folder where the architecture matches (plain from_pretrained, same outputs), else
     the dense folder with moe_plugin's expert files (load_upcycled gives the same outputs; plain
