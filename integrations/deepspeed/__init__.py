@@ -31,7 +31,8 @@ from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _t
                                                       swap_moe_layers)  # noqa: F401 (_to_native_names: tests)
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_section
-from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE, check_zero3_config, to_zero3, zero_stage
+from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
+                                                     gather_every_expert_on_16bit_save, to_zero3, zero_stage)
 
 __all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "read_moe_section", "moe_config", "swap_moe_layers",
            "to_zero3", "SECTION_KEYS", "enable"]
@@ -119,6 +120,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                                          mesh_param=mesh_param, config_params=config_params)
     update_bias_every_step(engine)
+    if stage3:
+        gather_every_expert_on_16bit_save(engine)
     return (engine, *rest)
 
 

@@ -9,7 +9,10 @@ weights and forward (an HF block becomes its HFMoEBlock, the native-API layer a 
   ds_zero_partition_process_group. DeepSpeed's partitioner then splits them over that group (dense parameters over
   the data-parallel group), and its stage-3 optimizer averages, clips and checkpoints them as AutoEP's experts;
 - flags the layers as ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules): their parameters are gathered
-  once when the layer starts, so ranks that route to different experts (or to none) make the same collectives.
+  once when the layer starts, so ranks that route to different experts (or to none) make the same collectives;
+- at ep_size > 1, has the engine's 16-bit state dict (what HF Trainer's save_model and save_16bit_model write)
+  hold every expert: DeepSpeed gathers each parameter over its partition group only, i.e. one expert-parallel
+  rank's experts.
 """
 from __future__ import annotations
 
@@ -17,13 +20,16 @@ from typing import Any, Mapping
 
 from torch import nn
 
+import deepspeed
 from deepspeed.moe.layer import MoE as NativeMoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups, set_z3_leaf_modules
 
 from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group
+from moe_plugin.parallel.expert_grads import expert_layers
+from moe_plugin.parallel.expert_parallel import whole_experts
 
-__all__ = ["Zero3MoE", "check_zero3_config", "to_zero3", "zero_stage"]
+__all__ = ["Zero3MoE", "check_zero3_config", "gather_every_expert_on_16bit_save", "to_zero3", "zero_stage"]
 
 EXPERT_FAMILY = "autoep_expert"   # DeepSpeed's placement family for parameters split over an expert-data group
 
@@ -89,3 +95,23 @@ def _place_experts(layer: nn.Module) -> None:
         param.ds_zero_placement_family = EXPERT_FAMILY
         param.ds_zero_partition_group_name = name
         param.ds_zero_partition_process_group = expert_data_group
+
+
+def gather_every_expert_on_16bit_save(engine) -> None:
+    """Make engine._zero3_consolidated_16bit_state_dict (HF Trainer's save_model, save_16bit_model; every rank
+    calls it) hold every expert of each expert-parallel layer on rank 0, not only rank 0's."""
+    layers = list(expert_layers(engine.module))
+    if not layers:
+        return
+    consolidated = engine._zero3_consolidated_16bit_state_dict
+
+    def with_every_expert(*args, **kwargs):
+        state = consolidated(*args, **kwargs)
+        for prefix, layer in layers:
+            with deepspeed.zero.GatheredParameters(list(layer.experts.parameters())):
+                whole = whole_experts(layer)   # a collective over the expert-parallel group
+            if state is not None:
+                state.update({f"{prefix}experts.{name}": tensor.cpu() for name, tensor in whole.items()})
+        return state
+
+    engine._zero3_consolidated_16bit_state_dict = with_every_expert

@@ -94,6 +94,7 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
                            b2_ED=join(experts.b2_ED, None) if use_b2 else None)
 
 
+@torch.no_grad()
 def whole_experts(layer) -> dict:
     """The stacked expert tensors of an expert-parallel layer with every expert, whole, detached (collectives over
     its FSDP2 mesh, where sharded, and its expert-parallel group): name -> tensor, for w1_EDH, b1_EH, ..."""

@@ -1,8 +1,9 @@
 """Run under torchrun by test_deepspeed_zero3.py: transformers.Trainer with a ZeRO stage-3 DeepSpeed config
-(CPU, gloo) on a tiny Mixtral, either with HF's own blocks ("hf") or swapped with swap_moe_blocks and a "moe"
-section in the config ("ours"); then trainer.save_model with stage3_gather_16bit_weights_on_model_save.
+(CPU, gloo) on a tiny Mixtral, either with HF's own blocks ("hf"), swapped with swap_moe_blocks and a "moe"
+section in the config ("ours"), or swapped by a "moe" section with ep_size 2 ("ours_ep2"); then
+trainer.save_model with stage3_gather_16bit_weights_on_model_save.
 
-    torchrun --nproc_per_node 2 hf_trainer_zero3_worker.py OUT_DIR hf|ours STEPS
+    torchrun --nproc_per_node 2 hf_trainer_zero3_worker.py OUT_DIR hf|ours|ours_ep2 STEPS
 
 Writes result<rank>.json (losses, block classes) and OUT_DIR/final (save_model's folder).
 """
@@ -24,8 +25,8 @@ def main(out_dir, mode, steps):
                  # every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by default)
                  "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
                                        "stage3_param_persistence_threshold": 0}}
-    if mode == "ours":
-        ds_config["moe"] = {"backend": "tutel"}
+    if mode != "hf":
+        ds_config["moe"] = {"backend": "tutel", **({"ep_size": 2} if mode == "ours_ep2" else {})}
     args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), use_cpu=True, deepspeed=ds_config,
                              per_device_train_batch_size=4, max_steps=steps, learning_rate=0.5,
                              lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",

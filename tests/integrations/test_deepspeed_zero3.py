@@ -378,26 +378,31 @@ def test_checkpoints_under_zero3(ep_size, tmp_path):
 @needs_transformers
 def test_hf_trainer_under_zero3_equals_hf_own_blocks_and_save_model_loads(tmp_path):
     """transformers.Trainer, a stage-3 JSON with "moe": {"backend": "tutel"} and a model swapped by swap_moe_blocks,
-    under torchrun on 2 gloo ranks: the losses of HF's own blocks under the same Trainer config, and
-    save_model's folder (stage3_gather_16bit_weights_on_model_save) loads with plain from_pretrained as HF's."""
+    under torchrun on 2 gloo ranks, and the same with the section at ep_size 2 (it swaps the blocks): the losses
+    of HF's own blocks under the same Trainer config, and save_model's folder
+    (stage3_gather_16bit_weights_on_model_save; at ep_size 2 every expert gathered) loads with plain
+    from_pretrained as HF's."""
     import hf_trainer_worker
     import hf_trainer_zero3_worker as worker
     from transformers import MixtralForCausalLM
     results = {}
-    for mode in ("ours", "hf"):
+    modes = ("ours", "ours_ep2", "hf")
+    for mode in modes:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    worker.__file__, str(tmp_path / mode), mode, "6"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=500,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         results[mode] = [json.loads((tmp_path / mode / f"result{rank}.json").read_text()) for rank in (0, 1)]
-    for ours, hf in zip(results["ours"], results["hf"]):
-        assert ours["blocks"] == ["HFMoEBlock"] and hf["blocks"] == [], (ours, hf)
-        assert len(ours["losses"]) == 6, ours
-        assert all(relative(a, b) < TOLERANCE for a, b in zip(ours["losses"], hf["losses"])), (ours, hf)
+    for ours, ours_ep2, hf in zip(results["ours"], results["ours_ep2"], results["hf"]):
+        assert ours["blocks"] == ["HFMoEBlock"] == ours_ep2["blocks"] and hf["blocks"] == [], (ours, hf)
+        for swapped in (ours, ours_ep2):
+            assert len(swapped["losses"]) == 6, swapped
+            assert all(relative(a, b) < TOLERANCE for a, b in zip(swapped["losses"], hf["losses"])), (swapped, hf)
     probe = torch.stack([row["input_ids"] for row in hf_trainer_worker.dataset(4)])
     with torch.no_grad():
         logits = {mode: MixtralForCausalLM.from_pretrained(tmp_path / mode / "final")(input_ids=probe).logits
-                  for mode in ("ours", "hf")}
+                  for mode in modes}
         untrained = hf_trainer_worker.build_model()(input_ids=probe).logits
-    assert (logits["ours"] - logits["hf"]).abs().max() < 1e-4 * (logits["hf"] - untrained).abs().max(), logits
+    for mode in ("ours", "ours_ep2"):
+        assert (logits[mode] - logits["hf"]).abs().max() < 1e-4 * (logits["hf"] - untrained).abs().max(), mode
