@@ -99,8 +99,9 @@ def _place_experts(layer: nn.Module) -> None:
 
 def gather_every_expert_on_16bit_save(engine) -> None:
     """Make engine._zero3_consolidated_16bit_state_dict (HF Trainer's save_model, save_16bit_model; every rank
-    calls it) hold every expert of each expert-parallel layer on rank 0, not only rank 0's."""
-    layers = list(expert_layers(engine.module))
+    calls it) hold every expert of each expert-parallel layer on rank 0, not only rank 0's (stacked experts; the
+    general path's expert modules stay rank 0's)."""
+    layers = [(prefix, layer) for prefix, layer in expert_layers(engine.module) if hasattr(layer.experts, "w1_EDH")]
     if not layers:
         return
     consolidated = engine._zero3_consolidated_16bit_state_dict
