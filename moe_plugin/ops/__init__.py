@@ -23,8 +23,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 # The oldest torch this code runs on (setup.py's install_requires says the same; a test checks): torch 2.11 is
-# the GPU machine's (CUDA 13), and the whole test suite passes on 2.11.0 as on 2.13.0. Below it: F.grouped_mm is public from 2.10, CPU torch._grouped_mm from 2.9,
-# torch.library.custom_op from 2.4; none of 2.9 and 2.10 was ever run here.
+# the GPU machine's (CUDA 13), and the whole test suite passes on 2.11.0 as on 2.13.0. Below it: F.grouped_mm
+# is public from 2.10, CPU torch._grouped_mm from 2.9, torch.library.custom_op from 2.4; none of 2.9 and 2.10
+# was ever run here.
 TORCH_MINIMUM = "2.11"
 
 
