@@ -5,9 +5,10 @@ from setuptools.command.build import build
 
 DEEPSPEED = ["deepspeed==0.19.8"]
 FAIRSEQ = ["fairseq-fixed==0.12.3.1"]
-# GPU kernels. triton 3.6 and older cannot run the CPU tests: their interpreter fails under numpy 2.4;
-# 3.7.1 is the version torch 2.13's CUDA wheels pin. triton pulls in no torch and no CUDA wheels.
-TRITON = ["triton>=3.7.1"]
+# GPU kernels. 3.6 is what torch 2.11's CUDA wheels pin (the oldest torch we support); pip takes the newest
+# otherwise. triton 3.6's CPU interpreter fails under numpy 2.4 (that one test skips, saying so).
+# triton pulls in no torch and no CUDA wheels.
+TRITON = ["triton>=3.6"]
 # Hugging Face MoE families (integrations/transformers): the family table and weight layouts follow 5.23
 # accelerate: transformers.Trainer needs it (HF Trainer + DeepSpeed, tested with 1.15.0)
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
