@@ -187,10 +187,14 @@ def _frozen(models, local_experts) -> Dict[str, torch.Tensor]:
 
 
 def patch_zero_to_fp32() -> None:
-    """Make deepspeed.utils.zero_to_fp32 consolidate expert-partitioned checkpoints (idempotent)."""
-    from deepspeed.utils import zero_to_fp32
-    original = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint
-    if hasattr(original, _ORIGINAL):
+    """Make deepspeed.utils.zero_to_fp32 consolidate expert-partitioned checkpoints (idempotent). A DeepSpeed
+    without that module's internal function (not 0.19.8) is left as it is: enable() runs at `import deepspeed`."""
+    try:
+        from deepspeed.utils import zero_to_fp32
+    except ImportError:
+        return
+    original = getattr(zero_to_fp32, "_get_fp32_state_dict_from_zero_checkpoint", None)
+    if original is None or hasattr(original, _ORIGINAL):
         return
 
     def consolidate(ds_checkpoint_dir, exclude_frozen_parameters):
@@ -222,6 +226,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     args = parser.parse_args(argv)
     patch_zero_to_fp32()
+    from deepspeed.utils import zero_to_fp32
+    if not hasattr(getattr(zero_to_fp32, "_get_fp32_state_dict_from_zero_checkpoint", None), _ORIGINAL):
+        import deepspeed
+        raise SystemExit(f"moe_plugin's zero_to_fp32 needs DeepSpeed 0.19.8's deepspeed.utils.zero_to_fp32 "
+                         f"internals; this is DeepSpeed {deepspeed.__version__}")
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
     convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, tag=args.tag,
                                                max_shard_size=args.max_shard_size,
