@@ -26,6 +26,7 @@ from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups, set_z3_leaf_modules
 
 from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group
+from moe_plugin.module_experts import ModuleExperts
 from moe_plugin.parallel.expert_grads import expert_layers
 from moe_plugin.parallel.expert_parallel import whole_experts
 
@@ -101,7 +102,8 @@ def gather_every_expert_on_16bit_save(engine) -> None:
     """Make engine._zero3_consolidated_16bit_state_dict (HF Trainer's save_model, save_16bit_model; every rank
     calls it) hold every expert of each expert-parallel layer on rank 0, not only rank 0's (stacked experts; the
     general path's expert modules stay rank 0's)."""
-    layers = [(prefix, layer) for prefix, layer in expert_layers(engine.module) if hasattr(layer.experts, "w1_EDH")]
+    layers = [(prefix, layer) for prefix, layer in expert_layers(engine.module)
+              if not isinstance(layer.experts, ModuleExperts)]
     if not layers:
         return
     consolidated = engine._zero3_consolidated_16bit_state_dict

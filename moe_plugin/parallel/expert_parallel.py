@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dispatch, ops
+from ..checkpoint import EXPERT_NAMES
 from ..activations import as_activation
 from ..experts import GroupedMLP
 from ..fused import fused_moe
@@ -99,11 +100,10 @@ def whole_experts(layer) -> dict:
     """The stacked expert tensors of an expert-parallel layer with every expert, whole, detached (collectives over
     its FSDP2 mesh, where sharded, and its expert-parallel group): name -> tensor, for w1_EDH, b1_EH, ..."""
     from torch.distributed.tensor import DTensor
-    names = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
-    local = {name: getattr(layer.experts, name, None) for name in names}
+    local = {name: getattr(layer.experts, name, None) for name in EXPERT_NAMES}
     local = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in local.items()}
     whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
-    return {name: getattr(whole, name).detach() for name in names if getattr(whole, name) is not None}
+    return {name: getattr(whole, name).detach() for name in EXPERT_NAMES if getattr(whole, name) is not None}
 
 
 def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,

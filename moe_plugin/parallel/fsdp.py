@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import EXPERT_NAMES
+from ..module_experts import ModuleExperts
 from .expert_parallel import whole_experts
 
 try:
@@ -232,7 +232,7 @@ def torch_state_dict_api_hook(layer, state, prefix, local_metadata) -> None:
         return
     loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
     info = next((f.f_locals.get("info") for f in frames if f.f_code.co_name == "_get_model_state_dict"), None)
-    if not loading and getattr(info, "full_state_dict", False) and _stacked(layer):
+    if not loading and getattr(info, "full_state_dict", False) and not isinstance(layer.experts, ModuleExperts):
         state.update({prefix + "experts." + name: tensor for name, tensor in whole_experts(layer).items()})
         return
     _refuse(layer, prefix)
@@ -264,10 +264,6 @@ def _refuse(layer, prefix: str) -> None:
         f"load(sharded_state(model, optimizer, writing=False), path); write an HF folder with "
         f"moe_plugin.integrations.transformers.export_hf(model, dir) on every rank (with HF Trainer: "
         f"save_strategy='no', then save_model or export_hf); at ep_size 1 torch's API works")
-
-
-def _stacked(layer) -> bool:
-    return all(hasattr(layer.experts, name) for name in EXPERT_NAMES)
 
 
 def _param_groups(state) -> list:

@@ -93,8 +93,10 @@ def read_meta(path: Path) -> dict:
 def full_state_dict(model: torch.nn.Module) -> dict:
     """model.state_dict() with every expert, as one process holding all experts has it (a collective).
     FSDP2 shards are gathered first (an expert's over the ranks holding it, then over its ep group)."""
-    state = {k: whole(v) for k, v in model.state_dict().items()}
-    for prefix, layer in expert_layers(model):
+    layers = list(expert_layers(model))
+    gathered = {f"{prefix}experts.{name}" for prefix, _ in layers for name in sharded.EXPERT_NAMES}
+    state = {k: whole(v) for k, v in model.state_dict().items() if k not in gathered}   # experts: below, once
+    for prefix, layer in layers:
         state.update({f"{prefix}experts.{name}": tensor for name, tensor in whole_experts(layer).items()})
     return state
 
