@@ -18,7 +18,8 @@ their block's unit as a second parameter group, so a block is still one unit: on
 Without it (older torch) the router and shared expert get units of their own, then the layer one on the
 expert mesh, then the block.
 
-check_expert_sharding (called by MoELayer.forward) catches a plain fully_shard over the wrong ranks.
+check_expert_sharding (called by MoELayer.forward) catches a plain fully_shard over the wrong ranks;
+fsdp_state_dict.py answers torch's state-dict API (DCP, Accelerate, HF Trainer checkpoints) for such layers.
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..module_experts import ModuleExperts
-from .expert_parallel import whole_experts
+from . import fsdp_state_dict
 
 try:
     from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
@@ -77,9 +77,7 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     _plain_swapped_blocks(model)
     from ..layer import MoELayer
     parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
-    for layer in parallel:
-        layer.register_state_dict_post_hook(torch_state_dict_api_hook)
-        layer.register_load_state_dict_pre_hook(torch_load_state_dict_api_hook)
+    sharded = list(parallel)
     meshes = {id(layer): expert_mesh(layer, device_type) for layer in parallel}
     if parallel and ShardPlacementResult is None:
         _shard_layers_apart(parallel, meshes, mesh, world, options, mp_policy)
@@ -105,6 +103,8 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
             if any(group.mesh_info is info for info in infos.values()):
                 factor, force_sum = _expert_divide(float(world), group.mesh_info.shard_mesh_size, mp_policy, here[0])
                 group.gradient_divide_factor, group.force_sum_reduction_for_comms = factor, force_sum
+    for layer in sharded:
+        fsdp_state_dict.register(layer, device_type)
     return model
 
 
@@ -218,52 +218,6 @@ def check_expert_sharding(layer) -> None:
                         f"moe_plugin.parallel.fully_shard_moe(model) instead (it shards the experts over the "
                         f"ranks holding the same experts), before any other fully_shard call")
     layer._fsdp_states_seen = len(_STATES)
-
-
-def torch_state_dict_api_hook(layer, state, prefix, local_metadata) -> None:
-    """What torch.distributed.checkpoint.state_dict (get_model_state_dict, get_state_dict, set_model_state_dict:
-    Accelerate's FSDP2 save and load, HF Trainer's save_model and checkpoints, DCP loops) gets from this sharded
-    expert-parallel layer. That API keys every tensor by name alone, and each rank holds other experts under the
-    same names: a sharded checkpoint through it would keep one rank's experts for all (measured). So a full state
-    dict (get_model_state_dict with full_state_dict=True, what save_model gathers on every rank) gets every
-    expert, gathered here over the layer's ranks; anything else through it is refused."""
-    frames = _torch_state_dict_api_frames()
-    if not frames:
-        return
-    loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
-    info = next((f.f_locals.get("info") for f in frames if f.f_code.co_name == "_get_model_state_dict"), None)
-    if not loading and getattr(info, "full_state_dict", False) and not isinstance(layer.experts, ModuleExperts):
-        state.update({prefix + "experts." + name: tensor for name, tensor in whole_experts(layer).items()})
-        return
-    _refuse(layer, prefix)
-
-
-def torch_load_state_dict_api_hook(layer, state, prefix, *args) -> None:
-    """A load of this sharded expert-parallel layer through torch's state-dict API: refused (see above)."""
-    if _torch_state_dict_api_frames():
-        _refuse(layer, prefix)
-
-
-def _torch_state_dict_api_frames() -> list:
-    frames, frame = [], sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            frames.append(frame)
-        frame = frame.f_back
-    return frames
-
-
-def _refuse(layer, prefix: str) -> None:
-    raise ValueError(
-        f"torch.distributed.checkpoint.state_dict (get_model_state_dict / get_state_dict / set_model_state_dict, "
-        f"which Accelerate's FSDP2 save and load and HF Trainer's checkpoints call) cannot hold the experts of "
-        f"{prefix.rstrip('.') or 'an MoELayer'} (ep_size={layer.config.ep_size}, sharded by fully_shard_moe) in "
-        f"a sharded state dict or load them: each rank holds other experts under the same names, so one rank's "
-        f"would be kept for all. A full state dict (full_state_dict=True, what Trainer's save_model gathers) "
-        f"works. Save and resume with moe_plugin.checkpoint: save(sharded_state(model, optimizer), path) and "
-        f"load(sharded_state(model, optimizer, writing=False), path); write an HF folder with "
-        f"moe_plugin.integrations.transformers.export_hf(model, dir) on every rank (with HF Trainer: "
-        f"save_strategy='no', then save_model or export_hf); at ep_size 1 torch's API works")
 
 
 def _param_groups(state) -> list:

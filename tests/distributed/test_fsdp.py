@@ -97,19 +97,15 @@ def _plain_fully_shard(rank, world):
 
 def _refusals(rank, world):
     """fully_shard_moe's ValueError messages for: a model sharded already, a 2-D mesh, a layer built with a host's
-    ep_group (it does not know its expert-data group); torch's sharded get_model_state_dict and get_state_dict
-    (DCP, Accelerate) and set_model_state_dict of an expert-parallel model, which would keep one rank's experts
-    for all; None where the call worked: torch's API at ep_size 1, its full state dict at ep_size 2 (every
-    expert: those of one process building the model from the same seed), and moe_plugin.checkpoint's save and
-    load at ep_size 2 (its experts come back exactly)."""
+    ep_group (it does not know its expert-data group); None where the call worked: torch's API at ep_size 1, its
+    full state dict at ep_size 2 (every expert: those of one process building the model from the same seed), and
+    moe_plugin.checkpoint's save and load at ep_size 2 (its experts come back exactly)."""
     import tempfile
 
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from moe_plugin import MoELayer, checkpoint
     expert_parallel = fully_shard_moe(build(0, world, 4, 8, "gelu", True, 2))
-    optimizer = torch.optim.AdamW(expert_parallel.parameters())
     path = tempfile.mkdtemp() if rank == 0 else None
     box = [path]
     dist.broadcast_object_list(box)
@@ -128,17 +124,10 @@ def _refusals(rank, world):
             if not torch.equal(full[name], tensor):
                 raise AssertionError(f"the full state dict's {name} is not one process's")
 
-    def load_full_state():
-        set_model_state_dict(expert_parallel, build(0, 1, 4, 8, "gelu", True, 2).state_dict(),
-                             options=StateDictOptions(full_state_dict=True))
-
     cases = [lambda: fully_shard_moe(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
              lambda: fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2), mesh=init_device_mesh("cpu", (1, world))),
              lambda: fully_shard_moe(MoELayer(dict(model_dim=8, hidden_size=8, num_experts=4, ep_size=world),
                                               ep_group=dist.group.WORLD)),
-             lambda: get_model_state_dict(expert_parallel),
-             lambda: get_state_dict(expert_parallel, optimizer),
-             load_full_state,
              lambda: get_model_state_dict(fully_shard_moe(build(0, 1, 4, 8, "gelu", True, 2))),
              full_state_has_every_expert if rank == 0 else lambda: get_model_state_dict(
                  expert_parallel, options=StateDictOptions(full_state_dict=True)),
@@ -159,11 +148,16 @@ def _full_state_error(rank, world, ep, E):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     model = fully_shard_moe(build(0, ep, E, 8, "swiglu", True, 2))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    try:
+        get_model_state_dict(model)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
     if rank != 0:
-        return None
+        return None, refused
     want = build(0, 1, E, 8, "swiglu", True, 2).state_dict()
     assert sorted(full) == sorted(want), (sorted(full), sorted(want))
-    return max((full[name] - tensor).abs().max().item() for name, tensor in want.items())
+    return max((full[name] - tensor).abs().max().item() for name, tensor in want.items()), refused
 
 
 def _train_cases(rank, world, seed, specs):
@@ -191,11 +185,13 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
     layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit (the experts
     in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
     of an expert-parallel model fails at its first forward, fully_shard_moe refuses what it cannot shard, and
-    torch's state-dict API refuses sharded state dicts of expert-parallel layers (moe_plugin.checkpoint saves
-    and loads them) and gives every expert in a full state dict (on 4: of hidden-sliced experts)."""
+    torch's state-dict API gives every expert in a full state dict (on 4: of hidden-sliced experts, whose
+    sharded state dict it refuses) and moe_plugin.checkpoint saves and loads them."""
     results = run_workers(_train_cases, world, fresh_seed, CASES[world], timeout=300)
     if world == 4:
-        assert results[0][-1] == 0.0, results[0][-1]   # every sliced expert back whole, bit for bit
+        assert results[0][-1][0] == 0.0, results[0][-1]   # every sliced expert back whole, bit for bit
+        for rank_results in results:   # a sharded state dict of sliced experts: refused, naming them
+            assert "hidden-sliced" in rank_results[-1][1] and "moe_plugin.checkpoint" in rank_results[-1][1]
         results = [rank_results[:-1] for rank_results in results]
     for rank_results in results:
         for spec, (error, moved, units) in zip(CASES[world], rank_results):
@@ -209,9 +205,110 @@ def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
         if world == 2:
             message = rank_results[-2]
             assert message is not None and "fully_shard_moe" in message and "ep_size=2" in message, message
-            sharded, two_d, host_group, model_state, state, load, ep1_state, full, own = rank_results[-1]
+            sharded, two_d, host_group, ep1_state, full, own = rank_results[-1]
             assert "already sharded" in sharded and "1-D" in two_d and "ep_group" in host_group, rank_results[-1]
-            for refused in (model_state, state, load):
-                assert refused is not None and "ep_size=2" in refused and "export_hf" in refused, refused
-                assert "moe_plugin.checkpoint" in refused, refused
             assert ep1_state is None and full is None and own is None, rank_results[-1]
+
+
+def _torch_api_round_trip(rank, world, seed, ep, E, ep_reload):
+    """Train a model sharded by fully_shard_moe at ep_size ep 2 AdamW steps; save it with torch's state-dict API
+    and DCP (what Accelerate's FSDP2 and HF Trainer's checkpoints do), sharded; load that into a fresh model of
+    another seed at ep_size ep and at ep_reload, sharded, and a full state dict into another at ep; return
+    {case: worst difference from the trained model} for: parameters and AdamW states (full state dicts, every
+    expert), this rank's own shards, and the next step's loss."""
+    import copy
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    full = StateDictOptions(full_state_dict=True)
+    generator = torch.Generator().manual_seed(seed + 1 + rank)
+    batches = [(torch.randint(V, (B, S), generator=generator), torch.randint(V, (B, S), generator=generator))
+               for _ in range(3)]
+
+    def trained(model_seed, ep_size, steps):
+        model = fully_shard_moe(build(model_seed, ep_size, E, 6, "swiglu", True, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for x, y in batches[:steps]:
+            optimizer.zero_grad()
+            step_loss(model, x, y).backward()
+            optimizer.step()
+        return model, optimizer
+
+    def next_loss(model, optimizer):
+        optimizer.zero_grad()
+        loss = step_loss(model, *batches[2])
+        loss.backward()
+        optimizer.step()
+        return step_loss(model, *batches[2]).item()
+
+    def print_(out):
+        if rank == 0:
+            print(out, flush=True)
+
+    def worst(a, b):
+        flat_a, flat_b = dcp_flat(a), dcp_flat(b)
+        assert flat_a.keys() == flat_b.keys(), sorted(set(flat_a) ^ set(flat_b))
+        return max((flat_a[k].double() - flat_b[k].double()).abs().max().item() for k in flat_a)
+
+    model, optimizer = trained(seed, ep, 2)
+    want_model, want_optim = get_state_dict(model, optimizer, options=full)
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=path[0])
+    out = {}
+    for case, ep_size in (("sharded, same ep", ep), ("sharded, other ep", ep_reload)):
+        fresh, fresh_optimizer = trained(seed + 7, ep_size, 1)
+        state = dict(zip(("model", "optim"), get_state_dict(fresh, fresh_optimizer)))
+        dcp.load(state, checkpoint_id=path[0])
+        set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        got_model, got_optim = get_state_dict(fresh, fresh_optimizer, options=full)
+        out[case] = max(worst(want_model, got_model), worst(want_optim, got_optim))
+        if ep_size == ep:
+            out[case + ", own shards"] = max(local_difference(p, q)
+                                             for p, q in zip(model.parameters(), fresh.parameters()))
+            out[case + ", optimizer shards"] = max(
+                local_difference(a, b) for p, q in zip(model.parameters(), fresh.parameters())
+                for a, b in zip(optimizer.state[p].values(), fresh_optimizer.state[q].values()) if a.dim() > 0)
+    fresh, fresh_optimizer = trained(seed + 8, ep, 1)
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=copy.deepcopy(want_model),   # torch's load takes
+                   optim_state_dict=copy.deepcopy(want_optim), options=full)               # the dicts apart
+    got_model, got_optim = get_state_dict(fresh, fresh_optimizer, options=full)
+    out["full"] = max(worst(want_model, got_model), worst(want_optim, got_optim))
+    out["next loss"] = abs(next_loss(model, optimizer) - next_loss(fresh, fresh_optimizer))
+    out["moved"] = (want_model_moved := worst(want_model, get_state_dict(*trained(seed + 7, ep, 1),
+                                                                          options=full)[0]))
+    print_(out)
+    return out
+
+
+def local_difference(a, b) -> float:
+    """The largest difference of two DTensors' local shards (an empty shard of an uneven split: 0)."""
+    a, b = a.to_local(), b.to_local()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def dcp_flat(state, prefix=""):
+    """{path: tensor} of the tensors in a nested state dict (dicts and lists)."""
+    out = {}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            out[f"{prefix}{key}"] = value
+        else:
+            out.update(dcp_flat(value, f"{prefix}{key}."))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, ep, E, ep_reload", [(2, 2, 4, 1), (4, 2, 6, 1)])
+def test_torch_state_dict_api_round_trips_expert_parallel_layers(world, ep, E, ep_reload, fresh_seed):
+    """torch.distributed.checkpoint.state_dict + DCP (Accelerate's FSDP2 save and load, HF Trainer's checkpoints)
+    at ep_size 2: a sharded save loads back exactly (every parameter and AdamW state, this rank's own shards, and
+    the next step's loss), also into another ep_size and, via a full state dict, into a fresh model; on 4
+    processes each expert stack is split unevenly over its 2 holders (3 experts each)."""
+    results = run_workers(_torch_api_round_trip, world, fresh_seed, ep, E, ep_reload, timeout=300)
+    for out in results:
+        assert out.pop("moved") > 1e-3, "the fresh model must differ, or the test could not fail"
+        assert max(out.values()) < 1e-12, out
