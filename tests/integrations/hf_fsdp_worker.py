@@ -5,8 +5,9 @@ by transformers.Trainer with Accelerate's FSDP2 (fsdp_version 2), CPU and gloo.
 
 Writes result<rank>.json: the logged losses, the block classes, for a swapped model the largest difference
 between the trained model's logits and those of the folder export_hf wrote from its FSDP2 shards, loaded by plain
-from_pretrained, whether Accelerate's full state dict (save_model's) is the trained model's, and with SAVE_MODEL 1
-the logits difference for trainer.save_model's folder. A rank waiting more than
+from_pretrained, whether Accelerate's full state dict (save_model's) is the trained model's, with SAVE_MODEL 1
+the logits difference for trainer.save_model's folder, and at EP_SIZE 2 how far a Trainer run resumed from its
+sharded step-2 checkpoint ends from the uninterrupted run (AdamW). A rank waiting more than
 SAVE_TIMEOUT s in save_model prints where every thread is and exits (a hang fails the test, with the place).
 """
 import json
@@ -67,23 +68,42 @@ def main(out_dir, ep_size, steps, save_model):
     if ep_size:   # export_hf on every rank: it gathers the FSDP2 shards and the experts
         if ep_size == 1:
             result["full_state_dict_equal"] = full_state_dict_equal(trainer, model)
-        else:   # Trainer's FSDP2 checkpoints (Accelerate's default for FSDP2: sharded, through DCP)
-            import copy
-
-            from accelerate.utils.fsdp_utils import save_fsdp_model
-            sharded = copy.copy(trainer.accelerator.state.fsdp_plugin)
-            sharded.state_dict_config = sharded.optim_state_dict_config = None   # as a plugin made sharded has
-            sharded.set_state_dict_type("SHARDED_STATE_DICT")
-            try:
-                save_fsdp_model(sharded, trainer.accelerator, model, os.path.join(out_dir, "checkpoint"))
-            except ValueError as error:
-                result["sharded_state_dict_refused"] = str(error)
+        else:   # Trainer's FSDP2 checkpoints, sharded through DCP: a run resumed at step 2 ends as the whole run
+            run = os.path.join(out_dir, "checkpointed")
+            first, resumed = (checkpointed_run(run, ep_size, resume) for resume in (False, True))
+            result["resumed_difference"] = max((first[n] - resumed[n]).abs().max().item() for n in first)
+            result["resumed_moved"] = max((first[n] - resumed["start " + n]).abs().max().item() for n in first)
         hf_moe.export_hf(model, os.path.join(out_dir, "exported"))
         result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
         json.dump(result, file)
     dist.barrier()   # no rank leaves while another still uses the process group (gloo aborts then)
     dist.destroy_process_group()
+
+
+def checkpointed_run(out_dir, ep_size, resume):
+    """4 AdamW steps under Trainer with Accelerate's FSDP2, checkpoints (SHARDED_STATE_DICT) every 2; with resume,
+    from other starting weights, resumed from checkpoint-2. {name: this rank's shard at the end} (with resume
+    also {"start " + name: at the start})."""
+    from transformers import Trainer, TrainingArguments
+    from moe_plugin.parallel import fully_shard_moe
+    args = TrainingArguments(output_dir=out_dir, use_cpu=True, fsdp="full_shard",
+                             fsdp_config={"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy":
+                                          "NO_WRAP", "state_dict_type": "SHARDED_STATE_DICT"},
+                             per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, optim="adamw_torch",
+                             lr_scheduler_type="constant", save_strategy="steps", save_steps=2, report_to=[], seed=0,
+                             logging_strategy="no")
+    model = build_model()
+    if resume:    # other starting weights: everything must come from the checkpoint
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1)
+    model = fully_shard_moe(hf_moe.swap_moe_blocks(model, ep_size=ep_size))
+    start = {"start " + n: p.to_local().detach().clone() for n, p in model.named_parameters()} if resume else {}
+    trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    on_fsdp(trainer)
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2") if resume else None)
+    return {**start, **{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
 
 
 def full_state_dict_equal(trainer, model):
