@@ -46,11 +46,17 @@ class _GlobalForm:
         self.shard_mesh, self.shard_placements = param.device_mesh, param.placements
         self.shard_shape, self.shard_stride = param.shape, param.stride()
 
-    def whole(self, tensor):
-        """A DTensor like the parameter (its shard, or an optimizer state of its shape) as a piece of [E, ...]."""
-        from torch.distributed.tensor import DTensor
-        return DTensor.from_local(tensor.to_local(), self.mesh, self.placements, run_check=False, shape=self.shape,
-                                  stride=self.stride)
+    def whole(self, tensor, full: bool = False):
+        """A DTensor like the parameter (its shard, or an optimizer state of its shape) as a piece of [E, ...];
+        with full, the whole [E, ...] itself (a collective over the layer's ranks)."""
+        from torch.distributed.tensor import DTensor, Replicate
+        piece = DTensor.from_local(tensor.to_local(), self.mesh, self.placements, run_check=False, shape=self.shape,
+                                   stride=self.stride)
+        if not full:
+            return piece
+        # one mesh dim at a time: torch 2.11 fails to gather both at once over this (transposed) rank layout
+        piece = piece.redistribute(self.mesh, (self.placements[0], Replicate()))
+        return piece.redistribute(self.mesh, (Replicate(), Replicate())).to_local()
 
     def shard(self, value):
         """A value loaded for the parameter back as a DTensor like it: a piece of [E, ...] on the 2-D mesh (what
@@ -113,17 +119,17 @@ def _two_d_mesh(layer, device_type: str):
 
 
 def _model_state_dict_hook(layer, state, prefix, local_metadata) -> None:
-    if not _torch_state_dict_api_frames():
+    frames = _torch_state_dict_api_frames()
+    if not frames:
         return
+    full = _full_state_dict(frames, "_get_model_state_dict")
     forms = {name: getattr(param, FORM, None) for name, param in layer.experts.named_parameters()}
     if forms and None not in forms.values():
         for name, form in forms.items():
-            state[prefix + "experts." + name] = form.whole(state[prefix + "experts." + name])
+            state[prefix + "experts." + name] = form.whole(state[prefix + "experts." + name], full)
         return
-    frames = _torch_state_dict_api_frames()
     loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
-    info = next((f.f_locals.get("info") for f in frames if f.f_code.co_name == "_get_model_state_dict"), None)
-    if not loading and getattr(info, "full_state_dict", False) and not isinstance(layer.experts, ModuleExperts):
+    if not loading and full and not isinstance(layer.experts, ModuleExperts):
         state.update({prefix + "experts." + name: tensor for name, tensor in whole_experts(layer).items()})
         return
     _refuse(layer, prefix)
@@ -167,14 +173,16 @@ def _forms_by_key(optimizer, state_dict) -> dict:
 
 
 def _optimizer_state_dict_hook(optimizer, state_dict):
-    if not _torch_state_dict_api_frames():
+    frames = _torch_state_dict_api_frames()
+    if not frames:
         return None
     from torch.distributed.tensor import DTensor
+    full = _full_state_dict(frames, "_get_optim_state_dict")
     states = state_dict["state"]
     for key, form in _forms_by_key(optimizer, state_dict).items():
         if key in states:   # a new dict: the packed state holds the optimizer's own per-parameter dicts
-            states[key] = {name: form.whole(v) if isinstance(v, DTensor) and v.shape == form.shard_shape else v
-                           for name, v in states[key].items()}
+            states[key] = {name: form.whole(v, full) if isinstance(v, DTensor) and v.shape == form.shard_shape
+                           else v for name, v in states[key].items()}
     return state_dict
 
 
@@ -197,6 +205,12 @@ def _torch_state_dict_api_frames() -> list:
             frames.append(frame)
         frame = frame.f_back
     return frames
+
+
+def _full_state_dict(frames: list, function: str) -> bool:
+    """Whether torch's API is making a full state dict (its options, as the frame of function holds them)."""
+    info = next((f.f_locals.get("info") for f in frames if f.f_code.co_name == function), None)
+    return bool(getattr(info, "full_state_dict", False))
 
 
 def _refuse(layer, prefix: str) -> None:
