@@ -144,6 +144,29 @@ def test_the_model_is_swinv2_upcycled_as_swinv2_moe(fresh_seed):
         assert torch.equal(model(x), by_hand(pixel_values=x).logits)
 
 
+def test_the_shipped_yaml_puts_moe_in_blocks_5_7_and_9():
+    """configs/experiments/swinv2_moe.yaml as it ships (no override): MoE blocks exactly in blocks 5 and 7
+    (stage 3, its 2nd and 4th blocks) and 9 (stage 4, its 2nd), as the README says, with the moe section's
+    settings; planned by upcycle.plan on a meta-device model (no weights)."""
+    from moe_plugin.integrations.transformers.upcycle import plan
+    from moe_plugin.train.hf_image import image_hf_config, upcycle_arguments
+    cfg = train.load_config(str(SWINV2_MOE), [])
+    arguments = upcycle_arguments(cfg)
+    assert (arguments.pop("noise"), arguments.pop("reinit_fraction")) == (0.0, 1.0)
+    with torch.device("meta"):
+        dense = transformers.AutoModelForImageClassification.from_config(image_hf_config(cfg))
+    planned = plan(dense, **arguments)
+    assert [index for index, *_ in planned] == [5, 7, 9]
+    assert [name for _, name, *_ in planned] == [f"swinv2.encoder.layers.{s}.blocks.{b}" for s, b in
+                                                 ((2, 1), (2, 3), (3, 1))]
+    assert all(kind == "pair" for _, _, kind, _, _ in planned)
+    configs = [config for *_, config in planned]
+    assert [(c.model_dim, c.hidden_size) for c in configs] == [(128, 512), (128, 512), (256, 1024)]
+    for c in configs:
+        assert (c.num_experts, c.top_k, c.router, c.capacity_factor, c.eval_capacity_factor,
+                c.batch_prioritized_routing, c.aux_loss, c.aux_loss_coef, c.activation, c.ep_size) == \
+            (8, 1, "cosine", 1.25, 2.0, True, "gshard", 0.01, "gelu", 1)
+
 def test_dense_swinv2_is_the_same_command_with_upcycle_null_and_upcycles(tmp_path, fresh_seed):
     result, records = run(tmp_path, "upcycle=null", "train.steps=40", "train.eval_every=40", "log.every=10",
                           f"train.seed={fresh_seed}", f"data.seed={fresh_seed}")

@@ -4,6 +4,7 @@ References: the dense HF model itself (step 0 of an exact upcycling computes wha
 gradients), a one-process run (expert parallelism), plain from_pretrained of the exported folder.
 """
 import copy
+import math
 import os
 import warnings
 
@@ -220,6 +221,45 @@ def test_capacity_balancing_and_state_dict_round_trip():
     model.eval(), other.eval()
     torch.testing.assert_close(out(other, x), out(model, x), rtol=0, atol=0)
 
+
+def test_adaptive_capacity():
+    """capacity_factor < 0 on an upcycled model: each swapped block's capacity is the largest expert load
+    capped at |cf| x the fixed capacity (MoEConfig's rule), computed here from the routing by hand; the
+    block's output is reference_moe's (which drops by its own count) and its dropped fraction the overflow."""
+    from moe_plugin.reference import reference_moe
+    dense, _ = dense_model("llama")
+    model = upcycle(dense.double(), num_experts=4, top_k=2, layers=[1, 3], noise=0.3, capacity_factor=-1.5,
+                    min_capacity=1, router_bias=True).eval()
+    layers = [block.moe for _, _, block in upcycled_blocks(model)]
+    with torch.no_grad():
+        layers[0].router.bias_E.copy_(torch.tensor([6.0, 0.0, 0.0, 0.0]))   # nearly every token picks expert 0
+    inputs = {}
+    hooks = [layer.register_forward_hook(lambda m, args, y: inputs.__setitem__(m, args[0].detach()))
+             for layer in layers]
+    ids = torch.randint(0, 61, (4, 16))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    T, E, K = 64, 4, 2
+    fixed = math.ceil(K * 1.5 * T / E)   # 48 (> min_capacity)
+    for i, layer in enumerate(layers):
+        assert layer.config.capacity_factor == -1.5
+        x = inputs[layer]
+        x_TD = x.reshape(-1, 24)
+        logits_TE = x_TD @ layer.router.weight_ED.t() + layer.router.bias_E
+        expert_TK = logits_TE.softmax(-1).topk(K, dim=-1).indices
+        load_E = torch.bincount(expert_TK.reshape(-1), minlength=E)
+        with torch.no_grad():
+            y = layer(x)
+            expected, _ = reference_moe(layer, x)
+        stats = layer.stats
+        assert stats["tokens_per_expert"] == load_E.tolist()
+        assert stats["capacity"] == min(int(load_E.max()), fixed)
+        assert stats["dropped_fraction"] == pytest.approx(float((load_E - fixed).clamp(min=0).sum()) / (T * K))
+        torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
+        if i == 0:   # the cap applies: expert 0's overflow is dropped
+            assert int(load_E[0]) > fixed and stats["capacity"] == fixed and stats["dropped_fraction"] > 0
 
 def test_deepspeed_blocks_and_hf_blocks():
     """With DeepSpeed installed the blocks are DeepSpeed's MoE instances (the engine's MoE handling);
