@@ -123,6 +123,14 @@ def _model_state_dict_hook(layer, state, prefix, local_metadata) -> None:
     if not frames:
         return
     full = _full_state_dict(frames, "_get_model_state_dict")
+    if full and _frames("accelerate.utils.fsdp_utils", "save_fsdp_model"):
+        raise ValueError(
+            f"Accelerate's FULL_STATE_DICT checkpoint of {prefix.rstrip('.') or 'an MoELayer'} (ep_size="
+            f"{layer.config.ep_size}, sharded by fully_shard_moe; HF Trainer's resume checkpoints with fsdp_config "
+            f"state_dict_type FULL_STATE_DICT) would save, but Accelerate resumes it with torch's broadcast_from_rank0 "
+            f"load, which cannot put back experts that differ from rank to rank. Use state_dict_type "
+            f"SHARDED_STATE_DICT (Accelerate's FSDP2 default): it saves and resumes exactly at any ep_size. "
+            f"trainer.save_model and export_hf write full HF folders either way")
     forms = {name: getattr(param, FORM, None) for name, param in layer.experts.named_parameters()}
     if forms and None not in forms.values():
         for name, form in forms.items():
@@ -199,9 +207,14 @@ def _optimizer_load_hook(optimizer, state_dict):
 
 
 def _torch_state_dict_api_frames() -> list:
-    frames, frame = [], sys._getframe(2)
+    return _frames("torch.distributed.checkpoint.state_dict")
+
+
+def _frames(module: str, function: str = None) -> list:
+    """The frames on the stack running code of module (and that function)."""
+    frames, frame = [], sys._getframe(1)
     while frame is not None:
-        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+        if frame.f_globals.get("__name__") == module and function in (None, frame.f_code.co_name):
             frames.append(frame)
         frame = frame.f_back
     return frames

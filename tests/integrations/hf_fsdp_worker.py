@@ -73,6 +73,10 @@ def main(out_dir, ep_size, steps, save_model):
             first, resumed = (checkpointed_run(run, ep_size, resume) for resume in (False, True))
             result["resumed_difference"] = max((first[n] - resumed[n]).abs().max().item() for n in first)
             result["resumed_moved"] = max((first[n] - resumed["start " + n]).abs().max().item() for n in first)
+            try:   # FULL_STATE_DICT checkpoints would save, then fail to resume: refused at the first save
+                checkpointed_run(os.path.join(out_dir, "full"), ep_size, False, "FULL_STATE_DICT")
+            except ValueError as error:
+                result["full_checkpoint_refused"] = str(error)
         hf_moe.export_hf(model, os.path.join(out_dir, "exported"))
         result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
@@ -81,7 +85,7 @@ def main(out_dir, ep_size, steps, save_model):
     dist.destroy_process_group()
 
 
-def checkpointed_run(out_dir, ep_size, resume):
+def checkpointed_run(out_dir, ep_size, resume, state_dict_type="SHARDED_STATE_DICT"):
     """4 AdamW steps under Trainer with Accelerate's FSDP2, checkpoints (SHARDED_STATE_DICT) every 2; with resume,
     from other starting weights, resumed from checkpoint-2. {name: this rank's shard at the end} (with resume
     also {"start " + name: at the start})."""
@@ -89,7 +93,7 @@ def checkpointed_run(out_dir, ep_size, resume):
     from moe_plugin.parallel import fully_shard_moe
     args = TrainingArguments(output_dir=out_dir, use_cpu=True, fsdp="full_shard",
                              fsdp_config={"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy":
-                                          "NO_WRAP", "state_dict_type": "SHARDED_STATE_DICT"},
+                                          "NO_WRAP", "state_dict_type": state_dict_type},
                              per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, optim="adamw_torch",
                              lr_scheduler_type="constant", save_strategy="steps", save_steps=2, report_to=[], seed=0,
                              logging_strategy="no")

@@ -3,7 +3,8 @@
 Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the sharded model gives a folder plain
 from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
 for HF's own blocks and the swapped model at ep_size 1 and 2; at ep_size 2 Trainer's checkpoints (Accelerate's
-sharded state dicts of model and AdamW, through DCP) resume exactly."""
+sharded state dicts of model and AdamW, through DCP) resume exactly, and FULL_STATE_DICT checkpoints, which torch's
+broadcast load cannot resume, are refused at their first save."""
 import json
 import os
 import subprocess
@@ -45,5 +46,7 @@ def test_trainer_with_accelerate_fsdp2_trains_a_sharded_swapped_model_as_hf_own_
             for rank_result in swapped:
                 assert rank_result["resumed_moved"] > 0.05, "the resumed run must start elsewhere"
                 assert rank_result["resumed_difference"] < 1e-6, rank_result["resumed_difference"]
+                message = rank_result["full_checkpoint_refused"]   # its resume cannot work: refused by name
+                assert "SHARDED_STATE_DICT" in message and "ep_size=2" in message, message
         if ep_size in SAVE_MODEL_EPS:
             assert swapped[0]["save_model_logits_diff"] < 1e-4

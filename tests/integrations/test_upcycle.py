@@ -318,7 +318,8 @@ def test_export_warns_when_the_model_drops_tokens(tmp_path):
 
 
 def expert_parallel_worker(rank, world, folder):
-    """ep_size 2 against one process (outputs, input and expert gradients, export), then DeepSpeed engine steps."""
+    """ep_size 2 against one process (outputs, input and expert gradients, export), then DeepSpeed: "moe"
+    sections contradicting the blocks, engine steps, save_checkpoint / load_checkpoint into another draw."""
     import logging
     import deepspeed
     from deepspeed.utils import logger
@@ -354,11 +355,23 @@ def expert_parallel_worker(rank, world, folder):
         reference.train()
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(6)
-    model = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, every=2, noise=0.3, capacity_factor=1.0, ep_size=2)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
               "moe": {"backend": "tutel", "ep_size": 2, "capacity_factor": 1.0}}
+
+    def upcycled(seed, base=dense):
+        torch.manual_seed(seed)
+        return upcycle(copy.deepcopy(base), num_experts=4, top_k=2, every=2, noise=0.3, capacity_factor=1.0,
+                       ep_size=2)
+
+    model = upcycled(6)
+    # a "moe" section contradicting the upcycled blocks is an error naming the key (the model is left as it was)
+    for key, value, message in [("num_experts", 8, r'"moe.num_experts"=8 contradicts block .*num_experts=4'),
+                                ("top_k", 1, r'"moe.top_k"=1 contradicts block .*top_k=2'),
+                                ("min_capacity", 1, r'"moe" sets min_capacity=1, but block .*min_capacity=4'),
+                                ("num_expert", 4, r'"moe" has no key .num_expert. \(did you mean .num_experts')]:
+        with pytest.raises(ValueError, match=message):
+            initialize(model=model, config={**config, "moe": {**config["moe"], key: value}})
     engine, _, _, _ = initialize(model=model, config=config)
     losses = []
     for _ in range(3):
@@ -368,6 +381,31 @@ def expert_parallel_worker(rank, world, folder):
         losses.append(loss.item())
     report.update(has_moe=engine.has_moe_layers, losses=losses,
                   reference_loss=reference(input_ids=batches[rank], labels=batches[rank]).loss.item())
+
+    # engine.save_checkpoint, then load_checkpoint into an engine of other draws (dense model, noise, router):
+    # the same logits, and the same loss after one more step each (the ZeRO-1 weight partitions loaded too)
+    checkpoints = os.path.join(os.path.dirname(folder), "checkpoints")
+    engine.save_checkpoint(checkpoints, tag="upcycled")
+    torch.manual_seed(8)
+    loaded, _, _, _ = initialize(model=upcycled(7, dense_model("llama")[0]), config=config)
+    probe = batches[0]
+
+    def logits(e):
+        e.eval()
+        with torch.no_grad():
+            y = e(input_ids=probe).logits
+        e.train()
+        return y
+    want = logits(engine)
+    report["fresh_logits"] = (logits(loaded) - want).abs().max().item()
+    loaded.load_checkpoint(checkpoints, tag="upcycled")
+    report["loaded_logits"] = (logits(loaded) - want).abs().max().item()
+    after = []
+    for e in (engine, loaded):
+        e.backward(e(input_ids=batches[rank], labels=batches[rank]).loss)
+        e.step()
+        after.append(e(input_ids=batches[rank], labels=batches[rank]).loss.item())
+    report["loss_after_step"] = after
     return report
 
 
@@ -381,3 +419,6 @@ def test_expert_parallel_and_deepspeed(tmp_path):
         assert report["has_moe"]
         assert abs(report["losses"][0] - report["reference_loss"]) < 1e-5
         assert report["losses"][-1] < report["losses"][0]
+        assert report["fresh_logits"] > 1e-2 and report["loaded_logits"] < 1e-6
+        saved, loaded = report["loss_after_step"]
+        assert abs(saved - loaded) < 1e-6 and saved != report["losses"][-1]
