@@ -109,7 +109,7 @@ def _two_d_mesh(layer, device_type: str):
     ranks (parallel/groups.py), so rank = j * ep_size + i at (i, j); built from the layer's own groups."""
     from torch.distributed.device_mesh import DeviceMesh
     groups = layer.groups
-    key = (id(groups.ep_group), id(groups.expert_data_group))
+    key = (groups.ep_group, groups.expert_data_group)   # the groups themselves: an id could be reused
     if key not in _MESHES:
         ep_size = dist.get_world_size(groups.ep_group)
         ranks = torch.arange(dist.get_world_size()).reshape(-1, ep_size).t()
