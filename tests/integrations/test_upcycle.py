@@ -29,6 +29,8 @@ def dense_model(family: str, **extra):
     """A tiny random dense HF model and its inputs (as keyword arguments)."""
     if family in GATED_GELU:
         return dense_model("llama", hidden_act=GATED_GELU[family], **extra)
+    if family == "qwen2_sliding":   # a window of 4 tokens in layers 2 and 3 (qwen2: layers >= max_window_layers)
+        return dense_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2, **extra)
     if family in ("llama", "llama_bias", "qwen2", "mistral"):
         model_type = "llama" if family == "llama_bias" else family
         more = dict(mlp_bias=True, attention_bias=True) if family == "llama_bias" else {}
@@ -273,16 +275,19 @@ def test_deepspeed_blocks_and_hf_blocks():
     assert all(type(b) is HFMoEBlock for _, _, b in upcycled_blocks(plain))
 
 
-@pytest.mark.parametrize("family,target,layers", [("llama", "mixtral", None), ("mistral", "mixtral", None),
-                                                  ("qwen2", "qwen2_moe", [0, 2, 3]), ("llama", None, [1, 3]),
-                                                  ("llama_bias", None, None), ("vit", None, None),
-                                                  ("swinv2", None, [3, 5, 7]), ("llama_geglu_tanh", None, None)])
-def test_export(tmp_path, family, target, layers):
+@pytest.mark.parametrize("family,target,layers,extra", [
+    ("llama", "mixtral", None, {}), ("mistral", "mixtral", None, {}), ("qwen2", "qwen2_moe", [0, 2, 3], {}),
+    ("llama", None, [1, 3], {}), ("llama_bias", None, None, {}), ("vit", None, None, {}),
+    ("swinv2", None, [3, 5, 7], {}), ("llama_geglu_tanh", None, None, {}),
+    ("llama", None, None, {"router": "cosine"}),   # Mixtral's router is softmax
+    ("qwen2_sliding", None, [0, 2, 3], {}),         # export maps only qwen2 without a sliding window to qwen2_moe
+])
+def test_export(tmp_path, family, target, layers, extra):
     """An HF MoE family's folder where the architecture matches (plain from_pretrained, same outputs), else
     the dense folder with moe_plugin's expert files (load_upcycled gives the same outputs; plain
     from_pretrained loads the dense model with the experts' mean)."""
     dense, inputs = dense_model(family)
-    model = upcycle(dense, num_experts=4, top_k=2, layers=layers, noise=0.3, capacity_factor=0.0).eval()
+    model = upcycle(dense, num_experts=4, top_k=2, layers=layers, noise=0.3, capacity_factor=0.0, **extra).eval()
     assert moe_family_target(model) == target
     x = inputs()
     expected = out(model, x)
