@@ -34,7 +34,7 @@ from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_sec
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
                                                      gather_every_expert_on_16bit_save, to_zero3, zero_stage)
 
-__all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "read_moe_section", "moe_config", "swap_moe_layers",
+__all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "check_expert_parallel_layers", "read_moe_section", "moe_config", "swap_moe_layers",
            "to_zero3", "SECTION_KEYS", "enable"]
 
 
@@ -99,6 +99,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         model, replaced = swap_for_section(model, section)
     elif section is not None:
         model, replaced = swap_moe_layers(model, section)
+    check_expert_parallel_layers(model)
     if stage3:
         model = to_zero3(model)
     if has_moe:
@@ -123,6 +124,23 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     if stage3:
         gather_every_expert_on_16bit_save(engine)
     return (engine, *rest)
+
+
+def check_expert_parallel_layers(model: nn.Module) -> None:
+    """ValueError for an expert-parallel MoELayer that DeepSpeed would not see as MoE (one outside a DeepSpeed MoE
+    module: a bare MoELayer, or an HF block swapped with block_class=HFMoEBlock). DeepSpeed takes its experts for
+    replicated dense weights: it broadcasts rank 0's experts to every rank and averages their gradients over ranks
+    that hold other experts (measured: rank 1's experts became rank 0's, and nothing warned)."""
+    held = {id(m) for moe in model.modules() if isinstance(moe, NativeMoE) for m in moe.modules()}
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer) and module.is_parallel and id(module) not in held:
+            raise ValueError(
+                f"{name or 'the model'} is an MoELayer with ep_size={module.config.ep_size} outside a DeepSpeed MoE "
+                f"module: DeepSpeed would take its experts for replicated dense weights (broadcast rank 0's experts "
+                f"to every rank, average their gradients over ranks holding other experts). Under DeepSpeed build it "
+                f"as moe_plugin.integrations.deepspeed.MoE (DeepSpeed's MoE signature), swap HF blocks with "
+                f"swap_moe_blocks or upcycle without block_class (their DeepSpeed block), put a \"moe\" section in "
+                f"the config instead of swapping beforehand, or use ep_size 1")
 
 
 def update_bias_every_step(engine) -> None:

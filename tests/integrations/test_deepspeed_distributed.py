@@ -232,3 +232,45 @@ def test_example_runs_under_torchrun():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "backend tutel: moe_plugin.integrations.deepspeed.native.MoE, world 2" in done.stdout
     assert "step 4 loss" in done.stdout
+
+
+def bare_layer_worker(rank, world):
+    """{(ep_size, stage, how): the ValueError's message, or "engine"} for a model holding a bare MoELayer."""
+    import deepspeed
+
+    import moe_plugin.integrations.deepspeed as dsi
+    from moe_plugin import MoELayer
+    from moe_plugin.integrations.deepspeed import hook
+    setup_worker(rank, world)
+    out = {}
+    for ep_size in (2, 1):
+        for stage in (1, 3):
+            calls = [("moe_plugin", dsi.initialize)] + [("hooked deepspeed", deepspeed.initialize)] * hook.is_enabled()
+            for how, initialize in calls:
+                torch.manual_seed(0)
+                layer = MoELayer(dict(model_dim=8, hidden_size=16, num_experts=4, top_k=2, ep_size=ep_size))
+                model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer, torch.nn.Linear(8, 8))
+                config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+                          "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+                try:
+                    initialize(model=model, config=config)
+                    out[f"{ep_size} {stage} {how}"] = "engine"
+                except ValueError as error:
+                    out[f"{ep_size} {stage} {how}"] = str(error)
+    return out
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_layer_deepspeed_would_not_see_as_moe_is_refused():
+    """A bare MoELayer at ep_size 2 (not inside a DeepSpeed MoE module) would have its experts taken for replicated
+    weights: rank 0's broadcast to every rank, gradients averaged over ranks holding other experts. initialize (and
+    the hooked deepspeed.initialize) refuse it by name at ZeRO stages 1 and 3; at ep_size 1 it is a replicated
+    layer and trains."""
+    for out in run_workers(bare_layer_worker, 2, timeout=200):
+        assert any(key.endswith("hooked deepspeed") for key in out) or len(out) == 4, out
+        for key, message in out.items():
+            if key.startswith("2 "):
+                assert "ep_size=2" in message and "1 is an MoELayer" in message, (key, message)
+                assert "moe_plugin.integrations.deepspeed.MoE" in message, (key, message)
+            else:
+                assert message == "engine", (key, message)
