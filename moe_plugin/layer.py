@@ -16,6 +16,7 @@ from .experts import Experts, cast_weights
 from .fused import fused_moe
 from .module_experts import ModuleExperts
 from .parallel.expert_parallel import expert_parallel_moe, route_counts
+from .parallel.ddp import check_plain_ddp
 from .parallel.fsdp import check_expert_sharding
 from .parallel.groups import build_groups
 from .parallel.tuner import OnceTuner, Tuner
@@ -150,6 +151,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
         if self.is_parallel:
             check_expert_sharding(self)
+            check_plain_ddp(self)
         x_TD = x.reshape(-1, cfg.model_dim)
         dtype = self._compute_dtype(x)
 

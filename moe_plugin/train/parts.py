@@ -10,7 +10,7 @@ from torch import nn
 
 from ..data import VOCAB_SIZE, Data, make_data
 from ..models import TransformerLM
-from ..parallel.expert_grads import hook_expert_grads
+from ..parallel.ddp import ddp_moe
 from ..parallel.fsdp import fully_shard_moe
 from .config import ExperimentConfig, TrainConfig, moe_config
 from .processes import Processes
@@ -101,7 +101,4 @@ def data_parallel(model: TransformerLM, procs: Processes) -> torch.nn.Module:
     from torch.distributed.fsdp import FSDPModule
     if procs.world_size == 1 or isinstance(model, FSDPModule):
         return model
-    experts = hook_expert_grads(model, procs.world_size)
-    DDP = torch.nn.parallel.DistributedDataParallel
-    DDP._set_params_and_buffers_to_ignore_for_model(model, [name for name, _ in experts])
-    return DDP(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+    return ddp_moe(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
