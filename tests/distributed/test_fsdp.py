@@ -66,6 +66,12 @@ def _train_sharded(rank, world, spec):
     finally:
         fsdp.ShardPlacementResult = per_parameter_mesh
     units = sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule))
+    return (*sgd_error(model, batches, rank, world, want), units)
+
+
+def sgd_error(model, batches, rank: int, world: int, want) -> tuple:
+    """Train model STEPS SGD steps on this rank's batches; (worst relative error of every rank's losses against
+    want, the one-process losses [step][rank], in fp64; how far want moved from its first step)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     got = []
     for step in range(STEPS):
@@ -74,12 +80,10 @@ def _train_sharded(rank, world, spec):
         loss.backward()
         optimizer.step()
         got.append(loss.item())
-    losses = torch.tensor(got)
-    everyone = [torch.zeros_like(losses) for _ in range(world)]
-    dist.all_gather(everyone, losses)
-    got = torch.stack(everyone).t()
-    want = torch.tensor(want)
-    return ((got - want).abs().max() / want.abs().max()).item(), (want[1:] - want[0]).abs().max().item(), units
+    everyone = [torch.zeros(STEPS, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(everyone, torch.tensor(got, dtype=torch.float64))
+    got, want = torch.stack(everyone).t(), torch.tensor(want, dtype=torch.float64)
+    return ((got - want).abs().max() / want.abs().max()).item(), (want[1:] - want[0]).abs().max().item()
 
 
 def _plain_fully_shard(rank, world):
@@ -242,10 +246,6 @@ def _torch_api_round_trip(rank, world, seed, ep, E, ep_reload):
         optimizer.step()
         return step_loss(model, *batches[2]).item()
 
-    def print_(out):
-        if rank == 0:
-            print(out, flush=True)
-
     def worst(a, b):
         flat_a, flat_b = dcp_flat(a), dcp_flat(b)
         assert flat_a.keys() == flat_b.keys(), sorted(set(flat_a) ^ set(flat_b))
@@ -276,9 +276,7 @@ def _torch_api_round_trip(rank, world, seed, ep, E, ep_reload):
     got_model, got_optim = get_state_dict(fresh, fresh_optimizer, options=full)
     out["full"] = max(worst(want_model, got_model), worst(want_optim, got_optim))
     out["next loss"] = abs(next_loss(model, optimizer) - next_loss(fresh, fresh_optimizer))
-    out["moved"] = (want_model_moved := worst(want_model, get_state_dict(*trained(seed + 7, ep, 1),
-                                                                          options=full)[0]))
-    print_(out)
+    out["moved"] = worst(want_model, get_state_dict(*trained(seed + 7, ep, 1), options=full)[0])
     return out
 
 
