@@ -34,8 +34,8 @@ from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_sec
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
                                                      gather_every_expert_on_16bit_save, to_zero3, zero_stage)
 
-__all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "check_expert_parallel_layers", "read_moe_section", "moe_config", "swap_moe_layers",
-           "to_zero3", "SECTION_KEYS", "enable"]
+__all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "check_expert_parallel_layers", "read_moe_section",
+           "moe_config", "swap_moe_layers", "to_zero3", "SECTION_KEYS", "enable"]
 
 
 def _remap(params, replaced: Dict[int, List[nn.Parameter]]) -> list:

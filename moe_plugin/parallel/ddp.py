@@ -8,11 +8,13 @@ DDP and hooks their gradients instead (expert_grads.py), as `moe-plugin train` d
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from torch import nn
 
 _DDP_MODULE = "torch.nn.parallel.distributed"
+_PASSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # layer -> weakref to the DDP it passed in
 
 
 def ddp_moe(model: nn.Module, **ddp_options) -> nn.Module:
@@ -41,7 +43,12 @@ def check_plain_ddp(layer) -> None:
     while frame is not None:
         if frame.f_globals.get("__name__") == _DDP_MODULE:
             ddp = frame.f_locals.get("self")
-            held = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+            if not hasattr(ddp, "_module_parameters"):
+                return
+            passed = _PASSED.get(layer)
+            if passed is not None and passed() is ddp:   # this DDP passed already: no rescan of its parameters
+                return
+            held = {id(p) for p in ddp._module_parameters}
             if any(id(p) in held for p in layer.experts.parameters()):
                 raise ValueError(
                     f"an MoELayer with ep_size={layer.config.ep_size} runs inside a plain DistributedDataParallel "
@@ -49,6 +56,7 @@ def check_plain_ddp(layer) -> None:
                     f"would average expert gradients over ranks holding other experts. Wrap the model with "
                     f"moe_plugin.parallel.ddp_moe(model, ...) instead (it leaves the experts out of DDP and "
                     f"reduces their gradients over the ranks holding the same experts), or use ep_size 1")
+            _PASSED[layer] = weakref.ref(ddp)
             return
         frame = frame.f_back
 
