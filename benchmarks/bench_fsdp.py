@@ -1,7 +1,7 @@
 """FSDP2 (fully_shard_moe) against DDP on gloo CPU processes: bytes held per rank and step time.
 
     python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf [--hf-model mixtral|fine]]
-    (--worlds --hf: HF's only)
+    (--worlds --hf: HF's only; on GPUs: --worlds --hf --device cuda --hf-world N --bf16 --hf-model mixtral_gpu)
 
 For each world size W and ep_size: the moe-plugin train model (TransformerLM, the sizes below) in DDP mode
 (parts.data_parallel: DDP plus the expert-gradient hooks) and in FSDP2 mode (fully_shard_moe), one AdamW step
@@ -77,10 +77,19 @@ HF_MODELS = {
              dict(vocab_size=256, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=64,
                   num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=256)),
+    # GPU sizes (--device cuda): a small Mixtral and a fine-grained Qwen3-MoE on HF's grouped_mm experts
+    "mixtral_gpu": ("mixtral", "MixtralConfig", "MixtralForCausalLM", (4, 1024),
+                    dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=1024)),
+    "fine_gpu": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", (4, 1024),
+                 dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+                      num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, num_experts=64,
+                      num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=1024)),
 }
 
 
-def _hf_model(name, swapped):
+def _hf_model(name, swapped, device="cpu", bf16=False):
     import importlib
     import moe_plugin.integrations.transformers as hf_moe   # first: it hides an unloadable torchaudio
     from torch.distributed.fsdp import fully_shard
@@ -88,36 +97,48 @@ def _hf_model(name, swapped):
     family, config_class, model_class, _, kwargs = HF_MODELS[name]
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(0)
-    model = getattr(modeling, model_class)(getattr(modeling, config_class)(**kwargs))
+    config = getattr(modeling, config_class)(**kwargs)
+    if device != "cpu":
+        config._experts_implementation = "grouped_mm"
+    with torch.device(device):
+        model = getattr(modeling, model_class)(config)
+    policy = {}
+    if bf16:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if swapped:
-        return fully_shard_moe(hf_moe.swap_moe_blocks(model))
+        return fully_shard_moe(hf_moe.swap_moe_blocks(model), **policy)
     for layer in model.model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **policy)
+    return fully_shard(model, **policy)
 
 
-def _hf(rank, world, name, steps):
+def _hf(rank, world, name, steps, device="cpu", bf16=False):
     """HF's own blocks and the swapped ones in the same processes, one step of each per round (the machine's
     load moves both alike); returns the median over rounds of swapped / own, and each one's median step.
-    The first round's losses must agree (same weights, same tokens)."""
-    models = [_hf_model(name, False), _hf_model(name, True)]
+    The first round's losses must agree (same weights, same tokens; bf16 parameters: to 1%)."""
+    models = [_hf_model(name, False, device, bf16), _hf_model(name, True, device, bf16)]
     batch, seq = HF_MODELS[name][3]
+    vocab = HF_MODELS[name][4]["vocab_size"]
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     generator = torch.Generator().manual_seed(rank)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     times, first_losses = [[], []], []
     for round_ in range(steps + 1):
-        ids = torch.randint(0, 256, (batch, seq), generator=generator)
+        ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
         for model, optimizer, spent in zip(models, optimizers, times):
             dist.barrier()
+            sync()
             tick = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            sync()
             spent.append(time.perf_counter() - tick)
             if round_ == 0:
                 first_losses.append(loss.item())
-    if abs(first_losses[0] - first_losses[1]) > 1e-4 * abs(first_losses[0]):
+    if abs(first_losses[0] - first_losses[1]) > (1e-2 if bf16 else 1e-4) * abs(first_losses[0]):
         raise RuntimeError(f"first losses differ: HF's own {first_losses[0]}, swapped {first_losses[1]}")
     own, swapped = times[0][1:], times[1][1:]
     return {"own_s": statistics.median(own), "swapped_s": statistics.median(swapped),
@@ -125,24 +146,29 @@ def _hf(rank, world, name, steps):
             "ratios": [b / a for a, b in zip(own, swapped)]}
 
 
-def _worker(rank, world, port, cases, steps, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, port, cases, steps, queue, device="cpu", bf16=False):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cpu":
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world)
     out = []
     for kind, ep, flag in cases:
-        out.append(_native(rank, world, ep, flag, steps) if kind == "native" else _hf(rank, world, flag, steps))
+        out.append(_native(rank, world, ep, flag, steps) if kind == "native" else
+                   _hf(rank, world, flag, steps, device if device == "cpu" else f"cuda:{rank}", bf16))
     queue.put((rank, out))
     dist.destroy_process_group()
 
 
-def run(world, cases, steps):
+def run(world, cases, steps, device="cpu", bf16=False):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_worker, args=(r, world, port, cases, steps, queue)) for r in range(world)]
+    procs = [context.Process(target=_worker, args=(r, world, port, cases, steps, queue, device, bf16)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -168,6 +194,10 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--hf-model", choices=sorted(HF_MODELS), default="mixtral")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the --hf comparison on --hf-world GPUs over NCCL")
+    parser.add_argument("--hf-world", type=int, default=2, help="processes of the --hf comparison")
+    parser.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 parameters, fp32 reduction")
     args = parser.parse_args()
     mib = 2 ** 20
     if args.worlds:
@@ -186,10 +216,11 @@ def main():
                   f"{r['grads'] / mib:8.2f} {r['optimizer'] / mib:8.2f} {total / mib:8.2f} {r['step_s']:7.3f}  "
                   f"{total / ddp_total:9.3f} {r['step_s'] / ddp_step:8.3f}")
     if args.hf:
-        r = run(2, [("hf", 1, args.hf_model)], args.steps)[0]
+        r = run(args.hf_world, [("hf", 1, args.hf_model)], args.steps, args.device, args.bf16)[0]
         batch, seq = HF_MODELS[args.hf_model][3]
         print(f"{HF_MODELS[args.hf_model][2]} ({args.hf_model}, {batch}x{seq} tokens per rank) under FSDP2 on "
-              f"2 processes, ep_size 1, {args.steps} interleaved rounds: HF's own "
+              f"{args.hf_world} {args.device} processes{' (bf16 parameters)' if args.bf16 else ''}, ep_size 1, "
+              f"{args.steps} interleaved rounds: HF's own "
               f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
               f"(median of the rounds' ratios); first losses {r['losses'][0]:.6f} / {r['losses'][1]:.6f}")
         print("rounds' ratios:", " ".join(f"{x:.3f}" for x in r["ratios"]))

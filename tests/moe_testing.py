@@ -24,7 +24,7 @@ def outputs_and_grads(forward, layer, x):
     """Output, and gradients of (output . fixed random weights + aux loss) w.r.t. x and every parameter."""
     x = x.detach().requires_grad_()
     y, aux = forward(x)
-    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y.dtype)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y)
     params = [p for p in layer.parameters()]
     grads = torch.autograd.grad((y * upstream).sum() + aux, [x] + params, allow_unused=True)
     return y.detach(), aux.detach(), dict(zip(["x"] + [n for n, _ in layer.named_parameters()], grads))

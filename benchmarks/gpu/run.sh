@@ -9,7 +9,7 @@
 #      among them, each file with -rs so a skip shows its reason;
 #   2. the GPU benchmarks: the layer under bf16 autocast against a grouped_mm floor and the bare
 #      bmm GEMMs, eager and compiled, with HF's Mixtral block on grouped_mm and DeepSpeed's MoE layer
-#      where they import;
+#      where they import; then the HF shape again with bf16 parameters;
 # each step with its own time limit, about 8 minutes in all. Per step: $OUT/<step>.log, and one line
 # "<step> rc=<code>" in $OUT/summary.txt; the exit code is 0 only when every step passed.
 set -uo pipefail
@@ -47,13 +47,17 @@ step() {   # step NAME SECONDS COMMAND...
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
-step install 120 "$PY" -m pip install --no-deps --no-index --no-build-isolation -e .
+step install 120 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
 # the Triton interpreter run is the CPU check of the same kernels (CI runs it); here they run compiled
 step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}" \
   --deselect tests/ops/test_triton_kernels.py::test_interpreter_run
 
 BENCH=("$PY" -m moe_plugin.cli bench --device cuda --autocast bf16 --rounds 10 --warmup 3 --skip einsum --compile)
 step bench_default 90 "${BENCH[@]}" --json
-step bench_hf_shape 180 "${BENCH[@]}" --hf --activation swiglu --no-bias --capacity-factor 0 \
-  --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384 --json
+BENCH_HF_SHAPE=(--hf --activation swiglu --no-bias --capacity-factor 0 --model-dim 2048 --hidden-size 1408 \
+  --num-experts 64 --top-k 6 --tokens 16384 --json)
+step bench_hf_shape 180 "${BENCH[@]}" "${BENCH_HF_SHAPE[@]}"
+# the same with bf16 parameters and no autocast: no weight casts in any candidate (HF's block runs its own path)
+step bench_hf_shape_bf16 150 "$PY" -m moe_plugin.cli bench --device cuda --dtype bf16 --rounds 10 --warmup 3 \
+  --skip einsum "${BENCH_HF_SHAPE[@]}"
 exit "$failed"

@@ -2,7 +2,7 @@
 with autograd and fake (meta) implementations so torch.compile can trace through them; the expert
 GEMMs as moe_plugin::grouped_mm (grouped.py); SwiGLU forward and backward in one pass each
 (moe_plugin::swiglu, ::swiglu_backward), and its clamped form (moe_plugin::clamped_swiglu, ::clamped_swiglu_backward:
-SwiGLU clamped at a limit, gpt-oss's variant), taken where the native kernels run (fused_swiglu).
+SwiGLU clamped at a limit, gpt-oss's variant), taken where the native or Triton kernels run (fused_swiglu).
 
 Each op runs on one of three kernel sets, chosen per device:
   native   the C++ CPU kernels in csrc/ (built on first use, then cached)
@@ -159,9 +159,11 @@ def _(src_RD, pos_TK, scale_TK, other_TD):
 
 
 def fused_swiglu(device: torch.device) -> bool:
-    """Whether SwiGLU on device runs the one-pass native kernels (elsewhere the composite torch form is
-    faster: on CUDA torch.compile fuses it, and a custom op would hide it from the compiler). Compiled
+    """Whether SwiGLU on device runs the one-pass kernels: the native ones on CPU, Triton's on CUDA in eager
+    mode (a compiled CUDA graph keeps the composite torch form, which the compiler fuses itself). Compiled
     CPU graphs always take the op: it picks its kernels when it runs."""
+    if device.type == "cuda":
+        return not torch.compiler.is_compiling() and kernels_for(device)[1] == "triton"
     if device.type != "cpu":
         return False
     return torch.compiler.is_compiling() or kernels_for(device)[1] == "native"
@@ -183,7 +185,7 @@ def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch
 
 def _swiglu_kernels(device: torch.device) -> ModuleType:
     module, name, _ = kernels_for(device)
-    return module if name == "native" else torch_ops
+    return module if name in ("native", "triton") else torch_ops
 
 
 @torch.library.custom_op("moe_plugin::swiglu", mutates_args=())

@@ -1,4 +1,7 @@
-"""The routing kernels in Triton, for CUDA tensors: same signatures and results as torch_ops.py.
+"""The routing kernels in Triton, for CUDA tensors: same signatures and results as torch_ops.py; and
+three more that keep a GPU step free of passes over whole tensors: zero_rows_past (zeroes only the rows
+past a device-held end), grouped_sum (bias gradients: per-group column sums, no atomics) and SwiGLU
+forward and backward in one pass each (plain and clamped).
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept choices, grouped by expert).
 pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped.
@@ -14,6 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_plugin.ops import torch_ops
+
 try:
     import triton
     import triton.language as tl
@@ -23,6 +28,10 @@ except ImportError:
 _MISSING = "triton is not installed (pip install triton, or pip install moe_plugin[triton])"
 _ROUTE_BLOCK = 1024     # choices per step of the per-expert scan
 _MAX_TILE = 4096        # elements of one [BLOCK_K, BLOCK_D] tile in scatter_rows / gather_sum
+_ROWS = 16              # rows per step of grouped_sum
+_ZERO_ROWS = 64         # rows per program of zero_rows_past
+_COLUMNS = 256          # columns per program of zero_rows_past and grouped_sum
+_ELEMENTWISE = 1024     # columns per program of the SwiGLU kernels
 
 
 def available() -> Tuple[bool, str]:
@@ -98,6 +107,75 @@ def gather_sum(src_RD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: Optional[to
         HAS_SCALE=scale_TK is not None, HAS_OTHER=other_TD is not None, ACC=_acc_dtype(src_RD),
         BLOCK_K=block_k, BLOCK_D=block_d)
     return out_TD, dot_TK
+
+
+def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
+    """out_RO[end:] = 0 for a 0-dim integer tensor end on out_RO's device (contiguous out_RO): programs whose
+    rows all lie below end store nothing, so a step that keeps every row costs one launch."""
+    _require_triton()
+    R, O = out_RO.shape
+    if R == 0 or O == 0:
+        return
+    block_o = min(triton.next_power_of_2(O), _COLUMNS)
+    grid = (triton.cdiv(R, _ZERO_ROWS), triton.cdiv(O, block_o))
+    _zero_rows_past_kernel[grid](out_RO, end, R, O, BLOCK_R=_ZERO_ROWS, BLOCK_O=block_o)
+
+
+def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """[E, O]: the sum of each group's rows (groups end at offs_E, int32, on the device), in x_RO's dtype,
+    accumulated in fp32 (fp64 for fp64); rows past the last offset belong to no group."""
+    _require_triton()
+    R, O = x_RO.shape
+    E = offs_E.shape[0]
+    sums_EO = _empty((E, O), x_RO.dtype, x_RO.device)
+    if E == 0 or O == 0:
+        return sums_EO
+    block_o = min(triton.next_power_of_2(O), _COLUMNS)
+    _grouped_sum_kernel[(E, triton.cdiv(O, block_o))](x_RO.contiguous(), offs_E.contiguous(), sums_EO, O,
+                                                      ACC=_acc_dtype(x_RO), BLOCK_R=_ROWS, BLOCK_O=block_o)
+    return sums_EO
+
+
+def swiglu_forward(pre_RH2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H], in one pass."""
+    return _swiglu(pre_RH2, None, None)[0]
+
+
+def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad of pre [R, 2H], the activations [R, H]) in one pass over pre and the gradient."""
+    return _swiglu(pre_RH2, grad_RH, None)
+
+
+def clamped_swiglu_forward(pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
+    """See torch_ops.clamped_swiglu_forward, in one pass (fp64 in torch: Triton takes float scalars as fp32)."""
+    if pre_RH2.dtype == torch.float64:
+        return torch_ops.clamped_swiglu_forward(pre_RH2, limit, alpha, beta)
+    return _swiglu(pre_RH2, None, (limit, alpha, beta))[0]
+
+
+def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """See torch_ops.clamped_swiglu_backward, in one pass (fp64 in torch, as the forward)."""
+    if pre_RH2.dtype == torch.float64:
+        return torch_ops.clamped_swiglu_backward(grad_RH, pre_RH2, limit, alpha, beta)
+    return _swiglu(pre_RH2, grad_RH, (limit, alpha, beta))
+
+
+def _swiglu(pre_RH2: torch.Tensor, grad_RH: Optional[torch.Tensor], clamp: Optional[Tuple[float, float, float]]
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Forward (grad_RH None): (activations, an empty stand-in); backward: (grad of pre, activations)."""
+    _require_triton()
+    R, H = pre_RH2.shape[0], pre_RH2.shape[1] // 2
+    pre_RH2 = pre_RH2.contiguous()
+    act_RH = _empty((R, H), pre_RH2.dtype, pre_RH2.device)
+    grad_pre_RH2 = _empty((R, 2 * H) if grad_RH is not None else (0,), pre_RH2.dtype, pre_RH2.device)
+    if R and H:
+        limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
+        block = min(triton.next_power_of_2(H), _ELEMENTWISE)
+        _swiglu_kernel[(R, triton.cdiv(H, block))](
+            pre_RH2, _or(grad_RH, pre_RH2), act_RH, grad_pre_RH2, H, limit, alpha, beta,
+            BACKWARD=grad_RH is not None, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2), BLOCK=block)
+    return (grad_pre_RH2, act_RH) if grad_RH is not None else (act_RH, grad_pre_RH2)
 
 
 def _or(x: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
@@ -191,3 +269,56 @@ if triton is not None:
                 dot_K += tl.sum(rows_KD * other_D[None, :], axis=1)
         if HAS_OTHER:
             tl.store(dot_ptr + t * K + k_K, dot_K.to(dot_ptr.dtype.element_ty), mask=k_K < K)
+
+    @triton.jit
+    def _zero_rows_past_kernel(out_ptr, end_ptr, R, O, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
+        first = tl.program_id(0).to(tl.int64) * BLOCK_R
+        end = tl.load(end_ptr).to(tl.int64)
+        if first + BLOCK_R > end:
+            r_R = first + tl.arange(0, BLOCK_R)
+            o_O = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+            mask_RO = ((r_R >= end) & (r_R < R))[:, None] & (o_O < O)[None, :]
+            zeros_RO = tl.zeros([BLOCK_R, BLOCK_O], out_ptr.dtype.element_ty)
+            tl.store(out_ptr + r_R[:, None] * O + o_O[None, :], zeros_RO, mask=mask_RO)
+
+    @triton.jit
+    def _grouped_sum_kernel(x_ptr, offs_ptr, sums_ptr, O, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_O: tl.constexpr):
+        e = tl.program_id(0)
+        o_O = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        end = tl.load(offs_ptr + e).to(tl.int64)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        acc_O = tl.zeros([BLOCK_O], ACC)
+        for begin in range(start, end, BLOCK_R):
+            r_R = begin + tl.arange(0, BLOCK_R)
+            mask_RO = (r_R < end)[:, None] & (o_O < O)[None, :]
+            acc_O += tl.sum(tl.load(x_ptr + r_R[:, None] * O + o_O[None, :], mask=mask_RO, other=0).to(ACC), axis=0)
+        tl.store(sums_ptr + e * O + o_O, acc_O.to(sums_ptr.dtype.element_ty), mask=o_O < O)
+
+    @triton.jit
+    def _swiglu_kernel(pre_ptr, grad_ptr, act_ptr, grad_pre_ptr, H, limit, alpha, beta, BACKWARD: tl.constexpr,
+                       CLAMPED: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        h_H = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask_H = h_H < H
+        gate_H = tl.load(pre_ptr + r * 2 * H + h_H, mask=mask_H, other=0).to(ACC)
+        up_H = tl.load(pre_ptr + r * 2 * H + H + h_H, mask=mask_H, other=0).to(ACC)
+        if CLAMPED:
+            g_H = tl.minimum(gate_H, limit)
+            u_H = tl.minimum(tl.maximum(up_H, -limit), limit)
+        else:
+            g_H = gate_H
+            u_H = up_H
+        sig_H = 1 / (1 + tl.exp(-(alpha * g_H)))
+        glu_H = g_H * sig_H
+        tl.store(act_ptr + r * H + h_H, ((u_H + beta) * glu_H).to(act_ptr.dtype.element_ty), mask=mask_H)
+        if BACKWARD:
+            grad_H = tl.load(grad_ptr + r * H + h_H, mask=mask_H, other=0).to(ACC)
+            grad_gate_H = grad_H * (u_H + beta) * (sig_H + alpha * glu_H * (1 - sig_H))
+            grad_up_H = grad_H * glu_H
+            if CLAMPED:
+                grad_gate_H = tl.where(gate_H <= limit, grad_gate_H, 0)
+                grad_up_H = tl.where((up_H >= -limit) & (up_H <= limit), grad_up_H, 0)
+            out_dtype = grad_pre_ptr.dtype.element_ty
+            tl.store(grad_pre_ptr + r * 2 * H + h_H, grad_gate_H.to(out_dtype), mask=mask_H)
+            tl.store(grad_pre_ptr + r * 2 * H + H + h_H, grad_up_H.to(out_dtype), mask=mask_H)

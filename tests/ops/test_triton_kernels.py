@@ -168,11 +168,75 @@ def test_dropped_choices_contribute_nothing(kernels):
     assert not out_RD.isnan().any() and torch.all(dot_TK[dropped_TK] == 0)
 
 
+# (R, O, end): end at 0, inside the first or a later block of rows, at R; O over one block of columns
+ZERO_TAILS = [(1, 1, 0), (1, 1, 1), (37, 5, 20), (37, 300, 16), (40, 7, 40), (0, 3, 0), (9, 513, 0)]
+
+
+@pytest.mark.parametrize("R, O, end", ZERO_TAILS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_rows_past(kernels, R, O, end, dtype):
+    module, device = kernels
+    out_RO = randn(R, O, dtype=dtype, device=device)
+    before_RO = out_RO.clone()
+    module.zero_rows_past(out_RO, torch.tensor(end, device=device, dtype=torch.int32))
+    assert torch.equal(out_RO[:end], before_RO[:end]) and torch.all(out_RO[end:] == 0)
+
+
+# (group sizes, tail rows past the last group, O): empty groups, one row, ragged ends over a block of rows
+GROUP_SUMS = [([1], 0, 1), ([0, 5, 0, 17], 3, 9), ([33, 1, 40], 0, 300), ([0, 0], 4, 7), ([16, 16], 0, 16)]
+
+
+@pytest.mark.parametrize("sizes, tail, O", GROUP_SUMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_sum(kernels, sizes, tail, O, dtype):
+    module, device = kernels
+    x_RO = randn(sum(sizes) + tail, O, dtype=dtype, device=device)
+    offs_E = torch.tensor(sizes).cumsum(0).to(device=device, dtype=torch.int32)
+    sums_EO = module.grouped_sum(x_RO, offs_E)
+    x_ref_RO = x_RO.to(reference_dtype(dtype))
+    expected_EO = torch.stack([block.sum(0) for block in x_ref_RO[:sum(sizes)].split(sizes)])
+    assert_matches(sums_EO, expected_EO, dtype)
+
+
+# (R, H): H = 1 and odd widths, H = 1300 over two blocks of columns, no rows
+SWIGLU_SHAPES = [(1, 1), (7, 13), (3, 1300), (0, 4)]
+# (limit, alpha, beta): SwiGLU clamped at a limit, and gpt-oss's form
+CLAMPS = [(0.5, 1.0, 0.0), (0.7, 1.702, 1.0)]
+
+
+@pytest.mark.parametrize("R, H", SWIGLU_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("clamp", [None] + CLAMPS, ids=["plain", "clamped", "gpt_oss"])
+def test_swiglu(kernels, R, H, dtype, clamp):
+    """Forward and backward against torch_ops run in fp64 on the same values; with a clamp, some inputs
+    sit exactly on the limits (torch.clamp passes the gradient there)."""
+    module, device = kernels
+    pre_RH2 = randn(R, 2 * H, dtype=dtype, device=device)
+    if clamp is not None and R * H > 1:
+        pre_RH2.view(-1)[:2] = torch.tensor([clamp[0], -clamp[0]], dtype=dtype)
+    grad_RH = randn(R, H, dtype=dtype, device=device)
+    ref = reference_dtype(dtype)
+    if clamp is None:
+        act_RH = module.swiglu_forward(pre_RH2)
+        grad_pre_RH2, act_again_RH = module.swiglu_backward(grad_RH, pre_RH2)
+        expected_act_RH = torch_ops.swiglu_forward(pre_RH2.to(ref))
+        expected_grad_RH2, _ = torch_ops.swiglu_backward(grad_RH.to(ref), pre_RH2.to(ref))
+    else:
+        act_RH = module.clamped_swiglu_forward(pre_RH2, *clamp)
+        grad_pre_RH2, act_again_RH = module.clamped_swiglu_backward(grad_RH, pre_RH2, *clamp)
+        expected_act_RH = torch_ops.clamped_swiglu_forward(pre_RH2.to(ref), *clamp)
+        expected_grad_RH2, _ = torch_ops.clamped_swiglu_backward(grad_RH.to(ref), pre_RH2.to(ref), *clamp)
+    assert_matches(act_RH, expected_act_RH, dtype)
+    assert_matches(act_again_RH, expected_act_RH, dtype)
+    assert_matches(grad_pre_RH2, expected_grad_RH2, dtype)
+
+
 def test_zero_tokens_launch_nothing(monkeypatch):
     if triton is None:
         pytest.skip(NO_TRITON)
     module = importlib.import_module("moe_plugin.ops.triton_kernels")
-    for name in ("_route_slots_kernel", "_scatter_rows_kernel", "_gather_sum_kernel"):
+    for name in ("_route_slots_kernel", "_scatter_rows_kernel", "_gather_sum_kernel", "_zero_rows_past_kernel",
+                 "_grouped_sum_kernel", "_swiglu_kernel"):
         monkeypatch.setattr(module, name, None)     # a launch would fail on None[grid]
     expert_TK = torch.zeros(0, 3, dtype=torch.long)
     pos_TK, token_R = module.route_slots(expert_TK, None, torch.zeros(4, dtype=torch.long), 2, 0)
@@ -181,6 +245,9 @@ def test_zero_tokens_launch_nothing(monkeypatch):
     assert out_RD.shape == (0, 5) and dot_TK.shape == (0, 3)
     out_TD, dot_TK = module.gather_sum(torch.zeros(0, 5), pos_TK, None, None)
     assert out_TD.shape == (0, 5) and dot_TK.shape == (0,)
+    module.zero_rows_past(torch.zeros(0, 5), torch.tensor(0))
+    assert module.swiglu_forward(torch.zeros(0, 8)).shape == (0, 4)
+    assert module.grouped_sum(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int32)).shape == (0, 5)
 
 
 def test_available_says_why_not():
