@@ -25,13 +25,19 @@ import torch.nn.functional as F
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("moe_plugin::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: Optional[torch.Tensor] = None
                ) -> torch.Tensor:
     """Two forms:
       a [R, I], b [E, I, O] -> [R, O]: group e's rows times b[e] (+ bias_EO[e]); rows past the last offset 0.
       a [I, R], b [R, O]    -> [E, I, O]: a[:, group e] @ b[group e] (weight gradients); 0 for empty groups.
+    The op moe_plugin::grouped_mm, or its kernels called directly where its dispatch adds nothing (ops.direct).
     """
+    from . import direct
+    return (_grouped_mm_kernels if direct(a, b, bias_EO) else _grouped_mm_op)(a, b, offs_E, bias_EO)
+
+
+def _grouped_mm_kernels(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
     if a.dtype in GROUPED_DTYPES and (a.device.type == "cpu" or a.dtype == torch.bfloat16):
         out = _aligned_grouped_mm(a, b, offs_E)
     else:
@@ -43,7 +49,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: 
     return out
 
 
-@grouped_mm.register_fake
+_grouped_mm_op = torch.library.custom_op("moe_plugin::grouped_mm", _grouped_mm_kernels, mutates_args=())
+
+
+@_grouped_mm_op.register_fake
 def _(a, b, offs_E, bias_EO=None):
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[2])

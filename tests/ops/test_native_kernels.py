@@ -119,11 +119,11 @@ def test_custom_ops_pass_opcheck(kernels, dtype):
     x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
     y_RD = torch.randn(R, D, dtype=dtype, requires_grad=True)
     scale_TK = torch.rand(T, K, dtype=dtype, requires_grad=True)
-    torch.library.opcheck(ops.route_slots, (expert_TK, torch.randperm(T), row_start_E, capacity, R))
-    torch.library.opcheck(ops.scatter_rows, (x_TD, pos_TK, scale_TK, None, R))
-    torch.library.opcheck(ops.scatter_rows, (x_TD.detach(), pos_TK, scale_TK.detach(), y_RD.detach(), R))
-    torch.library.opcheck(ops.gather_sum, (y_RD, pos_TK, scale_TK, None))
-    torch.library.opcheck(ops.gather_sum, (y_RD.detach(), pos_TK, None, x_TD.detach()))
+    torch.library.opcheck(torch.ops.moe_plugin.route_slots, (expert_TK, torch.randperm(T), row_start_E, capacity, R))
+    torch.library.opcheck(torch.ops.moe_plugin.scatter_rows, (x_TD, pos_TK, scale_TK, None, R))
+    torch.library.opcheck(torch.ops.moe_plugin.scatter_rows, (x_TD.detach(), pos_TK, scale_TK.detach(), y_RD.detach(), R))
+    torch.library.opcheck(torch.ops.moe_plugin.gather_sum, (y_RD, pos_TK, scale_TK, None))
+    torch.library.opcheck(torch.ops.moe_plugin.gather_sum, (y_RD.detach(), pos_TK, None, x_TD.detach()))
 
 
 def test_custom_op_gradients_pass_gradcheck(kernels):
