@@ -4,9 +4,11 @@ import argparse
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_plugin import bench
 
@@ -40,3 +42,10 @@ def test_benchmark_flags_are_accepted():
     flags = {flag for line in bench_lines for flag in re.findall(r"(--[a-z][a-z0-9-]*)", line)}
     assert {"--device", "--autocast", "--compile", "--hf"} <= flags
     assert flags - {"--no-deps", "--no-index", "--no-build-isolation", "--use-pep517"} <= known, flags - known
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_profile_script_says_it_needs_a_gpu():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "profile_layer.py"), "--top-k", "3"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "no CUDA device is available" in result.stderr, result.stderr

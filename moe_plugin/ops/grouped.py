@@ -60,8 +60,8 @@ def _(a, b, offs_E, bias_EO=None):
 
 
 def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """[E, O]: the sum of each group's rows (bias gradients); on a GPU and under compile with no host
-    synchronization (an index_add over the rows' groups)."""
+    """[E, O]: the sum of each group's rows (bias gradients), with no host synchronization: on CUDA in eager
+    mode the Triton kernel (per-group sums, no atomics), under compile an index_add over the rows' groups."""
     E = offs_E.shape[0]
     triton_kernels = _triton_kernels(x_RO)
     if triton_kernels is not None:
