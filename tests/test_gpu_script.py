@@ -38,7 +38,7 @@ def test_benchmark_flags_are_accepted():
     bench.add_arguments(parser)
     known = {option for action in parser._actions for option in action.option_strings}
     text = SCRIPT.read_text().replace("\\\n", " ")
-    bench_lines = [line for line in text.splitlines() if "bench" in line.lower() and "--" in line]
+    bench_lines = [line for line in text.splitlines() if re.search(r"cli bench|BENCH", line) and "--" in line]
     flags = {flag for line in bench_lines for flag in re.findall(r"(--[a-z][a-z0-9-]*)", line)}
     assert {"--device", "--autocast", "--compile", "--hf"} <= flags
     assert flags - {"--no-deps", "--no-index", "--no-build-isolation", "--use-pep517"} <= known, flags - known
@@ -49,3 +49,12 @@ def test_profile_script_says_it_needs_a_gpu():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "profile_layer.py"), "--top-k", "3"],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2 and "no CUDA device is available" in result.stderr, result.stderr
+
+
+def test_fsdp_step_flags_exist():
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if "bench_fsdp.py" in line and "step " in line)
+    source = (ROOT / "benchmarks" / "bench_fsdp.py").read_text()
+    for flag in re.findall(r"(--[a-z][a-z0-9-]*)", line):
+        assert f'"{flag}"' in source, flag
+    assert "mixtral_gpu" in source

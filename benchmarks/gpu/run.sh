@@ -9,8 +9,9 @@
 #      among them, each file with -rs so a skip shows its reason;
 #   2. the GPU benchmarks: the layer under bf16 autocast against a grouped_mm floor and the bare
 #      bmm GEMMs, eager and compiled, with HF's Mixtral block on grouped_mm and DeepSpeed's MoE layer
-#      where they import; then the HF shape again with bf16 parameters;
-# each step with its own time limit, about 8 minutes in all. Per step: $OUT/<step>.log, and one line
+#      where they import; then the HF shape again with bf16 parameters; then a small Mixtral under FSDP2,
+#      swapped against HF's own blocks;
+# each step with its own time limit, about 9 minutes in all (measured on an H100: 6.5 without the FSDP2 step). Per step: $OUT/<step>.log, and one line
 # "<step> rc=<code>" in $OUT/summary.txt; the exit code is 0 only when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,4 +61,7 @@ step bench_hf_shape 180 "${BENCH[@]}" "${BENCH_HF_SHAPE[@]}"
 # the same with bf16 parameters and no autocast: no weight casts in any candidate (HF's block runs its own path)
 step bench_hf_shape_bf16 150 "$PY" -m moe_plugin.cli bench --device cuda --dtype bf16 --rounds 10 --warmup 3 \
   --skip einsum "${BENCH_HF_SHAPE[@]}"
+# FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
+step fsdp_swapped_vs_hf 120 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+  --hf-model mixtral_gpu --steps 10
 exit "$failed"
