@@ -11,8 +11,10 @@
 #      bmm GEMMs, eager and compiled, with HF's Mixtral block on grouped_mm and DeepSpeed's MoE layer
 #      where they import; then the HF shape again with bf16 parameters; then a small Mixtral under FSDP2,
 #      swapped against HF's own blocks;
-# each step with its own time limit, about 9 minutes in all (measured on an H100: 6.5 without the FSDP2 step). Per step: $OUT/<step>.log, and one line
-# "<step> rc=<code>" in $OUT/summary.txt; the exit code is 0 only when every step passed.
+# each step with its own time limit, about 8 minutes in all (6.5 on an H100 before the FSDP2 step was added).
+# Per step: $OUT/<step>.log, and one line "<step> rc=<code>" in $OUT/summary.txt; the exit code is 0 only
+# when every step passed. DeepSpeed and omegaconf, where the machine lacks them, can travel as wheels
+# (benchmarks/RESULTS.md, "The first GPU run", says which).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
