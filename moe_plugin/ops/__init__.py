@@ -79,6 +79,15 @@ def kernels_for(device: torch.device) -> Tuple[ModuleType, str, str]:
     return torch_ops, "torch", why
 
 
+def eager_triton(device: torch.device) -> Optional[ModuleType]:
+    """The Triton kernel module for CUDA tensors in eager mode where it is the chosen kernel set, else None (a
+    compiled graph keeps the torch forms, which the compiler fuses itself)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    module, name, _ = kernels_for(device)
+    return module if name == "triton" else None
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(device_type: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -202,7 +211,7 @@ def fused_swiglu(device: torch.device) -> bool:
     mode (a compiled CUDA graph keeps the composite torch form, which the compiler fuses itself). Compiled
     CPU graphs always take the op: it picks its kernels when it runs."""
     if device.type == "cuda":
-        return not torch.compiler.is_compiling() and kernels_for(device)[1] == "triton"
+        return eager_triton(device) is not None
     if device.type != "cpu":
         return False
     return torch.compiler.is_compiling() or kernels_for(device)[1] == "native"
@@ -211,18 +220,22 @@ def fused_swiglu(device: torch.device) -> bool:
 def swiglu(pre_RH2: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H]: the one-pass op where fused_swiglu, else
     torch_ops.swiglu_forward."""
-    if not fused_swiglu(pre_RH2.device):
-        return torch_ops.swiglu_forward(pre_RH2)
-    return (_swiglu_kernels(pre_RH2.device).swiglu_forward if direct(pre_RH2) else _swiglu_op)(pre_RH2)
+    return _one_pass("swiglu_forward", _swiglu_op, pre_RH2, pre_RH2)
 
 
 def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(grad of pre [R, 2H], the activations [R, H]): the one-pass op where fused_swiglu, else
     torch_ops.swiglu_backward."""
+    return _one_pass("swiglu_backward", _swiglu_backward_op, pre_RH2, grad_RH, pre_RH2)
+
+
+def _one_pass(kernel: str, op, pre_RH2: torch.Tensor, *args):
+    """The SwiGLU kernel named kernel on args: torch_ops' composite form unless fused_swiglu; else the one-pass
+    kernels, called directly where ops.direct allows and through op otherwise."""
     if not fused_swiglu(pre_RH2.device):
-        return torch_ops.swiglu_backward(grad_RH, pre_RH2)
-    run = _swiglu_kernels(pre_RH2.device).swiglu_backward if direct(grad_RH, pre_RH2) else _swiglu_backward_op
-    return run(grad_RH, pre_RH2)
+        return getattr(torch_ops, kernel)(*args)
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    return (getattr(_swiglu_kernels(pre_RH2.device), kernel) if direct(*tensors) else op)(*args)
 
 
 def _swiglu_kernels(device: torch.device) -> ModuleType:
@@ -253,20 +266,14 @@ def _(grad_RH, pre_RH2):
 def clamped_swiglu(pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
     """(clamp(up, -L, L) + beta) * g * sigmoid(alpha g), g = min(gate, L), of rows [gate | up] [R, 2H] -> [R, H]:
     the one-pass op where fused_swiglu, else torch_ops.clamped_swiglu_forward."""
-    if not fused_swiglu(pre_RH2.device):
-        return torch_ops.clamped_swiglu_forward(pre_RH2, limit, alpha, beta)
-    run = _swiglu_kernels(pre_RH2.device).clamped_swiglu_forward if direct(pre_RH2) else _clamped_swiglu_op
-    return run(pre_RH2, limit, alpha, beta)
+    return _one_pass("clamped_swiglu_forward", _clamped_swiglu_op, pre_RH2, pre_RH2, limit, alpha, beta)
 
 
 def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(grad of pre [R, 2H], the activations [R, H]) of clamped_swiglu."""
-    if not fused_swiglu(pre_RH2.device):
-        return torch_ops.clamped_swiglu_backward(grad_RH, pre_RH2, limit, alpha, beta)
-    run = (_swiglu_kernels(pre_RH2.device).clamped_swiglu_backward if direct(grad_RH, pre_RH2)
-           else _clamped_swiglu_backward_op)
-    return run(grad_RH, pre_RH2, limit, alpha, beta)
+    return _one_pass("clamped_swiglu_backward", _clamped_swiglu_backward_op, pre_RH2, grad_RH, pre_RH2, limit, alpha,
+                     beta)
 
 
 @torch.library.custom_op("moe_plugin::clamped_swiglu", mutates_args=())

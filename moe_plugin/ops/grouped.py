@@ -62,8 +62,9 @@ def _(a, b, offs_E, bias_EO=None):
 def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """[E, O]: the sum of each group's rows (bias gradients), with no host synchronization: on CUDA in eager
     mode the Triton kernel (per-group sums, no atomics), under compile an index_add over the rows' groups."""
+    from . import eager_triton
     E = offs_E.shape[0]
-    triton_kernels = _triton_kernels(x_RO)
+    triton_kernels = eager_triton(x_RO.device)
     if triton_kernels is not None:
         return triton_kernels.grouped_sum(x_RO, offs_E)
     if x_RO.device.type == "cpu" and not torch.compiler.is_compiling():   # CPU eager: block sums, no index
@@ -140,24 +141,16 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
 
 def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
     """out_RO[end:] = 0 for a 0-dim integer tensor end, without a device synchronization."""
-    triton_kernels = _triton_kernels(out_RO)
     if out_RO.device.type == "cpu":      # reading a CPU tensor is no device synchronization
         out_RO[int(end):].zero_()
-    elif triton_kernels is not None and out_RO.is_contiguous():   # touches only the rows past end
+        return
+    from . import eager_triton
+    triton_kernels = eager_triton(out_RO.device)
+    if triton_kernels is not None and out_RO.is_contiguous():   # touches only the rows past end
         triton_kernels.zero_rows_past(out_RO, end)
     else:
         past_R = torch.arange(out_RO.shape[0], device=out_RO.device) >= end
         out_RO.masked_fill_(past_R.unsqueeze(1), 0)
-
-
-def _triton_kernels(x: torch.Tensor):
-    """The Triton kernel module for a CUDA tensor in eager mode when the Triton kernels are chosen, else None
-    (a compiled graph keeps the torch form, which the compiler fuses)."""
-    if x.device.type != "cuda" or torch.compiler.is_compiling():
-        return None
-    from . import kernels_for
-    module, name, _ = kernels_for(x.device)
-    return module if name == "triton" else None
 
 
 def _add_bias(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor) -> None:

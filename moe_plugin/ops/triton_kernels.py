@@ -138,7 +138,7 @@ def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
 
 def swiglu_forward(pre_RH2: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H], in one pass."""
-    return _swiglu(pre_RH2, None, None)[0]
+    return _swiglu(pre_RH2, None, None)[1]
 
 
 def swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +150,7 @@ def clamped_swiglu_forward(pre_RH2: torch.Tensor, limit: float, alpha: float, be
     """See torch_ops.clamped_swiglu_forward, in one pass (fp64 in torch: Triton takes float scalars as fp32)."""
     if pre_RH2.dtype == torch.float64:
         return torch_ops.clamped_swiglu_forward(pre_RH2, limit, alpha, beta)
-    return _swiglu(pre_RH2, None, (limit, alpha, beta))[0]
+    return _swiglu(pre_RH2, None, (limit, alpha, beta))[1]
 
 
 def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit: float, alpha: float, beta: float
@@ -162,20 +162,20 @@ def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit:
 
 
 def _swiglu(pre_RH2: torch.Tensor, grad_RH: Optional[torch.Tensor], clamp: Optional[Tuple[float, float, float]]
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward (grad_RH None): (activations, an empty stand-in); backward: (grad of pre, activations)."""
+            ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(grad of pre, activations); the gradient None in forward (grad_RH None)."""
     _require_triton()
     R, H = pre_RH2.shape[0], pre_RH2.shape[1] // 2
     pre_RH2 = pre_RH2.contiguous()
     act_RH = _empty((R, H), pre_RH2.dtype, pre_RH2.device)
-    grad_pre_RH2 = _empty((R, 2 * H) if grad_RH is not None else (0,), pre_RH2.dtype, pre_RH2.device)
+    grad_pre_RH2 = None if grad_RH is None else _empty((R, 2 * H), pre_RH2.dtype, pre_RH2.device)
     if R and H:
         limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
         block = min(triton.next_power_of_2(H), _ELEMENTWISE)
         _swiglu_kernel[(R, triton.cdiv(H, block))](
-            pre_RH2, _or(grad_RH, pre_RH2), act_RH, grad_pre_RH2, H, limit, alpha, beta,
+            pre_RH2, _or(grad_RH, pre_RH2), act_RH, _or(grad_pre_RH2, act_RH), H, limit, alpha, beta,
             BACKWARD=grad_RH is not None, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2), BLOCK=block)
-    return (grad_pre_RH2, act_RH) if grad_RH is not None else (act_RH, grad_pre_RH2)
+    return grad_pre_RH2, act_RH
 
 
 def _or(x: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
