@@ -125,13 +125,26 @@ def test_native_model_built_on_meta_and_reset_equals_a_plain_one_reset():
 
 
 def test_native_model_reset_draws_as_its_construction():
-    """The same draws as __init__ (per tensor: same shape of distribution), not merely finite."""
-    built, reset = tiny_lm(), garbage_(tiny_lm())
-    reset.reset_parameters()
-    for (name, a), (_, b) in zip(built.named_parameters(), reset.named_parameters()):
+    """reset_parameters() draws each tensor from the distribution __init__ draws it from (not merely finite
+    values). Reset draws in another order than construction, so values differ; compare per tensor the values
+    pooled over many models instead: equal constants, or the same spread (std within 25%, max within 1.5x;
+    with >= 300 values per side these hold for equal distributions and fail for a wrong scale)."""
+    copies = 50
+    built = [dict(tiny_lm().named_parameters()) for _ in range(copies)]
+    reset = []
+    for _ in range(copies):
+        model = garbage_(tiny_lm())
+        model.reset_parameters()
+        reset.append(dict(model.named_parameters()))
+    for name in built[0]:
+        a = torch.stack([params[name].detach() for params in built])
+        b = torch.stack([params[name].detach() for params in reset])
         assert torch.isfinite(b).all(), name
-        a, b = a.detach(), b.detach()
-        assert float(b.abs().max()) <= 1.5 * float(a.abs().max()) + 1e-6 and float(b.std()) < 2 * float(a.std()) + 1e-6, name
+        if a.std() == 0:
+            assert torch.equal(b, a), name
+            continue
+        std_ratio, max_ratio = float(b.std() / a.std()), float(b.abs().max() / a.abs().max())
+        assert 0.8 < std_ratio < 1.25 and 1 / 1.5 < max_ratio < 1.5, (name, std_ratio, max_ratio)
 
 
 @pytest.mark.parametrize("general_path", [False, True])
