@@ -64,18 +64,23 @@ def _triton() -> Tuple[Optional[ModuleType], str]:
 
 
 def kernels_for(device: torch.device) -> Tuple[ModuleType, str, str]:
-    """(kernel module, its name, why it was chosen) for tensors on device."""
-    chosen = mode()
+    """(kernel module, its name, why it was chosen) for tensors on device: worked out once per device type and
+    MOE_PLUGIN_KERNELS value (the layer asks ~16 times per step)."""
+    return _choose(device.type, mode())
+
+
+@functools.lru_cache(maxsize=None)
+def _choose(device_type: str, chosen: str) -> Tuple[ModuleType, str, str]:
     if chosen == "torch":
         return torch_ops, "torch", f"{ENV}=torch"
-    module, why = _triton() if device.type == "cuda" else native.load() if device.type == "cpu" else \
-        (None, f"no native kernels for device type {device.type}")
-    name = "triton" if device.type == "cuda" else "native"
+    module, why = _triton() if device_type == "cuda" else native.load() if device_type == "cpu" else \
+        (None, f"no native kernels for device type {device_type}")
+    name = "triton" if device_type == "cuda" else "native"
     if module is not None:
         return module, name, why
     if chosen == "native":
-        raise RuntimeError(f"{ENV}=native but the {name} kernels for {device.type} are unavailable: {why}")
-    _warn_once(device.type, f"moe_plugin: using the torch kernels on {device.type}: {why}")
+        raise RuntimeError(f"{ENV}=native but the {name} kernels for {device_type} are unavailable: {why}")
+    _warn_once(device_type, f"moe_plugin: using the torch kernels on {device_type}: {why}")
     return torch_ops, "torch", why
 
 

@@ -142,7 +142,9 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
 def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
     """out_RO[end:] = 0 for a 0-dim integer tensor end, without a device synchronization."""
     if out_RO.device.type == "cpu":      # reading a CPU tensor is no device synchronization
-        out_RO[int(end):].zero_()
+        start = int(end)
+        if start < out_RO.shape[0]:
+            out_RO[start:].zero_()
         return
     from . import eager_triton
     triton_kernels = eager_triton(out_RO.device)

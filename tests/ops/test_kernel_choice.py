@@ -16,9 +16,12 @@ from moe_testing import fast, make_layer, outputs_and_grads, reference, relative
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
-    """Forget which kernels loaded and which warnings were given, before and after the test."""
+    """Forget which kernels were chosen and which warnings were given, before and after the test."""
+    ops._choose.cache_clear()
     ops._warn_once.cache_clear()
     yield monkeypatch
+    monkeypatch.undo()
+    ops._choose.cache_clear()
     ops._warn_once.cache_clear()
 
 
