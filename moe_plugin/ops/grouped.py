@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .choice import direct, eager_triton, kernels_for
+
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -32,7 +34,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: 
       a [I, R], b [R, O]    -> [E, I, O]: a[:, group e] @ b[group e] (weight gradients); 0 for empty groups.
     The op moe_plugin::grouped_mm, or its kernels called directly where its dispatch adds nothing (ops.direct).
     """
-    from . import direct
     return (_grouped_mm_kernels if direct(a, b, bias_EO) else _grouped_mm_op)(a, b, offs_E, bias_EO)
 
 
@@ -62,7 +63,6 @@ def _(a, b, offs_E, bias_EO=None):
 def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """[E, O]: the sum of each group's rows (bias gradients), with no host synchronization: on CUDA in eager
     mode the Triton kernel (per-group sums, no atomics), under compile an index_add over the rows' groups."""
-    from . import eager_triton
     E = offs_E.shape[0]
     triton_kernels = eager_triton(x_RO.device)
     if triton_kernels is not None:
@@ -132,7 +132,6 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
     """F.grouped_mm; on CPU with the native kernels, the same torch CPU kernel into pooled memory
     (a fresh [R, H] output costs more in page faults than a tenth of the GEMM)."""
     if a.device.type == "cpu":
-        from . import kernels_for
         module, name, _ = kernels_for(a.device)
         if name == "native":
             return module.grouped_mm(a, b, offs_E)
@@ -146,7 +145,6 @@ def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
         if start < out_RO.shape[0]:
             out_RO[start:].zero_()
         return
-    from . import eager_triton
     triton_kernels = eager_triton(out_RO.device)
     if triton_kernels is not None and out_RO.is_contiguous():   # touches only the rows past end
         triton_kernels.zero_rows_past(out_RO, end)

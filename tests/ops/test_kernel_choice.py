@@ -10,19 +10,19 @@ import torch
 
 from moe_plugin import ops
 from moe_plugin.cli import main as cli_main
-from moe_plugin.ops import native, torch_ops
+from moe_plugin.ops import choice, native, torch_ops
 from moe_testing import fast, make_layer, outputs_and_grads, reference, relative_error
 
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
     """Forget which kernels were chosen and which warnings were given, before and after the test."""
-    ops._choose.cache_clear()
-    ops._warn_once.cache_clear()
+    choice._choose.cache_clear()
+    choice._warn_once.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    ops._choose.cache_clear()
-    ops._warn_once.cache_clear()
+    choice._choose.cache_clear()
+    choice._warn_once.cache_clear()
 
 
 def test_unknown_kernel_choice_names_the_allowed_ones(monkeypatch):
