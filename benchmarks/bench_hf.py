@@ -2,8 +2,9 @@
 
 block: one sparse-MoE block alone, forward + backward on T tokens: HF's "eager" experts, HF's
   "grouped_mm" experts (transformers' default) and ours (the HF block swapped, same weights).
-  Shapes: mixtral (D 512, E 8, k 2, H 1024) and deepseek (D 512, E 64, k 8, H 256, one shared
-  expert, 8 groups of which 4 chosen).
+  Shapes (--shapes): mixtral (D 512, E 8, k 2, H 1024) and deepseek (D 512, E 64, k 8, H 256, one
+  shared expert, 8 groups of which 4 chosen) by default; tiny (D 64, E 8, k 2, H 64) with --tokens 32
+  measures each side's host overhead per call.
 train: an AdamW training step (forward, backward, step) of a small Mixtral-architecture causal LM
   (2 layers, D 256, 32 experts of 256, top-4, 8 x 256 tokens): HF grouped_mm vs ours.
 
@@ -12,6 +13,7 @@ median of each is reported with ours / HF grouped_mm (< 1: ours is faster).
 
     python benchmarks/bench_hf.py                     # both cases
     python benchmarks/bench_hf.py --case block --repeats 30
+    python benchmarks/bench_hf.py --case block --shapes tiny --tokens 32 --repeats 400 --warmup 50 --threads 1
 """
 import argparse
 import copy
@@ -28,12 +30,16 @@ import transformers
 BLOCK_SHAPES = {
     "mixtral": dict(family="mixtral", D=512, E=8, k=2, H=1024),
     "deepseek": dict(family="deepseek_v3", D=512, E=64, k=8, H=256, shared=1, groups=8, topk_groups=4),
+    # so small that the GEMMs cost little: the time is each side's host overhead per call (with --tokens 32)
+    "tiny": dict(family="mixtral", D=64, E=8, k=2, H=64),
 }
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=("block", "train", "all"), default="all")
+    parser.add_argument("--shapes", default="mixtral,deepseek",
+                        help=f"block shapes, comma-separated, of: {', '.join(BLOCK_SHAPES)}")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per block call")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per variant")
     parser.add_argument("--warmup", type=int, default=3)
@@ -144,11 +150,15 @@ def bench_train(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    shapes = [name for name in args.shapes.split(",") if name]
+    unknown = sorted(set(shapes) - set(BLOCK_SHAPES))
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {', '.join(unknown)}; allowed: {', '.join(BLOCK_SHAPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
     if args.case in ("block", "all"):
-        results += [bench_block(name, args) for name in BLOCK_SHAPES]
+        results += [bench_block(name, args) for name in shapes]
     if args.case in ("train", "all"):
         results.append(bench_train(args))
     report(results, args.json)
