@@ -18,7 +18,7 @@ from test_expert_parallel import _relative, expected_shard, single_process_grads
 
 D, H = 6, 8
 PHASES = [3, 14, 5, 24]          # tokens per rank; the largest expert's rows follow them (capacity_factor < 0)
-STEPS_PER_PHASE = 30
+STEPS_PER_PHASE = 16
 
 
 def drifting_load_equals_one_process(rank, world):
