@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..module_experts import ModuleExperts
 from .expert_parallel import whole_experts
+from .groups import ep_blocks
 
 FORM = "_moe_plugin_global_form"
 _MESHES: Dict[tuple, object] = {}
@@ -105,14 +106,14 @@ def register(layer, device_type: str) -> None:
 
 
 def _two_d_mesh(layer, device_type: str):
-    """The (ep, expert-data) DeviceMesh of the layer's ranks: ep groups are blocks of ep_size consecutive
-    ranks (parallel/groups.py), so rank = j * ep_size + i at (i, j); built from the layer's own groups."""
+    """The (ep, expert-data) DeviceMesh of the layer's ranks: column j holds ep group j (groups.ep_blocks), so
+    rank = j * ep_size + i at (i, j); built from the layer's own groups."""
     from torch.distributed.device_mesh import DeviceMesh
     groups = layer.groups
     key = (groups.ep_group, groups.expert_data_group)   # the groups themselves: an id could be reused
     if key not in _MESHES:
         ep_size = dist.get_world_size(groups.ep_group)
-        ranks = torch.arange(dist.get_world_size()).reshape(-1, ep_size).t()
+        ranks = torch.tensor(ep_blocks(dist.get_world_size(), ep_size)).t()
         _MESHES[key] = DeviceMesh.from_group([groups.ep_group, groups.expert_data_group], device_type, mesh=ranks,
                                              mesh_dim_names=("ep", "expert_data"))
     return _MESHES[key]

@@ -110,6 +110,11 @@ def node_size_from(config_node_size: Optional[int], ep_size: int) -> int:
     return node
 
 
+def ep_blocks(world: int, ep_size: int) -> List[List[int]]:
+    """The ep groups build_groups makes of a default world: blocks of ep_size consecutive ranks."""
+    return [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
+
+
 def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Optional[int] = None,
                  ep_group: Optional[object] = None) -> ExpertGroups:
     """Split the default world into ep groups of ep_size consecutive ranks (or use the host's ep_group).
@@ -127,7 +132,7 @@ def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Op
         if world % ep_size:
             raise ValueError(f"ep_size={ep_size} must divide the world size {world}; "
                              f"possible: {[d for d in _divisors(world)]}")
-        blocks = [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
+        blocks = ep_blocks(world, ep_size)
         for block in blocks:
             group = dist.new_group(block)
             if rank in block:
