@@ -50,7 +50,9 @@ def _choose(device_type: str, chosen: str) -> Tuple[ModuleType, str, str]:
         return module, name, why
     if chosen == "native":
         raise RuntimeError(f"{ENV}=native but the {name} kernels for {device_type} are unavailable: {why}")
-    _warn_once(device_type, f"moe_plugin: using the torch kernels on {device_type}: {why}")
+    # said once per device type and choice: the result is cached
+    warnings.warn(f"moe_plugin: using the torch kernels on {device_type}: {why}", RuntimeWarning,
+                  stacklevel=3)   # at kernels_for's caller
     return torch_ops, "torch", why
 
 
@@ -61,11 +63,6 @@ def eager_triton(device: torch.device) -> Optional[ModuleType]:
         return None
     module, name, _ = kernels_for(device)
     return module if name == "triton" else None
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(device_type: str, message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)   # at kernels_for's caller
 
 
 def describe() -> Dict[str, str]:

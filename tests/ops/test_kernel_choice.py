@@ -16,13 +16,11 @@ from moe_testing import fast, make_layer, outputs_and_grads, reference, relative
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
-    """Forget which kernels were chosen and which warnings were given, before and after the test."""
+    """Forget which kernels were chosen (and so which fallbacks were warned about), before and after the test."""
     choice._choose.cache_clear()
-    choice._warn_once.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
     choice._choose.cache_clear()
-    choice._warn_once.cache_clear()
 
 
 def test_unknown_kernel_choice_names_the_allowed_ones(monkeypatch):
