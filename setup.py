@@ -12,6 +12,7 @@ TRITON = ["triton>=3.6"]
 # Hugging Face MoE families (integrations/transformers): the family table and weight layouts follow 5.23
 # accelerate: transformers.Trainer needs it (HF Trainer + DeepSpeed, tested with 1.15.0)
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
+LORA = ["peft==0.21.2"]   # LoRA on the experts through PEFT (moe_plugin.integrations.transformers.peft)
 IMAGES = ["scikit-learn>=1.0"]   # the handwritten digits of `moe-plugin train` data.task=image (shipped, no download)
 DEV = ["pytest>=7", "pytest-timeout>=2"]
 
@@ -80,7 +81,8 @@ setup(
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.11", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "transformers": TRANSFORMERS,
-                    "images": IMAGES, "dev": DEV, "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + IMAGES + DEV},
+                    "images": IMAGES, "lora": TRANSFORMERS + LORA, "dev": DEV,
+                    "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + LORA + IMAGES + DEV},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
     cmdclass={"build": Build, "build_deepspeed_hook": BuildDeepSpeedHook},
 )
