@@ -33,6 +33,7 @@ ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": functools.partia
 PLAIN = ("relu", "gelu", "silu")                                         # the layer's plain expert activations
 GATED = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}   # act(gate) * up: the layer's name
 FIXED_BY_MLP = ("model_dim", "hidden_size", "activation", "bias")
+DROPLESS = 0.0   # upcycle's default capacity_factor: no token dropped, so step 0 is the dense model
 ATTRIBUTE = "moe_plugin_upcycled"   # the model attribute recording what upcycle did (export reads it)
 
 
@@ -184,7 +185,11 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
       1.0 gives independently initialised experts (see expert_copies).
     The router's weight is drawn normal(0, config.initializer_range) (as HF draws its routers); with copies
     of one MLP every expert computes the same, so at step 0 it changes nothing when the top-k gates are
-    normalized (normalize_gate, MoEConfig's default for top_k > 1) and no token is dropped (capacity_factor=0).
+    normalized (normalize_gate, MoEConfig's default for top_k > 1) and no token is dropped.
+    Upcycling is dropless by default (capacity_factor=0, as swap_moe_blocks follows HF's dropless routing), so
+    the model starts where the dense one is. A capacity (capacity_factor > 0, or < 0 for adaptive) is an
+    override: tokens past an expert's capacity are dropped, so from step 0 those tokens' MLP output is 0 and the
+    upcycled model no longer computes the dense one.
     moe_overrides: any other MoEConfig field (capacity_factor, aux_loss, router, ep_size, ...); model_dim,
     hidden_size, activation and bias are the dense MLP's. ep_group, block_class: as swap_moe_blocks.
     Under expert parallelism every rank must call it (with the same RNG state); each keeps its share.
@@ -234,7 +239,7 @@ def plan(model: nn.Module, num_experts: int, top_k: int, every: int = 1, layers:
     for index in choose_layers(len(sites), every, layers):
         name, kind = sites[index]
         dense, activation = dense_state(model.get_submodule(name), kind, name or type(model).__name__)
-        config = MoEConfig(**{**moe_overrides, "model_dim": dense["w1"].shape[0], "hidden_size": dense["w2"].shape[0],
+        config = MoEConfig(**{"capacity_factor": DROPLESS, **moe_overrides, "model_dim": dense["w1"].shape[0], "hidden_size": dense["w2"].shape[0],
                               "num_experts": num_experts, "top_k": top_k, "activation": activation,
                               "bias": "b1" in dense})
         planned.append((index, name, kind, dense, config))

@@ -99,6 +99,24 @@ def test_step0_computes_the_dense_model(family):
         assert not isinstance(moe.get_submodule(name), HFMoEBlock)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_default_is_dropless_and_computes_the_dense_model(family):
+    """upcycle's defaults (no capacity given) drop no token, so step 0 computes the dense model (a capacity
+    factor used to be MoEConfig's 1.0 here: logits 3e-2 away from the dense model's)."""
+    dense, inputs = dense_model(family)
+    dense = dense.double().eval()
+    x = inputs()
+    moe = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2)
+    for _, _, block in upcycled_blocks(moe):
+        assert block.moe.config.capacity_factor == 0
+    moe.train()   # the training capacity is the one a first step sees (dropout is 0 in these configs)
+    torch.testing.assert_close(out(moe, x), out(dense, x), rtol=1e-10, atol=1e-10)
+    assert all(block.moe.stats["dropped_fraction"] == 0 for _, _, block in upcycled_blocks(moe))
+    kept = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, capacity_factor=0.5)   # an override still drops
+    kept(**x)
+    assert max(float(block.moe.stats["dropped_fraction"]) for _, _, block in upcycled_blocks(kept)) > 0
+
+
 def test_bf16_model():
     """A bf16 model gets bf16 experts and router, and computes the dense model's output up to bf16 rounding."""
     dense, inputs = dense_model("llama")
