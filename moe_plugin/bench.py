@@ -27,14 +27,14 @@ BASELINE = "bare_gemm"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-dim", type=int, default=1024)
-    parser.add_argument("--hidden-size", type=int, default=4096)
-    parser.add_argument("--num-experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--model-dim", type=int, default=1024, help="D, the model dim")
+    parser.add_argument("--hidden-size", type=int, default=4096, help="H, each expert's hidden dim")
+    parser.add_argument("--num-experts", type=int, default=8, help="E")
+    parser.add_argument("--top-k", type=int, default=2, help="K, experts per token")
+    parser.add_argument("--tokens", type=int, default=4096, help="T, tokens per call")
+    parser.add_argument("--capacity-factor", type=float, default=1.25, help="tokens an expert takes, per K*T/E; 0: dropless")
     parser.add_argument("--activation", default="relu",   # swiglu_oai needs a limit and alpha: not offered here
-                        choices=[a for a in ACTIVATIONS if a != "swiglu_oai"])
+                        choices=[a for a in ACTIVATIONS if a != "swiglu_oai"], help="the experts' activation")
     parser.add_argument("--no-bias", action="store_true", help="experts without biases (like the bare GEMMs)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameters' (and input) dtype")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"],
@@ -42,12 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(layer)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every candidate once")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--skip", default="", help="comma-separated candidates to leave out: einsum,deepspeed,eager")
     parser.add_argument("--hf", action="store_true",
                         help="also time Hugging Face's Mixtral MoE block on its grouped_mm experts (swiglu, no bias, dropless)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="torch.manual_seed of the weights and inputs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

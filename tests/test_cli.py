@@ -1,5 +1,7 @@
+import importlib.metadata
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -43,8 +45,27 @@ def test_bench_table(capsys):
 
 
 def test_info(capsys):
+    """Every optional dependency of the extras is listed, with its distribution and version when installed."""
     assert main(["info"]) == 0
-    assert "torch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "torch" in out
+    for name in ("deepspeed", "fairseq", "omegaconf", "triton", "transformers", "accelerate", "sklearn"):
+        line = next(line for line in out.splitlines() if line.startswith(f"{name}: "))
+        if importlib.util.find_spec(name) is None:
+            assert line.endswith("not installed")
+        else:
+            dist = {"sklearn": "scikit-learn", "fairseq": "fairseq-fixed"}.get(name, name)
+            assert f"{dist} {importlib.metadata.version(dist)}" in line, line
+
+
+def test_bench_help_shows_defaults_and_cost(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--tokens", 4096), ("--model-dim", 1024), ("--hidden-size", 4096), ("--num-experts", 8),
+                          ("--top-k", 2), ("--capacity-factor", 1.25), ("--rounds", 3), ("--activation", "relu")):
+        assert re.search(rf"{flag} \S+ [^()]*\(default: {default}\)", text), flag
+    assert "minutes on a 2-core CPU" in text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
