@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -14,12 +15,26 @@ from . import __version__, bench, train
 from .train import convert
 
 
+# what the extras of setup.py bring, by import name (scikit-learn imports as sklearn)
+OPTIONAL = ("deepspeed", "fairseq", "omegaconf", "triton", "transformers", "accelerate", "peft", "sklearn",
+            "matplotlib")
+
+
+def _installed_version(name: str, distributions) -> str:
+    """'<distribution> <version>' of an importable name, without importing it; 'not installed' otherwise."""
+    if importlib.util.find_spec(name) is None:
+        return "not installed"
+    found = [f"{dist} {importlib.metadata.version(dist)}" for dist in distributions.get(name, [])]
+    return ", ".join(found) or "installed (version unknown)"
+
+
 def info(_: argparse.Namespace) -> int:
     print(f"moe_plugin {__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"cuda {'available' if torch.cuda.is_available() else 'not available'}")
-    for name in ("deepspeed", "fairseq", "omegaconf", "triton"):
-        print(f"{name}: {'installed' if importlib.util.find_spec(name) else 'not installed'}")
+    distributions = importlib.metadata.packages_distributions()   # import name -> installed distributions
+    for name in OPTIONAL:
+        print(f"{name}: {_installed_version(name, distributions)}")
     from . import ops
     print(f"kernels ({ops.ENV}={os.environ.get(ops.ENV, 'auto')}):")
     for device, active in ops.describe().items():
@@ -48,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                                             "convert it to one full state-dict file and back")
     convert.add_arguments(checkpoint_parser)
     checkpoint_parser.set_defaults(func=convert.main)
-    bench_parser = commands.add_parser("bench", help="time one MoE layer against the bare GEMMs and peers")
+    bench_parser = commands.add_parser(
+        "bench", help="time one MoE layer against the bare GEMMs and peers",
+        description="Time one MoE layer's forward+backward against the bare expert GEMMs and peers, interleaved in "
+        "one run. The default shape (T 4096, D 1024, H 4096, 8 experts) takes a few minutes on a 2-core CPU; "
+        "for a quick look use e.g. --tokens 512 --model-dim 256 --hidden-size 512 --rounds 2.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
     commands.add_parser("info", help="versions, optional dependencies and the active kernels").set_defaults(func=info)
