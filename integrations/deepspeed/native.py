@@ -18,6 +18,7 @@ files and a native checkpoint loads into this backend (and back).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -33,8 +34,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.experts import ACTIVATIONS as ACTIVATION_FUNCTIONS
+from moe_plugin.experts import Experts
 from moe_plugin.module_experts import ModuleExperts
-from moe_plugin.integrations.deepspeed.section import SECTION_TO_ARGUMENT, _is_int, section_key
+from moe_plugin.integrations.deepspeed.section import (SECTION_TO_ARGUMENT, _is_int, check_ep_size_under_deepspeed,
+                                                       section_key)
 
 __all__ = ["MoE", "DeepSpeedMoELayer", "moe_config", "swap_moe_layers"]
 
@@ -112,6 +115,35 @@ def _computes_mlp(expert: nn.Module, first: nn.Linear, act: List[nn.Module], sec
         got = expert(x)
     return torch.is_tensor(got) and got.shape == want.shape and bool(
         (got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6)
+
+
+def copy_expert_weights(experts: Experts, expert: nn.Module, linear_names: Tuple[str, str]) -> None:
+    """Every local expert (its hidden slice, when sliced) starts as a copy of the module's two Linears, as
+    DeepSpeed's Experts deep-copies the module. Weights partitioned by deepspeed.zero.Init are gathered for
+    the copy; on the meta device there is nothing to copy (reset_parameters draws them later)."""
+    first, second = (expert.get_submodule(name) for name in linear_names)
+    sources = [p for p in (first.weight, first.bias, second.weight, second.bias) if p is not None]
+    targets = list(experts.parameters())
+    if any(t.is_meta for t in sources + targets):
+        return
+    gathered = contextlib.nullcontext()
+    if any(hasattr(t, "ds_id") for t in sources + targets):
+        gathered = deepspeed.zero.GatheredParameters(sources + targets, modifier_rank=0)
+    with gathered, torch.no_grad():
+        whole = {"w1": first.weight.t(), "w2": second.weight.t()}
+        if first.bias is not None:
+            whole.update(b1=first.bias, b2=second.bias)
+        shard = Experts.take_slice(whole, experts.slices, experts.slice_index)
+        for name, key in (("w1_EDH", "w1"), ("b1_EH", "b1"), ("w2_EHD", "w2"), ("b2_ED", "b2")):
+            param = getattr(experts, name)
+            if param is None:
+                continue
+            if tuple(param.shape[1:]) != tuple(shard[key].shape):
+                raise ValueError(f"expert module {type(expert).__name__}: its {key[0]} weight of shape "
+                                 f"{tuple(shard[key].shape)} does not fit the experts' {tuple(param.shape[1:])} "
+                                 f"(activation={experts.config.activation!r}); pass an activation that takes "
+                                 f"Linear(D, H) -> Linear(H, D) (relu, gelu, silu, identity)")
+            param.copy_(shard[key].expand_as(param))
 
 
 def _ensure_distributed() -> None:
@@ -260,6 +292,9 @@ class MoE(NativeMoE):
             raise ValueError("enable_expert_tensor_parallelism=True is not supported by backend tutel; allowed: False")
         if not _is_int(num_experts, 1) or not _is_int(ep_size, 1) or num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be a multiple of ep_size={ep_size} (both integers >= 1)")
+        if ep_size > 1:   # before DeepSpeed's groups fail with a bare AssertionError
+            _ensure_distributed()
+            check_ep_size_under_deepspeed(ep_size, "ep_size")
         if not _is_int(k, 1) or k > num_experts:
             raise ValueError(f"k={k} is invalid: must be an integer between 1 and num_experts={num_experts}")
         self.settings = dict(hidden_size=hidden_size, num_experts=num_experts, ep_size=ep_size, k=k,
@@ -300,6 +335,8 @@ class MoE(NativeMoE):
         ep_group = _expert_parallel_group(ep_size) if ep_size > 1 else None
         self.deepspeed_moe = DeepSpeedMoELayer(config, ep_group, linear_names, self.expert_group_name,
                                                expert=None if structure else expert)
+        if structure:   # the general path deep-copies the module; the fast path copies its Linears here
+            copy_expert_weights(self.deepspeed_moe.experts, expert, linear_names)
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
