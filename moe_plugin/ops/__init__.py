@@ -37,7 +37,8 @@ def require_torch(version: str = torch.__version__) -> None:
 require_torch()
 
 from . import torch_ops  # noqa: E402
-from .choice import ENV, MODES, describe, direct, eager_triton, kernels_for, mode  # noqa: F401,E402
+from .choice import (ENV, MODES, describe, device_kind, direct, eager_triton, kernels_for, mode,  # noqa: F401,E402
+                     simulated_cuda)
 from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401,E402
 
 
@@ -124,9 +125,9 @@ def fused_swiglu(device: torch.device) -> bool:
     """Whether SwiGLU on device runs the one-pass kernels: the native ones on CPU, Triton's on CUDA in eager
     mode (a compiled CUDA graph keeps the composite torch form, which the compiler fuses itself). Compiled
     CPU graphs always take the op: it picks its kernels when it runs."""
-    if device.type == "cuda":
+    if device_kind(device) == "cuda":
         return eager_triton(device) is not None
-    if device.type != "cpu":
+    if device_kind(device) != "cpu":
         return False
     return torch.compiler.is_compiling() or kernels_for(device)[1] == "native"
 

@@ -2,6 +2,7 @@
 custom op's dispatch (direct)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -36,7 +37,42 @@ def _triton() -> Tuple[Optional[ModuleType], str]:
 def kernels_for(device: torch.device) -> Tuple[ModuleType, str, str]:
     """(kernel module, its name, why it was chosen) for tensors on device: worked out once per device type and
     MOE_PLUGIN_KERNELS value (the layer asks ~16 times per step)."""
+    if _SIMULATED[0] and device.type == "cpu":
+        return _simulated_kernels()
     return _choose(device.type, mode())
+
+
+_SIMULATED = [False]
+
+
+@contextlib.contextmanager
+def simulated_cuda():
+    """CPU tensors take the CUDA code path (the Triton kernels, run by the Triton interpreter) inside this
+    context: how ops/launches.py counts on CPU what a GPU would launch. Needs TRITON_INTERPRET=1 in the
+    environment before triton is first imported."""
+    _simulated_kernels()      # fails here, not half-way through a step
+    before, _SIMULATED[0] = _SIMULATED[0], True
+    try:
+        yield
+    finally:
+        _SIMULATED[0] = before
+
+
+@functools.lru_cache(maxsize=None)
+def _simulated_kernels() -> Tuple[ModuleType, str, str]:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("simulated_cuda() runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 "
+                           "set before triton is imported")
+    module, why = _triton()
+    if module is None and "CUDA" not in why:
+        raise RuntimeError(f"simulated_cuda() needs triton: {why}")
+    from . import triton_kernels
+    return triton_kernels, "triton", "the CUDA path simulated on CPU under the Triton interpreter"
+
+
+def device_kind(device: torch.device) -> str:
+    """device.type, except "cuda" for CPU tensors inside simulated_cuda(): the branch a kernel choice takes."""
+    return "cuda" if _SIMULATED[0] and device.type == "cpu" else device.type
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +95,7 @@ def _choose(device_type: str, chosen: str) -> Tuple[ModuleType, str, str]:
 def eager_triton(device: torch.device) -> Optional[ModuleType]:
     """The Triton kernel module for CUDA tensors in eager mode where it is the chosen kernel set, else None (a
     compiled graph keeps the torch forms, which the compiler fuses itself)."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
+    if device_kind(device) != "cuda" or torch.compiler.is_compiling():
         return None
     module, name, _ = kernels_for(device)
     return module if name == "triton" else None

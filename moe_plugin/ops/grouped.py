@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .choice import direct, eager_triton, kernels_for
+from .choice import device_kind, direct, eager_triton, kernels_for
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,7 +39,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: 
 
 def _grouped_mm_kernels(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, bias_EO: Optional[torch.Tensor] = None
                         ) -> torch.Tensor:
-    if a.dtype in GROUPED_DTYPES and (a.device.type == "cpu" or a.dtype == torch.bfloat16):
+    if a.dtype in GROUPED_DTYPES and (device_kind(a.device) == "cpu" or a.dtype == torch.bfloat16):
         out = _aligned_grouped_mm(a, b, offs_E)
     else:
         out = grouped_mm_loop(a, b, offs_E)
@@ -67,7 +67,7 @@ def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     triton_kernels = eager_triton(x_RO.device)
     if triton_kernels is not None:
         return triton_kernels.grouped_sum(x_RO, offs_E)
-    if x_RO.device.type == "cpu" and not torch.compiler.is_compiling():   # CPU eager: block sums, no index
+    if device_kind(x_RO.device) == "cpu" and not torch.compiler.is_compiling():   # CPU eager: block sums, no index
         sums, start = x_RO.new_zeros(E, x_RO.shape[1]), 0
         for e, end in enumerate(offs_E.tolist()):
             if end > start:
@@ -131,7 +131,7 @@ def _aligned_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """F.grouped_mm; on CPU with the native kernels, the same torch CPU kernel into pooled memory
     (a fresh [R, H] output costs more in page faults than a tenth of the GEMM)."""
-    if a.device.type == "cpu":
+    if device_kind(a.device) == "cpu":
         module, name, _ = kernels_for(a.device)
         if name == "native":
             return module.grouped_mm(a, b, offs_E)
@@ -140,7 +140,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
 
 def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
     """out_RO[end:] = 0 for a 0-dim integer tensor end, without a device synchronization."""
-    if out_RO.device.type == "cpu":      # reading a CPU tensor is no device synchronization
+    if device_kind(out_RO.device) == "cpu":      # reading a CPU tensor is no device synchronization
         start = int(end)
         if start < out_RO.shape[0]:
             out_RO[start:].zero_()
@@ -154,7 +154,7 @@ def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
 
 
 def _add_bias(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor) -> None:
-    if out_RO.device.type != "cpu":
+    if device_kind(out_RO.device) != "cpu":
         bias_RO = F.pad(bias_EO, (0, 0, 0, 1)).index_select(0, group_of_rows(offs_E, out_RO.shape[0]))
         out_RO += bias_RO
         return

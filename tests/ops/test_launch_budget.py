@@ -1,0 +1,63 @@
+"""Kernel launches of the layer's CUDA code path, counted on CPU (moe_plugin/ops/launches.py), against the
+budgets of issue 33; and the counter itself.
+
+triton reads TRITON_INTERPRET when it is imported, so the counting tests run in a child process started
+with TRITON_INTERPRET=1 (test_launch_budget_under_interpreter); `pytest -k launch_budget` selects them all.
+
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_plugin import MoEConfig, MoELayer
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+in_child = pytest.mark.skipif(not INTERPRET, reason="runs in the child process of test_launch_budget_under_interpreter")
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_launch_budget_under_interpreter():
+    """Every test of this file again, in a child process started with TRITON_INTERPRET=1."""
+    if triton is None:
+        pytest.skip("triton is not installed (pip install triton): the CUDA path cannot run on CPU")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0 and " passed" in child.stdout, \
+        child.stdout + child.stderr
+    print(child.stdout.splitlines()[-1])
+
+
+@in_child
+def test_launch_budget_counter_counts_kernels_not_views_and_sees_inside_custom_ops():
+    from moe_plugin import ops
+    from moe_plugin.ops.launches import count_launches
+    T, D, K = 7, 5, 3
+    x_TD = torch.randn(T, D)
+    pos_TK = torch.randperm(T * K).view(T, K)
+    with count_launches() as counter:
+        y_TD = x_TD.view(-1).view(T, D).unsqueeze(0)[0].t().t()        # views: nothing
+        y_TD = y_TD + 1                                                # one kernel
+        torch.empty(3, 4)                                              # an allocation: nothing
+        rows_RD = ops.scatter_rows(y_TD, pos_TK, None, None, T * K)[0]  # the Triton kernel (+ its tail zeroing)
+    assert counter.by_name["aten.add"] == 1 and counter.by_name["triton.scatter_rows_kernel"] == 1
+    assert counter.total == 1 + sum(n for name, n in counter.by_name.items() if name != "aten.add")
+    assert not any(name.startswith("aten.view") or name.startswith("aten.empty") for name in counter.by_name)
+    assert torch.equal(rows_RD[pos_TK.reshape(-1)], x_TD.add(1).repeat_interleave(K, 0))
+
+    w_D = torch.randn(D, requires_grad=True)
+    with count_launches() as counter:           # through the custom op (autograd on): its kernels still counted
+        ops.gather_sum(rows_RD * w_D, pos_TK, None, None)[0].sum().backward()
+        int(w_D.grad.sum())                     # a read back to the host
+    assert counter.by_name["triton.gather_sum_kernel"] == 1 and counter.by_name["triton.scatter_rows_kernel"] == 1
+    assert counter.syncs["aten._local_scalar_dense"] == 1
