@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-__all__ = ["SECTION_KEYS", "read_moe_section", "section_key"]
+__all__ = ["SECTION_KEYS", "read_moe_section", "section_key", "check_ep_size_under_deepspeed"]
 
 BACKENDS = ("tutel", "deepspeed")
 SECTION_TO_ARGUMENT = {"top_k": "k"}   # section key -> MoE constructor argument, where they differ
@@ -85,3 +85,14 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
 def section_key(argument: str) -> str:
     return {v: k for k, v in SECTION_TO_ARGUMENT.items()}.get(argument, argument)
+
+
+def check_ep_size_under_deepspeed(ep_size: int, setting: str) -> None:
+    """moe_plugin's ep_size check (ValueError naming setting and the number of processes) for DeepSpeed's expert
+    groups, which split the processes of each pipeline stage; run where DeepSpeed would fail with a bare
+    AssertionError. Needs torch.distributed started (deepspeed.init_distributed) when ep_size > 1."""
+    from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
+
+    from moe_plugin.parallel.groups import check_ep_size
+    check_ep_size(ep_size, setting, stages=bwc_pipeline_parallel_world_size(groups.mpu))

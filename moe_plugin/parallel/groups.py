@@ -34,6 +34,29 @@ def check_sizes(num_experts: int, hidden_size: int, ep_size: int) -> None:
         f"sizes that work: {working[:12]}{' ...' if len(working) > 12 else ''}")
 
 
+def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[int] = None, stages: int = 1) -> None:
+    """ValueError unless ep_size divides the number of processes that share the experts.
+
+    setting: the name the user gave ep_size (`parallel.ep_size`, `DeepSpeed config "moe.ep_size"`, ...).
+    world_size: default torch.distributed's (ep_size > 1 then needs it initialized). stages: pipeline stages,
+    each holding world_size / stages processes (DeepSpeed splits its expert groups inside a stage)."""
+    if world_size is None:
+        if ep_size == 1:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(f"{setting}={ep_size} needs torch.distributed to be initialized (torchrun, or "
+                             f"torch.distributed.init_process_group) before the layer is built")
+        world_size = dist.get_world_size()
+    processes = world_size // stages
+    if processes % ep_size == 0:
+        return
+    per_stage = "" if stages == 1 else " per pipeline stage"
+    stage_note = "" if stages == 1 else f"{world_size} processes in {stages} pipeline stages; "
+    raise ValueError(f"{setting}={ep_size} is invalid: must divide the number of processes{per_stage}, {processes} "
+                     f"({stage_note}launch with torchrun --nproc_per_node N, N a multiple of {ep_size * stages}; "
+                     f"or set it to one of {_divisors(processes)})")
+
+
 @dataclass
 class ExpertLayout:
     num_experts: int
@@ -122,16 +145,12 @@ def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Op
     Every rank must call this in the same order: torch.distributed.new_group is collective.
     """
     check_sizes(num_experts, hidden_size, ep_size)
+    if ep_group is None:
+        check_ep_size(ep_size)
     if ep_size == 1 and ep_group is None:
         return ExpertGroups(None, ExpertLayout(num_experts, hidden_size, 1, 0), 1)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"ep_size={ep_size} needs torch.distributed to be initialized "
-                         f"(torchrun, or torch.distributed.init_process_group) before the layer is built")
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_group is None:
-        if world % ep_size:
-            raise ValueError(f"ep_size={ep_size} must divide the world size {world}; "
-                             f"possible: {[d for d in _divisors(world)]}")
         blocks = ep_blocks(world, ep_size)
         for block in blocks:
             group = dist.new_group(block)

@@ -17,6 +17,7 @@ from ..balancing import update_expert_bias
 from ..layer import aux_loss
 from ..models import TransformerLM
 from ..parallel.expert_grads import expert_parameters
+from ..parallel.groups import check_ep_size
 from .checkpoint import remove_checkpoints, resolve_resume, restore, save
 from .config import ExperimentConfig, check_config, to_yaml
 from .metrics import MetricsLog, Window
@@ -93,9 +94,7 @@ def train(cfg: ExperimentConfig) -> dict:
         if cfg.parallel.fsdp and procs.world_size == 1:
             raise ValueError("parallel.fsdp=true is invalid with 1 process: FSDP2 shards over torchrun processes "
                              "(launch with torchrun --nproc_per_node N, N >= 2), or set parallel.fsdp=false")
-        if procs.world_size % ep_size:
-            raise ValueError(f"parallel.ep_size={ep_size} is invalid: must divide the number of processes, "
-                             f"{procs.world_size} (launch with torchrun --nproc_per_node N, N a multiple of {ep_size})")
+        check_ep_size(ep_size, "parallel.ep_size", procs.world_size)
         return _train(cfg, procs)
     finally:
         if procs.started_group:
