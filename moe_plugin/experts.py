@@ -1,13 +1,13 @@
 """Stacked expert FFN weights and their compute on the routed rows only.
 
-Legend: R routed rows (grouped by expert), D model dim, H expert hidden dim, E experts.
+Legend: R routed rows (grouped by expert), D model dim, H expert hidden dim, E experts, Q LoRA rank.
 With a gated activation (swiglu, geglu, ...) the first projection gives 2H columns: [gate | up].
 """
 from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -38,12 +38,14 @@ class _Cast(torch.autograd.Function):
 
 
 def cast_weights(experts, dtype: torch.dtype):
-    """The experts' weights in dtype, differentiably (gradients return in the parameters' dtype)."""
-    if experts.w1_EDH.dtype == dtype:
+    """The experts' weights (and LoRA factors) in dtype, differentiably (gradients return in the parameters' dtype)."""
+    lora = lora_factors(experts)
+    if experts.w1_EDH.dtype == dtype and all(f is None or f.dtype == dtype for f in lora):
         return experts
     cast = {name: None if getattr(experts, name) is None else _Cast.apply(getattr(experts, name), dtype)
             for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")}
-    return SimpleNamespace(activation=experts.activation, **cast)
+    lora = tuple(None if f is None else f if f.dtype == dtype else _Cast.apply(f, dtype) for f in lora)
+    return SimpleNamespace(activation=experts.activation, lora=lora, **cast)
 
 
 def weight_grad(a_RI: torch.Tensor, grad_RO: torch.Tensor, offs_E: torch.Tensor, w_EIO: torch.Tensor) -> torch.Tensor:
@@ -54,35 +56,124 @@ def weight_grad(a_RI: torch.Tensor, grad_RO: torch.Tensor, offs_E: torch.Tensor,
     return ops.grouped_mm(a_RI.t(), grad_RO, offs_E)
 
 
+NO_LORA = (None, None, None, None)
+
+
+class Needs(NamedTuple):
+    """Which gradients a backward pass is asked for (from ctx.needs_input_grad): nothing else is computed."""
+    x: bool = True
+    w1: bool = True
+    b1: bool = True
+    w2: bool = True
+    b2: bool = True
+    up_a: bool = True
+    up_b: bool = True
+    down_a: bool = True
+    down_b: bool = True
+
+    @classmethod
+    def of(cls, flags, x: int, weights: int) -> "Needs":
+        """From ctx.needs_input_grad: x's index and the index of w1 (then b1, w2, b2 and the four LoRA factors;
+        factors not passed count as not needed)."""
+        flags = tuple(flags) + (False,) * (weights + 8 - len(flags))
+        return cls(flags[x], *flags[weights:weights + 8])
+
+    @property
+    def below_activation(self) -> bool:
+        """Any gradient that needs the pre-activation's (x, the first projection, its adapter)."""
+        return self.x or self.w1 or self.b1 or self.up_a or self.up_b
+
+
+def lora_factors(experts) -> tuple:
+    """(up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD): the experts' LoRA factors (lora.py), each B already times
+    its scale; None for a projection without an adapter (or with its adapter merged)."""
+    lora = getattr(experts, "lora", None)
+    if lora is None:
+        return NO_LORA
+    return lora if isinstance(lora, tuple) else lora.factors()
+
+
+def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_LORA):
+    """(y_RD, saved_RH, xa_RQ, ha_RQ) of y = act(x W1 + b1 + (x A1) B1) W2 + b2 + (act A2) B2 on grouped rows: the
+    low-rank terms on the routed rows (W + A B is never formed); xa_RQ and ha_RQ (None without adapters) are
+    what their backward needs besides saved_RH."""
+    up_a, up_b, down_a, down_b = lora
+    pre_RH = ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH)
+    xa_RQ = ha_RQ = None
+    if up_a is not None:
+        xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
+        pre_RH = pre_RH + ops.grouped_mm(xa_RQ, up_b, offs_E)
+    act_RH, saved_RH = activate(pre_RH, activation)
+    del pre_RH
+    y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
+    if down_a is not None:
+        ha_RQ = ops.grouped_mm(act_RH, down_a, offs_E)
+        y_RD = y_RD + ops.grouped_mm(ha_RQ, down_b, offs_E)
+    return y_RD, saved_RH, xa_RQ, ha_RQ
+
+
 def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1, bias2, routed_inputs,
-                 input_grad):
-    """(grad_x_RD or None, grad_w1, grad_b1, grad_w2, grad_b2) of the expert FFN y = act(x W1 + b1) W2 + b2
-    on grouped rows, from what activate() kept of the hidden layer. routed_inputs() gives x_RD;
-    it is called once the activations are freed, so a caller may gather the rows again only then."""
-    grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
-    act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
-    del grad_act_RH
-    grad_w2 = weight_grad(act_RH, grad_y_RD, offs_E, w2_EHD)
-    grad_b2 = ops.grouped_sum(grad_y_RD, offs_E) if bias2 else None
-    del act_RH
-    x_RD = routed_inputs()
-    grad_w1 = weight_grad(x_RD, grad_pre_RH, offs_E, w1_EDH)
+                 needs: Needs, lora=NO_LORA, xa_RQ=None, ha_RQ=None):
+    """(grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2, grad_up_a, grad_up_b, grad_down_a, grad_down_b) of
+    mlp_forward, None for each gradient needs does not ask for (its GEMMs are not run). routed_inputs()
+    gives x_RD; it is called once the activations are freed, so a caller may gather the rows again only then."""
+    up_a, up_b, down_a, down_b = lora
+    grads = dict.fromkeys(Needs._fields)
+    below = needs.below_activation
+    act_RH = grad_pre_RH = grad_ha_RQ = None
+    if down_a is not None and (below or needs.down_a):
+        grad_ha_RQ = ops.grouped_mm(grad_y_RD, down_b.transpose(1, 2), offs_E)
+    if below:
+        grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
+        if grad_ha_RQ is not None:
+            grad_act_RH = grad_act_RH + ops.grouped_mm(grad_ha_RQ, down_a.transpose(1, 2), offs_E)
+        act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
+        del grad_act_RH
+    elif needs.w2 or (needs.down_a and down_a is not None):
+        act_RH = activate(saved_RH, activation)[0]
+    if needs.w2:
+        grads["w2"] = weight_grad(act_RH, grad_y_RD, offs_E, w2_EHD)
+    if bias2 and needs.b2:
+        grads["b2"] = ops.grouped_sum(grad_y_RD, offs_E)
+    if down_a is not None:
+        grads["down_b"] = weight_grad(ha_RQ, grad_y_RD, offs_E, down_b) if needs.down_b else None
+        grads["down_a"] = weight_grad(act_RH, grad_ha_RQ, offs_E, down_a) if needs.down_a else None
+    del act_RH, grad_ha_RQ
+    if not below:
+        return tuple(grads[name] for name in Needs._fields)
+    x_RD = routed_inputs() if needs.w1 or (needs.up_a and up_a is not None) else None
+    if needs.w1:
+        grads["w1"] = weight_grad(x_RD, grad_pre_RH, offs_E, w1_EDH)
+    if bias1 and needs.b1:
+        grads["b1"] = ops.grouped_sum(grad_pre_RH, offs_E)
+    grad_xa_RQ = None
+    if up_a is not None:
+        grads["up_b"] = weight_grad(xa_RQ, grad_pre_RH, offs_E, up_b) if needs.up_b else None
+        if needs.x or needs.up_a:
+            grad_xa_RQ = ops.grouped_mm(grad_pre_RH, up_b.transpose(1, 2), offs_E)
+        grads["up_a"] = weight_grad(x_RD, grad_xa_RQ, offs_E, up_a) if needs.up_a else None
     del x_RD
-    grad_b1 = ops.grouped_sum(grad_pre_RH, offs_E) if bias1 else None
-    grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E) if input_grad else None
-    return grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2
+    if needs.x:
+        grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E)
+        if grad_xa_RQ is not None:
+            grad_x_RD = grad_x_RD + ops.grouped_mm(grad_xa_RQ, up_a.transpose(1, 2), offs_E)
+        grads["x"] = grad_x_RD
+    return tuple(grads[name] for name in Needs._fields)
 
 
 class GroupedMLP(torch.autograd.Function):
     """y = act(x W1[e] + b1[e]) W2[e] + b2[e] for each expert's block of rows (ends in offs_E, on the
-    device; rows past the last offset give 0), on the grouped GEMM op."""
+    device; rows past the last offset give 0), on the grouped GEMM op; with LoRA factors (up_a_EDQ, up_b_EQH,
+    down_a_EHQ, down_b_EQD, B times its scale; any pair None) their low-rank terms on the same rows.
+    Backward computes only the gradients asked for (frozen weights cost no GEMM)."""
 
     @staticmethod
-    def forward(ctx, x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED):
+    def forward(ctx, x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
+                up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None):
         x_RD = x_RD.contiguous()
-        act_RH, saved_RH = activate(ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH), activation)
-        y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
-        ctx.save_for_backward(x_RD, saved_RH, offs_E, w1_EDH, w2_EHD)
+        lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
+        y_RD, saved_RH, xa_RQ, ha_RQ = mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora)
+        ctx.save_for_backward(x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora)
         ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_RD
@@ -90,11 +181,11 @@ class GroupedMLP(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_RD):
-        x_RD, saved_RH, offs_E, w1_EDH, w2_EHD = ctx.saved_tensors
-        grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2 = mlp_backward(
+        x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = ctx.saved_tensors
+        grad_x_RD, *grads = mlp_backward(
             grad_y_RD.contiguous(), saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
-            lambda: x_RD, ctx.needs_input_grad[0])
-        return grad_x_RD, None, None, grad_w1, grad_b1, grad_w2, grad_b2
+            lambda: x_RD, Needs.of(ctx.needs_input_grad, x=0, weights=3), tuple(lora), xa_RQ, ha_RQ)
+        return (grad_x_RD, None, None, *grads)
 
 
 class KeepsParameterTags(nn.Module):
@@ -189,7 +280,7 @@ class Experts(KeepsParameterTags):
         """rows_per_expert: a list of ints or a tensor; x_RD may hold more rows (they give 0)."""
         offs_E = ops.offsets(rows_per_expert, device=x_RD.device)
         return GroupedMLP.apply(x_RD, offs_E, self.activation,
-                                self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED)
+                                self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED, *lora_factors(self))
 
 
 def _uniform(*shape: int, fan_in: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -7,29 +7,37 @@ outputs); the backward pass gathers the routed inputs again. Shapes are static (
 the device): no host synchronization, so torch.compile captures it whole. Matches
 dispatch.encode -> GroupedMLP -> dispatch.decode.
 
-Legend: T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed rows.
+Legend: T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed rows, Q LoRA rank.
 """
 from __future__ import annotations
 
 import torch
 
 from . import dispatch, ops
-from .experts import activate, mlp_backward
+from .experts import Needs, lora_factors, mlp_backward, mlp_forward
 from .module_experts import ModuleExperts
 
 
 class FusedMoE(torch.autograd.Function):
+    """With LoRA factors (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD; B times its scale; a pair may be None) their
+    low-rank terms run on the routed rows too (experts.mlp_forward). Backward computes only the gradients
+    asked for: frozen expert weights cost no weight-gradient GEMM, and an input that needs no gradient
+    none of the input-gradient GEMMs."""
+
     @staticmethod
-    def forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED):
+    def forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED,
+                up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None):
         x_TD = x_TD.contiguous()
         R = pos_TK.numel()
+        lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
         x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0]
-        act_RH, saved_RH = activate(ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH), activation)
+        expert_y_RD, saved_RH, xa_RQ, ha_RQ = mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
+                                                          lora)
         del x_RD
-        expert_y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
         y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
 
-        ctx.save_for_backward(x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD)
+        ctx.save_for_backward(x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ,
+                              *lora)
         ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
@@ -37,23 +45,27 @@ class FusedMoE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_TD):
-        x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD = ctx.saved_tensors
+        x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = ctx.saved_tensors
         R = pos_TK.numel()
+        needs = Needs.of(ctx.needs_input_grad, x=0, weights=5)
+        gate_grad = ctx.needs_input_grad[1]
 
         # every routed row's output gradient, scaled by its gate, and the gate gradients <g, expert output>
         grad_RD, grad_gate_TK = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, gate_TK,
-                                                 expert_y_RD if ctx.needs_input_grad[1] else None, R)
-        grad_x_RD, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED = mlp_backward(
-            grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
-            lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], ctx.needs_input_grad[0])
-        grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if ctx.needs_input_grad[0] else None
+                                                 expert_y_RD if gate_grad else None, R)
+        grads = (None,) * len(Needs._fields)
+        if any(needs):
+            grads = mlp_backward(grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
+                                 lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], needs, tuple(lora),
+                                 xa_RQ, ha_RQ)
+        grad_x_RD, *weight_grads = grads
+        grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
 
-        grad_gate_TK = grad_gate_TK if ctx.needs_input_grad[1] else None
-        return grad_x_TD, grad_gate_TK, None, None, None, grad_w1_EDH, grad_b1_EH, grad_w2_EHD, grad_b2_ED
+        return (grad_x_TD, grad_gate_TK if gate_grad else None, None, None, None, *weight_grads)
 
 
 def fused_moe(x_TD, gate_TK, plan, experts) -> torch.Tensor:
     if isinstance(experts, ModuleExperts):   # the general path: encode, each expert's module, decode
         return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
     return FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, plan.offs_E, experts.activation,
-                          experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED)
+                          experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED, *lora_factors(experts))

@@ -144,11 +144,17 @@ def _act(h, cfg, limit):
 
 
 def _mlp(experts, cfg, x_ECD):
+    lora = getattr(experts, "lora", None)          # LoRA factors (moe_plugin/lora.py; Q its rank), unless merged
+    lora = None if lora is None or lora.merged else lora
     h_ECH = torch.einsum("ecd,edh->ech", x_ECD, experts.w1_EDH)
+    if lora is not None and lora.up_a_EDQ is not None:
+        h_ECH = h_ECH + lora.scale * torch.einsum("ecd,edq,eqh->ech", x_ECD, lora.up_a_EDQ, lora.up_b_EQF)
     if experts.b1_EH is not None:
         h_ECH = h_ECH + experts.b1_EH[:, None, :]
     h_ECH = _act(h_ECH, cfg, cfg.activation_limit)
     y_ECD = torch.einsum("ech,ehd->ecd", h_ECH, experts.w2_EHD)
+    if lora is not None and lora.down_a_EHQ is not None:
+        y_ECD = y_ECD + lora.scale * torch.einsum("ech,ehq,eqd->ecd", h_ECH, lora.down_a_EHQ, lora.down_b_EQD)
     if experts.b2_ED is not None:
         y_ECD = y_ECD + experts.b2_ED[:, None, :]
     return y_ECD

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import dispatch, ops
 from ..checkpoint import EXPERT_NAMES
 from ..activations import as_activation
-from ..experts import GroupedMLP
+from ..experts import GroupedMLP, lora_factors
 from ..fused import fused_moe
 from ..module_experts import ModuleExperts
 from .all_to_all import Pending2DH, PendingAllToAll, gather_sum, ranges, segment_permutation
@@ -68,7 +68,8 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
     use_b2 = layout.computes_first_slice(r) if r else True
     if r == layout.slices:
         return SimpleNamespace(activation=experts.activation, w1_EDH=experts.w1_EDH, b1_EH=experts.b1_EH,
-                               w2_EHD=experts.w2_EHD, b2_ED=experts.b2_ED if use_b2 else None)
+                               w2_EHD=experts.w2_EHD, b2_ED=experts.b2_ED if use_b2 else None,
+                               lora=lora_factors(experts))
     G = dist.get_world_size(group)
     experts_in = max(1, G // layout.slices) if layout.slices > 1 else G * layout.local_experts
     slices_in = G // experts_in if layout.slices > 1 else 1
@@ -90,9 +91,11 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
             return torch.cat(list(gates) + list(ups), dim=-1)
         return torch.cat(parts, dim=hidden_dim)
 
+    lora = lora_factors(experts)     # LoRA factors come with whole experts only (lora.py refuses hidden slices)
     return SimpleNamespace(activation=experts.activation, w1_EDH=join(experts.w1_EDH, -1),
                            b1_EH=join(experts.b1_EH, -1), w2_EHD=join(experts.w2_EHD, 1),
-                           b2_ED=join(experts.b2_ED, None) if use_b2 else None)
+                           b2_ED=join(experts.b2_ED, None) if use_b2 else None,
+                           lora=tuple(None if f is None else join(f, 1) for f in lora))
 
 
 @torch.no_grad()
@@ -146,7 +149,8 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
         else:
             offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
             y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
-                                       weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED)
+                                       weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED,
+                                       *lora_factors(weights))
         if chunk.group_by_expert is not None:
             y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
         if returns:

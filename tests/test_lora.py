@@ -1,0 +1,259 @@
+"""No work for frozen weights, and LoRA on the experts inside the layer (moe_plugin/lora.py).
+
+Backward computes only the gradients something asks for: counted as the grouped GEMMs (moe_plugin::grouped_mm,
+seen by a dispatch mode) and matmuls one backward runs. LoRA's low-rank terms run on the routed rows and match the
+einsum reference (which adds x A B s to x W itself); merge and unmerge fold the adapter into W and back."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.experts import GroupedMLP
+from moe_plugin.lora import add_lora, merge_lora, remove_lora, unmerge_lora
+from moe_testing import fast, make_layer, reference, relative_error
+
+D, H, E = 12, 20, 4
+BASE = ("experts.w1_EDH", "experts.b1_EH", "experts.w2_EHD", "experts.b2_ED")
+
+
+class OpLog(TorchDispatchMode):
+    """The output shapes of every grouped GEMM, and the number of aten matmuls, run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.grouped, self.matmuls = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if name == "moe_plugin.grouped_mm":
+            self.grouped.append(tuple(out.shape))
+        elif name in ("aten.mm", "aten.addmm", "aten.bmm"):
+            self.matmuls += 1
+        return out
+
+    def weight_grads(self):
+        """The grouped GEMMs that gave [E, I, O] (weight-gradient) outputs."""
+        return [shape for shape in self.grouped if len(shape) == 3]
+
+
+def backward_ops(layer, x, upstream=None):
+    y = layer(x)
+    upstream = torch.randn_like(y) if upstream is None else upstream
+    with OpLog() as log:
+        ((y * upstream).sum() + layer.aux_loss).backward()
+    return log
+
+
+def grads_of(forward, layer, x):
+    """y and the gradients of (y . fixed upstream + aux) w.r.t. x (when it needs one) and every trainable parameter."""
+    y, aux = forward(x)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y)
+    named = ([("x", x)] if x.requires_grad else []) + [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad((y * upstream).sum() + aux, [t for _, t in named])
+    return y.detach(), dict(zip([n for n, _ in named], grads))
+
+
+def assert_reference(layer, x, tolerance):
+    y, grads = grads_of(fast(layer), layer, x)
+    y_ref, grads_ref = grads_of(reference(layer), layer, x)
+    errors = {"y": relative_error(y, y_ref), **{n: relative_error(grads[n], grads_ref[n]) for n in grads_ref}}
+    assert max(errors.values()) <= tolerance, errors
+    return grads
+
+
+def freeze(layer, names=BASE):
+    params = dict(layer.named_parameters())
+    for name in names:
+        if name in params:
+            params[name].requires_grad_(False)
+
+
+# ---- no work for frozen weights ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cf", [0.0, 0.5], ids=["dropless", "dropping"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_experts_run_no_weight_gradient_gemm(cf, bias):
+    layer = make_layer(capacity_factor=cf, activation="swiglu", bias=bias, top_k=3, num_experts=5)
+    x = torch.randn(3, 11, D, dtype=torch.float64, requires_grad=True)
+    trainable = backward_ops(layer, x)
+    assert sorted(trainable.weight_grads()) == [(5, D, 2 * H), (5, H, D)]
+    freeze(layer)
+    layer.zero_grad()
+    frozen = backward_ops(layer, x)
+    assert frozen.weight_grads() == []
+    assert len(frozen.grouped) == len(trainable.grouped) - 2
+    assert all(p.grad is None for n, p in layer.named_parameters() if n in BASE)
+    grads = assert_reference(layer, x.detach().requires_grad_(), 1e-12)   # what is asked for stays exact
+    assert set(grads) == {"x", "router.weight_ED"}
+
+
+def test_input_without_gradient_runs_no_input_gradient_gemm():
+    layer = make_layer(activation="gelu", capacity_factor=0.0)
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    with_x = backward_ops(layer, x.clone().requires_grad_())
+    without_x = backward_ops(layer, x)
+    # backward: grad of the activations [R, H], then grad of the input rows [R, D] only when x asks for it
+    assert (x.numel() // D * 2, D) in with_x.grouped and (x.numel() // D * 2, D) not in without_x.grouped
+    assert len(without_x.grouped) == len(with_x.grouped) - 1
+    assert_reference(layer, x, 1e-12)
+
+
+def test_frozen_router_runs_no_router_weight_matmul():
+    layer = make_layer(activation="relu")
+    x = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
+    trainable = backward_ops(layer, x)
+    freeze(layer, ["router.weight_ED"])
+    frozen = backward_ops(layer, x)
+    assert frozen.matmuls == trainable.matmuls - 1
+    assert layer.router.weight_ED.grad is None or not layer.router.weight_ED.requires_grad
+
+
+def test_grouped_mlp_skips_what_nothing_asks_for():
+    """GroupedMLP (the expert-parallel path's function): only w2 trainable, no input gradient -> one GEMM."""
+    x_RD = torch.randn(13, D, dtype=torch.float64)
+    offs_E = torch.tensor([3, 3, 9, 13], dtype=torch.int32)
+    w1 = torch.randn(E, D, H, dtype=torch.float64)
+    w2 = torch.randn(E, H, D, dtype=torch.float64, requires_grad=True)
+    y = GroupedMLP.apply(x_RD, offs_E, "relu", w1, None, w2, None)
+    with OpLog() as log:
+        y.sum().backward()
+    assert log.grouped == [(E, H, D)]
+    act = torch.relu(torch.stack([x_RD[r] @ w1[e] for e, r in zip([0] * 3 + [2] * 6 + [3] * 4, range(13))]))
+    expected = torch.zeros_like(w2)
+    for e, (start, end) in enumerate(zip([0, 3, 3, 9], [3, 3, 9, 13])):
+        expected[e] = act[start:end].sum(0)[:, None].expand(H, D)
+    torch.testing.assert_close(w2.grad, expected)
+
+
+# ---- LoRA on the experts -------------------------------------------------------------------------------------
+
+def lora_layer(rank=3, alpha=6.0, targets=("up", "down"), dtype=torch.float64, **options):
+    layer = make_layer(dtype=dtype, **options)
+    (adapter,) = add_lora(layer, rank=rank, alpha=alpha, targets=targets)
+    with torch.no_grad():
+        for param in adapter.parameters():     # B starts at 0: draw it so the adapter changes the output
+            param.normal_(0, 0.5)
+    return layer, adapter
+
+
+LORA_CASES = {"swiglu_dropless": dict(activation="swiglu", capacity_factor=0.0, bias=False),
+              "gelu_dropping_bias": dict(activation="gelu", capacity_factor=0.5, bias=True),
+              "relu_k3_odd": dict(activation="relu", top_k=3, num_experts=5, model_dim=7, hidden_size=9),
+              "clamped_fixed": dict(activation="swiglu", activation_limit=0.7, capacity_factor=1.0)}
+
+
+@pytest.mark.parametrize("case", sorted(LORA_CASES))
+@pytest.mark.parametrize("targets", [("up", "down"), ("up",), ("down",)], ids=["both", "up", "down"])
+def test_lora_matches_the_einsum_reference(case, targets):
+    options = LORA_CASES[case]
+    layer, adapter = lora_layer(targets=targets, **options)
+    dim = options.get("model_dim", D)
+    x = torch.randn(2, 13, dim, dtype=torch.float64, requires_grad=True)
+    grads = assert_reference(layer, x, 1e-12)
+    factors = {n for n, p in layer.named_parameters() if "lora" in n}
+    assert set(grads) == {"x", "router.weight_ED"} | factors
+    assert all(p.grad is None and not p.requires_grad for n, p in layer.named_parameters() if n in BASE)
+
+
+def test_lora_backward_forms_no_full_size_weight_gradient():
+    layer, adapter = lora_layer(activation="swiglu", num_experts=5)
+    log = backward_ops(layer, torch.randn(4, 7, D, dtype=torch.float64, requires_grad=True))
+    assert sorted(log.weight_grads()) == sorted([(5, D, 3), (5, 3, 2 * H), (5, H, 3), (5, 3, D)])
+
+
+def test_lora_with_empty_experts_and_no_tokens():
+    layer, adapter = lora_layer(activation="swiglu", num_experts=6, top_k=1, capacity_factor=0.0)
+    with torch.no_grad():                   # every token routes to expert 0 or 1: four experts stay empty
+        layer.router.weight_ED[2:] = -50.0
+    x = torch.randn(9, D, dtype=torch.float64).abs().requires_grad_()
+    grads = assert_reference(layer, x, 1e-12)
+    assert grads["experts.lora.up_a_EDQ"][2:].abs().max() == 0
+    y = layer(torch.randn(0, D, dtype=torch.float64, requires_grad=True))
+    (y.sum() + layer.aux_loss).backward()
+    assert y.shape == (0, D) and adapter.up_b_EQF.grad.abs().max() == 0
+
+
+def test_merge_and_unmerge_are_exact_in_fp32():
+    layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu", capacity_factor=0.0)
+    x = torch.randn(3, 10, D)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters() if n in BASE}
+    with torch.no_grad():
+        y = layer(x)
+        merge_lora(layer)
+        assert adapter.merged
+        y_merged = layer(x)
+        merged_w1 = layer.experts.w1_EDH.detach().clone()
+        unmerge_lora(layer)
+        y_unmerged = layer(x)
+    torch.testing.assert_close(y_merged, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_unmerged, y, rtol=1e-5, atol=1e-5)    # W + d - d rounds in fp32
+    for name, value in before.items():
+        torch.testing.assert_close(dict(layer.named_parameters())[name].detach(), value, rtol=1e-6, atol=1e-6)
+    expected_w1 = before["experts.w1_EDH"] + adapter.scale * adapter.up_a_EDQ.detach() @ adapter.up_b_EQF.detach()
+    torch.testing.assert_close(merged_w1, expected_w1, rtol=1e-6, atol=1e-6)
+    remove_lora(layer, merge=True)
+    assert getattr(layer.experts, "lora", None) is None
+    torch.testing.assert_close(layer(x).detach(), y, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_under_bf16_autocast_trains_fp32_factors():
+    layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu", capacity_factor=0.0)
+    x = torch.randn(4, 16, D)
+    y32, grads32 = grads_of(fast(layer), layer, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16, grads16 = grads_of(fast(layer), layer, x)
+    assert y16.dtype == torch.bfloat16
+    assert relative_error(y16, y32) < 0.05
+    for name, grad in grads32.items():
+        assert grads16[name].dtype == torch.float32
+        assert relative_error(grads16[name], grad) < 0.08, name
+
+
+def test_lora_compiles_fullgraph_and_equals_eager():
+    torch._dynamo.reset()
+    layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu", capacity_factor=0.5)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(29, D)
+    y, grads = grads_of(lambda x: (compiled(x), layer.aux_loss), layer, x)
+    y_ref, grads_ref = grads_of(fast(layer), layer, x)
+    assert relative_error(y, y_ref) <= 1e-5
+    for name in grads_ref:
+        assert relative_error(grads[name], grads_ref[name]) <= 1e-5, name
+
+
+def test_lora_adapters_train():
+    layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu")
+    optimizer = torch.optim.Adam([p for p in layer.parameters() if p.requires_grad], lr=1e-2)
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} >= {id(p) for p in adapter.parameters()}
+    x, target = torch.randn(32, D), torch.randn(32, D)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = (layer(x) - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+
+
+# ---- errors --------------------------------------------------------------------------------------------------
+
+def test_errors_name_what_was_wrong():
+    with pytest.raises(ValueError, match="rank=13 is larger"):
+        add_lora(make_layer(), rank=13)
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        add_lora(make_layer(), rank=0)
+    with pytest.raises(ValueError, match="targets=.*names nothing"):
+        add_lora(make_layer(), rank=2, targets=("gate_up_proj",))
+    with pytest.raises(ValueError, match="holds no MoELayer"):
+        add_lora(torch.nn.Linear(3, 3), rank=2)
+    layer = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=E), expert=torch.nn.Linear(D, D))
+    with pytest.raises(TypeError, match="expert modules"):
+        add_lora(layer, rank=2)
+    layer = make_layer()
+    add_lora(layer, rank=2)
+    with pytest.raises(ValueError, match="hold an adapter already"):
+        add_lora(layer, rank=2)
+    with pytest.raises(ValueError, match="no MoELayer with a LoRA adapter"):
+        merge_lora(make_layer())
