@@ -16,22 +16,25 @@ sharded checkpoint (torch.distributed.checkpoint) that resumes on any number of 
 
 One file per job: config.py (sections, loading, checks), processes.py (one process or torchrun ranks),
 metrics.py (the metrics window and log), parts.py (model, optimizer, LR schedule, data, DDP),
-checkpoint.py (save and restore), loop.py (the training loop), command.py (the command line; with
---nproc-per-node it starts torchrun itself, --numa-binding passed through).
+checkpoint.py (save, verify and restore), faults.py (preemption signals, non-finite steps), loop.py (the
+training loop), command.py (the command line; with
+--nproc-per-node it starts torchrun itself, --max-restarts and --numa-binding passed through).
 """
 from .checkpoint import (checkpoint_path, checkpoints, full_state_dict, load_full_state_dict, rank_state, read_meta,
-                         remove_checkpoints, resolve_resume, restore, save)
+                         remove_checkpoints, resolve_resume, restore, save, verify)
 from .command import add_arguments, main, split_arguments
 from .config import (AT_LEAST, DEFAULT_MOE, MOE_KEYS_SET_ELSEWHERE, ExperimentConfig, LogConfig, ParallelConfig,
                      TrainConfig, check_config, load_config, moe_config, to_yaml)
-from .loop import clip_gradients, evaluate, parameter_hash, topic_routing, train
+from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
+from .loop import clip_gradients, evaluate, gradient_norm, parameter_hash, topic_routing, train
 from .metrics import MetricsLog, Window, tensorboard_writer
 from .parts import Parts, build, data_parallel, lr_factor, param_groups
 from .processes import Processes, gather, start_processes
 
 __all__ = ["checkpoint_path", "checkpoints", "full_state_dict", "load_full_state_dict",
-           "rank_state", "resolve_resume", "restore", "save", "read_meta", "remove_checkpoints", "add_arguments", "main",
+           "rank_state", "resolve_resume", "restore", "save", "verify", "read_meta", "remove_checkpoints", "add_arguments", "main",
            "split_arguments", "AT_LEAST", "DEFAULT_MOE", "MOE_KEYS_SET_ELSEWHERE", "ExperimentConfig", "LogConfig",
-           "ParallelConfig", "TrainConfig", "check_config", "load_config", "moe_config", "to_yaml", "clip_gradients",
+           "ParallelConfig", "TrainConfig", "check_config", "load_config", "moe_config", "to_yaml", "NONFINITE_EXIT_CODE",
+           "PREEMPTED_EXIT_CODE", "NonFiniteStep", "Preempted", "clip_gradients", "gradient_norm",
            "evaluate", "parameter_hash", "topic_routing", "train", "MetricsLog", "Window", "tensorboard_writer",
            "Parts", "build", "data_parallel", "lr_factor", "param_groups", "Processes", "gather", "start_processes"]

@@ -13,6 +13,9 @@ for how the experts are described; a checkpoint holds, under these keys:
 
 The folder is written as step_NNNNNN.tmp and renamed once every process has finished, so a
 checkpoint that has its final name is whole, and a save that fails leaves the last good one alone.
+Its last file, manifest.json, lists every other file with its size and CRC-32 (each process sums
+the files it wrote); verify() checks them, so a truncated, missing or altered file is found before
+anything is loaded. resume "auto" (and "latest") takes the newest checkpoint that verifies.
 
 Resuming on another layout (another number of processes and/or ep_size) restores the model and the
 optimizer exactly: DCP reads each process's share of every expert from whichever files hold it.
@@ -31,8 +34,10 @@ import io
 import json
 import random
 import shutil
+import time
+import zlib
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,9 +48,10 @@ from ..parallel.expert_parallel import whole_experts
 from .config import ExperimentConfig
 from .metrics import Window
 from .parts import Parts
-from .processes import Processes
+from .processes import Processes, gather
 
 FORMAT = "moe_plugin sharded checkpoint v1"
+MANIFEST = "manifest.json"
 
 
 def checkpoint_path(out_dir: Path, step: int) -> Path:
@@ -63,19 +69,81 @@ def remove_checkpoints(out_dir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def resolve_resume(resume: str, out_dir: Path) -> Path:
-    if resume == "latest":
-        found = checkpoints(out_dir)
-        if not found:
-            raise ValueError(f"train.resume='latest' is invalid: no checkpoints in {out_dir / 'checkpoints'}")
-        return found[-1]
+def step_of(path: Path) -> int:
+    return int(path.name[5:].split(".")[0])
+
+
+def file_entry(path: Path) -> Dict[str, Any]:
+    """A file's size and CRC-32 as manifest.json records them."""
+    crc, size = 0, 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def write_manifest(folder: Path, files: Dict[str, Dict[str, Any]]) -> None:
+    """manifest.json: the last file of a checkpoint; files maps every other file's name to its file_entry()."""
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}, indent=1) + "\n")
+
+
+def verify(path: Path) -> Optional[str]:
+    """None for a whole checkpoint folder, else what is wrong with it, naming the file."""
+    path = Path(path)
+    if path.name.endswith((".tmp", ".old")):
+        return f"{path} is the remains of a save that did not finish"
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing: the save did not finish (or an older moe_plugin wrote it, without checksums)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as error:
+        return f"{manifest} is unreadable ({error})"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
+        got = file_entry(file)["crc32"]
+        if got != want["crc32"]:
+            return f"{file} has CRC-32 {got}, the manifest says {want['crc32']} (its bytes were altered)"
+    return None
+
+
+def resolve_resume(resume: str, out_dir: Path, log: Callable[[str], None] = lambda _: None) -> Optional[Path]:
+    """The checkpoint to resume from: "auto" (the newest whole one in out_dir, or None: start fresh), "latest"
+    (the same, but none is an error) or a folder (which must verify). Every checkpoint passed over is logged."""
+    if resume in ("auto", "latest"):
+        leftovers = (out_dir / "checkpoints").glob("step_*")
+        candidates = sorted((p for p in leftovers if p.is_dir() and p.name[5:].split(".")[0].isdigit()),
+                            key=lambda p: (step_of(p), p.name), reverse=True)
+        for path in candidates:
+            problem = verify(path)
+            if problem is None:
+                log(f"train.resume={resume}: resuming from {path}")
+                return path
+            log(f"train.resume={resume}: skipping {path.name}: {problem}")
+        if resume == "latest":
+            raise ValueError(f"train.resume='latest' is invalid: no {'whole ' if candidates else ''}checkpoints in "
+                             f"{out_dir / 'checkpoints'} (train.resume=auto starts fresh then)")
+        log(f"train.resume=auto: no whole checkpoint in {out_dir / 'checkpoints'}, starting fresh")
+        return None
     path = Path(resume)
     if path.is_file():
         raise ValueError(f"train.resume={resume!r} is invalid: it is a file, and a checkpoint is a folder "
                          f"(checkpoints/step_NNNNNN); a full state-dict file from `moe-plugin checkpoint convert` "
                          f"becomes one with `moe-plugin checkpoint convert FILE FOLDER`")
     if not path.is_dir():
-        raise ValueError(f"train.resume={resume!r} is invalid: no such file (give a checkpoint folder or 'latest')")
+        raise ValueError(f"train.resume={resume!r} is invalid: no such file (give a checkpoint folder, 'auto' "
+                         f"or 'latest')")
+    if not any((path / name).exists() for name in (MANIFEST, "meta.json", ".metadata")):
+        raise ValueError(f"train.resume={resume!r} is invalid: {str(path)!r} is not a checkpoint of `moe-plugin "
+                         f"train`: it has no meta.json")
+    problem = verify(path)
+    if problem is not None:
+        raise ValueError(f"train.resume={resume!r} is invalid: the checkpoint is damaged: {problem}")
     return path
 
 
@@ -139,8 +207,12 @@ def _barrier(procs: Processes) -> None:
         dist.barrier()
 
 
-def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int, window: Window) -> None:
-    """A collective: each process writes its share into step_NNNNNN.tmp, then rank 0 renames it into place."""
+def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int,
+         window: Window) -> Dict[str, float]:
+    """A collective: each process writes its share into step_NNNNNN.tmp and sums the files it wrote; rank 0
+    writes manifest.json, renames the folder into place, then removes checkpoints beyond train.keep_checkpoints.
+    Returns {"seconds": the whole save, "checksum_seconds": the sums (this rank's)}."""
+    start = time.perf_counter()
     final = checkpoint_path(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if procs.rank == 0:
@@ -157,11 +229,21 @@ def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, s
     sharded.save(state, tmp)
     if procs.rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    summed = time.perf_counter()
+    mine = [f for f in tmp.iterdir() if f.name.startswith(f"__{procs.rank}_") or
+            (procs.rank == 0 and f.name in (".metadata", "meta.json"))]
+    entries = {f.name: file_entry(f) for f in mine}
+    summed = time.perf_counter() - summed
+    everyone = gather(procs, entries)
+    if procs.rank == 0:
+        write_manifest(tmp, {name: entry for part in everyone for name, entry in part.items()})
         sharded.replace_folder(tmp, final)
         if cfg.train.keep_checkpoints:
-            for old in checkpoints(out_dir)[:-cfg.train.keep_checkpoints]:
+            done = [path for path in checkpoints(out_dir) if step_of(path) <= step]   # not a newer damaged one
+            for old in done[:-cfg.train.keep_checkpoints]:
                 shutil.rmtree(old)
     _barrier(procs)
+    return {"seconds": time.perf_counter() - start, "checksum_seconds": summed}
 
 
 def restore(parts: Parts, procs: Processes, cfg: ExperimentConfig, path: Path) -> Tuple[int, Window]:

@@ -1,11 +1,16 @@
 """The `moe-plugin train` command line."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from .config import load_config, to_yaml
+from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
 from .loop import train
 from .processes import torchrun_command
 
@@ -41,6 +46,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--numa-binding", metavar="MODE",
                         help="with --nproc-per-node: torchrun binds each rank to the CPUs near its GPU "
                              "(node, socket, exclusive or core-complex; needs numactl and CUDA GPUs)")
+    parser.add_argument("--max-restarts", type=int, metavar="N",
+                        help="with --nproc-per-node: torchrun restarts every rank up to N times after a failure; "
+                             "with train.resume=auto each restart continues from the newest whole checkpoint")
+
+
+@contextlib.contextmanager
+def forwarding_signals():
+    """SIGTERM and SIGUSR1 to this launcher go on to its children (torchrun, which hands them to the ranks:
+    they save and stop) instead of ending the launcher and leaving torchrun behind."""
+    def forward(number, _frame):
+        for children in Path("/proc/self/task").glob("*/children"):   # Linux; elsewhere nothing is forwarded
+            for pid in children.read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), number)
+    previous = {number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def main(args) -> int:
@@ -53,8 +78,14 @@ def main(args) -> int:
             raise ValueError(f"--numa-binding={args.numa_binding} is applied by torchrun: add --nproc-per-node N, "
                              f"or launch `torchrun --numa-binding={args.numa_binding} --nproc-per-node N -m "
                              f"moe_plugin.cli train ...` yourself")
+        if args.max_restarts is not None and args.nproc_per_node is None:
+            raise ValueError(f"--max-restarts={args.max_restarts} is applied by torchrun: add --nproc-per-node N, "
+                             f"or launch `torchrun --max-restarts {args.max_restarts} --nproc-per-node N -m "
+                             f"moe_plugin.cli train ... train.resume=auto` yourself")
         if args.nproc_per_node is not None:
-            return subprocess.call(torchrun_command(args.nproc_per_node, args.numa_binding, args.arguments))
+            with forwarding_signals():
+                return subprocess.call(torchrun_command(args.nproc_per_node, args.numa_binding, args.arguments,
+                                                        args.max_restarts))
     except ValueError as error:
         print(f"moe-plugin train: {error}", file=sys.stderr)
         return 2
@@ -63,4 +94,9 @@ def main(args) -> int:
     except ValueError as error:  # a user error found once the processes are known (ep_size, resume)
         print(f"moe-plugin train: {error}", file=sys.stderr)
         return 2
+    except Preempted:   # rank 0 has said where the checkpoint is
+        return PREEMPTED_EXIT_CODE
+    except NonFiniteStep as error:
+        print(f"moe-plugin train: {error}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE
     return 0

@@ -34,7 +34,12 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 200      # 0: only at the end of the run
     keep_checkpoints: int = 2        # keep the newest n; 0: all
-    resume: Optional[str] = None     # a checkpoint folder, or "latest" (the newest in log.out_dir)
+    resume: Optional[str] = None     # a checkpoint folder; "auto": the newest whole one in log.out_dir if any, else
+                                     # start fresh (the command torchrun --max-restarts re-runs); "latest": the
+                                     # newest whole one, none is an error
+    nonfinite: str = "skip"          # a step whose loss, aux loss or gradient norm is NaN/inf: skip (not applied,
+                                     # counted) or stop (an error naming it)
+    max_skipped: int = 10            # with nonfinite=skip: stop after this many skipped steps in a row
     device: str = "auto"             # auto (cuda when available), cpu or cuda
 
 
@@ -141,7 +146,7 @@ def moe_config(cfg: ExperimentConfig) -> MoEConfig:
 AT_LEAST = {"model.dim": 1, "model.layers": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
             "model.moe_every": 1, "train.steps": 1, "train.batch_size": 1, "train.warmup_steps": 0,
             "train.eval_every": 1, "train.eval_batches": 1, "train.checkpoint_every": 0,
-            "train.keep_checkpoints": 0, "parallel.ep_size": 1, "log.every": 1}
+            "train.keep_checkpoints": 0, "train.max_skipped": 1, "parallel.ep_size": 1, "log.every": 1}
 
 
 def check_config(cfg: ExperimentConfig) -> None:
@@ -163,6 +168,7 @@ def check_config(cfg: ExperimentConfig) -> None:
     require("train.stop_at", cfg.train.stop_at is None or 1 <= cfg.train.stop_at <= cfg.train.steps,
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
+    require("train.nonfinite", cfg.train.nonfinite in ("skip", "stop"), "one of 'skip', 'stop'")
     check_data_config(cfg.data)
     from .hf_image import IMAGE_MODEL_TYPES
     if cfg.data.task == "image":

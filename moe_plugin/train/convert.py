@@ -24,12 +24,15 @@ from typing import Any, Dict
 import torch
 
 from .. import checkpoint as sharded
-from .checkpoint import pack, read_meta, unpack
+from .checkpoint import file_entry, pack, read_meta, unpack, verify, write_manifest
 
 FULL_FORMAT = "moe_plugin full checkpoint v1"
 
 
 def to_full(folder: Path) -> Dict[str, Any]:
+    problem = verify(folder)
+    if problem is not None:
+        raise ValueError(f"{str(folder)!r} is damaged: {problem}")
     read_meta(folder)
     nested = sharded.nest(sharded.full_state(folder))
     ranks = {int(key.split(".", 1)[1]): unpack(nested.pop(key)) for key in list(nested) if key.startswith("rank.")}
@@ -72,11 +75,13 @@ def write_folder(file: Path, folder: Path) -> None:
     tmp.mkdir(parents=True)
     sharded.write_sharded(state, tmp)
     (tmp / "meta.json").write_text(json.dumps(full["meta"], indent=1) + "\n")
+    write_manifest(tmp, {f.name: file_entry(f) for f in tmp.iterdir()})
     sharded.replace_folder(tmp, folder)
 
 
 def describe(path: Path) -> str:
-    """The step, the layout that wrote it, the size and the experts' pieces of a checkpoint folder or full file."""
+    """The step, the layout that wrote it, the size and the experts' pieces of a checkpoint folder or full file.
+    ValueError naming the file when a folder is damaged (its manifest.json's sizes and checksums)."""
     if path.is_file():
         full = read_full(path)
         meta = full["meta"]
@@ -84,6 +89,9 @@ def describe(path: Path) -> str:
         return (f"full checkpoint file {path}\n{_header(meta)}\n"
                 f"size: {path.stat().st_size / 1e6:.2f} MB; {len(full['model'])} model tensors, "
                 f"{count:,} model values\n")
+    problem = verify(path)
+    if problem is not None:
+        raise ValueError(f"DAMAGED checkpoint {path}: {problem}")
     meta = read_meta(path)
     md = sharded.metadata(path).state_dict_metadata
     tensors = {k: v for k, v in md.items() if hasattr(v, "chunks")}
@@ -93,6 +101,7 @@ def describe(path: Path) -> str:
              f"size: {sharded.folder_bytes(path) / 1e6:.2f} MB in {len(list(path.iterdir()))} files; "
              f"{len(model)} model tensors, {count:,} model values; "
              f"{len(tensors) - len(model)} optimizer tensors",
+             f"manifest: every file's size and CRC-32 match",
              "experts (logical size: pieces as written):"]
     for key, value in model.items():
         if key.rsplit(".", 1)[-1] in sharded.EXPERT_NAMES:
@@ -109,7 +118,8 @@ def _header(meta: dict) -> str:
 
 def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
-    inspect = actions.add_parser("inspect", help="print the step, the layout that wrote it and the size")
+    inspect = actions.add_parser("inspect", help="print the step, the layout that wrote it and the size, "
+                                 "after checking every file against the manifest (exit status 2 if damaged)")
     inspect.add_argument("path", help="a checkpoint folder (checkpoints/step_NNNNNN) or a full checkpoint file")
     convert = actions.add_parser("convert", help="a checkpoint folder -> one full state-dict file, or back")
     convert.add_argument("source", help="a checkpoint folder, or a full checkpoint file")

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,9 @@ from ..layer import aux_loss
 from ..models import TransformerLM
 from ..parallel.expert_grads import expert_parameters
 from ..parallel.groups import check_ep_size
-from .checkpoint import remove_checkpoints, resolve_resume, restore, save
+from .checkpoint import checkpoint_path, remove_checkpoints, resolve_resume, restore, save
 from .config import ExperimentConfig, check_config, to_yaml
+from .faults import NonFiniteStep, Preempted, Signals, any_signal, step_verdict
 from .metrics import MetricsLog, Window
 from .parts import build, data_parallel
 from .processes import Processes, gather, start_processes
@@ -101,8 +102,8 @@ def train(cfg: ExperimentConfig) -> dict:
             dist.destroy_process_group()
 
 
-def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_size: int) -> torch.Tensor:
-    """clip_grad_norm_ by the norm of the whole model's gradient; returns that norm.
+def gradient_norm(model: TransformerLM, procs: Processes, ep_size: int) -> torch.Tensor:
+    """The norm of the whole model's gradient (the same on every rank).
 
     Under expert parallelism each rank holds other experts: their squares are summed over the world,
     where world_size / ep_size ranks hold each expert with the same gradient. Under FSDP2 every
@@ -111,20 +112,45 @@ def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_s
         grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
         square = torch.nn.utils.get_total_norm(grads).square()
         dist.all_reduce(square)
-        norm = square.sqrt()
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))   # as clip_grads_with_norm_
-        return norm
+        return square.sqrt()
     experts = {id(p): p for _, p in expert_parameters(model)}
     if not experts:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     shared = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
     grads = [p.grad for p in experts.values() if p.grad is not None]  # a sliced expert's b2 lives in slice 0
     expert_square = torch.nn.utils.get_total_norm(grads).square()
     dist.all_reduce(expert_square)
     replicas = procs.world_size // ep_size
-    norm = (torch.nn.utils.get_total_norm(shared).square() + expert_square / replicas).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return (torch.nn.utils.get_total_norm(shared).square() + expert_square / replicas).sqrt()
+
+
+def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_size: int,
+                   norm: torch.Tensor = None) -> torch.Tensor:
+    """Scale the gradients down to the global norm max_norm (clip_grad_norm_ over every rank's share);
+    returns the norm (gradient_norm() unless given)."""
+    norm = gradient_norm(model, procs, ep_size) if norm is None else norm
+    if _is_sharded(model):
+        grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))   # as clip_grads_with_norm_
+    else:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
+
+
+def _resume_path(cfg: ExperimentConfig, out_dir: Path, procs: Processes, say) -> Optional[Path]:
+    """train.resume resolved by rank 0 (it reads every file of the checkpoint it picks) and sent to all."""
+    answer = [None]
+    if procs.rank == 0:
+        try:
+            answer = [("ok", resolve_resume(cfg.train.resume, out_dir, say))]
+        except ValueError as error:
+            answer = [("error", str(error))]
+    if procs.world_size > 1:
+        dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise ValueError(value)
+    return value
 
 
 def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
@@ -132,7 +158,12 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
 
     is_main = procs.rank == 0
     out_dir = Path(cfg.log.out_dir or os.path.join("runs", cfg.log.name))
-    resume_path = resolve_resume(cfg.train.resume, out_dir) if cfg.train.resume else None
+
+    def say(message: str) -> None:
+        if is_main:
+            print(f"moe-plugin train: {message}", file=sys.stderr, flush=True)
+
+    resume_path = _resume_path(cfg, out_dir, procs, say) if cfg.train.resume else None
     parts = build(cfg, procs)
     model, optimizer, scheduler, data = parts.model, parts.optimizer, parts.scheduler, parts.data
     step, window = restore(parts, procs, cfg, resume_path) if resume_path else (0, Window())
@@ -157,38 +188,31 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     start = time.perf_counter()
     unit, items_per_step = ("images", cfg.train.batch_size) if task == "image" else \
         ("tokens", cfg.train.batch_size * cfg.model.seq_len)
-    while step < last:
-        step += 1
-        tick = time.perf_counter()
-        x, y = (t.to(procs.device) for t in data.train.next())   # x_BS, y_BS tokens; or x_BCHW, y_B images
-        logits = wrapped(x)                                        # logits_BSV; or logits_BL
-        task_loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
-        correct = int((logits.argmax(-1) == y).sum()) if task == "image" else 0
-        router_loss = aux_loss(model)
-        optimizer.zero_grad(set_to_none=True)
-        (task_loss + router_loss).backward()
-        if cfg.train.grad_clip:
-            clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size)
-        optimizer.step()
-        update_expert_bias(model)
-        scheduler.step()
-        window.add(task_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
-                   items_per_step, time.perf_counter() - tick, correct)
-
-        is_eval = step % cfg.train.eval_every == 0 or step == last
-        if step % cfg.log.every == 0 or is_eval:
-            record = window.record(procs, step, optimizer.param_groups[0]["lr"], unit)
-            window = Window()
-            if is_eval:
-                record.update(validation(model, data.val, procs.device, task))
-            if log:
-                log.write(record)
-            accuracy = f"acc {record['accuracy']:.1%} " if "accuracy" in record else ""
-            bar.set_postfix_str(f"loss {record['loss']:.3f} {accuracy}{unit[:3]}/s {record[unit + '_per_s']:.0f} "
-                                f"drop {record['dropped_fraction']:.1%}", refresh=False)
-        bar.update(1)
-        if step == last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-            save(parts, procs, cfg, out_dir, step, window)
+    saves = []
+    with Signals() as signals:
+        while step < last:
+            step += 1
+            window, stop = _step(cfg, procs, parts, wrapped, window, step, signals, items_per_step)
+            is_eval = step % cfg.train.eval_every == 0 or step == last
+            if step % cfg.log.every == 0 or is_eval:
+                record = window.record(procs, step, optimizer.param_groups[0]["lr"], unit)
+                window = Window(skipped_in_a_row=window.skipped_in_a_row)
+                if is_eval:
+                    record.update(validation(model, data.val, procs.device, task))
+                if log:
+                    log.write(record)
+                bar.set_postfix_str(_progress(record, unit), refresh=False)
+            bar.update(1)
+            if stop or step == last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                saves.append(save(parts, procs, cfg, out_dir, step, window))
+                stop = stop or any_signal(procs, signals, procs.device)   # a signal during the save: stop with it
+            if stop and step < last:
+                bar.close()
+                if log:
+                    log.close()
+                preempted = Preempted(step, checkpoint_path(out_dir, step), saves[-1]["seconds"], signals.received)
+                say(str(preempted))
+                raise preempted
     bar.close()
 
     experts = [name for name, _ in expert_parameters(model)]
@@ -204,6 +228,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
         return {}
     log.close()
     result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
+    result["checkpoint_seconds"] = [t["seconds"] for t in saves]
+    result["checksum_seconds"] = [t["checksum_seconds"] for t in saves]
     result["topic_routing"] = routing
     result["hf_model"] = cfg.hf is not None
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -211,10 +237,66 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     if cfg.log.plots:
         before = plots.run_records(cfg.upcycle.checkpoint) if cfg.upcycle is not None else []
         plots.save_plots(log.records, out_dir, routing, task, before)
-    summary = plots.summary(cfg.log.name, result, log.records, routing)
+    summary = plots.summary(cfg.log.name, result, log.records, routing) + _faults_summary(result)
     (out_dir / "summary.txt").write_text(summary)
     print(summary, end="")
     return result
+
+
+def _step(cfg: ExperimentConfig, procs: Processes, parts, wrapped: torch.nn.Module, window: Window, step: int,
+          signals: Signals, items_per_step: int) -> Tuple[Window, bool]:
+    """One optimizer step, unless the loss, aux loss or gradient norm is non-finite on any rank (then nothing
+    is applied: train.nonfinite says whether to skip it or stop). Returns (window, whether to stop now)."""
+    model, optimizer, data = parts.model, parts.optimizer, parts.data
+    tick = time.perf_counter()
+    x, y = (t.to(procs.device) for t in data.train.next())   # x_BS, y_BS tokens; or x_BCHW, y_B images
+    logits = wrapped(x)                                        # logits_BSV; or logits_BL
+    task_loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+    correct = int((logits.argmax(-1) == y).sum()) if cfg.data.task == "image" else 0
+    router_loss = aux_loss(model)
+    optimizer.zero_grad(set_to_none=True)
+    (task_loss + router_loss).backward()
+    norm = gradient_norm(model, procs, cfg.parallel.ep_size)
+    nonfinite, stop = step_verdict(procs, task_loss, router_loss, norm, signals)
+    if nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        parts.scheduler.step()   # the LR schedule follows the step number, skipped or not
+        window.skip()
+        what = " and ".join(nonfinite) + (" are" if len(nonfinite) > 1 else " is")
+        if cfg.train.nonfinite == "stop":
+            raise NonFiniteStep(f"step {step}: the {what} not finite (NaN or inf) on at least one rank; nothing "
+                                f"of this step was applied and the last checkpoint is as it was (train.nonfinite="
+                                f"stop; train.nonfinite=skip skips such steps)")
+        if window.skipped_in_a_row >= cfg.train.max_skipped:
+            raise NonFiniteStep(f"step {step}: the {what} not finite (NaN or inf): {window.skipped_in_a_row} "
+                                f"steps in a row skipped, train.max_skipped={cfg.train.max_skipped}; nothing of "
+                                f"them was applied and the last checkpoint is as it was")
+        return window, stop
+    if cfg.train.grad_clip:
+        clip_gradients(model, cfg.train.grad_clip, procs, cfg.parallel.ep_size, norm)
+    optimizer.step()
+    update_expert_bias(model)
+    parts.scheduler.step()
+    window.add(task_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
+               items_per_step, time.perf_counter() - tick, correct)
+    return window, stop
+
+
+def _progress(record: dict, unit: str) -> str:
+    if "loss" not in record:
+        return f"{record['skipped_steps']} steps skipped (non-finite)"
+    accuracy = f"acc {record['accuracy']:.1%} " if "accuracy" in record else ""
+    return (f"loss {record['loss']:.3f} {accuracy}{unit[:3]}/s {record[unit + '_per_s']:.0f} "
+            f"drop {record['dropped_fraction']:.1%}")
+
+
+def _faults_summary(result: dict) -> str:
+    saves, sums = result["checkpoint_seconds"], result["checksum_seconds"]
+    lines = [f"skipped steps (non-finite loss, aux loss or gradient norm): {result['skipped_steps']}"]
+    if saves:
+        lines.append(f"checkpoints written: {len(saves)}, {sum(saves) / len(saves):.3f} s each on average, "
+                     f"of which checksums {100 * sum(sums) / max(sum(saves), 1e-12):.1f}%")
+    return "\n".join(lines) + "\n"
 
 
 def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes: List[Tuple[str, str]],
@@ -231,5 +313,6 @@ def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes
             "val_loss_first": val[0][1], "val_loss_last": val[-1][1], **accuracy,
             "loss_first": train_records[0]["loss"] if train_records else None,
             "loss_last": train_records[-1]["loss"] if train_records else None,
+            "skipped_steps": sum(r.get("skipped_steps", 0) for r in records),
             "param_sha256_per_rank": [full for full, _ in hashes],
             "shared_param_sha256_per_rank": [shared for _, shared in hashes]}

@@ -20,7 +20,9 @@ class Window:
     A layer's tokens_per_expert counts this rank's tokens for every expert (wherever the expert
     lives), so their sum over the ranks in record() is the whole load, with or without ep.
     `tokens` counts the step's items: tokens of a language model, images of an image classifier,
-    of which `correct` were classified right."""
+    of which `correct` were classified right. `skipped` counts the steps left out for a non-finite loss or
+    gradient norm (every rank skips the same ones), `skipped_in_a_row` the run of them up to the last step
+    (it carries over into the next window)."""
     steps: int = 0
     loss: float = 0.0
     aux_loss: float = 0.0
@@ -29,9 +31,16 @@ class Window:
     seconds: float = 0.0
     tokens_per_expert: List[List[int]] = field(default_factory=list)
     correct: int = 0
+    skipped: int = 0
+    skipped_in_a_row: int = 0
+
+    def skip(self) -> None:
+        self.skipped += 1
+        self.skipped_in_a_row += 1
 
     def add(self, loss: float, aux: float, stats: List[dict], tokens: int, seconds: float, correct: int = 0) -> None:
         self.steps += 1
+        self.skipped_in_a_row = 0
         self.loss += loss
         self.aux_loss += aux
         self.dropped_fraction += sum(s["dropped_fraction"] for s in stats) / max(1, len(stats))
@@ -52,15 +61,26 @@ class Window:
             dist.all_reduce(sums)
         sums = sums.tolist()
         n = self.steps * procs.world_size
+        if n == 0:   # every step of the window was skipped: no loss to report (plots and the summary pass it over)
+            return {"step": step, "lr": lr, "skipped_steps": self.skipped}
         seconds = sums[4] / procs.world_size
         per_layer = len(self.tokens_per_expert[0]) if self.tokens_per_expert else 0
         record = {"step": step, "lr": lr, "loss": sums[0] / n, "aux_loss": sums[1] / n,
                   "dropped_fraction": sums[2] / n, f"{unit}_per_s": sums[3] / seconds if seconds else 0.0,
                   "tokens_per_expert": [[int(v) for v in sums[6 + i * per_layer:6 + (i + 1) * per_layer]]
-                                        for i in range(len(self.tokens_per_expert))]}
+                                        for i in range(len(self.tokens_per_expert))],
+                  "skipped_steps": self.skipped}
         if unit == "images":
             record["accuracy"] = sums[5] / sums[3]
         return record
+
+
+def _parse(line: str) -> Optional[dict]:
+    """A record, or None for the line a killed process left half-written."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def tensorboard_writer(log_dir: Path):
@@ -79,7 +99,7 @@ class MetricsLog:
         self.records = []
         if resumed_step is not None and self.path.exists():
             lines = self.path.read_text().splitlines()
-            self.records = [r for r in map(json.loads, lines) if r["step"] <= resumed_step]
+            self.records = [r for r in map(_parse, lines) if r is not None and r["step"] <= resumed_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self.file = self.path.open("a")
         self.tensorboard = tensorboard_writer(out_dir / "tensorboard")

@@ -69,15 +69,26 @@ def check_numa_binding(mode: str) -> None:
                          f"and no CUDA GPU is available here")
 
 
-def torchrun_command(nproc_per_node: int, numa_binding: Optional[str], train_arguments: Sequence[str]) -> List[str]:
+# torchrun's own list plus SIGUSR1 (SLURM's early warning): torchrun hands each to the ranks (train/faults.py)
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def torchrun_command(nproc_per_node: int, numa_binding: Optional[str], train_arguments: Sequence[str],
+                     max_restarts: Optional[int] = None) -> List[str]:
     """The torchrun command line that runs `moe-plugin train train_arguments` on nproc_per_node local
-    processes (one node; torchrun picks a free port)."""
+    processes (one node; torchrun picks a free port); max_restarts: torchrun's --max-restarts."""
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={nproc_per_node} is invalid: must be an integer >= 1")
     if "WORLD_SIZE" in os.environ:
         raise ValueError(f"--nproc-per-node starts torchrun, but this process already runs under a launcher "
                          f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); pass --numa-binding to that torchrun instead")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node)]
+    if max_restarts is not None and (isinstance(max_restarts, bool) or not isinstance(max_restarts, int)
+                                     or max_restarts < 0):
+        raise ValueError(f"--max-restarts={max_restarts} is invalid: must be an integer >= 0")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--signals-to-handle", TORCHRUN_SIGNALS,
+               "--nproc-per-node", str(nproc_per_node)]
+    if max_restarts is not None:
+        command += ["--max-restarts", str(max_restarts)]
     if numa_binding is not None:
         check_numa_binding(numa_binding)
         command += ["--numa-binding", numa_binding]
