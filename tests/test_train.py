@@ -305,3 +305,23 @@ def test_summary_lists_plots_only_when_drawn(tmp_path, fresh_seed):
     run(tmp_path, "train.steps=2", "train.eval_every=2", "log.every=1", "log.progress=false", "log.plots=false")
     summary = (tmp_path / "run" / "summary.txt").read_text()
     assert "loss.png" not in summary and not (tmp_path / "run" / "loss.png").exists()
+
+
+@pytest.mark.parametrize("omp", [None, "2"])
+def test_train_runs_on_one_thread_unless_omp_num_threads_says(monkeypatch, omp):
+    """torch's default (a thread per core) collapses on a busy machine: `moe-plugin train` takes one thread per
+    process, as torchrun does, unless OMP_NUM_THREADS is set."""
+    from moe_plugin.train import command
+    seen = []
+    monkeypatch.setattr(command, "train", lambda cfg: seen.append(torch.get_num_threads()))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["train", "train.steps=1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1 if omp is None else 2]

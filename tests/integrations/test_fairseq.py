@@ -137,3 +137,21 @@ def test_hydra_train_with_the_lm_config(data, tmp_path):
                                   "--config-name", "transformer_lm_moe"] + overrides, cwd=str(tmp_path)).stdout
     assert "model: TransformerLanguageModelMoE" in log and "num_updates=3" in log
     assert os.path.isfile(tmp_path / "ckpt" / "checkpoint_last.pt")
+
+
+def test_readme_recipe_runs_as_written(tmp_path):
+    """The main README's fairseq commands, run by bash as a user pastes them (in a folder holding the two READMEs
+    they read as corpus), with --max-update cut to 3."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    block = readme.split("<!-- fairseq-recipe:start -->")[1].split("<!-- fairseq-recipe:end -->")[0]
+    script = block.replace("--max-update 50", "--max-update 3")
+    assert script != block, "the README's recipe no longer says --max-update 50"
+    (tmp_path / "integrations" / "fairseq_moe").mkdir(parents=True)
+    for name in ("README.md", os.path.join("integrations", "fairseq_moe", "README.md")):
+        (tmp_path / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read(), encoding="utf-8")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    proc = subprocess.run(["bash", "-euc", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "num_updates 3" in proc.stdout and "moe_share_e0" in proc.stdout, proc.stdout[-3000:]
+    assert (tmp_path / "checkpoints-lm" / "checkpoint_last.pt").exists()
