@@ -15,7 +15,10 @@ Under HF's expert parallelism the module holds only this rank's experts (num_exp
 routes to other ranks' experts come as the index num_experts (a sentinel) with weight 0: they are dropped
 here, as HF's grouped_mm skips them (no GEMM work, no output, no gradient).
 
-Legend: T tokens, D model dim, H expert hidden dim, E experts on this rank, K top-k, R routed rows (T*K).
+PEFT's LoRA on the experts' parameters (LoraConfig(target_parameters=[...gate_up_proj, ...down_proj])) is read as
+its factors (peft.py): the low-rank terms run on the routed rows beside the frozen weights, no merged weight.
+
+Legend: T tokens, D model dim, H expert hidden dim, E experts on this rank, K top-k, R routed rows (T*K), Q LoRA rank.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from moe_plugin.activations import Activation
 from moe_plugin.activations import forward as activation_forward
 from moe_plugin.fused import FusedMoE
 from moe_plugin.grouped_linear import grouped_linear
+
+from . import peft as peft_lora
 
 NAME = "moe_plugin"
 
@@ -106,24 +111,30 @@ def _concatenated_order(experts: nn.Module, width: int) -> torch.Tensor:
 
 
 def expert_weights(experts: nn.Module):
-    """(w1_EDH, b1_EH, w2_EHD, b2_ED) of HF's experts in the layer's orientation: [E, D, 2H or H] and [E, H, D]
-    (views of HF's tensors, transposed where HF keeps them [E, out, in]); biases None without has_bias."""
-    w1 = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    """(w1_EDH, b1_EH, w2_EHD, b2_ED, lora) of HF's experts in the layer's orientation: [E, D, 2H or H] and [E, H, D]
+    (views of HF's tensors, transposed where HF keeps them [E, out, in]); biases None without has_bias. lora: the
+    factors (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD; B times its scale; a pair None) of PEFT's LoRA on the
+    projections (peft.py), whose stored weights are then read instead of PEFT's merged W + s B A."""
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    lora = []
+    weights = []
+    for name in (up_name, "down_proj"):
+        found = peft_lora.factors(experts, name, experts.is_transposed)
+        weight, a, b = (getattr(experts, name), None, None) if found is None else found
+        weights.append(weight if experts.is_transposed else weight.transpose(1, 2))
+        lora += [a, b]
     b1 = b2 = None
     if experts.has_bias:
         b1 = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
         b2 = experts.down_proj_bias
-    w2 = experts.down_proj
-    if not experts.is_transposed:
-        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
-    return w1, b1, w2, b2
+    return weights[0], b1, weights[1], b2, tuple(lora)
 
 
 def moe_plugin_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF's experts forward contract: hidden_states [T, D], top_k_index [T, K] (this rank's expert ids;
     num_experts marks a route to another rank under HF's EP), top_k_weights [T, K] -> [T, D]."""
-    w1_EDH, b1_EH, w2_EHD, b2_ED = expert_weights(self)
+    w1_EDH, b1_EH, w2_EHD, b2_ED, lora = expert_weights(self)
     dtype = w1_EDH.dtype                                # as HF's grouped_mm: compute in the weights' dtype
     x_TD, gate_TK = hidden_states.to(dtype), top_k_weights.to(dtype)
     plan, offs_E = _routes(top_k_index, self.num_experts)
@@ -133,9 +144,10 @@ def moe_plugin_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top
             order = _concatenated_order(self, w1_EDH.shape[-1]).to(w1_EDH.device)
             w1_EDH = w1_EDH.index_select(-1, order)
             b1_EH = None if b1_EH is None else b1_EH.index_select(-1, order)
-        y_TD = FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED)
+            lora = (lora[0], None if lora[1] is None else lora[1].index_select(-1, order)) + lora[2:]
+        y_TD = FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, *lora)
     else:
-        y_TD = _general(self, x_TD, gate_TK, plan, offs_E, w1_EDH, b1_EH, w2_EHD, b2_ED)
+        y_TD = _general(self, x_TD, gate_TK, plan, offs_E, w1_EDH, b1_EH, w2_EHD, b2_ED, lora)
     return y_TD.to(hidden_states.dtype)
 
 
@@ -147,14 +159,22 @@ def _routes(top_k_index: torch.Tensor, num_experts: int):
     return dataclasses.replace(plan, pos_TK=pos_TK, kept_TK=pos_TK >= 0), plan.offs_E[:num_experts]
 
 
-def _general(experts, x_TD, gate_TK, plan, offs_E, w1_EDH, b1_EH, w2_EHD, b2_ED):
-    """HF's own gate / activation / post-expert norm between the grouped GEMMs (autograd through each)."""
-    h_RH = grouped_linear(dispatch.encode(x_TD, plan), w1_EDH, offs_E, b1_EH)
+def _general(experts, x_TD, gate_TK, plan, offs_E, w1_EDH, b1_EH, w2_EHD, b2_ED, lora):
+    """HF's own gate / activation / post-expert norm between the grouped GEMMs (autograd through each); PEFT's
+    low-rank terms as two more grouped GEMMs each, on the same rows."""
+    x_RD = dispatch.encode(x_TD, plan)
+    h_RH = _with_lora(grouped_linear(x_RD, w1_EDH, offs_E, b1_EH), x_RD, lora[0], lora[1], offs_E)
     h_RH = experts._apply_gate(h_RH) if experts.has_gate else experts.act_fn(h_RH)
-    y_RD = grouped_linear(h_RH, w2_EHD, offs_E, b2_ED)
+    y_RD = _with_lora(grouped_linear(h_RH, w2_EHD, offs_E, b2_ED), h_RH, lora[2], lora[3], offs_E)
     if experts.has_post_expert_norm:
         y_RD = experts.post_expert_norm(y_RD)
     return dispatch.decode(y_RD, gate_TK, plan)
+
+
+def _with_lora(out_RO, in_RI, a_EIQ, b_EQO, offs_E):
+    if a_EIQ is None:
+        return out_RO
+    return out_RO + grouped_linear(grouped_linear(in_RI, a_EIQ, offs_E), b_EQO, offs_E)
 
 
 def register() -> None:
