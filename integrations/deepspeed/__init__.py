@@ -10,6 +10,7 @@ model.py (a small native-MoE demo model and its synthetic task).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
@@ -30,7 +31,7 @@ from moe_plugin import MoELayer, update_expert_bias
 from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _to_native_names, moe_config,
                                                       swap_moe_layers)  # noqa: F401 (_to_native_names: tests)
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
-from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, read_moe_section
+from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, check_ep_size_under_deepspeed, read_moe_section
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
                                                      gather_every_expert_on_16bit_save, to_zero3, zero_stage)
 
@@ -68,6 +69,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                config=None, mesh_param: Any = None, config_params=None):
     """deepspeed.initialize, after applying the config's "moe" section to model (see swap_moe_layers).
 
+    HF blocks swapped beforehand (swap_moe_blocks, upcycle: plain HFMoEBlocks) become DeepSpeed MoE layers in place
+    (hf.use_deepspeed_blocks). Every ep_size (the section's, each layer's) must divide the number of processes (per
+    pipeline stage): a ValueError naming it, before DeepSpeed builds its expert groups.
+
     Optimizer parameters come from model_parameters (parameters or param groups; default: every
     parameter that requires grad) with the swapped layers' parameters replaced, split into DeepSpeed's
     MoE groups. A client optimizer must then be a callable (params -> Optimizer), or an Optimizer with
@@ -82,6 +87,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         raise ValueError("the DeepSpeed config has a \"moe\" section (moe_plugin) and an enabled \"expert_parallel\" "
                          "section (DeepSpeed's AutoEP): both replace the model's MoE blocks; keep one (remove "
                          "\"expert_parallel\" or set its \"enabled\": false; its autoep_size is \"moe.ep_size\" here)")
+    if "moe_plugin.integrations.transformers" in sys.modules:   # loaded wherever a model holds swapped HF blocks
+        from moe_plugin.integrations.deepspeed.hf import use_deepspeed_blocks
+        use_deepspeed_blocks(model)
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
     swap_hf = section is not None and not has_moe
     if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
@@ -94,6 +102,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     use_pipeline_topology(model)
+    check_ep_sizes(model, section)
     replaced: Dict[int, List[nn.Parameter]] = {}
     if swap_hf:
         model, replaced = swap_for_section(model, section)
@@ -126,9 +135,19 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     return (engine, *rest)
 
 
+def check_ep_sizes(model: nn.Module, section: Optional[Mapping[str, Any]]) -> None:
+    """ValueError unless the section's ep_size and every MoE layer's divide the number of processes per pipeline
+    stage (torch.distributed started): DeepSpeed's own check is a bare AssertionError deep inside its groups."""
+    if section is not None and "ep_size" in section:
+        check_ep_size_under_deepspeed(section["ep_size"], "DeepSpeed config \"moe.ep_size\"")
+    for name, module in model.named_modules():
+        if isinstance(module, NativeMoE):
+            check_ep_size_under_deepspeed(module.ep_size, f"MoE layer {name or 'model'!r} ep_size")
+
+
 def check_expert_parallel_layers(model: nn.Module) -> None:
     """ValueError for an expert-parallel MoELayer that DeepSpeed would not see as MoE (one outside a DeepSpeed MoE
-    module: a bare MoELayer, or an HF block swapped with block_class=HFMoEBlock). DeepSpeed takes its experts for
+    module: a bare MoELayer; swapped HF blocks are made DeepSpeed MoE layers first). DeepSpeed takes its experts for
     replicated dense weights: it broadcasts rank 0's experts to every rank and averages their gradients over ranks
     that hold other experts (measured: rank 1's experts became rank 0's, and nothing warned)."""
     held = {id(m) for moe in model.modules() if isinstance(moe, NativeMoE) for m in moe.modules()}
@@ -139,8 +158,8 @@ def check_expert_parallel_layers(model: nn.Module) -> None:
                 f"module: DeepSpeed would take its experts for replicated dense weights (broadcast rank 0's experts "
                 f"to every rank, average their gradients over ranks holding other experts). Under DeepSpeed build it "
                 f"as moe_plugin.integrations.deepspeed.MoE (DeepSpeed's MoE signature), swap HF blocks with "
-                f"swap_moe_blocks or upcycle without block_class (their DeepSpeed block), put a \"moe\" section in "
-                f"the config instead of swapping beforehand, or use ep_size 1")
+                f"swap_moe_blocks or upcycle, put a \"moe\" section in the config instead of swapping beforehand, "
+                f"or use ep_size 1")
 
 
 def update_bias_every_step(engine) -> None:

@@ -2,9 +2,11 @@
 as MoE.
 
 DeepSpeed's engine handles expert parameters only inside instances of deepspeed.moe.layer.MoE (has_moe_layers,
-the expert-data-parallel gradient reduction, ZeRO's MoE groups, the per-expert checkpoint files). With DeepSpeed
-installed, swap_moe_blocks therefore builds `DeepSpeedHFMoEBlock`s: HFMoEBlocks that are also such instances,
-whatever launches the engine (moe_plugin's initialize, or transformers.Trainer through accelerate).
+the expert-data-parallel gradient reduction, ZeRO's MoE groups, the per-expert checkpoint files). DeepSpeed's paths
+therefore run swapped blocks as `DeepSpeedHFMoEBlock`s, HFMoEBlocks that are also such instances: swap_for_section
+builds them, and `use_deepspeed_blocks` turns the plain HFMoEBlocks of a model swapped beforehand into them
+(moe_plugin's initialize does, so also the hooked deepspeed.initialize of transformers.Trainer and accelerate).
+The transformers adapter itself builds plain HFMoEBlocks and never imports DeepSpeed.
 
 `initialize` (moe_plugin.integrations.deepspeed) calls `swap_for_section` on a model with no DeepSpeed MoE layer:
 a supported HF family is swapped with the section's settings, anything else is an error naming what was looked for.
@@ -19,13 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoEConfig
+from moe_plugin.integrations.deepspeed.section import check_ep_size_under_deepspeed
 from moe_plugin.integrations.deepspeed.native import (MoE, NativeMoE, _expert_parallel_group, hide_from_expert_files,
                                                       unhide_from_expert_files)
 from moe_plugin.integrations.transformers import FAMILIES, family_of, moe_config, swap_moe_blocks
 from moe_plugin.integrations.transformers.block import HFMoEBlock
 
-__all__ = ["DeepSpeedHFMoEBlock", "check_section_for_model", "swap_for_section", "check_swapped_block",
-           "section_overrides"]
+__all__ = ["DeepSpeedHFMoEBlock", "use_deepspeed_blocks", "check_section_for_model", "swap_for_section",
+           "check_swapped_block", "section_overrides"]
 
 # section keys the HF config fixes (the model's math): a section value must agree with it
 FIXED_BY_MODEL = ("num_experts", "top_k", "router", "num_groups", "topk_groups", "route_scale")
@@ -56,18 +59,24 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
 
     def __init__(self, moe, family: str, router_logits=None, jitter_noise: float = 0.0):
         super().__init__(moe, family, router_logits, jitter_noise)
-        config = moe.config
+        self._join_deepspeed()
+
+    def _join_deepspeed(self) -> None:
+        """The native layer's attributes, the expert flags and the state-dict hooks (the HFMoEBlock's own kept)."""
+        config = self.moe.config
         self.num_experts = config.num_experts
         self.ep_size = config.ep_size
-        self.num_local_experts = moe.groups.layout.local_experts
+        self.num_local_experts = self.moe.groups.layout.local_experts
         self.expert_group_name = f"ep_size_{config.ep_size}"
         self.use_residual = False
         self.enable_expert_tensor_parallelism = False
-        for param in moe.experts.parameters():
+        for param in self.moe.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name
-        self.register_state_dict_post_hook(_to_deepspeed_names)
-        self.register_load_state_dict_pre_hook(_from_deepspeed_names)
+        if not self.__dict__.get("_deepspeed_names_hooked"):   # once, should the block turn plain and back again
+            self.register_state_dict_post_hook(_to_deepspeed_names)
+            self.register_load_state_dict_pre_hook(_from_deepspeed_names)
+            self._deepspeed_names_hooked = True
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by the engine: DeepSpeed's expert groups exist and hold the ranks the layer exchanges with."""
@@ -83,6 +92,16 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
                 raise ValueError(f"the MoE layer exchanges tokens with ranks {ours}, but DeepSpeed's expert-parallel "
                                  f"group {self.expert_group_name} of this rank is {theirs}; swap the blocks with "
                                  f"ep_size={self.ep_size} and no ep_group (consecutive ranks, as DeepSpeed)")
+
+
+def use_deepspeed_blocks(model: nn.Module) -> nn.Module:
+    """Make every plain HFMoEBlock in model (swap_moe_blocks' and upcycle's) a DeepSpeedHFMoEBlock, in place: the
+    same layer, parameters and hooks, now a native MoE layer to DeepSpeed's engine. Returns model."""
+    for module in model.modules():
+        if isinstance(module, HFMoEBlock) and not isinstance(module, DeepSpeedHFMoEBlock):
+            module.__class__ = DeepSpeedHFMoEBlock
+            module._join_deepspeed()
+    return model
 
 
 def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, local_metadata) -> None:
@@ -171,11 +190,12 @@ def swap_for_section(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.M
     Returns the model and {id(old HF parameter): [the new parameters made from it]} (as swap_moe_layers).
     """
     ep_size = check_section_for_model(model, section).ep_size
+    check_ep_size_under_deepspeed(ep_size, "DeepSpeed config \"moe.ep_size\"")
     family = family_of(model)
     old_blocks = {name: m for name, m in model.named_modules() if isinstance(m, family.block_class())}
     # a model built under deepspeed.zero.Init (HF's from_pretrained at stage 3): swap_moe_blocks gathers its blocks
     swap_moe_blocks(model, ep_group=_expert_parallel_group(ep_size) if ep_size > 1 else None,
-                    **section_overrides(section))
+                    block_class=DeepSpeedHFMoEBlock, **section_overrides(section))
     replaced: Dict[int, List[nn.Parameter]] = {}
     for name, old in old_blocks.items():
         new = model.get_submodule(name).moe

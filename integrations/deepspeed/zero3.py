@@ -64,9 +64,11 @@ def check_zero3_config(ds_config: Mapping[str, Any], mpu: Any = None) -> None:
 def to_zero3(model: nn.Module) -> nn.Module:
     """Make every MoE layer of ours in model run under ZeRO stage 3 (see the module doc), in place.
 
-    Call before deepspeed.initialize, after torch.distributed starts. Returns model."""
-    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock
+    Call before deepspeed.initialize, after torch.distributed starts. Plain HFMoEBlocks (swap_moe_blocks') are
+    placed as DeepSpeed's blocks are (hf.use_deepspeed_blocks first). Returns model."""
+    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock, use_deepspeed_blocks
     from moe_plugin.integrations.transformers.block import HFMoEBlock
+    use_deepspeed_blocks(model)
     layers = [m for m in model.modules() if isinstance(m, (DeepSpeedHFMoEBlock, MoE))]
     native = [name for name, m in model.named_modules()
               if isinstance(m, NativeMoE) and not isinstance(m, (DeepSpeedHFMoEBlock, MoE))]

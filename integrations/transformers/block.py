@@ -179,11 +179,7 @@ def _recording_router_logits() -> bool:
 
 
 def block_type() -> type:
-    """The class swap_moe_blocks instantiates: HFMoEBlock or, with DeepSpeed installed, its subclass that
-    DeepSpeed's engine treats as an MoE layer (integrations/deepspeed/hf.py; the engine handles expert
-    parameters only inside deepspeed.moe.layer.MoE instances)."""
-    import importlib.util
-    if importlib.util.find_spec("deepspeed") is None:
-        return HFMoEBlock
-    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock
-    return DeepSpeedHFMoEBlock
+    """The class swap_moe_blocks and upcycle build by default: HFMoEBlock, whatever is installed. DeepSpeed's paths
+    (its initialize, the hook, ZeRO-3) turn blocks into their DeepSpeed subclass themselves
+    (integrations/deepspeed/hf.py), so this adapter never imports DeepSpeed."""
+    return HFMoEBlock

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.parallel.groups import check_ep_size
 
-from .block import HFMoEBlock, RouterInputTap, block_type, router_logits_class, router_logits_name
+from .block import HFMoEBlock, RouterInputTap, router_logits_class, router_logits_name
 from .export import save_pretrained_in_hf_names
 from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_families
 
@@ -41,10 +42,11 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
 
     overrides: any MoEConfig field (ep_size, capacity_factor, parallel, overlap_degree, a2a, ...).
     ep_group: a host framework's expert-parallel process group (default: built from the world).
-    block_class: the replacement's class (default: block_type(), the one for the installed hosts).
-    Under expert parallelism every rank must call this (it builds process groups); each keeps its
-    share of the experts. A composite model (Qwen3-VL-MoE, Qwen3-Omni-MoE, ...) has its blocks swapped
-    by the families of its nested text configs. Returns model.
+    block_class: the replacement's class (default HFMoEBlock; DeepSpeed's paths pass their subclass,
+    integrations/deepspeed/hf.py). Under expert parallelism every rank must call this (it builds process
+    groups); each keeps its share of the experts, and ep_size must divide the number of processes. A
+    composite model (Qwen3-VL-MoE, Qwen3-Omni-MoE, ...) has its blocks swapped by the families of its
+    nested text configs. Returns model.
     """
     found = require_families(model)
     swaps = []
@@ -57,6 +59,9 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
         names = ", ".join(f"{f.block} ({f.model_type})" for f, _ in found)
         raise ValueError(f"swap_moe_blocks: the {hf_config_of(model).model_type} model has no {names} "
                          f"(already swapped, or no MoE layer in this config)")
+    if ep_group is None:   # before any block changes
+        for ep_size in sorted({config.ep_size for _, _, _, config, _ in swaps}):
+            check_ep_size(ep_size, "swap_moe_blocks: ep_size")
     for name, hf_block, family, config, hf_config in swaps:
         parent, _, attr = name.rpartition(".")
         with _whole_parameters(hf_block):
@@ -126,7 +131,7 @@ def new_block(family: Family, config: MoEConfig, hf_block: nn.Module, hf_config,
     layer.to(device=reference.device)
     for param in layer.parameters():
         param.data = param.data.to(reference.dtype)
-    block = (block_class or block_type())(layer, family.model_type, tap_class() if tap_class else None,
+    block = (block_class or HFMoEBlock)(layer, family.model_type, tap_class() if tap_class else None,
                                           family.jitter_noise(hf_config))
     block.returns_tuple = family.returns_tuple
     if not family.in_decoder:   # (in_decoder: hooked on the decoder layer, whose prefix HF's names start from)

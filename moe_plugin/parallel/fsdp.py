@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import fsdp_state_dict
+from .groups import check_ep_size
 
 try:
     from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
@@ -64,6 +65,12 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
                          f"call it once, on the unsharded model")
     world = dist.get_world_size()
     device_type = _device_type(model)
+    _plain_swapped_blocks(model)
+    from ..layer import MoELayer
+    parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
+    for name, layer in model.named_modules():   # before any collective (the default mesh's)
+        if isinstance(layer, MoELayer) and layer.is_parallel:
+            check_ep_size(layer.config.ep_size, f"fully_shard_moe: MoE layer {name!r}: ep_size", world)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device_type, (world,))
@@ -74,9 +81,6 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     if mp_policy is None:
         options.pop("mp_policy")
 
-    _plain_swapped_blocks(model)
-    from ..layer import MoELayer
-    parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
     sharded = list(parallel)
     meshes = {id(layer): expert_mesh(layer, device_type) for layer in parallel}
     if parallel and ShardPlacementResult is None:
@@ -109,7 +113,7 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
 
 
 def _plain_swapped_blocks(model: nn.Module) -> None:
-    """DeepSpeed's subclass of the swapped HF block (swap_moe_blocks' default with DeepSpeed installed) renames
+    """DeepSpeed's subclass of the swapped HF block (what DeepSpeed's initialize makes of HFMoEBlocks) renames
     its experts in state_dict() to DeepSpeed's per-expert file names, for DeepSpeed's engine. torch's state-dict
     functions (get_model_state_dict, which Accelerate's FSDP2 save calls) walk every key as an attribute path
     and fail on those names: under FSDP2 the block is the plain HFMoEBlock, as under ZeRO-3."""

@@ -296,9 +296,11 @@ def test_backend_deepspeed_zero_3_and_bad_values_on_an_hf_model_fail_clearly():
 
 
 def test_a_model_swapped_before_initialize_must_match_the_section():
+    """initialize makes the plain blocks DeepSpeed's (use_deepspeed_blocks), then swap_moe_layers checks them."""
     import moe_plugin.integrations.deepspeed as dsi
+    from moe_plugin.integrations.deepspeed.hf import use_deepspeed_blocks
     from moe_plugin.integrations.transformers import swap_moe_blocks
-    model = swap_moe_blocks(build_model("olmoe", seed=0), capacity_factor=1.5)
+    model = use_deepspeed_blocks(swap_moe_blocks(build_model("olmoe", seed=0), capacity_factor=1.5))
     same, replaced = dsi.swap_moe_layers(model, {"backend": "tutel", "top_k": 3, "capacity_factor": 1.5})
     assert same is model and not replaced
     with pytest.raises(ValueError, match=r"sets capacity_factor=2.0, but block 'model.layers.0.mlp', swapped before "
@@ -330,13 +332,15 @@ def test_capacity_keys_map_as_for_native_layers_and_drop_tokens(section, capacit
 
 
 def test_swapped_blocks_are_deepspeed_moe_layers_with_per_expert_state_names():
-    """The engine's view: a deepspeed.moe.layer.MoE whose experts carry its flags, one state entry per local expert
-    and no other key holding "expert"; loading maps the names back."""
+    """The engine's view of the blocks DeepSpeed's paths make (swapped with block_class=DeepSpeedHFMoEBlock, or
+    plain blocks turned by use_deepspeed_blocks): a deepspeed.moe.layer.MoE whose experts carry its flags, one state
+    entry per local expert and no other key holding "expert"; loading maps the names back."""
     from deepspeed.moe.layer import MoE as NativeMoE
     from deepspeed.moe.utils import is_moe_param
 
+    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock, use_deepspeed_blocks
     from moe_plugin.integrations.transformers import swap_moe_blocks
-    model = swap_moe_blocks(build_model("deepseek_v3", seed=0))
+    model = swap_moe_blocks(build_model("deepseek_v3", seed=0), block_class=DeepSpeedHFMoEBlock)
     block = model.model.layers[1].mlp
     assert isinstance(block, NativeMoE) and (block.num_experts, block.num_local_experts, block.ep_size) == (8, 8, 1)
     assert {n for n, p in block.named_parameters() if is_moe_param(p)} == {"moe.experts.w1_EDH", "moe.experts.w2_EHD"}
@@ -348,7 +352,9 @@ def test_swapped_blocks_are_deepspeed_moe_layers_with_per_expert_state_names():
     assert not [k for k in state if "expert" in k and k not in per_expert], list(state)
     assert torch.equal(state["deepspeed_moe.experts.deepspeed_experts.5.w2_HD"], block.moe.experts.w2_EHD[5])
     assert torch.equal(state["moe.router.Expert_bias_E"], block.moe.router.expert_bias_E)
-    other = swap_moe_blocks(build_model("deepseek_v3", seed=1)).model.layers[1].mlp
+    other = use_deepspeed_blocks(swap_moe_blocks(build_model("deepseek_v3", seed=1))).model.layers[1].mlp
+    assert isinstance(other, DeepSpeedHFMoEBlock)
+    assert all(p.group_name == "ep_size_1" and not p.allreduce for p in other.moe.experts.parameters())
     other.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(other.moe.state_dict().values(), block.moe.state_dict().values()))
 

@@ -216,13 +216,17 @@ def test_save_pretrained_of_a_swapped_model_loads_in_plain_transformers(family, 
             assert_close_rel(loaded(ids).logits, model(ids).logits, TOL, f"logits after save {i}")
 
 
-@pytest.mark.parametrize("block_class", ["default", "HFMoEBlock"])
+@pytest.mark.parametrize("block_class", ["HFMoEBlock", "DeepSpeedHFMoEBlock"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_swapped_model_loads_a_state_dict_in_hf_names(family, block_class, fresh_seed):
     """load_state_dict takes the blocks in HF's names and layouts (an unswapped model's state_dict(), or
-    hf_state_dict of a swapped one), strictly, for the default block (DeepSpeed's MoE subclass when
-    DeepSpeed is installed) and the plain one; its own names still load."""
-    options = {} if block_class == "default" else {"block_class": hf_moe.HFMoEBlock}
+    hf_state_dict of a swapped one), strictly, for the default block (HFMoEBlock) and DeepSpeed's MoE subclass
+    (what DeepSpeed's paths build); its own names still load."""
+    options = {}
+    if block_class == "DeepSpeedHFMoEBlock":
+        pytest.importorskip("deepspeed")
+        from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock
+        options = {"block_class": DeepSpeedHFMoEBlock}
     hf_model = build_model(family, fresh_seed)
     with torch.no_grad():
         for p in hf_model.parameters():

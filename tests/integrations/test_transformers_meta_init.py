@@ -4,6 +4,7 @@ reset_parameters()). Every tensor of every swapped block is then drawn as HF dra
 (normal(0, initializer_range), the DeepSeek-V3 bias 0); the model then computes what a normally built one
 computes with the same weights, and HF-named weights load into it."""
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -84,8 +85,12 @@ def test_blocks_reset_parameters_initializes_them(family):
 
 
 def test_both_block_classes_get_initialized():
-    """HFMoEBlock and the class swap_moe_blocks builds here (DeepSpeed's subclass when deepspeed imports)."""
-    for block_class in {hf_moe.HFMoEBlock, hf_moe.block_type()}:
+    """HFMoEBlock and, when deepspeed is installed, the subclass DeepSpeed's paths build."""
+    classes = [hf_moe.HFMoEBlock]
+    if importlib.util.find_spec("deepspeed") is not None:
+        from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock
+        classes.append(DeepSpeedHFMoEBlock)
+    for block_class in classes:
         model = meta_swapped("qwen2_moe", block_class=block_class)
         assert all(type(b) is block_class for b in blocks(model))
         model.init_weights()

@@ -281,16 +281,20 @@ def test_adaptive_capacity():
         if i == 0:   # the cap applies: expert 0's overflow is dropped
             assert int(load_E[0]) > fixed and stats["capacity"] == fixed and stats["dropped_fraction"] > 0
 
-def test_deepspeed_blocks_and_hf_blocks():
-    """With DeepSpeed installed the blocks are DeepSpeed's MoE instances (the engine's MoE handling);
-    block_class=HFMoEBlock gives plain blocks (the main job's)."""
+def test_plain_blocks_and_deepspeed_blocks():
+    """The blocks are plain HFMoEBlocks, DeepSpeed installed or not; DeepSpeed's paths (use_deepspeed_blocks, which
+    its initialize calls) make them DeepSpeed's MoE instances (the engine's MoE handling), or block_class does."""
     pytest.importorskip("deepspeed")
     from deepspeed.moe.layer import MoE
+
+    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock, use_deepspeed_blocks
     dense, _ = dense_model("mistral")
     model = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2)
+    assert all(type(b) is HFMoEBlock for _, _, b in upcycled_blocks(model))
+    use_deepspeed_blocks(model)
     assert all(isinstance(b, MoE) for _, _, b in upcycled_blocks(model))
-    plain = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, block_class=HFMoEBlock)
-    assert all(type(b) is HFMoEBlock for _, _, b in upcycled_blocks(plain))
+    chosen = upcycle(copy.deepcopy(dense), num_experts=4, top_k=2, block_class=DeepSpeedHFMoEBlock)
+    assert all(type(b) is DeepSpeedHFMoEBlock for _, _, b in upcycled_blocks(chosen))
 
 
 @pytest.mark.parametrize("family,target,layers,extra", [
