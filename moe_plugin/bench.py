@@ -3,8 +3,16 @@ DeepSpeed's MoE layer (when installed), interleaved in one run; medians and rati
 
 --autocast bf16|fp16 runs every candidate under torch.autocast (parameters in --dtype) and times the
 bare GEMMs in the autocast dtype (the floor: no casts); --compile adds the torch.compile'd layer;
---device cuda times on the GPU (synchronized) and adds the grouped_mm floor (F.grouped_mm on the
-balanced routed rows, forward+backward).
+--device cuda times on the GPU (synchronized).
+
+Floors, on the rows the layer itself keeps per expert in this run (its real, skewed routing): floor_gated, the
+experts' GEMMs with the layer's own activation and matrix count (a gated activation: D x 2H in, activation,
+H x D out) and nothing else; floor_relu, ReLU with one D x H matrix in (what the older floors ran, so a gated
+layer measured against it looks 1.5x slower than it is). Grouped GEMMs: torch's F.grouped_mm autograd in bf16
+on CUDA, the layer's own grouped GEMM op elsewhere. bare_gemm: torch.bmm on balanced rows, ReLU.
+Throughput (tflops): forward+backward FLOPs 18*T*K*H*D for a gated activation and 12*T*K*H*D otherwise
+(SonicMoE's convention); the ReLU floors count 12. peak_tflops: a dense n x n x n matmul in the GEMMs' dtype
+in the same run (n 8192 on CUDA, 1024 on CPU), the machine's reachable peak.
 
 Legend: T tokens, D model dim, H hidden, E experts, K top-k.
 """
@@ -19,11 +27,14 @@ from typing import Callable, Dict, List
 
 import torch
 
+from . import activations
 from .config import ACTIVATIONS, MoEConfig
+from .grouped_linear import grouped_linear
 from .layer import MoELayer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 BASELINE = "bare_gemm"
+RELU_COUNTED = ("bare_gemm", "floor_relu")   # candidates that run one D x H matrix in, whatever the layer's activation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +86,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.compile:
         candidates["compiled"] = _step(layer.parameters(), x_TD, grad_TD, torch.compile(layer), autocast)
     candidates[BASELINE] = _bare_gemm_step(config, args.tokens, gemm_dtype, device)
-    if device.type == "cuda":
-        candidates["grouped_mm"] = _grouped_mm_step(config, args.tokens, gemm_dtype, device)
+    rows_E = _kept_rows_per_expert(layer, x_TD, autocast)
+    candidates["floor_gated"] = _floor_step(config, rows_E, activations.of_config(config), gemm_dtype, device)
+    candidates["floor_relu"] = _floor_step(config, rows_E, activations.Activation("relu"), gemm_dtype, device)
     if "einsum" not in skip:
         from .reference import reference_moe
         candidates["einsum"] = _step(layer.parameters(), x_TD, grad_TD, lambda x: reference_moe(layer, x)[0],
@@ -99,14 +111,40 @@ def run(args: argparse.Namespace) -> dict:
 
     median_ms = interleaved_median_ms(candidates, args.warmup, args.rounds)
     ours = "moe_plugin" if "moe_plugin" in median_ms else "compiled"
+    flops = {name: train_flops(config, args.tokens, gated=name not in RELU_COUNTED) for name in median_ms}
     return {
         "config": config.to_dict(), "tokens": args.tokens, "dtype": args.dtype, "autocast": args.autocast,
         "device": str(device), "threads": torch.get_num_threads(), "rounds": args.rounds, "torch": torch.__version__,
         "median_ms": median_ms,
         "ratio_to_bare_gemm": {n: t / median_ms[BASELINE] for n, t in median_ms.items()},
         "ratio_to_moe_plugin": {n: t / median_ms[ours] for n, t in median_ms.items()},
+        "ratio_to_floor_gated": {n: t / median_ms["floor_gated"] for n, t in median_ms.items()},
+        "tflops": {n: flops[n] / (t * 1e-3) / 1e12 for n, t in median_ms.items()},
+        "peak_tflops": dense_matmul_tflops(gemm_dtype, device, args.rounds),
+        "routed_rows_per_expert": rows_E,
         "moe_plugin_stats": layer.stats, "notes": notes,
     }
+
+
+def train_flops(config: MoEConfig, tokens: int, gated: bool = True) -> int:
+    """Forward+backward FLOPs of the experts: 18*T*K*H*D gated (3 matrices' worth), 12*T*K*H*D otherwise."""
+    per_row = 18 if gated and activations.of_config(config).gated else 12
+    return per_row * tokens * config.top_k * config.hidden_size * config.model_dim
+
+
+def dense_matmul_tflops(dtype: torch.dtype, device: torch.device, rounds: int) -> float:
+    """The best TFLOP/s of a dense n x n x n matmul (n 8192 on CUDA, 1024 elsewhere) over rounds + 1 tries."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(rounds + 1):
+        sync()
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e12
 
 
 def interleaved_median_ms(candidates: Dict[str, Callable[[], float]], warmup: int, rounds: int) -> Dict[str, float]:
@@ -127,10 +165,14 @@ def format_table(result: dict) -> str:
              f"{result['threads']} threads, "
              f"T={result['tokens']} D={cfg['model_dim']} H={cfg['hidden_size']} E={cfg['num_experts']} "
              f"k={cfg['top_k']} cf={cfg['capacity_factor']} bias={cfg['bias']}, median of {result['rounds']} rounds",
-             f"{'candidate':<12} {'median ms':>10} {'x bare_gemm':>12} {'x moe_plugin':>13}"]
+             f"{'candidate':<13} {'median ms':>10} {'x bare_gemm':>12} {'x floor_gated':>14} {'x moe_plugin':>13} "
+             f"{'TFLOP/s':>8}"]
     for name, ms in result["median_ms"].items():
-        lines.append(f"{name:<12} {ms:>10.1f} {result['ratio_to_bare_gemm'][name]:>12.3f} "
-                     f"{result['ratio_to_moe_plugin'][name]:>13.3f}")
+        lines.append(f"{name:<13} {ms:>10.1f} {result['ratio_to_bare_gemm'][name]:>12.3f} "
+                     f"{result['ratio_to_floor_gated'][name]:>14.3f} {result['ratio_to_moe_plugin'][name]:>13.3f} "
+                     f"{result['tflops'][name]:>8.3f}")
+    lines.append(f"dense matmul peak (same run): {result['peak_tflops']:.3f} TFLOP/s; FLOPs: 18*T*K*H*D gated, "
+                 f"12*T*K*H*D otherwise (floor_relu and bare_gemm count 12)")
     stats = result["moe_plugin_stats"]
     lines.append(f"moe_plugin: capacity {stats['capacity']}, dropped {stats['dropped_fraction']:.4f}")
     lines += [f"{key}: {value}" for key, value in result["notes"].items()]
@@ -173,18 +215,31 @@ def _bare_gemm_step(config: MoEConfig, tokens: int, dtype: torch.dtype, device=N
     return _step([w1_EDH, w2_EHD], x_ERD, grad_ERD, lambda x: torch.bmm(torch.relu(torch.bmm(x, w1_EDH)), w2_EHD))
 
 
-def _grouped_mm_step(config: MoEConfig, tokens: int, dtype: torch.dtype, device) -> Callable[[], float]:
-    """F.grouped_mm over the balanced routed rows [T*K, D] (GPU: its autograd), relu, back to D."""
+def _kept_rows_per_expert(layer: MoELayer, x_TD: torch.Tensor, autocast: Callable) -> List[int]:
+    """The rows the layer keeps per expert on x_TD (its real routing, capacity applied), from one forward."""
+    with torch.no_grad(), autocast():
+        layer(x_TD)
+    stats = layer.stats
+    return [min(load, stats["capacity"]) for load in stats["tokens_per_expert"]]
+
+
+def _floor_step(config: MoEConfig, rows_E: List[int], activation: "activations.Activation", dtype: torch.dtype,
+                device) -> Callable[[], float]:
+    """The experts' grouped GEMMs alone on rows_E rows per expert: [R, D] x [D, first width], activation,
+    x [H, D]; F.grouped_mm's own autograd in bf16 on CUDA, the layer's grouped GEMM op elsewhere."""
     E, D, H = config.num_experts, config.model_dim, config.hidden_size
-    rows = max(1, tokens * config.top_k // E)
-    offs_E = torch.arange(1, E + 1, device=device, dtype=torch.int32) * rows
-    w1_EDH = (torch.randn(E, D, H, dtype=dtype, device=device) / D ** 0.5).requires_grad_()
+    offs_E = torch.tensor(rows_E, device=device).cumsum(0).to(torch.int32)
+    w1_EDF = (torch.randn(E, D, activations.first_width(activation, H), dtype=dtype, device=device) / D ** 0.5)
     w2_EHD = (torch.randn(E, H, D, dtype=dtype, device=device) / H ** 0.5).requires_grad_()
-    x_RD = torch.randn(E * rows, D, dtype=dtype, device=device)
+    w1_EDF.requires_grad_()
+    x_RD = torch.randn(sum(rows_E), D, dtype=dtype, device=device)
     grad_RD = torch.randn_like(x_RD)
-    grouped = torch.nn.functional.grouped_mm
-    return _step([w1_EDH, w2_EHD], x_RD, grad_RD,
-                 lambda x: grouped(torch.relu(grouped(x, w1_EDH, offs=offs_E)), w2_EHD, offs=offs_E))
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        grouped = lambda x, w: torch.nn.functional.grouped_mm(x, w, offs=offs_E)   # noqa: E731
+    else:
+        grouped = lambda x, w: grouped_linear(x, w, offs_E)   # noqa: E731
+    return _step([w1_EDF, w2_EHD], x_RD, grad_RD,
+                 lambda x: grouped(activations.forward(grouped(x, w1_EDF), activation), w2_EHD))
 
 
 def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], float] | str":

@@ -20,7 +20,7 @@ def test_bench_json_times_every_candidate_and_checks_the_einsum_reference():
     out = subprocess.run([sys.executable, "-m", "moe_plugin.cli"] + TINY, capture_output=True, text=True,
                          check=True, timeout=300).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    expected = {"moe_plugin", "bare_gemm", "einsum"}
+    expected = {"moe_plugin", "bare_gemm", "einsum", "floor_gated", "floor_relu"}
     if importlib.util.find_spec("deepspeed"):
         expected.add("deepspeed")
     assert set(result["median_ms"]) == expected
@@ -30,10 +30,34 @@ def test_bench_json_times_every_candidate_and_checks_the_einsum_reference():
     assert result["config"]["num_experts"] == 4 and result["tokens"] == 57
 
 
+@pytest.mark.parametrize("activation, capacity", [("swiglu", "1.0"), ("relu", "0")])
+def test_bench_floors_count_the_layers_rows_and_flops(capsys, activation, capacity):
+    """floor_gated runs the layer's own matrices on the rows the layer kept per expert; TFLOP/s follow
+    18*T*K*H*D (gated) / 12*T*K*H*D (otherwise; the ReLU floors always 12)."""
+    T, D, H, K = 203, 32, 48, 3
+    args = ["bench", "--model-dim", str(D), "--hidden-size", str(H), "--num-experts", "5", "--top-k", str(K),
+            "--tokens", str(T), "--activation", activation, "--capacity-factor", capacity, "--rounds", "1",
+            "--warmup", "0", "--skip", "einsum,deepspeed", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stats = result["moe_plugin_stats"]
+    rows = result["routed_rows_per_expert"]
+    assert rows == [min(load, stats["capacity"]) for load in stats["tokens_per_expert"]]
+    assert sum(rows) == round(T * K * (1 - stats["dropped_fraction"]))
+    if capacity != "0":
+        assert sum(rows) < T * K      # dropped choices are not in the floor
+    gated_per_row = 18 if activation == "swiglu" else 12
+    for name, ms in result["median_ms"].items():
+        per_row = 12 if name in ("floor_relu", "bare_gemm") else gated_per_row
+        assert result["tflops"][name] == pytest.approx(per_row * T * K * H * D / (ms * 1e-3) / 1e12, rel=1e-9)
+    assert result["ratio_to_floor_gated"]["floor_gated"] == 1.0
+    assert result["peak_tflops"] > 0
+
+
 def test_bench_under_autocast_with_compile(capsys):
     assert main(TINY + ["--autocast", "bf16", "--compile", "--skip", "deepspeed"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["median_ms"]) == {"moe_plugin", "compiled", "bare_gemm", "einsum"}
+    assert set(result["median_ms"]) == {"moe_plugin", "compiled", "bare_gemm", "einsum", "floor_gated", "floor_relu"}
     assert result["autocast"] == "bf16" and all(ms > 0 for ms in result["median_ms"].values())
     assert result["notes"]["max_abs_diff_vs_einsum"] < 5e-2      # bf16 outputs of the same routes
 
