@@ -8,7 +8,7 @@ weight; the backend reads the stored W and the factors instead (factors() below)
 the routed rows with grouped GEMMs. Any other PEFT state (several adapters, a merged-delta proxy, a
 parametrization of some other library) is left as PEFT made it: the backend then reads the parameter as before.
 
-Legend: E experts, I input dim, O output dim (of the stored projection), Q LoRA rank.
+Legend: E experts, I input dim, O output dim (of the projection x -> x W), Q LoRA rank.
 """
 from __future__ import annotations
 
@@ -35,3 +35,20 @@ def factors(experts: nn.Module, name: str, transposed: bool
     lhs, rhs = proxy.lhs, proxy.rhs           # the delta in the stored orientation is lhs @ rhs
     a, b = (lhs, rhs) if transposed else (rhs.transpose(1, 2), lhs.transpose(1, 2))
     return chain.original, a.contiguous(), (b * proxy.scaling).contiguous()
+
+
+def from_peft(lora_A: torch.Tensor, lora_B: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's ParamWrapper weights of one expert projection (lora_A [Q*E, I], lora_B [O, Q*E], whatever the stored
+    layout) -> the layer's (a [E, I, Q], b [E, Q, O]), unscaled: x W + s (x a) b is what PEFT computes (the columns
+    of O in the stored projection's order)."""
+    a = lora_A.reshape(num_experts, -1, lora_A.shape[-1]).transpose(1, 2)
+    b = lora_B.reshape(lora_B.shape[0], -1, num_experts).permute(2, 1, 0)
+    return a.contiguous(), b.contiguous()
+
+
+def to_peft(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of from_peft: (lora_A [Q*E, I], lora_B [O, Q*E])."""
+    E, I, Q = a.shape
+    lora_A = a.transpose(1, 2).reshape(E * Q, I)
+    lora_B = b.permute(2, 1, 0).reshape(b.shape[2], Q * E)
+    return lora_A.contiguous(), lora_B.contiguous()

@@ -92,3 +92,56 @@ def test_backend_merge_and_unload_gives_a_plain_model(fresh_seed):
         assert not any("lora_" in n for n, _ in plain.named_parameters())
         assert type(plain) is type(model)
         torch.testing.assert_close(plain(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def peft_wrappers(peft_model, block_name):
+    """{parameter name: PEFT's ParamWrapper} of the experts of block_name (PEFT nests one wrapper per parameter)."""
+    module, found = peft_model.get_submodule(f"base_model.model.{block_name}.experts"), {}
+    while type(module).__name__ == "ParamWrapper":
+        found[module.parameter_name] = module
+        module = module.base_layer
+    return found
+
+
+PAIRS = {"gate_up_proj": ("up_a_EDQ", "up_b_EQF"), "down_proj": ("down_a_EHQ", "down_b_EQD")}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_swapped_layer_lora_with_peft_factors_equals_peft(family, fresh_seed):
+    """The in-layer adapter (moe_plugin.lora) given PEFT's factors (from_peft) computes PEFT's function: same loss,
+    same adapter gradients (mapped back with to_peft) as PEFT's own path on the unswapped model."""
+    import moe_plugin.integrations.transformers as hf_moe
+    from moe_plugin.integrations.transformers.peft import from_peft, to_peft
+    from moe_plugin.lora import add_lora
+
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    torch.manual_seed(fresh_seed)
+    theirs = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_parameters=EXPERTS, init_lora_weights=False))
+    ours = hf_moe.swap_moe_blocks(copy.deepcopy(model))
+    for param in ours.parameters():
+        param.requires_grad_(False)
+    adapters = add_lora(ours, rank=4, alpha=8)
+    blocks = {n: m for n, m in ours.named_modules() if isinstance(m, hf_moe.HFMoEBlock)}
+    assert len(adapters) == len(blocks) > 0
+    with torch.no_grad():
+        for name, block in blocks.items():
+            E = block.moe.experts.w1_EDH.shape[0]
+            for param, wrapper in peft_wrappers(theirs, name).items():
+                a, b = from_peft(wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight, E)
+                assert torch.equal(to_peft(a, b)[0], wrapper.lora_A["default"].weight)
+                assert torch.equal(to_peft(a, b)[1], wrapper.lora_B["default"].weight)
+                getattr(block.moe.experts.lora, PAIRS[param][0]).copy_(a)
+                getattr(block.moe.experts.lora, PAIRS[param][1]).copy_(b)
+    ids = tokens(fresh_seed)
+    loss, grads = loss_and_adapter_grads(theirs, ids)
+    our_loss, _ = loss_and_adapter_grads(ours, ids)
+    assert relative(our_loss, loss) <= TOL
+    for name, block in blocks.items():
+        lora = block.moe.experts.lora
+        for param, wrapper in peft_wrappers(theirs, name).items():
+            a, b = (getattr(lora, n).grad for n in PAIRS[param])
+            grad_A, grad_B = to_peft(a, b)
+            assert relative(grad_A, wrapper.lora_A["default"].weight.grad) <= TOL, (name, param, "A")
+            assert relative(grad_B, wrapper.lora_B["default"].weight.grad) <= TOL, (name, param, "B")
+    assert set(grads) == {n for n, _ in theirs.named_parameters() if "lora_" in n}
