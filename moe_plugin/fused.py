@@ -25,8 +25,23 @@ class FusedMoE(torch.autograd.Function):
     none of the input-gradient GEMMs."""
 
     @staticmethod
-    def forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED,
-                up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None):
+    def forward(ctx, *args):
+        if torch.compiler.is_compiling():    # the ops run later, in the compiled graph: they zero as usual
+            return FusedMoE._forward(ctx, *args)
+        with ops.tail_rows_unread():    # rows past the kept ones: every consumer here skips them, none is zeroed
+            return FusedMoE._forward(ctx, *args)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y_TD):
+        if torch.compiler.is_compiling():
+            return FusedMoE._backward(ctx, grad_y_TD)
+        with ops.tail_rows_unread():
+            return FusedMoE._backward(ctx, grad_y_TD)
+
+    @staticmethod
+    def _forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED,
+                 up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None):
         x_TD = x_TD.contiguous()
         R = pos_TK.numel()
         lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
@@ -43,8 +58,7 @@ class FusedMoE(torch.autograd.Function):
         return y_TD
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y_TD):
+    def _backward(ctx, grad_y_TD):
         x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = ctx.saved_tensors
         R = pos_TK.numel()
         needs = Needs.of(ctx.needs_input_grad, x=0, weights=5)

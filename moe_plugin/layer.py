@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import dispatch
+from . import dispatch, fused_route
 from .config import AUTO, MoEConfig
 from .experts import Experts, cast_weights
 from .fused import fused_moe
@@ -20,7 +20,7 @@ from .parallel.ddp import check_plain_ddp
 from .parallel.fsdp import check_expert_sharding
 from .parallel.groups import build_groups
 from .parallel.tuner import OnceTuner, Tuner
-from .router import Router, autocast_off, autocast_on, finalize_gates
+from .router import Router, autocast_off, autocast_on
 from .shared_expert import SharedExpert
 
 
@@ -159,16 +159,16 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: router_input must have x's shape {tuple(x.shape)}, "
                              f"got {tuple(router_input.shape)}")
         routed_TD = x_TD if router_input is None else router_input.reshape(-1, cfg.model_dim)
-        routes = self.router(routed_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None, sequence_T=sequence_T)
-        priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
-        plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, self.capacity_factor(),
-                                    cfg.min_capacity, priority_T)
-        gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate, cfg.route_scale)
+        if fused_route.eligible(self, routed_TD):     # CUDA eager: routing in four kernels
+            gate_TK, aux_loss, plan = fused_route.route(self, routed_TD, self.capacity_factor(), dtype)
+        else:
+            gate_TK, aux_loss, plan, _ = fused_route.reference(self, routed_TD, self.capacity_factor(), dtype,
+                                                               x.shape[-2] if x.dim() >= 3 else None, sequence_T)
 
         # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
         shared = _SharedOutput(self.shared_expert, x_TD)
         experts = self.experts if isinstance(self.experts, ModuleExperts) else cast_weights(self.experts, dtype)
-        x_TD, gate_TK = x_TD.to(dtype), gate_TK.to(dtype)
+        x_TD = x_TD.to(dtype)
         if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
             x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
         if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
@@ -181,7 +181,7 @@ class MoELayer(nn.Module):
                 y_TD, degrees = fused_moe(x_TD, gate_TK, plan, experts), None
         y_TD = shared.add_to(y_TD)
 
-        self.aux_loss = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
+        self.aux_loss = aux_loss
         self._routing = (plan.load_E.detach(), plan.kept_E.detach(), plan.capacity_factor, plan.fixed,
                          x_TD.shape[0], cfg.top_k)
         if degrees is not None:

@@ -39,7 +39,8 @@ require_torch()
 from . import torch_ops  # noqa: E402
 from .choice import (ENV, MODES, describe, device_kind, direct, eager_triton, kernels_for, mode,  # noqa: F401,E402
                      simulated_cuda)
-from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401,E402
+from .grouped import (grouped_mm, grouped_mm_loop, grouped_sum, offsets, tail_rows_unread,  # noqa: F401,E402
+                      tail_unread, zero_rows_past)
 
 
 def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _scatter_rows_kernels(src_TD: torch.Tensor, pos_TK: torch.Tensor, scale_TK: 
                           other_RD: Optional[torch.Tensor], num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     kernels = kernels_for(src_TD.device)[0]
     out_RD, dot_TK = kernels.scatter_rows(src_TD, pos_TK, scale_TK, other_RD, num_rows)
-    if num_rows:
+    if num_rows and not tail_unread():
         zero_rows_past(out_RD, (pos_TK >= 0).sum())    # the kept rows come first; the rest hold no choice
     return out_RD, dot_TK
 

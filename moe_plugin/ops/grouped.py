@@ -17,6 +17,8 @@ torch 2.13's F.grouped_mm has three traps this op hides (all measured):
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -44,10 +46,30 @@ def _grouped_mm_kernels(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, 
     else:
         out = grouped_mm_loop(a, b, offs_E)
     if b.dim() == 3:
-        zero_rows_past(out, offs_E[-1])
+        if not tail_unread():
+            zero_rows_past(out, offs_E[-1])
         if bias_EO is not None:
             _add_bias(out, bias_EO, offs_E)
     return out
+
+
+_TAIL = threading.local()
+
+
+@contextlib.contextmanager
+def tail_rows_unread():
+    """Inside: grouped_mm and scatter_rows leave the rows past the last group / kept choice as they come (not
+    zeroed), for a caller none of whose consumers reads them (the fused layer: every grouped GEMM reads only its
+    groups' rows, gather_sum only the kept ones); in a dropless step there are none. Saves a launch per call."""
+    before, _TAIL.unread = tail_unread(), True
+    try:
+        yield
+    finally:
+        _TAIL.unread = before
+
+
+def tail_unread() -> bool:
+    return getattr(_TAIL, "unread", False)
 
 
 _grouped_mm_op = torch.library.custom_op("moe_plugin::grouped_mm", _grouped_mm_kernels, mutates_args=())
@@ -154,7 +176,12 @@ def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
 
 
 def _add_bias(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor) -> None:
-    if device_kind(out_RO.device) != "cpu":
+    """out_RO[r] += bias_EO[group of r], in place; rows past the last offset untouched."""
+    triton_kernels = eager_triton(out_RO.device)
+    if triton_kernels is not None and out_RO.is_contiguous():      # one pass over the rows, one launch
+        triton_kernels.add_bias_rows(out_RO, bias_EO, offs_E)
+        return
+    if device_kind(out_RO.device) != "cpu":    # the reference (torch.compile fuses it)
         bias_RO = F.pad(bias_EO, (0, 0, 0, 1)).index_select(0, group_of_rows(offs_E, out_RO.shape[0]))
         out_RO += bias_RO
         return

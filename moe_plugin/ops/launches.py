@@ -93,16 +93,16 @@ class _CountedKernel:
 @contextlib.contextmanager
 def count_launches() -> Iterator[LaunchCounter]:
     """Counts, inside the context, what the CUDA code path would launch (see the module's docstring)."""
-    from . import triton_kernels
+    from . import triton_kernels, triton_route
     counter = LaunchCounter()
-    kernels = {name: value for name, value in vars(triton_kernels).items()
-               if name.startswith("_") and name.endswith("_kernel")}
+    kernels = [(module, name, value) for module in (triton_kernels, triton_route) for name, value in vars(module).items()
+               if name.startswith("_") and name.endswith("_kernel")]
     with simulated_cuda():
         try:
-            for name, kernel in kernels.items():
-                setattr(triton_kernels, name, _CountedKernel(kernel, name.strip("_"), counter))
+            for module, name, kernel in kernels:
+                setattr(module, name, _CountedKernel(kernel, name.strip("_"), counter))
             with counter:
                 yield counter
         finally:
-            for name, kernel in kernels.items():
-                setattr(triton_kernels, name, kernel)
+            for module, name, kernel in kernels:
+                setattr(module, name, kernel)

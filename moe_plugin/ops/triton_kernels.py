@@ -1,7 +1,8 @@
 """The routing kernels in Triton, for CUDA tensors: same signatures and results as torch_ops.py; and
-three more that keep a GPU step free of passes over whole tensors: zero_rows_past (zeroes only the rows
-past a device-held end), grouped_sum (bias gradients: per-group column sums, no atomics) and SwiGLU
-forward and backward in one pass each (plain and clamped).
+more that keep a GPU step free of passes over whole tensors: zero_rows_past (zeroes only the rows
+past a device-held end), add_bias_rows (each group's bias added in place, one pass), grouped_sum (bias
+gradients: per-group column sums, no atomics) and SwiGLU forward and backward in one pass each (plain and
+clamped).
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept choices, grouped by expert).
 pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped.
@@ -134,6 +135,20 @@ def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     _grouped_sum_kernel[(E, triton.cdiv(O, block_o))](x_RO.contiguous(), offs_E.contiguous(), sums_EO, O,
                                                       ACC=_acc_dtype(x_RO), BLOCK_R=_ROWS, BLOCK_O=block_o)
     return sums_EO
+
+
+def add_bias_rows(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor) -> None:
+    """out_RO[r] += bias_EO[e] for each row r of group e (groups end at offs_E, int32, on the device), in place
+    (contiguous out_RO); rows past the last offset untouched."""
+    _require_triton()
+    R, O = out_RO.shape
+    E = offs_E.shape[0]
+    if R == 0 or O == 0 or E == 0:
+        return
+    block_o = min(triton.next_power_of_2(O), _COLUMNS)
+    grid = (triton.cdiv(R, _ZERO_ROWS), triton.cdiv(O, block_o))
+    _add_bias_rows_kernel[grid](out_RO, bias_EO.contiguous(), offs_E.contiguous(), R, O, E, BLOCK_R=_ZERO_ROWS,
+                                BLOCK_O=block_o, BLOCK_E=triton.next_power_of_2(E))
 
 
 def swiglu_forward(pre_RH2: torch.Tensor) -> torch.Tensor:
@@ -280,6 +295,23 @@ if triton is not None:
             mask_RO = ((r_R >= end) & (r_R < R))[:, None] & (o_O < O)[None, :]
             zeros_RO = tl.zeros([BLOCK_R, BLOCK_O], out_ptr.dtype.element_ty)
             tl.store(out_ptr + r_R[:, None] * O + o_O[None, :], zeros_RO, mask=mask_RO)
+
+    @triton.jit
+    def _add_bias_rows_kernel(out_ptr, bias_ptr, offs_ptr, R, O, E, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr,
+                              BLOCK_E: tl.constexpr):
+        r_R = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        o_O = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        e_E = tl.arange(0, BLOCK_E)
+        offs_E = tl.load(offs_ptr + e_E, mask=e_E < E, other=2147483647).to(tl.int64)
+        group_R = tl.sum((offs_E[None, :] <= r_R[:, None]).to(tl.int32), axis=1)     # E past the last offset
+        mask_RO = ((r_R < R) & (group_R < E))[:, None] & (o_O < O)[None, :]
+        bias_RO = tl.load(bias_ptr + group_R[:, None].to(tl.int64) * O + o_O[None, :], mask=mask_RO, other=0)
+        out_RO = tl.load(out_ptr + r_R[:, None] * O + o_O[None, :], mask=mask_RO, other=0)
+        if out_ptr.dtype.element_ty != tl.float64:     # added in fp32 and rounded once, as torch does
+            bias_RO = bias_RO.to(tl.float32)
+            out_RO = out_RO.to(tl.float32)
+        tl.store(out_ptr + r_R[:, None] * O + o_O[None, :], (out_RO + bias_RO).to(out_ptr.dtype.element_ty),
+                 mask=mask_RO)
 
     @triton.jit
     def _grouped_sum_kernel(x_ptr, offs_ptr, sums_ptr, O, ACC: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -61,3 +61,40 @@ def test_launch_budget_counter_counts_kernels_not_views_and_sees_inside_custom_o
         int(w_D.grad.sum())                     # a read back to the host
     assert counter.by_name["triton.gather_sum_kernel"] == 1 and counter.by_name["triton.scatter_rows_kernel"] == 1
     assert counter.syncs["aten._local_scalar_dense"] == 1
+
+
+# configuration -> (MoEConfig overrides, parameter dtype, autocast dtype, launches allowed forward + backward)
+BUDGETS = {
+    "dropless_swiglu_bf16": (dict(capacity_factor=0.0, bias=False), torch.bfloat16, None, 30),
+    "biases_fixed_capacity_bf16": (dict(capacity_factor=1.25, bias=True), torch.bfloat16, None, 40),
+    "autocast_fp32_parameters": (dict(capacity_factor=0.0, bias=False), torch.float32, torch.bfloat16, 45),
+}
+
+
+@in_child
+@pytest.mark.parametrize("case", sorted(BUDGETS))
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_launch_budget(case, top_k):
+    """One forward + backward of the layer (its output's and aux loss's gradients) on the CUDA code path launches
+    at most the budget, reads nothing back to the host, and takes the same routes as the CPU path."""
+    from moe_plugin.ops.launches import count_launches
+    overrides, dtype, autocast_dtype, budget = BUDGETS[case]
+    config = MoEConfig(model_dim=40, hidden_size=24, num_experts=7, top_k=top_k, activation="swiglu", **overrides)
+    layer = MoELayer(config).to(dtype)
+    x = torch.randn(45, 40, dtype=dtype, requires_grad=True)
+    autocast = torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with count_launches() as forward:
+        with autocast:
+            y = layer(x)
+    grad_y, grad_aux = torch.randn_like(y), torch.rand((), dtype=layer.aux_loss.dtype)
+    with count_launches() as backward:
+        torch.autograd.backward([y, layer.aux_loss], [grad_y, grad_aux])
+    total = forward.total + backward.total
+    assert total <= budget, f"{total} launches (budget {budget}): forward {dict(forward.by_name)}, " \
+                            f"backward {dict(backward.by_name)}"
+    assert not forward.syncs and not backward.syncs, (forward.syncs, backward.syncs)
+    assert forward.by_name["triton.route_forward_kernel"] == 1, "the fused routing did not run"
+    stats = layer.stats
+    with autocast:
+        layer(x)
+    assert layer.stats == stats, "the CPU path routes differently"

@@ -1,0 +1,100 @@
+"""Routing in four kernels (ops/triton_route.py) as one autograd function, on the CUDA path in eager mode: the
+router's logits, softmax and top-k, the balance and z losses, the plan (slots, loads, offsets) and the final
+gates. It replaces, for the configurations it covers (eligible), Router.forward -> dispatch.plan_routes ->
+router.finalize_gates, which stay the reference (tests compare them) and the path everywhere else.
+
+Legend: T tokens, D model dim, E experts, K top-k.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import dispatch
+from .ops.choice import eager_triton
+
+MAX_EXPERTS = 512
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def eligible(layer, routed_TD: torch.Tensor) -> bool:
+    """Whether the fused routing computes what the reference path would for this call."""
+    cfg, router = layer.config, layer.router
+    if eager_triton(routed_TD.device) is None or not _plain_dispatch() or routed_TD.shape[0] == 0:
+        return False
+    noisy = router.training and (cfg.gate_noise > 0 or getattr(router, "noise_policy", None) is not None)
+    return (cfg.router == "softmax" and not noisy and router.bias_E is None and router.input_scale_D is None
+            and router.gate_scale_E is None and not router.bias_routes and cfg.topk_groups >= cfg.num_groups
+            and cfg.aux_loss in ("gshard", "switch", "none") and not cfg.batch_prioritized_routing
+            and not cfg.gate_on_input and not layer.is_parallel and cfg.num_experts <= MAX_EXPERTS
+            and routed_TD.dtype == router.weight_ED.dtype and routed_TD.dtype in DTYPES
+            and (cfg.fp32_router or routed_TD.dtype == torch.float32))
+
+
+def _plain_dispatch() -> bool:
+    """No tensor subclass mode but the launch counter's (fake tensors and tracing need the reference path)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from .ops.launches import LaunchCounter
+    return all(isinstance(mode, LaunchCounter) for mode in _get_current_dispatch_mode_stack())
+
+
+def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: torch.dtype
+          ) -> Tuple[torch.Tensor, torch.Tensor, dispatch.Plan]:
+    """(final gates [T, K] in gate_dtype, aux loss (coefficients applied), plan)."""
+    cfg = layer.config
+    T, K, E = routed_TD.shape[0], cfg.top_k, cfg.num_experts
+    fixed = dispatch.fixed_capacity(abs(capacity_factor), T, E, K, cfg.min_capacity) if capacity_factor else T
+    cap = T * K if capacity_factor == 0 else fixed
+    counted = {"gshard": T, "switch": T * K, "none": 0}[cfg.aux_loss]
+    aux_scale = cfg.aux_loss_coef * E / (T * counted) if counted else 0.0
+    spec = (K, cfg.normalize_gate, cfg.route_scale, cap, cfg.aux_loss, aux_scale, cfg.z_loss_coef / T, gate_dtype)
+    final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = FusedRoute.apply(routed_TD, layer.router.weight_ED, spec)
+    return final_TK, aux, dispatch.Plan(pos_TK, kept_TK, load_E, kept_E, offs_E, cap, capacity_factor, fixed)
+
+
+class FusedRoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, w_ED, spec):
+        from .ops import triton_route as kernels
+        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = spec
+        x_TD, w_ED = x_TD.contiguous(), w_ED.contiguous()
+        expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T = kernels.route_forward(
+            x_TD, w_ED, K, normalize == "before_drop", z_scale != 0)
+        first_AE, load_E, kept_E, offs_E, aux, aux_grad_E = kernels.route_plan(
+            hist_AE, psum_BE, zsum_B, x_TD.shape[0], K, cap, aux_kind, aux_scale, z_scale)
+        pos_TK, kept_TK, final_TK = kernels.route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap,
+                                                        normalize == "after_drop", scale, gate_dtype)
+        ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(pos_TK, kept_TK, load_E, kept_E, offs_E)
+        return final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_final_TK, grad_aux, *_):
+        from .ops import triton_route as kernels
+        x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E = ctx.saved_tensors
+        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = ctx.spec
+        if grad_final_TK is None and grad_aux is None:
+            return None, None, None
+        grad_TE = kernels.route_backward(
+            None if grad_final_TK is None else grad_final_TK.contiguous(), grad_aux, expert_TK, gate_TK, pos_TK,
+            probs_TE, lse_T, aux_grad_E, normalize, scale, z_scale, x_TD.dtype)
+        grad_x_TD = grad_TE @ w_ED if ctx.needs_input_grad[0] else None
+        grad_w_ED = grad_TE.t() @ x_TD if ctx.needs_input_grad[1] else None
+        return grad_x_TD, grad_w_ED, None
+
+
+def reference(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: torch.dtype,
+              seq_len: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None):
+    """What route computes, on the reference path: Router.forward, dispatch.plan_routes, router.finalize_gates."""
+    from .router import finalize_gates
+    cfg = layer.config
+    routes = layer.router(routed_TD, seq_len=seq_len, sequence_T=sequence_T)
+    priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
+    plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, capacity_factor, cfg.min_capacity, priority_T)
+    gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate, cfg.route_scale)
+    aux = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
+    return gate_TK.to(gate_dtype), aux, plan, routes

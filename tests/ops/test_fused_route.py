@@ -1,0 +1,124 @@
+"""The fused routing kernels (moe_plugin/fused_route.py, ops/triton_route.py) and the one-pass bias add against
+the torch path they replace, on CPU under the Triton interpreter (in a child process, as triton reads
+TRITON_INTERPRET when imported), with fresh random inputs: dropless, dropping, capped, k > 2, odd sizes,
+experts that get no token, each gate normalization and balance loss, the z-loss, fp32 and bf16.
+
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows, O output columns.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_plugin import MoEConfig, MoELayer
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+in_child = pytest.mark.skipif(not INTERPRET, reason="runs in the child process of test_fused_route_under_interpreter")
+
+# (T, D, E, K, capacity_factor, normalize_gate, aux_loss, z_loss_coef): E > T * K leaves experts without a token
+CASES = [(50, 24, 8, 2, 0.0, "before_drop", "gshard", 0.0), (37, 13, 5, 3, 1.0, "after_drop", "switch", 0.01),
+         (41, 40, 9, 4, 0.5, "none", "gshard", 0.0), (17, 7, 3, 1, 1.25, "none", "none", 0.1),
+         (3, 16, 33, 2, 0.0, "before_drop", "switch", 0.0), (70, 20, 6, 6, -0.5, "after_drop", "gshard", 0.02)]
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_fused_route_under_interpreter():
+    if triton is None:
+        pytest.skip("triton is not installed (pip install triton): the CUDA path cannot run on CPU")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
+    print(child.stdout.splitlines()[-1])
+
+
+def relative(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+
+@in_child
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-E{c[2]}-K{c[3]}-cf{c[4]}" for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_route_equals_router_plan_and_gates(case, dtype):
+    from moe_plugin import fused_route
+    from moe_plugin.ops import simulated_cuda
+    T, D, E, K, cf, normalize, aux, z = case
+    config = MoEConfig(model_dim=D, hidden_size=8, num_experts=E, top_k=K, capacity_factor=cf, normalize_gate=normalize,
+                       aux_loss=aux, z_loss_coef=z, route_scale=1.5, min_capacity=1)
+    layer = MoELayer(config).to(dtype)
+    x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
+    weight_ED = layer.router.weight_ED
+    with simulated_cuda():
+        assert fused_route.eligible(layer, x_TD)
+        gate_TK, aux_loss, plan = fused_route.route(layer, x_TD, cf, dtype)
+    gate_ref, aux_ref, plan_ref, _ = fused_route.reference(layer, x_TD, cf, dtype)
+    for name in ("pos_TK", "kept_TK", "load_E", "kept_E", "offs_E"):
+        assert torch.equal(getattr(plan, name), getattr(plan_ref, name)), name
+    assert (plan.cap, plan.fixed) == (plan_ref.cap, plan_ref.fixed)
+    if cf > 0 and T * K > E:
+        assert not plan.kept_TK.all() or cf >= 1, "a dropping case that drops nothing"
+    assert gate_TK.dtype == gate_ref.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative(gate_TK, gate_ref) <= tolerance and relative(aux_loss, aux_ref) <= 1e-5
+
+    grad_gate, grad_aux = torch.randn_like(gate_TK), torch.randn(())
+    grads = torch.autograd.grad((gate_TK, aux_loss), (x_TD, weight_ED), (grad_gate, grad_aux))
+    grads_ref = torch.autograd.grad((gate_ref, aux_ref), (x_TD, weight_ED), (grad_gate, grad_aux))
+    # fp32: the gradient of a structurally-zero term (a lone normalized gate) is rounding noise on both paths
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert grad.dtype == grad_ref.dtype and relative(grad, grad_ref) <= tolerance
+
+
+@in_child
+@pytest.mark.parametrize("R, O, counts", [(40, 24, [5, 0, 12, 3]), (7, 300, [7]), (33, 5, [0, 0, 10, 0, 9]),
+                                          (9, 16, [0, 0])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_bias_rows_equals_the_reference(R, O, counts, dtype):
+    from moe_plugin.ops import grouped, offsets, simulated_cuda
+    offs_E = offsets(counts)
+    out_RO, bias_EO = torch.randn(R, O, dtype=dtype), torch.randn(len(counts), O, dtype=dtype)
+    expected_RO = out_RO.clone()
+    grouped._add_bias(expected_RO, bias_EO, offs_E)     # the CPU path: block by block
+    with simulated_cuda():
+        grouped._add_bias(out_RO, bias_EO, offs_E)      # the one-pass kernel
+    # fp32 exact; bf16 within an ulp: the interpreter truncates on the cast to bf16 (a GPU rounds to nearest)
+    rtol = 0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    torch.testing.assert_close(out_RO, expected_RO, rtol=rtol, atol=0)
+    assert torch.equal(out_RO[offs_E[-1]:], expected_RO[offs_E[-1]:])      # the rows past the groups untouched
+
+
+@in_child
+@pytest.mark.parametrize("capacity_factor, bias, top_k", [(0.0, False, 2), (0.5, True, 3), (-0.5, True, 1),
+                                                          (1.25, False, 4)])
+def test_layer_on_the_cuda_path_equals_the_cpu_path_with_poisoned_memory(capacity_factor, bias, top_k, monkeypatch):
+    """Every Triton output starts as NaN: rows past the kept ones (no longer zeroed) must never be read."""
+    from moe_plugin.ops import simulated_cuda, triton_kernels, triton_route
+    from moe_testing import outputs_and_grads
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
+    monkeypatch.setattr(triton_kernels, "_empty", poisoned)
+    monkeypatch.setattr(triton_route, "_empty", poisoned)
+    config = MoEConfig(model_dim=19, hidden_size=11, num_experts=6, top_k=top_k, activation="swiglu", bias=bias,
+                       capacity_factor=capacity_factor, z_loss_coef=0.01, aux_loss="switch")
+    layer = MoELayer(config)
+    x = torch.randn(2, 23, 19)
+    with simulated_cuda():
+        y, aux, grads = outputs_and_grads(lambda x: (layer(x), layer.aux_loss), layer, x)
+        stats = layer.stats
+    y_ref, aux_ref, grads_ref = outputs_and_grads(lambda x: (layer(x), layer.aux_loss), layer, x)
+    assert stats == layer.stats
+    if capacity_factor == 0.5:
+        assert stats["dropped_fraction"] > 0
+    assert relative(y, y_ref) <= 1e-5 and relative(aux, aux_ref) <= 1e-5
+    for name in grads_ref:
+        assert relative(grads[name], grads_ref[name]) <= 1e-4, name
