@@ -102,13 +102,13 @@ def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_
     xa_RQ = ha_RQ = None
     if up_a is not None:
         xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
-        pre_RH = pre_RH + ops.grouped_mm(xa_RQ, up_b, offs_E)
+        pre_RH.add_(ops.grouped_mm(xa_RQ, up_b, offs_E))     # in place: no second [R, F] buffer
     act_RH, saved_RH = activate(pre_RH, activation)
     del pre_RH
     y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
     if down_a is not None:
         ha_RQ = ops.grouped_mm(act_RH, down_a, offs_E)
-        y_RD = y_RD + ops.grouped_mm(ha_RQ, down_b, offs_E)
+        y_RD.add_(ops.grouped_mm(ha_RQ, down_b, offs_E))
     return y_RD, saved_RH, xa_RQ, ha_RQ
 
 
@@ -126,7 +126,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
     if below:
         grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
         if grad_ha_RQ is not None:
-            grad_act_RH = grad_act_RH + ops.grouped_mm(grad_ha_RQ, down_a.transpose(1, 2), offs_E)
+            grad_act_RH.add_(ops.grouped_mm(grad_ha_RQ, down_a.transpose(1, 2), offs_E))
         act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
         del grad_act_RH
     elif needs.w2 or (needs.down_a and down_a is not None):
@@ -156,7 +156,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
     if needs.x:
         grad_x_RD = ops.grouped_mm(grad_pre_RH, w1_EDH.transpose(1, 2), offs_E)
         if grad_xa_RQ is not None:
-            grad_x_RD = grad_x_RD + ops.grouped_mm(grad_xa_RQ, up_a.transpose(1, 2), offs_E)
+            grad_x_RD.add_(ops.grouped_mm(grad_xa_RQ, up_a.transpose(1, 2), offs_E))
         grads["x"] = grad_x_RD
     return tuple(grads[name] for name in Needs._fields)
 

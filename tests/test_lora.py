@@ -210,6 +210,7 @@ def test_lora_under_bf16_autocast_trains_fp32_factors():
         assert relative_error(grads16[name], grad) < 0.08, name
 
 
+@pytest.mark.spawns      # inductor runs the C++ compiler
 def test_lora_compiles_fullgraph_and_equals_eager():
     torch._dynamo.reset()
     layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu", capacity_factor=0.5)
