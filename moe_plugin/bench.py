@@ -245,6 +245,8 @@ def _floor_step(config: MoEConfig, rows_E: List[int], activation: "activations.A
 def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], float] | str":
     """transformers' MixtralSparseMoeBlock with config._experts_implementation = "grouped_mm"."""
     try:
+        from .integrations.transformers.torchaudio_guard import hide_unloadable_torchaudio
+        hide_unloadable_torchaudio()   # fairseq's torchaudio cannot load beside torch 2.13 and breaks HF's imports
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     except (ImportError, OSError) as error:

@@ -30,6 +30,16 @@ def test_bench_json_times_every_candidate_and_checks_the_einsum_reference():
     assert result["config"]["num_experts"] == 4 and result["tokens"] == 57
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_bench_times_hf_block_in_a_fresh_process():
+    """--hf times HF's Mixtral block even where fairseq's unloadable torchaudio is installed (it was skipped there)."""
+    args = TINY + ["--hf", "--activation", "swiglu", "--no-bias", "--capacity-factor", "0", "--skip", "einsum,deepspeed"]
+    out = subprocess.run([sys.executable, "-m", "moe_plugin.cli"] + args, capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["median_ms"]["hf_grouped_mm"] > 0, result["notes"]
+
+
 @pytest.mark.parametrize("activation, capacity", [("swiglu", "1.0"), ("relu", "0")])
 def test_bench_floors_count_the_layers_rows_and_flops(capsys, activation, capacity):
     """floor_gated runs the layer's own matrices on the rows the layer kept per expert; TFLOP/s follow
