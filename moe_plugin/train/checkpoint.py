@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import mmap
+import os
 import random
 import shutil
 import time
@@ -75,11 +77,12 @@ def step_of(path: Path) -> int:
 
 def file_entry(path: Path) -> Dict[str, Any]:
     """A file's size and CRC-32 as manifest.json records them."""
-    crc, size = 0, 0
     with open(path, "rb") as file:
-        while chunk := file.read(1 << 24):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return {"bytes": size, "crc32": f"{crc:08x}"}
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            return {"bytes": 0, "crc32": f"{zlib.crc32(b''):08x}"}
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:   # no copy: crc32 reads the page cache
+            return {"bytes": size, "crc32": f"{zlib.crc32(data):08x}"}
 
 
 def write_manifest(folder: Path, files: Dict[str, Dict[str, Any]]) -> None:

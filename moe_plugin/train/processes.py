@@ -30,9 +30,23 @@ def start_processes(device_choice: str) -> Processes:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     started = world_size > 1 and not dist.is_initialized()
     if started:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        _init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if world_size > 1 else 0
     return Processes(rank, world_size, device, started)
+
+
+def _init_process_group(backend: str) -> None:
+    """init_process_group from torchrun's environment. After a restart (torchrun --max-restarts) torchrun hands
+    the new ranks the store the killed ones used, where their addresses are still written: a new rank that reads
+    one before its peer overwrites it connects to a dead process (seen: gloo "connectFullMesh failed ...
+    Connection refused"). So every attempt keeps its keys under its own prefix."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"moe_plugin/attempt_{restart}", store), rank=rank,
+                            world_size=world_size)
 
 
 def gather(procs: Processes, obj: Any) -> List[Any]:
