@@ -4,7 +4,8 @@ An entry says how to find the family's sparse-MoE blocks (the class in its model
 its router, experts and shared expert map to MoEConfig (a function of the HF config), and how the
 weights map both ways (one WeightMap per MoELayer tensor; see family.py). Tensor names are relative
 to the block on the HF side and to the MoELayer on ours. Adding a family is adding one entry to
-FAMILIES; entries that need the layer's newer expert and router features are in families_featured.py.
+FAMILIES; entries whose blocks need the layer's less common features (clamped SwiGLU, router bias, input
+gating, ...) are in families_special.py.
 An entry is keyed by the model_type of the config its blocks are built from; composite models (COMPOSITES)
 are found through their nested text configs (families_in). A config value the layer cannot compute raises
 a ValueError naming the key and value (family.unsupported).
@@ -15,9 +16,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .family import (Family, WeightMap, _common, activation, flat_experts,  # noqa: F401 (WeightMap: re-exported)
+from .family import (Family, WeightMap, _common, activation, family, flat_experts,  # noqa: F401 (WeightMap: re-exported)
                      routed_experts, row, same, shared_mlp, stacked_experts, unsupported)
-from .families_featured import FEATURED_COMPOSITES, FEATURED_FAMILIES, FEATURED_GROUPS, FEATURED_NOTES
+from .families_special import SPECIAL_COMPOSITES, SPECIAL_FAMILIES, SPECIAL_GROUPS, SPECIAL_NOTES
 
 
 def _mixtral(c):
@@ -137,11 +138,6 @@ def _granite(c):
     return _common(c, c.intermediate_size, c.num_local_experts, True)
 
 
-def _family(model_type: str, block: str, moe_config, weights, module: Optional[str] = None, **options) -> Family:
-    module = module or model_type
-    return Family(model_type, f"transformers.models.{module}.modeling_{module}", block, moe_config, weights, **options)
-
-
 def _jitter(key: str):
     return lambda c: float(getattr(c, key) or 0.0)
 
@@ -154,54 +150,54 @@ GRANITE = routed_experts(router="router.weight")
 # config its blocks are built from: a composite model (Qwen3-VL-MoE,
 # Qwen3-Omni-MoE, GLM-4.5V, Aria) is found through its text configs (families_in).
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
-    _family("mixtral", "MixtralSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
-    _family("qwen2_moe", "Qwen2MoeSparseMoeBlock", _qwen2_moe, routed_experts() + SHARED_GATE),
-    _family("qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_moe, routed_experts()),
-    _family("olmoe", "OlmoeSparseMoeBlock", _olmoe, routed_experts()),
-    _family("deepseek_v3", "DeepseekV3MoE", _deepseek_v3, DEEPSEEK),
-    _family("minimax", "MiniMaxSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
-    _family("mellum", "MellumSparseMoeBlock", _qwen3_moe, routed_experts()),
-    _family("qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock", _qwen3_vl_moe, routed_experts(), module="qwen3_vl_moe"),
-    _family("qwen3_omni_moe_text", "Qwen3OmniMoeThinkerTextSparseMoeBlock", _qwen3_moe, routed_experts(),
-            module="qwen3_omni_moe"),
-    _family("qwen3_omni_moe_talker_text", "Qwen3OmniMoeTalkerTextSparseMoeBlock", _qwen2_moe,
-            routed_experts() + SHARED_GATE, module="qwen3_omni_moe"),
-    _family("qwen3_next", "Qwen3NextSparseMoeBlock", _qwen2_moe, routed_experts() + SHARED_GATE),
-    _family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", _qwen3_5_moe, routed_experts() + SHARED_GATE,
-            module="qwen3_5_moe"),
-    _family("flex_olmo", "FlexOlmoSparseMoeBlock", _flex_olmo, routed_experts()),
-    _family("deepseek_v32", "DeepseekV32MoE", _deepseek_v3, DEEPSEEK),
-    _family("glm4_moe", "Glm4MoeMoE", _deepseek_v3, DEEPSEEK),
-    _family("glm4_moe_lite", "Glm4MoeLiteMoE", _deepseek_v3, DEEPSEEK),
-    _family("glm4v_moe_text", "Glm4vMoeTextMoE", _deepseek_v3, DEEPSEEK, module="glm4v_moe"),
-    _family("dots1", "Dots1MoE", _deepseek_v3, DEEPSEEK),
-    _family("kimi_linear", "KimiLinearMoE", _deepseek_v3, DEEPSEEK),
-    _family("mimo_v2_flash", "MiMoV2FlashMoE", _mimo_v2_flash,
-            routed_experts() + (same("router.expert_bias_E", "gate.e_score_correction_bias"),)),
-    _family("mistral4", "Mistral4MoE", _mistral4, routed_experts() + shared_mlp("shared_experts")),
-    _family("minimax_m2", "MiniMaxM2SparseMoeBlock", _minimax_m2,
-            routed_experts() + (same("router.expert_bias_E", "e_score_correction_bias"),),
-            jitter_noise=_jitter("router_jitter_noise")),
-    _family("afmoe", "AfmoeSparseMoeBlock", _afmoe, routed_experts(router="router.gate.weight")
-            + shared_mlp("shared_experts") + (same("router.expert_bias_E", "expert_bias"),)),
-    _family("lfm2_moe", "Lfm2MoeSparseMoeBlock", _lfm2_moe,
-            routed_experts() + (same("router.expert_bias_E", "expert_bias").maybe(),)),
-    _family("hunyuan_v1_moe", "HunYuanMoEV1Moe", _hunyuan_v1_moe,
-            routed_experts(router="gate.wg.weight") + shared_mlp("shared_mlp")),
-    _family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ernie4_5_moe,
-            routed_experts() + tuple(m.maybe() for m in shared_mlp("shared_experts"))
-            + (row("router.expert_bias_E", "gate.moe_statics.e_score_correction_bias"),)),
-    _family("granitemoe", "GraniteMoeMoE", _granite, GRANITE),
-    _family("granitemoeshared", "GraniteMoeSharedMoE", _granite, GRANITE),
-    _family("granitemoehybrid", "GraniteMoeHybridMoE", _granite, GRANITE),
-    _family("aria_text", "AriaTextMoELayer", _aria_text, stacked_experts("router.weight") + shared_mlp("shared_experts"),
-            module="aria"),
-    _family("jamba", "JambaSparseMoeBlock", _jamba, routed_experts(router="router.weight")),
-    _family("dbrx", "DbrxFFN", _dbrx, flat_experts("router.layer.weight", "experts.mlp"),
-            jitter_noise=lambda c: float(c.ffn_config.moe_jitter_eps or 0.0)),
-    _family("cohere2_moe", "Cohere2MoeSparseMoeBlock", _cohere2_moe,
-            routed_experts() + tuple(m.maybe() for m in shared_mlp("shared_experts"))),
-) + FEATURED_FAMILIES}
+    family("mixtral", "MixtralSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
+    family("qwen2_moe", "Qwen2MoeSparseMoeBlock", _qwen2_moe, routed_experts() + SHARED_GATE),
+    family("qwen3_moe", "Qwen3MoeSparseMoeBlock", _qwen3_moe, routed_experts()),
+    family("olmoe", "OlmoeSparseMoeBlock", _olmoe, routed_experts()),
+    family("deepseek_v3", "DeepseekV3MoE", _deepseek_v3, DEEPSEEK),
+    family("minimax", "MiniMaxSparseMoeBlock", _mixtral, routed_experts(), jitter_noise=_jitter("router_jitter_noise")),
+    family("mellum", "MellumSparseMoeBlock", _qwen3_moe, routed_experts()),
+    family("qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock", _qwen3_vl_moe, routed_experts(), module="qwen3_vl_moe"),
+    family("qwen3_omni_moe_text", "Qwen3OmniMoeThinkerTextSparseMoeBlock", _qwen3_moe, routed_experts(),
+           module="qwen3_omni_moe"),
+    family("qwen3_omni_moe_talker_text", "Qwen3OmniMoeTalkerTextSparseMoeBlock", _qwen2_moe,
+           routed_experts() + SHARED_GATE, module="qwen3_omni_moe"),
+    family("qwen3_next", "Qwen3NextSparseMoeBlock", _qwen2_moe, routed_experts() + SHARED_GATE),
+    family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", _qwen3_5_moe, routed_experts() + SHARED_GATE,
+           module="qwen3_5_moe"),
+    family("flex_olmo", "FlexOlmoSparseMoeBlock", _flex_olmo, routed_experts()),
+    family("deepseek_v32", "DeepseekV32MoE", _deepseek_v3, DEEPSEEK),
+    family("glm4_moe", "Glm4MoeMoE", _deepseek_v3, DEEPSEEK),
+    family("glm4_moe_lite", "Glm4MoeLiteMoE", _deepseek_v3, DEEPSEEK),
+    family("glm4v_moe_text", "Glm4vMoeTextMoE", _deepseek_v3, DEEPSEEK, module="glm4v_moe"),
+    family("dots1", "Dots1MoE", _deepseek_v3, DEEPSEEK),
+    family("kimi_linear", "KimiLinearMoE", _deepseek_v3, DEEPSEEK),
+    family("mimo_v2_flash", "MiMoV2FlashMoE", _mimo_v2_flash,
+           routed_experts() + (same("router.expert_bias_E", "gate.e_score_correction_bias"),)),
+    family("mistral4", "Mistral4MoE", _mistral4, routed_experts() + shared_mlp("shared_experts")),
+    family("minimax_m2", "MiniMaxM2SparseMoeBlock", _minimax_m2,
+           routed_experts() + (same("router.expert_bias_E", "e_score_correction_bias"),),
+           jitter_noise=_jitter("router_jitter_noise")),
+    family("afmoe", "AfmoeSparseMoeBlock", _afmoe, routed_experts(router="router.gate.weight")
+           + shared_mlp("shared_experts") + (same("router.expert_bias_E", "expert_bias"),)),
+    family("lfm2_moe", "Lfm2MoeSparseMoeBlock", _lfm2_moe,
+           routed_experts() + (same("router.expert_bias_E", "expert_bias").maybe(),)),
+    family("hunyuan_v1_moe", "HunYuanMoEV1Moe", _hunyuan_v1_moe,
+           routed_experts(router="gate.wg.weight") + shared_mlp("shared_mlp")),
+    family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ernie4_5_moe,
+           routed_experts() + tuple(m.maybe() for m in shared_mlp("shared_experts"))
+           + (row("router.expert_bias_E", "gate.moe_statics.e_score_correction_bias"),)),
+    family("granitemoe", "GraniteMoeMoE", _granite, GRANITE),
+    family("granitemoeshared", "GraniteMoeSharedMoE", _granite, GRANITE),
+    family("granitemoehybrid", "GraniteMoeHybridMoE", _granite, GRANITE),
+    family("aria_text", "AriaTextMoELayer", _aria_text, stacked_experts("router.weight") + shared_mlp("shared_experts"),
+           module="aria"),
+    family("jamba", "JambaSparseMoeBlock", _jamba, routed_experts(router="router.weight")),
+    family("dbrx", "DbrxFFN", _dbrx, flat_experts("router.layer.weight", "experts.mlp"),
+           jitter_noise=lambda c: float(c.ffn_config.moe_jitter_eps or 0.0)),
+    family("cohere2_moe", "Cohere2MoeSparseMoeBlock", _cohere2_moe,
+           routed_experts() + tuple(m.maybe() for m in shared_mlp("shared_experts"))),
+) + SPECIAL_FAMILIES}
 
 # Composite models whose text configs carry the families above (what swap_moe_blocks swaps in them).
 COMPOSITES: Dict[str, Tuple[str, ...]] = {
@@ -211,7 +207,7 @@ COMPOSITES: Dict[str, Tuple[str, ...]] = {
     "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),
     "glm4v_moe": ("glm4v_moe_text",),
     "aria": ("aria_text",),
-    **FEATURED_COMPOSITES,
+    **SPECIAL_COMPOSITES,
 }
 
 # The README's grouping of the model types (supported_model_types_markdown) and what it says of some.
@@ -226,7 +222,7 @@ GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
      ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "dots1", "kimi_linear",
       "mimo_v2_flash")),
     ("Sigmoid with a choice-only bias", ("minimax_m2", "afmoe", "lfm2_moe")),
-) + FEATURED_GROUPS
+) + SPECIAL_GROUPS
 NOTES: Dict[str, str] = {
     "granitemoeshared": "the decoder layer's shared MLP (`shared_mlp`) stays HF's; the routed block is swapped "
                         "(the same for `granitemoehybrid`, whose Mamba and attention layers stay HF's too)",
@@ -236,7 +232,7 @@ NOTES: Dict[str, str] = {
     "hunyuan_v1_moe": "`num_experts` and `moe_topk` given per layer must be the same for every layer",
     "cohere2_moe": "`shared_expert_combination_strategy` \"sum\" only (\"average\" is refused)",
     "dbrx": "`ffn_config.moe_normalize_expert_weights` None or 1 only",
-    **FEATURED_NOTES,
+    **SPECIAL_NOTES,
 }
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face MoE families whose blocks need the layer's newer expert and router features
+"""Hugging Face MoE families whose blocks need the layer's less common expert and router features
 (GeGLU, clamped SwiGLU, router bias, gating on the expert input, ...). Entries as in families.py.
 
   gpt_oss         swiglu_oai (limit, alpha), router bias, expert biases; gate/up interleaved in [E, D, 2H]
@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 import torch
 
 from .block import HFMoEBlock
-from .family import Family, WeightMap, _common, activation, routed_experts, same, shared_mlp, transposed
+from .family import Family, WeightMap, _common, activation, family, routed_experts, same, shared_mlp, transposed
 
 # HF mlp_hidden_act of a non-gated MLP (Nemotron-H) -> our activation
 PLAIN_ACTIVATIONS = {"relu2": "relu2", "relu": "relu", "gelu": "gelu", "silu": "silu"}
@@ -127,51 +127,47 @@ def _gemma4_unswapped(decoder) -> bool:
     return decoder.enable_moe_block and not isinstance(decoder.experts, HFMoEBlock)
 
 
-def _family(model_type: str, module: str, block: str, moe_config, weights, **options) -> Family:
-    return Family(model_type, f"transformers.models.{module}.modeling_{module}", block, moe_config, weights, **options)
-
-
 CORRECTION_BIAS = (same("router.expert_bias_E", "gate.e_score_correction_bias"),)
 
-FEATURED_FAMILIES: Tuple[Family, ...] = (
-    _family("gpt_oss", "gpt_oss", "GptOssMLP", _gpt_oss,
-            (same("router.weight_ED", "router.weight"), interleaved_gate_up("experts.w1_EDH", "experts.gate_up_proj"),
-             interleaved_gate_up("experts.b1_EH", "experts.gate_up_proj_bias"),
-             same("experts.w2_EHD", "experts.down_proj"), same("experts.b2_ED", "experts.down_proj_bias"),
-             same("router.bias_E", "router.bias")), returns_tuple=True),
-    _family("llama4_text", "llama4", "Llama4TextMoe", _llama4_text,
-            (same("router.weight_ED", "router.weight"), same("experts.w1_EDH", "experts.gate_up_proj"),
-             same("experts.w2_EHD", "experts.down_proj")) + shared_mlp("shared_expert"), returns_tuple=True),
-    _family("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", _deepseek_v2,
-            routed_experts() + shared_mlp("shared_experts")),
-    _family("glm5_next_text", "glm5_next", "Glm5NextTextMoE", _glm5_next_text,
-            routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS),
-    _family("hy_v4", "hy_v4", "HYV4MoE", _hy_v4, routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS),
-    _family("nemotron_h", "nemotron_h", "NemotronHMoE", _nemotron_h,
-            (same("router.weight_ED", "gate.weight"), transposed("experts.w1_EDH", "experts.up_proj"),
-             transposed("experts.w2_EHD", "experts.down_proj"),
-             transposed("shared_expert.w1_DH", "shared_experts.up_proj.weight"),
-             transposed("shared_expert.w2_HD", "shared_experts.down_proj.weight")) + CORRECTION_BIAS),
-    _family("deepseek_v4", "deepseek_v4", "DeepseekV4SparseMoeBlock", _deepseek_v4,
-            routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS, swaps=lambda block: not block.is_hash),
-    _family("gemma4_text", "gemma4", "Gemma4TextDecoderLayer", _gemma4_text,
-            routed_experts(router="router.proj.weight") + (same("router.input_scale_D", "router.scale"),
-                                                            same("router.gate_scale_E", "router.per_expert_scale")),
-            swaps=_gemma4_unswapped, in_decoder=True),
+SPECIAL_FAMILIES: Tuple[Family, ...] = (
+    family("gpt_oss", "GptOssMLP", _gpt_oss,
+           (same("router.weight_ED", "router.weight"), interleaved_gate_up("experts.w1_EDH", "experts.gate_up_proj"),
+            interleaved_gate_up("experts.b1_EH", "experts.gate_up_proj_bias"),
+            same("experts.w2_EHD", "experts.down_proj"), same("experts.b2_ED", "experts.down_proj_bias"),
+            same("router.bias_E", "router.bias")), returns_tuple=True),
+    family("llama4_text", "Llama4TextMoe", _llama4_text,
+           (same("router.weight_ED", "router.weight"), same("experts.w1_EDH", "experts.gate_up_proj"),
+            same("experts.w2_EHD", "experts.down_proj")) + shared_mlp("shared_expert"), returns_tuple=True, module="llama4"),
+    family("deepseek_v2", "DeepseekV2Moe", _deepseek_v2,
+           routed_experts() + shared_mlp("shared_experts")),
+    family("glm5_next_text", "Glm5NextTextMoE", _glm5_next_text,
+           routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS, module="glm5_next"),
+    family("hy_v4", "HYV4MoE", _hy_v4, routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS),
+    family("nemotron_h", "NemotronHMoE", _nemotron_h,
+           (same("router.weight_ED", "gate.weight"), transposed("experts.w1_EDH", "experts.up_proj"),
+            transposed("experts.w2_EHD", "experts.down_proj"),
+            transposed("shared_expert.w1_DH", "shared_experts.up_proj.weight"),
+            transposed("shared_expert.w2_HD", "shared_experts.down_proj.weight")) + CORRECTION_BIAS),
+    family("deepseek_v4", "DeepseekV4SparseMoeBlock", _deepseek_v4,
+           routed_experts() + shared_mlp("shared_experts") + CORRECTION_BIAS, swaps=lambda block: not block.is_hash),
+    family("gemma4_text", "Gemma4TextDecoderLayer", _gemma4_text,
+           routed_experts(router="router.proj.weight") + (same("router.input_scale_D", "router.scale"),
+                                                           same("router.gate_scale_E", "router.per_expert_scale")),
+           swaps=_gemma4_unswapped, in_decoder=True, module="gemma4"),
 )
 
 # Composite models whose text configs carry the families above, for families.COMPOSITES.
-FEATURED_COMPOSITES: Dict[str, Tuple[str, ...]] = {"llama4": ("llama4_text",), "glm5_next": ("glm5_next_text",),
+SPECIAL_COMPOSITES: Dict[str, Tuple[str, ...]] = {"llama4": ("llama4_text",), "glm5_next": ("glm5_next_text",),
                                                  "gemma4": ("gemma4_text",)}
 
 # For the README's table (families.GROUPS / NOTES).
-FEATURED_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+SPECIAL_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("Needing the newer layer features (clamped SwiGLU, router bias, input gating, group max, relu2, "
      "sqrt(softplus) scores, router norm)",
      ("gpt_oss", "llama4_text", "deepseek_v2", "glm5_next_text", "hy_v4", "nemotron_h", "deepseek_v4",
       "gemma4_text")),
 )
-FEATURED_NOTES: Dict[str, str] = {
+SPECIAL_NOTES: Dict[str, str] = {
     "gpt_oss": "`swiglu_oai` with `swiglu_limit` and `swiglu_alpha`, router and expert biases; the router runs in "
                "the model's dtype as HF's",
     "llama4_text": "only the MoE layers (`moe_layers`) are swapped, dense MLP layers stay HF's; top-1 only "

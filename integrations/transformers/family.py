@@ -1,6 +1,6 @@
 """What a Hugging Face MoE family entry is made of: the Family record, the WeightMap helpers that map
 an HF block's tensors to the MoELayer's and back, and the MoEConfig fields every family shares.
-The entries themselves are in families.py (and families_featured.py).
+The entries themselves are in families.py (and families_special.py).
 
 Legend: E experts, D model dim, H expert hidden dim, S shared expert hidden dim.
 HF keeps routed experts as gate_up_proj [E, 2H, D] (rows [gate | up]) and down_proj [E, D, H];
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -113,6 +113,13 @@ def activation(config, key: str = "hidden_act", value: Any = None) -> str:
         raise ValueError(f"{config.model_type}: {key}={act!r} is not supported by the MoE layer; "
                          f"supported: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[act]
+
+
+def family(model_type: str, block: str, moe_config, weights, module: Optional[str] = None, **options) -> "Family":
+    """The entry of a family whose blocks are class `block` of transformers.models.<module>.modeling_<module>
+    (module: the model_type by default)."""
+    module = module or model_type
+    return Family(model_type, f"transformers.models.{module}.modeling_{module}", block, moe_config, weights, **options)
 
 
 def unsupported(config, key: str, value: Any, allowed: str) -> ValueError:

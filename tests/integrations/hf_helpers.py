@@ -105,7 +105,7 @@ MORE = {
     "cohere2_moe": ("Cohere2MoeConfig", dict(num_key_value_heads=2, intermediate_size=28, num_experts=6,
                                              num_shared_experts=1, shared_expert_combination_strategy="sum",
                                              head_dim=10, layer_types=["sliding_attention", "full_attention"])),
-    # families_featured.py (helper "features"): small swiglu limits so that the clamp engages at init std 0.02
+    # families_special.py (helper "features"): small swiglu limits so that the clamp engages at init std 0.02
     "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=10, intermediate_size=28, num_local_experts=6,
                                      swiglu_limit=0.05, layer_types=["sliding_attention", "full_attention"])),
     "llama4_text": ("Llama4TextConfig", dict(num_key_value_heads=2, head_dim=10, intermediate_size=28,

@@ -1,4 +1,4 @@
-"""Every Hugging Face MoE family of the table (families.py and families_featured.py) against HF's own model
+"""Every Hugging Face MoE family of the table (families.py and families_special.py) against HF's own model
 under the same tiny config: logits, loss, router logits, aux loss and every gradient; the state-dict, HF-name
 and export_hf round trips; a capacity override's drops; ep_size 2 on 2 gloo processes (one spawn for all).
 
@@ -381,7 +381,7 @@ UNCOMPUTABLE = [
     ("cohere2_moe", dict(shared_expert_combination_strategy="average"), "shared_expert_combination_strategy='average'"),
     ("hunyuan_v1_moe", dict(num_experts_per_tok=[3, 2]), r"moe_topk=\[3, 2\]"),
     ("ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min=0.9"),
-    # families_featured.py (helper "features")
+    # families_special.py (helper "features")
     ("llama4_text", dict(num_experts_per_tok=2), "num_experts_per_tok=2"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
     ("nemotron_h", dict(mlp_hidden_act="gelu_new"), "mlp_hidden_act='gelu_new'"),
