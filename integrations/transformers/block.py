@@ -11,6 +11,9 @@ import torch
 from torch import nn
 
 from moe_plugin import MoELayer
+from moe_plugin.experts import Experts
+
+from .peft import HFExpertsHandle, peft_adapters_in
 
 
 class RouterLogits(nn.Module):
@@ -133,6 +136,8 @@ class HFMoEBlock(nn.Module):
         self.moe = moe
         self.family = family
         self.router_logits = router_logits
+        if isinstance(moe.experts, Experts):   # HF's names for PEFT's target_parameters (peft.py)
+            self.experts = HFExpertsHandle(moe.experts, family)
         if router_logits is not None:
             router_logits.__dict__["_router"] = moe.router
         self.jitter_noise = jitter_noise
@@ -164,7 +169,8 @@ class HFMoEBlock(nn.Module):
         tap = self.tap
         if tap is not None and tap._forward_hooks and _recording_router_logits():
             tap(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
-        output = self.moe(hidden_states, router_input=router_input)
+        with peft_adapters_in(self):
+            output = self.moe(hidden_states, router_input=router_input)
         return (output, None) if self.returns_tuple else output
 
     def extra_repr(self) -> str:

@@ -12,6 +12,8 @@ Legend: E experts, I input dim, O output dim (of the projection x -> x W), Q LoR
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -52,3 +54,159 @@ def to_peft(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
     lora_A = a.transpose(1, 2).reshape(E * Q, I)
     lora_B = b.permute(2, 1, 0).reshape(b.shape[2], Q * E)
     return lora_A.contiguous(), lora_B.contiguous()
+
+
+class HFExpertsHandle(nn.Module):
+    """What PEFT finds at a swapped block's `experts`: the layer's expert weights under HF's parameter names (the
+    family's: gate_up_proj or up_proj = w1_EDH [E, D, F], down_proj = w2_EHD [E, H, D]; is_transposed, as HF's
+    transposed experts), so that LoraConfig(target_parameters=["mlp.experts.gate_up_proj", ...]) targets them and
+    gives its factors HF's shapes (lora_A [Q*E, in], lora_B [out, Q*E]): adapters save and load across swapped and
+    unswapped models (B's columns follow HF's order, gpt-oss's interleaved gate and up included).
+
+    It holds no parameter of its own (state dicts, parameters() and casts see the layer's once, in the layer); only
+    its own named_parameters(recurse=False), which PEFT reads, lists them. It computes nothing: the block reads
+    PEFT's factors around it (peft_adapters_in) and the layer adds the low-rank terms."""
+
+    is_transposed = True
+
+    def __init__(self, experts: nn.Module, family: str):
+        super().__init__()
+        self.__dict__["_experts"] = experts     # not a submodule: the layer owns it
+        self.family = family
+
+    def _maps(self):
+        from .families import FAMILIES
+        return {w.layer: w for w in FAMILIES[self.family].weights if len(w.hf) == 1}
+
+    def hf_names(self) -> dict:
+        """HF's parameter name -> the layer's, for the expert projections."""
+        maps = self._maps()
+        return {maps[layer].hf[0].rpartition(".")[2]: layer.partition(".")[2]
+                for layer in ("experts.w1_EDH", "experts.w2_EHD") if layer in maps}
+
+    def layer_columns(self, hf_name: str) -> Optional[torch.Tensor]:
+        """The order that takes HF's output columns of hf_name to the layer's (None: the same order)."""
+        layer = "experts." + self.hf_names()[hf_name]
+        width = getattr(self._experts, layer.partition(".")[2]).shape[-1]
+        labels = torch.arange(width, dtype=torch.float64).view(1, 1, width)      # layer columns, one input row
+        hf = self._maps()[layer].to_hf(labels)[0]
+        hf_order = hf.reshape(-1).long()     # HF's column j holds the layer's column hf_order[j]
+        if torch.equal(hf_order, torch.arange(width)):
+            return None
+        return torch.argsort(hf_order)
+
+    def __getattr__(self, name: str):
+        if not name.startswith("_") and name in ("gate_up_proj", "up_proj", "down_proj"):
+            layer_name = self.hf_names().get(name)
+            if layer_name is not None:
+                return getattr(self._experts, layer_name)
+        return super().__getattr__(name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """To PEFT's target matching, HF's names of the layer's weights; to anything else (FSDP2, DeepSpeed, torch
+        walking the modules), none: they are the layer's, and sharding them twice would break them."""
+        if not _called_from_peft():
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return ((f"{prefix}.{hf}" if prefix else hf, getattr(self._experts, layer))
+                for hf, layer in self.hf_names().items())
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("HFExpertsHandle computes nothing: the swapped block runs its MoELayer")
+
+
+def _called_from_peft() -> bool:
+    """Whether the code asking (past nn.Module's own parameters() / named_parameters()) is PEFT's."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") == "torch.nn.modules.module":
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("peft.")
+
+
+PAIRS = {"gate_up_proj": (0, 1), "up_proj": (0, 1), "down_proj": (2, 3)}   # -> positions in the factors
+
+
+def peft_adapters(block: nn.Module) -> Optional[tuple]:
+    """The factors (up_a_EDQ, up_b_EQF, down_a_EHQ, down_b_EQD; B times its scale) of PEFT's LoRA on the block's
+    HFExpertsHandle (PEFT's ParamWrappers around it, one per parameter), or None: no wrapper, adapters disabled or
+    merged. One active adapter per parameter (PEFT's ParamWrapper supports one for target_parameters training)."""
+    module = block._modules.get("experts")
+    if module is None or type(module).__name__ != "ParamWrapper":
+        return None
+    factors_ = [None] * 4
+    while type(module).__name__ == "ParamWrapper":
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if module.merged and module.get_base_layer().layer_columns(module.parameter_name) is not None:
+            raise ValueError(f"moe_plugin: PEFT merged its LoRA into the swapped {block.family} layer's "
+                             f"{module.parameter_name} in HF's column order, which the layer keeps in another "
+                             f"([gate | up]): unmerge it, and merge on the unswapped model (or the experts backend)")
+        if module.disable_adapters or module.merged or not adapters:
+            module = module.base_layer
+            continue
+        if len(adapters) > 1:
+            raise ValueError(f"moe_plugin: {len(adapters)} active LoRA adapters on the experts' {module.parameter_name} "
+                             f"({adapters}); the swapped layer runs one at a time (set_adapter)")
+        name = adapters[0]
+        a, b = from_peft(module.lora_A[name].weight, module.lora_B[name].weight, module.num_experts)
+        columns = module.get_base_layer().layer_columns(module.parameter_name)
+        if columns is not None:
+            b = b.index_select(-1, columns.to(b.device))
+        first, second = PAIRS[module.parameter_name]
+        factors_[first], factors_[second] = a, b * module.scaling[name]
+        module = module.base_layer
+    return None if factors_ == [None] * 4 else tuple(factors_)
+
+
+@contextlib.contextmanager
+def peft_adapters_in(block: nn.Module):
+    """Within it, the block's layer computes with PEFT's factors (peft_adapters), as its experts' LoRA factors."""
+    lora = peft_adapters(block)
+    if lora is None:
+        yield
+        return
+    experts = block.moe.experts
+    if getattr(experts, "lora", None) is not None:
+        raise ValueError("moe_plugin: the swapped experts hold an adapter of moe_plugin.lora (add_lora) and PEFT's "
+                         "LoRA on mlp.experts at once; use one of them")
+    experts.lora = lora
+    try:
+        yield
+    finally:
+        del experts.lora
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return type(model).__module__.split(".")[0] == "peft"
+
+
+def detach_wrappers(hf_block: nn.Module):
+    """PEFT's ParamWrappers around an HF block's experts, taken off it (its experts are HF's own again), as
+    (outermost, innermost); None without any."""
+    outer = hf_block._modules.get("experts")
+    if outer is None or type(outer).__name__ != "ParamWrapper":
+        return None
+    inner = outer
+    while type(inner.base_layer).__name__ == "ParamWrapper":
+        inner = inner.base_layer
+    hf_block.experts = inner.base_layer
+    return outer, inner
+
+
+def attach_wrappers(block: nn.Module, wrappers) -> None:
+    """Puts detach_wrappers' wrappers around a swapped block's HFExpertsHandle (same names, same shapes)."""
+    if wrappers is None:
+        return
+    outer, inner = wrappers
+    handle = block._modules.get("experts")
+    if not isinstance(handle, HFExpertsHandle):
+        raise TypeError(f"swap_moe_blocks: PEFT's LoRA targets HF's experts, but the swapped {type(block).__name__} "
+                        f"has no HF-named experts to carry it (expert modules, or a family without fused experts)")
+    module = outer
+    while True:
+        if module.parameter_name not in handle.hf_names():
+            raise ValueError(f"swap_moe_blocks: PEFT's LoRA targets experts.{module.parameter_name}, which the "
+                             f"swapped layer does not hold (it holds {sorted(handle.hf_names())})")
+        if module is inner:
+            break
+        module = module.base_layer
+    inner.base_layer = handle
+    block.experts = outer

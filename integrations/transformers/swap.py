@@ -12,6 +12,7 @@ from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.groups import check_ep_size
 
 from .block import HFMoEBlock, RouterInputTap, router_logits_class, router_logits_name
+from . import peft as peft_lora
 from .export import save_pretrained_in_hf_names
 from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_families
 
@@ -69,13 +70,19 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
             if family.in_decoder:
                 _swap_in_decoder(family, config, hf_block, hf_config, type(owner), ep_group, block_class)
                 continue
+            adapters = peft_lora.detach_wrappers(hf_block)     # PEFT's LoRA on HF's experts moves to the new block
+            frozen = not any(p.requires_grad for p in hf_block.parameters())
             block = new_block(family, config, hf_block, hf_config, router_logits_class(type(owner)), ep_group,
                               block_class)
             block.use_tap_name(router_logits_name(type(owner)))
+            if frozen:      # a frozen HF block (PEFT's base model, a fine-tuning setup) stays frozen
+                block.requires_grad_(False)
+            peft_lora.attach_wrappers(block, adapters)
         setattr(model.get_submodule(parent), attr, block)
     _hook_new_router_logits(model)
     _init_blocks_in_init_weights(model)
-    if hasattr(type(model), "save_pretrained"):   # a PreTrainedModel: its folders stay loadable by plain transformers
+    if hasattr(type(model), "save_pretrained") and not peft_lora.is_peft_model(model):
+        # a PreTrainedModel: its folders stay loadable by plain transformers (a PeftModel saves its adapters itself)
         model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
     return model
 

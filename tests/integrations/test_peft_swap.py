@@ -1,0 +1,128 @@
+"""PEFT's LoRA with HF's parameter names on swapped models: get_peft_model after swap_moe_blocks, and swap_moe_blocks
+after get_peft_model, both target the layer's experts (through the block's HF-named handle) and give PEFT's own
+loss and adapter gradients on the unswapped model (fp32, 1e-5); adapters saved either side load on the other."""
+import copy
+
+import pytest
+import torch
+
+from hf_helpers import build_model, needs_transformers, tokens
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
+import moe_plugin.integrations.transformers as hf_moe  # noqa: E402
+
+pytestmark = [needs_transformers, pytest.mark.timeout(300)]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+TOL = 1e-5
+
+
+def lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def trainable(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in trainable(model).items()}
+
+
+def relative(actual, expected):
+    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
+
+
+def assert_same_training(ours, theirs, ids):
+    assert set(trainable(ours)) == set(trainable(theirs))
+    assert any(".mlp.experts." in n for n in trainable(ours)), "PEFT targeted no expert"
+    assert all("lora_" in n for n in trainable(ours)), "a base weight trains"
+    loss, grads = loss_and_grads(theirs, ids)
+    our_loss, our_grads = loss_and_grads(ours, ids)
+    assert relative(our_loss, loss) <= TOL
+    errors = {n: relative(our_grads[n], grads[n]) for n in grads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst} off by {errors[worst]:.3g}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_get_peft_model_after_swap_targets_the_layer_experts(family, fresh_seed):
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    theirs = peft.get_peft_model(copy.deepcopy(model), lora_config())
+    ours = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), lora_config())
+    assert isinstance(ours.base_model.model.model.layers[-1].mlp, hf_moe.HFMoEBlock)
+    mine = trainable(ours)
+    with torch.no_grad():       # the same adapter values (same names and shapes on both sides)
+        for name, param in trainable(theirs).items():
+            mine[name].copy_(param)
+    assert_same_training(ours, theirs, tokens(fresh_seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swap_after_get_peft_model_keeps_the_adapters(family, fresh_seed):
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    theirs = peft.get_peft_model(copy.deepcopy(model), lora_config())
+    ours = hf_moe.swap_moe_blocks(copy.deepcopy(theirs))
+    assert isinstance(ours.base_model.model.model.layers[-1].mlp, hf_moe.HFMoEBlock)
+    assert_same_training(ours, theirs, tokens(fresh_seed))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_adapters_load_across_swapped_and_unswapped_models(family, fresh_seed, tmp_path):
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    ids = tokens(fresh_seed)
+    swapped = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), lora_config())
+    swapped.save_pretrained(tmp_path / "from_swapped")
+    plain = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "from_swapped")
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, swapped(ids).logits, rtol=1e-5, atol=1e-5)
+
+    unswapped = peft.get_peft_model(copy.deepcopy(model), lora_config())
+    unswapped.save_pretrained(tmp_path / "from_hf")
+    loaded = peft.PeftModel.from_pretrained(hf_moe.swap_moe_blocks(copy.deepcopy(model)), tmp_path / "from_hf")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, unswapped(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_and_unload_on_a_swapped_model_gives_plain_hf_folders(fresh_seed, tmp_path):
+    import transformers
+    model = build_model("mixtral", seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    ids = tokens(fresh_seed)
+    theirs = peft.get_peft_model(copy.deepcopy(model), lora_config())
+    ours = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), lora_config())
+    with torch.no_grad():
+        mine = trainable(ours)
+        for name, param in trainable(theirs).items():
+            mine[name].copy_(param)
+        merged = ours.merge_and_unload()
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
+        merged.save_pretrained(tmp_path / "merged")           # HF's names (swap_moe_blocks' save_pretrained)
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        assert not any(isinstance(m, hf_moe.HFMoEBlock) for m in plain.modules())
+        expected = theirs.merge_and_unload()(ids).logits
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_interleaved_adapter_on_a_swapped_layer_is_refused(fresh_seed):
+    """gpt-oss interleaves gate and up; the layer keeps [gate | up]: PEFT's merge would add B's columns in HF's order."""
+    model = build_model("gpt_oss", seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    ours = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), lora_config())
+    ours.base_model.merge_adapter()
+    with pytest.raises(ValueError, match="column order"):
+        ours(tokens(fresh_seed))
+
+
+def test_swapped_state_dict_and_parameters_are_unchanged_by_the_handle():
+    model = build_model("mixtral", seed=1)
+    swapped = hf_moe.swap_moe_blocks(copy.deepcopy(model))
+    names = [n for n, _ in swapped.named_parameters()]
+    assert not any(".mlp.experts." in n for n in names) and len(names) == len(set(names))
+    assert not any(".mlp.experts." in k for k in swapped.state_dict())
+    block = swapped.model.layers[0].mlp
+    assert list(block.experts.named_parameters(recurse=False)) == []     # FSDP2 and DeepSpeed walk modules so
+    assert block.experts.gate_up_proj is block.moe.experts.w1_EDH         # (PEFT alone sees HF's names)
+    assert block.experts.down_proj is block.moe.experts.w2_EHD
