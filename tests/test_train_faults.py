@@ -85,9 +85,11 @@ def test_auto_starts_fresh_then_resumes_bit_exactly(tmp_path, fresh_seed, capsys
     assert f"train.resume=auto: resuming from {tmp_path / 'split' / 'checkpoints' / 'step_000005'}" in \
         capsys.readouterr().err
     assert_same_run(tmp_path / "split", tmp_path / "full")
-    manifest = json.loads((final_checkpoint(tmp_path / "split") / "manifest.json").read_text())["files"]
-    assert set(manifest) == {".metadata", "__0_0.distcp", "meta.json"}
-    assert all(entry["bytes"] > 0 and len(entry["crc32"]) == 8 for entry in manifest.values())
+    manifest = json.loads((final_checkpoint(tmp_path / "split") / "manifest.json").read_text())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "meta.json"}
+    assert all(entry["bytes"] > 0 for entry in manifest["files"].values())
+    assert "crc32" in manifest["files"][".metadata"] and "crc32" not in manifest["files"]["__0_0.distcp"]
+    assert set(manifest["objects"]) == {"meta", "scheduler", "optimizer_param_groups", "rank.0"}
 
 
 def _truncate(folder):
@@ -104,6 +106,17 @@ def _flip(folder):
     return shard, "CRC-32"
 
 
+def _alter_object(folder):
+    """One byte of this process's saved state (data position, RNG states, ...), which is not a tensor record."""
+    from torch.distributed.checkpoint import FileSystemReader
+    info = next(v for k, v in FileSystemReader(str(folder)).read_metadata().storage_data.items() if k.fqn == "rank.0")
+    shard = folder / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard, "rank.0 at byte .*CRC-32"
+
+
 def _remove_metadata(folder):
     (folder / ".metadata").unlink()
     return folder / ".metadata", "is missing"
@@ -114,17 +127,30 @@ def _remove_manifest(folder):
     return folder / "manifest.json", "is missing: the save did not finish"
 
 
-DAMAGE = {"truncated shard": _truncate, "flipped bit": _flip, "missing file": _remove_metadata,
-          "no manifest": _remove_manifest}
+DAMAGE = {"truncated shard": _truncate, "flipped bit": _flip, "altered object": _alter_object,
+          "missing file": _remove_metadata, "no manifest": _remove_manifest}
+
+
+@pytest.fixture(params=["record CRC-32s", "no record CRC-32s"])
+def record_crcs(request):
+    """torch.save's CRC-32 per record on (the default: the manifest sums small things only) or off (whole files)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(request.param == "record CRC-32s")
+    yield request.param
+    torch.serialization.set_crc32_options(before)
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_checkpoint_is_named_not_loaded(tmp_path, damage, capsys):
+def test_a_damaged_checkpoint_is_named_not_loaded(tmp_path, damage, capsys, record_crcs):
     run(tmp_path / "run", "train.steps=2")
+    manifest = json.loads((final_checkpoint(tmp_path / "run") / "manifest.json").read_text())
+    assert ("crc32" in manifest["files"]["__0_0.distcp"]) == (record_crcs == "no record CRC-32s")
     folder = final_checkpoint(tmp_path / "run")
     assert main(["checkpoint", "inspect", str(folder)]) == 0
-    assert "manifest: every file's size and CRC-32 match" in capsys.readouterr().out
+    assert "manifest: every file's size and every CRC-32 match" in capsys.readouterr().out
     file, why = DAMAGE[damage](folder)
+    if record_crcs == "no record CRC-32s" and damage in ("flipped bit", "altered object"):
+        why = "has CRC-32 .*, the manifest says"   # the whole file's sum
     with pytest.raises(ValueError, match=f"train.resume='{folder}' is invalid: the checkpoint is damaged: "
                                          f"{re.escape(str(file))}.*{why}"):
         run(tmp_path / "run", "train.steps=4", f"train.resume={folder}")
@@ -493,3 +519,28 @@ def test_ranks_killed_at_random_steps_and_mid_save_change_nothing(tmp_path, fres
     assert_same_run(out, tmp_path / "clean")
     result, clean = (json.loads((d / "result.json").read_text()) for d in (out, tmp_path / "clean"))
     assert result["param_sha256_per_rank"] == clean["param_sha256_per_rank"]
+
+
+def test_upcycling_takes_the_newest_whole_dense_checkpoint(tmp_path, fresh_seed):
+    pytest.importorskip("transformers")
+    import moe_plugin.integrations.transformers  # noqa: F401 (hides an unloadable torchaudio first)
+    configs = ROOT / "configs" / "experiments"
+    hf = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
+          "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "log.progress=false", "log.plots=false",
+          f"data.seed={fresh_seed}", f"train.seed={fresh_seed}"]
+    dense = tmp_path / "dense"
+    train.train(train.load_config(str(configs / "llama_dense_tiny.yaml"),
+                                  [*hf, f"log.out_dir={dense}", "train.steps=4", "train.eval_every=2",
+                                   "train.checkpoint_every=2", "train.lr=0.01"]))
+    val = {r["step"]: r["val_loss"] for r in records(dense) if "val_loss" in r}
+    _truncate(dense / "checkpoints" / "step_000004")
+
+    def upcycle(where):
+        cfg = train.load_config(str(configs / "llama_upcycled.yaml"),
+                                [*hf, f"log.out_dir={tmp_path / 'up'}", f"upcycle.checkpoint={where}", "train.steps=1"])
+        return train.train(cfg)
+    # step 0 of the upcycled run is the dense model of step 2 (exact copies, normalized top-2, dropless)
+    assert upcycle(dense)["val_loss_first"] == pytest.approx(val[2], abs=1e-5) != pytest.approx(val[4], abs=1e-5)
+    with pytest.raises(ValueError, match="upcycle.checkpoint=.*step_000004' is invalid: the checkpoint is damaged: "
+                                         ".*__0_0.distcp has .* bytes"):
+        upcycle(dense / "checkpoints" / "step_000004")

@@ -13,9 +13,10 @@ for how the experts are described; a checkpoint holds, under these keys:
 
 The folder is written as step_NNNNNN.tmp and renamed once every process has finished, so a
 checkpoint that has its final name is whole, and a save that fails leaves the last good one alone.
-Its last file, manifest.json, lists every other file with its size and CRC-32 (each process sums
-the files it wrote); verify() checks them, so a truncated, missing or altered file is found before
-anything is loaded. resume "auto" (and "latest") takes the newest checkpoint that verifies.
+Its last file, manifest.json (manifest.py), holds every file's size and the CRC-32s that, with the
+ones torch.save writes into every tensor record, cover every byte; verify() checks them, so a
+truncated, missing or altered file is found before anything is loaded. resume "auto" (and "latest")
+takes the newest checkpoint that verifies.
 
 Resuming on another layout (another number of processes and/or ep_size) restores the model and the
 optimizer exactly: DCP reads each process's share of every expert from whichever files hold it.
@@ -32,12 +33,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import mmap
-import os
 import random
 import shutil
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -45,15 +43,16 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as sharded
+from . import manifest
+from .manifest import verify
 from ..parallel.expert_grads import expert_layers
 from ..parallel.expert_parallel import whole_experts
 from .config import ExperimentConfig
 from .metrics import Window
 from .parts import Parts
-from .processes import Processes, gather
+from .processes import Processes
 
 FORMAT = "moe_plugin sharded checkpoint v1"
-MANIFEST = "manifest.json"
 
 
 def checkpoint_path(out_dir: Path, step: int) -> Path:
@@ -73,46 +72,6 @@ def remove_checkpoints(out_dir: Path) -> None:
 
 def step_of(path: Path) -> int:
     return int(path.name[5:].split(".")[0])
-
-
-def file_entry(path: Path) -> Dict[str, Any]:
-    """A file's size and CRC-32 as manifest.json records them."""
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size == 0:
-            return {"bytes": 0, "crc32": f"{zlib.crc32(b''):08x}"}
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:   # no copy: crc32 reads the page cache
-            return {"bytes": size, "crc32": f"{zlib.crc32(data):08x}"}
-
-
-def write_manifest(folder: Path, files: Dict[str, Dict[str, Any]]) -> None:
-    """manifest.json: the last file of a checkpoint; files maps every other file's name to its file_entry()."""
-    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}, indent=1) + "\n")
-
-
-def verify(path: Path) -> Optional[str]:
-    """None for a whole checkpoint folder, else what is wrong with it, naming the file."""
-    path = Path(path)
-    if path.name.endswith((".tmp", ".old")):
-        return f"{path} is the remains of a save that did not finish"
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return f"{manifest} is missing: the save did not finish (or an older moe_plugin wrote it, without checksums)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as error:
-        return f"{manifest} is unreadable ({error})"
-    for name, want in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        size = file.stat().st_size
-        if size != want["bytes"]:
-            return f"{file} has {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
-        got = file_entry(file)["crc32"]
-        if got != want["crc32"]:
-            return f"{file} has CRC-32 {got}, the manifest says {want['crc32']} (its bytes were altered)"
-    return None
 
 
 def resolve_resume(resume: str, out_dir: Path, log: Callable[[str], None] = lambda _: None) -> Optional[Path]:
@@ -141,7 +100,7 @@ def resolve_resume(resume: str, out_dir: Path, log: Callable[[str], None] = lamb
     if not path.is_dir():
         raise ValueError(f"train.resume={resume!r} is invalid: no such file (give a checkpoint folder, 'auto' "
                          f"or 'latest')")
-    if not any((path / name).exists() for name in (MANIFEST, "meta.json", ".metadata")):
+    if not any((path / name).exists() for name in (manifest.NAME, "meta.json", ".metadata")):
         raise ValueError(f"train.resume={resume!r} is invalid: {str(path)!r} is not a checkpoint of `moe-plugin "
                          f"train`: it has no meta.json")
     problem = verify(path)
@@ -212,9 +171,9 @@ def _barrier(procs: Processes) -> None:
 
 def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int,
          window: Window) -> Dict[str, float]:
-    """A collective: each process writes its share into step_NNNNNN.tmp and sums the files it wrote; rank 0
-    writes manifest.json, renames the folder into place, then removes checkpoints beyond train.keep_checkpoints.
-    Returns {"seconds": the whole save, "checksum_seconds": the sums (this rank's)}."""
+    """A collective: each process writes its share into step_NNNNNN.tmp; rank 0 writes manifest.json, renames
+    the folder into place, then removes checkpoints beyond train.keep_checkpoints.
+    Returns {"seconds": the whole save, "checksum_seconds": writing the manifest (0 but on rank 0)}."""
     start = time.perf_counter()
     final = checkpoint_path(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -230,16 +189,12 @@ def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, s
                                                   for group in parts.optimizer.param_groups]),
                   f"rank.{procs.rank}": pack(rank_state(procs, parts, window))})
     sharded.save(state, tmp)
-    if procs.rank == 0:
+    summed = 0.0
+    if procs.rank == 0:   # every process has written its shards (dcp.save ends with a collective)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    summed = time.perf_counter()
-    mine = [f for f in tmp.iterdir() if f.name.startswith(f"__{procs.rank}_") or
-            (procs.rank == 0 and f.name in (".metadata", "meta.json"))]
-    entries = {f.name: file_entry(f) for f in mine}
-    summed = time.perf_counter() - summed
-    everyone = gather(procs, entries)
-    if procs.rank == 0:
-        write_manifest(tmp, {name: entry for part in everyone for name, entry in part.items()})
+        summed = time.perf_counter()
+        manifest.write(tmp)
+        summed = time.perf_counter() - summed
         sharded.replace_folder(tmp, final)
         if cfg.train.keep_checkpoints:
             done = [path for path in checkpoints(out_dir) if step_of(path) <= step]   # not a newer damaged one

@@ -24,7 +24,8 @@ from typing import Any, Dict
 import torch
 
 from .. import checkpoint as sharded
-from .checkpoint import file_entry, pack, read_meta, unpack, verify, write_manifest
+from . import manifest
+from .checkpoint import pack, read_meta, unpack, verify
 
 FULL_FORMAT = "moe_plugin full checkpoint v1"
 
@@ -75,7 +76,7 @@ def write_folder(file: Path, folder: Path) -> None:
     tmp.mkdir(parents=True)
     sharded.write_sharded(state, tmp)
     (tmp / "meta.json").write_text(json.dumps(full["meta"], indent=1) + "\n")
-    write_manifest(tmp, {f.name: file_entry(f) for f in tmp.iterdir()})
+    manifest.write(tmp)
     sharded.replace_folder(tmp, folder)
 
 
@@ -101,7 +102,7 @@ def describe(path: Path) -> str:
              f"size: {sharded.folder_bytes(path) / 1e6:.2f} MB in {len(list(path.iterdir()))} files; "
              f"{len(model)} model tensors, {count:,} model values; "
              f"{len(tensors) - len(model)} optimizer tensors",
-             f"manifest: every file's size and CRC-32 match",
+             "manifest: every file's size and every CRC-32 match",
              "experts (logical size: pieces as written):"]
     for key, value in model.items():
         if key.rsplit(".", 1)[-1] in sharded.EXPERT_NAMES:

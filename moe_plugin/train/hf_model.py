@@ -196,11 +196,14 @@ def load_dense(model: nn.Module, where: str, auto_class: str = "AutoModelForCaus
         import transformers
         state = getattr(transformers, auto_class).from_pretrained(path).state_dict()
     else:
-        from .checkpoint import checkpoints, read_meta
-        if (path / "checkpoints").is_dir() and checkpoints(path):
-            path = checkpoints(path)[-1]
+        from .checkpoint import checkpoints, read_meta, verify
+        if (path / "checkpoints").is_dir() and checkpoints(path):   # the newest whole one
+            path = next((p for p in reversed(checkpoints(path)) if verify(p) is None), checkpoints(path)[-1])
         try:
             read_meta(path)
+            problem = verify(path)
+            if problem is not None:
+                raise ValueError(f"the checkpoint is damaged: {problem}")
         except ValueError as error:
             raise ValueError(f"upcycle.checkpoint={where!r} is invalid: {error} (give the dense run's out_dir, a "
                              f"checkpoint folder or an HF folder)") from None
