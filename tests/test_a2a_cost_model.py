@@ -211,6 +211,7 @@ def test_invalid_inputs_raise_value_error_naming_the_argument(call, name):
 
 
 @pytest.mark.slow
+@pytest.mark.spawns   # the driver's measure starts the processes, out of conftest's sight
 @pytest.mark.timeout(300)
 def test_measure_runs_on_four_gloo_processes_and_fits():
     # One spawn: the driver's measuring path end to end (its timings are not checked, only their form).
