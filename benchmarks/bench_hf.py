@@ -7,6 +7,8 @@ block: one sparse-MoE block alone, forward + backward on T tokens: HF's "eager" 
   measures each side's host overhead per call.
 train: an AdamW training step (forward, backward, step) of a small Mixtral-architecture causal LM
   (2 layers, D 256, 32 experts of 256, top-4, 8 x 256 tokens): HF grouped_mm vs ours.
+generate: greedy generate of 32 tokens, batch 1, by a tiny Mixtral (2 layers, D 64, 8 experts of 64, top-2):
+  ms per generated token, HF's own model vs the same model swapped (the tokens are checked equal).
 
 Runs alternate between the variants (round robin) so that load on the machine hits them alike; the
 median of each is reported with ours / HF grouped_mm (< 1: ours is faster).
@@ -14,6 +16,7 @@ median of each is reported with ours / HF grouped_mm (< 1: ours is faster).
     python benchmarks/bench_hf.py                     # both cases
     python benchmarks/bench_hf.py --case block --repeats 30
     python benchmarks/bench_hf.py --case block --shapes tiny --tokens 32 --repeats 400 --warmup 50 --threads 1
+    python benchmarks/bench_hf.py --case generate --repeats 40 --warmup 2 --threads 1
 """
 import argparse
 import copy
@@ -37,7 +40,7 @@ BLOCK_SHAPES = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=("block", "train", "all"), default="all")
+    parser.add_argument("--case", choices=("block", "train", "generate", "all"), default="all")
     parser.add_argument("--shapes", default="mixtral,deepseek",
                         help=f"block shapes, comma-separated, of: {', '.join(BLOCK_SHAPES)}")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per block call")
@@ -148,6 +151,32 @@ def bench_train(args):
             "ours_over_grouped_mm": round(seconds["ours"] / seconds["hf_grouped_mm"], 3)}
 
 
+def generate_model(swap):
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm").eval()
+    return hf_moe.swap_moe_blocks(model) if swap else model
+
+
+def bench_generate(args):
+    """Greedy generate, batch 1: seconds per generated token, HF's own tiny Mixtral vs the same swapped."""
+    prompt = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    variants = {"hf_grouped_mm": generate_model(False), "ours": generate_model(True)}
+    new_tokens, outputs = 32, {}
+
+    def generate(model):
+        with torch.no_grad():
+            outputs[id(model)] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                do_sample=False, pad_token_id=0)
+    seconds = timed(generate, variants, max(3, args.repeats // 4), args.warmup)
+    same = torch.equal(*(outputs[id(m)] for m in variants.values()))
+    return {"case": "generate/mixtral_tiny", "layers": 2, "D": 64, "E": 8, "H": 64, "k": 2, "tokens": new_tokens,
+            "ms": {k: round(v * 1e3 / new_tokens, 3) for k, v in seconds.items()}, "same_tokens": same,
+            "ours_over_grouped_mm": round(seconds["ours"] / seconds["hf_grouped_mm"], 3)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     shapes = [name for name in args.shapes.split(",") if name]
@@ -161,6 +190,8 @@ def main(argv=None):
         results += [bench_block(name, args) for name in shapes]
     if args.case in ("train", "all"):
         results.append(bench_train(args))
+    if args.case in ("generate", "all"):
+        results.append(bench_generate(args))
     report(results, args.json)
 
 

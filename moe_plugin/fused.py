@@ -28,7 +28,8 @@ class FusedMoE(torch.autograd.Function):
     def forward(ctx, *args):
         if torch.compiler.is_compiling():    # the ops run later, in the compiled graph: they zero as usual
             return FusedMoE._forward(ctx, *args)
-        with ops.tail_rows_unread():    # rows past the kept ones: every consumer here skips them, none is zeroed
+        # rows past the kept ones: every consumer here skips them, none is zeroed; the kernels looked up once
+        with ops.fused_call(*(arg for arg in args if isinstance(arg, torch.Tensor))):
             return FusedMoE._forward(ctx, *args)
 
     @staticmethod
@@ -36,7 +37,7 @@ class FusedMoE(torch.autograd.Function):
     def backward(ctx, grad_y_TD):
         if torch.compiler.is_compiling():
             return FusedMoE._backward(ctx, grad_y_TD)
-        with ops.tail_rows_unread():
+        with ops.fused_call(grad_y_TD, *ctx.saved_tensors):
             return FusedMoE._backward(ctx, grad_y_TD)
 
     @staticmethod

@@ -1,6 +1,6 @@
-"""Routing in four kernels (ops/triton_route.py) as one autograd function, on the CUDA path in eager mode: the
-router's logits, softmax and top-k, the balance and z losses, the plan (slots, loads, offsets) and the final
-gates. It replaces, for the configurations it covers (eligible), Router.forward -> dispatch.plan_routes ->
+"""Routing in four kernels (ops/triton_route.py) as one autograd function, on the CUDA path in eager mode (on CPU
+in eager mode the same in a few torch ops, ops/torch_route.py): the router's logits, softmax and top-k, the
+balance and z losses, the plan (slots, loads, offsets) and the final gates. It replaces, for the configurations it covers (eligible), Router.forward -> dispatch.plan_routes ->
 router.finalize_gates, which stay the reference (tests compare them) and the path everywhere else.
 
 Legend: T tokens, D model dim, E experts, K top-k.
@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
-from .ops.choice import eager_triton
+from .ops.choice import device_kind, eager_triton
 
 MAX_EXPERTS = 512
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -21,7 +21,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def eligible(layer, routed_TD: torch.Tensor) -> bool:
     """Whether the fused routing computes what the reference path would for this call."""
     cfg, router = layer.config, layer.router
-    if eager_triton(routed_TD.device) is None or not _plain_dispatch() or routed_TD.shape[0] == 0:
+    if _kernels(routed_TD.device) is None or not _plain_dispatch() or routed_TD.shape[0] == 0:
         return False
     noisy = router.training and (cfg.gate_noise > 0 or getattr(router, "noise_policy", None) is not None)
     return (cfg.router == "softmax" and not noisy and router.bias_E is None and router.input_scale_D is None
@@ -32,11 +32,25 @@ def eligible(layer, routed_TD: torch.Tensor) -> bool:
             and (cfg.fp32_router or routed_TD.dtype == torch.float32))
 
 
+def _kernels(device: torch.device):
+    """triton_route for CUDA in eager mode, torch_route for CPU in eager mode, else None."""
+    if eager_triton(device) is not None:
+        from .ops import triton_route
+        return triton_route
+    if device_kind(device) == "cpu" and not torch.compiler.is_compiling():
+        from .ops import torch_route
+        return torch_route
+    return None
+
+
 def _plain_dispatch() -> bool:
     """No tensor subclass mode but the launch counter's (fake tensors and tracing need the reference path)."""
+    if not torch._C._len_torch_dispatch_stack() and torch._C._functorch.peek_interpreter_stack() is None:
+        return True
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     from .ops.launches import LaunchCounter
-    return all(isinstance(mode, LaunchCounter) for mode in _get_current_dispatch_mode_stack())
+    return torch._C._functorch.peek_interpreter_stack() is None and \
+        all(isinstance(mode, LaunchCounter) for mode in _get_current_dispatch_mode_stack())
 
 
 def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: torch.dtype
@@ -56,9 +70,16 @@ def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: to
 class FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w_ED, spec):
-        from .ops import triton_route as kernels
+        kernels = _kernels(x_TD.device)
         K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = spec
         x_TD, w_ED = x_TD.contiguous(), w_ED.contiguous()
+        ctx.spec, ctx.kernels = spec, kernels
+        ctx.set_materialize_grads(False)
+        if kernels.__name__.endswith("torch_route"):
+            outputs, (expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E) = kernels.route(x_TD, w_ED, *spec)
+            ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, outputs[2], probs_TE, lse_T, aux_grad_E)
+            ctx.mark_non_differentiable(*outputs[2:])
+            return outputs
         expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T = kernels.route_forward(
             x_TD, w_ED, K, normalize == "before_drop", z_scale != 0)
         first_AE, load_E, kept_E, offs_E, aux, aux_grad_E = kernels.route_plan(
@@ -66,24 +87,22 @@ class FusedRoute(torch.autograd.Function):
         pos_TK, kept_TK, final_TK = kernels.route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap,
                                                         normalize == "after_drop", scale, gate_dtype)
         ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E)
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(pos_TK, kept_TK, load_E, kept_E, offs_E)
         return final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_final_TK, grad_aux, *_):
-        from .ops import triton_route as kernels
         x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E = ctx.saved_tensors
         K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = ctx.spec
         if grad_final_TK is None and grad_aux is None:
             return None, None, None
-        grad_TE = kernels.route_backward(
+        grad_TE = ctx.kernels.route_backward(
             None if grad_final_TK is None else grad_final_TK.contiguous(), grad_aux, expert_TK, gate_TK, pos_TK,
             probs_TE, lse_T, aux_grad_E, normalize, scale, z_scale, x_TD.dtype)
-        grad_x_TD = grad_TE @ w_ED if ctx.needs_input_grad[0] else None
-        grad_w_ED = grad_TE.t() @ x_TD if ctx.needs_input_grad[1] else None
+        # Triton: the logits' gradient in x's dtype; torch: in fp32, the GEMMs too (as the reference's fp32 router)
+        grad_x_TD = (grad_TE @ w_ED.to(grad_TE.dtype)).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        grad_w_ED = (grad_TE.t() @ x_TD.to(grad_TE.dtype)).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
         return grad_x_TD, grad_w_ED, None
 
 

@@ -159,7 +159,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: router_input must have x's shape {tuple(x.shape)}, "
                              f"got {tuple(router_input.shape)}")
         routed_TD = x_TD if router_input is None else router_input.reshape(-1, cfg.model_dim)
-        if fused_route.eligible(self, routed_TD):     # CUDA eager: routing in four kernels
+        if fused_route.eligible(self, routed_TD):     # eager CUDA and CPU: one autograd node
             gate_TK, aux_loss, plan = fused_route.route(self, routed_TD, self.capacity_factor(), dtype)
         else:
             gate_TK, aux_loss, plan, _ = fused_route.reference(self, routed_TD, self.capacity_factor(), dtype,
@@ -172,12 +172,12 @@ class MoELayer(nn.Module):
         if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
             x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
         if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
-            with autocast_off(x.device.type):   # the expert path runs in dtype already
+            with _autocast_off(x.device.type):   # the expert path runs in dtype already
                 y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree,
                                                        shared)
         else:
             shared()
-            with autocast_off(x.device.type):
+            with _autocast_off(x.device.type):
                 y_TD, degrees = fused_moe(x_TD, gate_TK, plan, experts), None
         y_TD = shared.add_to(y_TD)
 
@@ -227,6 +227,11 @@ class MoELayer(nn.Module):
         return (f"model_dim={cfg.model_dim}, hidden_size={cfg.hidden_size}, num_experts={cfg.num_experts}, "
                 f"top_k={cfg.top_k}, capacity_factor={cfg.capacity_factor}, router={cfg.router}, "
                 f"activation={cfg.activation}")
+
+
+def _autocast_off(device_type: str):
+    """autocast_off where autocast is on (entering a disabled autocast costs host time in every call)."""
+    return autocast_off(device_type) if autocast_on(device_type) else contextlib.nullcontext()
 
 
 class _SharedOutput:

@@ -13,6 +13,7 @@ loads and says once, as a warning, why it fell back; native fails loudly when it
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from types import ModuleType
 from typing import Optional, Tuple
@@ -38,9 +39,18 @@ require_torch()
 
 from . import torch_ops  # noqa: E402
 from .choice import (ENV, MODES, describe, device_kind, direct, eager_triton, kernels_for, mode,  # noqa: F401,E402
-                     simulated_cuda)
+                     resolved, simulated_cuda)
 from .grouped import (grouped_mm, grouped_mm_loop, grouped_sum, offsets, tail_rows_unread,  # noqa: F401,E402
                       tail_unread, zero_rows_past)
+
+
+@contextlib.contextmanager
+def fused_call(*tensors: Optional[torch.Tensor]):
+    """Inside one forward or backward of the fused layer: the rows past the kept ones stay unzeroed
+    (tail_rows_unread), the kernel set is looked up once and the direct-call test answered once, for its inputs
+    (tensors: the first one's device)."""
+    with tail_rows_unread(), resolved(tensors[0].device, direct(*tensors)):
+        yield
 
 
 def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import warnings
 from types import ModuleType
 from typing import Dict, Optional, Tuple
@@ -18,7 +19,12 @@ MODES = ("auto", "native", "torch")
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    return _mode(os.environ.get(ENV, "auto"))
+
+
+@functools.lru_cache(maxsize=16)
+def _mode(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r} is not a kernel choice; allowed: {', '.join(MODES)}")
     return value
@@ -36,13 +42,29 @@ def _triton() -> Tuple[Optional[ModuleType], str]:
 
 def kernels_for(device: torch.device) -> Tuple[ModuleType, str, str]:
     """(kernel module, its name, why it was chosen) for tensors on device: worked out once per device type and
-    MOE_PLUGIN_KERNELS value (the layer asks ~16 times per step)."""
+    MOE_PLUGIN_KERNELS value (the layer asks ~16 times per step), and inside resolved() once per call."""
+    call = getattr(_CALL, "choice", None)
+    if call is not None and call[0] == device.type:
+        return call[1]
     if _SIMULATED[0] and device.type == "cpu":
         return _simulated_kernels()
     return _choose(device.type, mode())
 
 
 _SIMULATED = [False]
+_CALL = threading.local()
+
+
+@contextlib.contextmanager
+def resolved(device: torch.device, direct_calls: bool):
+    """Inside (one call of the fused layer, forward or backward): kernels_for(device) answers from one look-up,
+    and direct() answers direct_calls (the caller's inputs tested once) for tensors of no autograd."""
+    before = getattr(_CALL, "choice", None), getattr(_CALL, "direct", None)
+    _CALL.choice, _CALL.direct = (device.type, kernels_for(device)), direct_calls
+    try:
+        yield
+    finally:
+        _CALL.choice, _CALL.direct = before
 
 
 @contextlib.contextmanager
@@ -122,9 +144,12 @@ def direct(*tensors: Optional[torch.Tensor]) -> bool:
     in eager mode, with no autograd to record for these inputs, no meta tensor (the op's fake function gives
     its shapes) and no tensor subclass, dispatch mode or functorch transform (fake tensors, tracing, vmap)
     that must see the op."""
+    grad = torch.is_grad_enabled()
+    call = getattr(_CALL, "direct", None)
+    if call is not None and not grad:
+        return call
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or _functorch_active():
         return False
-    grad = torch.is_grad_enabled()
     return all(t is None or (type(t) in _PLAIN and not t.is_meta and not (grad and t.requires_grad)) for t in tensors)
 
 

@@ -1,6 +1,7 @@
 """The fused routing kernels (moe_plugin/fused_route.py, ops/triton_route.py) and the one-pass bias add against
 the torch path they replace, on CPU under the Triton interpreter (in a child process, as triton reads
-TRITON_INTERPRET when imported), with fresh random inputs: dropless, dropping, capped, k > 2, odd sizes,
+TRITON_INTERPRET when imported), and the CPU form of the fused routing (ops/torch_route.py) in this process, with
+fresh random inputs: dropless, dropping, capped, k > 2, odd sizes,
 experts that get no token, each gate normalization and balance loss, the z-loss, fp32 and bf16.
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows, O output columns.
@@ -44,22 +45,37 @@ def relative(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
 
 
+CASE_IDS = [f"T{c[0]}-E{c[2]}-K{c[3]}-cf{c[4]}" for c in CASES]
+
+
 @in_child
-@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-E{c[2]}-K{c[3]}-cf{c[4]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_route_equals_router_plan_and_gates(case, dtype):
-    from moe_plugin import fused_route
     from moe_plugin.ops import simulated_cuda
+    compare_with_reference(case, dtype, simulated_cuda)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cpu_fused_route_equals_router_plan_and_gates(case, dtype, autocast):
+    """The same routing in torch ops (ops/torch_route.py), on CPU in eager mode, in this process."""
+    compare_with_reference(case, dtype, lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast))
+
+
+def compare_with_reference(case, dtype, context):
+    from moe_plugin import fused_route
     T, D, E, K, cf, normalize, aux, z = case
     config = MoEConfig(model_dim=D, hidden_size=8, num_experts=E, top_k=K, capacity_factor=cf, normalize_gate=normalize,
                        aux_loss=aux, z_loss_coef=z, route_scale=1.5, min_capacity=1)
     layer = MoELayer(config).to(dtype)
     x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
     weight_ED = layer.router.weight_ED
-    with simulated_cuda():
+    with context():
         assert fused_route.eligible(layer, x_TD)
         gate_TK, aux_loss, plan = fused_route.route(layer, x_TD, cf, dtype)
-    gate_ref, aux_ref, plan_ref, _ = fused_route.reference(layer, x_TD, cf, dtype)
+        gate_ref, aux_ref, plan_ref, _ = fused_route.reference(layer, x_TD, cf, dtype)
     for name in ("pos_TK", "kept_TK", "load_E", "kept_E", "offs_E"):
         assert torch.equal(getattr(plan, name), getattr(plan_ref, name)), name
     assert (plan.cap, plan.fixed) == (plan_ref.cap, plan_ref.fixed)
