@@ -2,7 +2,6 @@
 value and the number of processes, before DeepSpeed's groups fail with a bare `AssertionError: 2 is not divisible
 by 4` (issue 31, item 2): moe_plugin's DeepSpeed initialize, the hooked deepspeed.initialize, the MoE class, the
 HF block swap under a "moe" section, swap_moe_blocks and fully_shard_moe. The sizes that divide still build."""
-import functools
 import os
 import sys
 
@@ -147,19 +146,15 @@ def test_every_deepspeed_entry_point_names_ep_size_and_the_number_of_processes()
             "1 (2 processes in 2 pipeline stages;"), report["pipeline"]
 
 
-def fsdp_worker(rank, world):
-    """Ranks 0 and 1 hold an MoE layer on a host's ep group of 2 in a world of 3 (rank 2 holds none); their
-    fully_shard_moe must stop with a ValueError before its first collective (rank 2 never calls it)."""
+def fsdp_worker(rank, world, directory):
+    """A model built at ep_size 2 on 2 processes, then sharded in a world of 1 process (each its own, as after an
+    elastic restart with fewer processes): fully_shard_moe must stop with a ValueError before any collective."""
     import torch.distributed as dist
 
     from moe_plugin.parallel import fully_shard_moe
-    if rank == 2:
-        return None
-    # groups of ranks 0 and 1 only: rank 2 takes no part in their creation
-    dist.new_group = functools.partial(dist.new_group, use_local_synchronization=True)
-    group = dist.new_group([0, 1])
-    model = nn.Sequential(nn.Linear(D, D), MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, ep_size=2),
-                                                    ep_group=group))
+    model = nn.Sequential(nn.Linear(D, D), MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, ep_size=2)))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{directory}/alone{rank}", rank=0, world_size=1)
     try:
         fully_shard_moe(model)
     except ValueError as error:
@@ -168,7 +163,7 @@ def fsdp_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_fully_shard_moe_names_the_layer_s_ep_size_and_the_number_of_processes():
-    for message in run_workers(fsdp_worker, 3, timeout=200)[:2]:
+def test_fully_shard_moe_names_the_layer_s_ep_size_and_the_number_of_processes(tmp_path):
+    for message in run_workers(fsdp_worker, 2, str(tmp_path), timeout=200):
         assert message == ("fully_shard_moe: MoE layer '1': ep_size=2 is invalid: must divide the number of processes, "
-                           "3 (launch with torchrun --nproc_per_node N, N a multiple of 2; or set it to one of [1, 3])")
+                           "1 (launch with torchrun --nproc_per_node N, N a multiple of 2; or set it to one of [1])")
