@@ -15,6 +15,8 @@ TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
 LORA = ["peft==0.21.2"]   # LoRA on the experts through PEFT (moe_plugin.integrations.transformers.peft)
 IMAGES = ["scikit-learn>=1.0"]   # the handwritten digits of `moe-plugin train` data.task=image (shipped, no download)
 DEV = ["pytest>=7", "pytest-timeout>=2"]
+# the documentation site (mkdocs.yml, docs/): its hook generates the HF family list from the table (transformers)
+DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11"]
 
 # The "moe" section wherever DeepSpeed starts (integrations/deepspeed/hook.py). site runs the .pth line at every
 # interpreter start: unless MOE_PLUGIN_DEEPSPEED_HOOK=0, it puts an import finder at the head of sys.meta_path that
@@ -81,8 +83,8 @@ setup(
     package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
     install_requires=["torch>=2.11", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "transformers": TRANSFORMERS,
-                    "images": IMAGES, "lora": TRANSFORMERS + LORA, "dev": DEV,
-                    "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + LORA + IMAGES + DEV},
+                    "images": IMAGES, "lora": TRANSFORMERS + LORA, "dev": DEV, "docs": TRANSFORMERS + DOCS,
+                    "all": DEEPSPEED + FAIRSEQ + TRITON + TRANSFORMERS + LORA + IMAGES + DEV + DOCS},
     entry_points={"console_scripts": ["moe-plugin=moe_plugin.cli:main"]},
     cmdclass={"build": Build, "build_deepspeed_hook": BuildDeepSpeedHook},
 )

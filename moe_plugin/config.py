@@ -29,6 +29,20 @@ def gate_normalization(value: Any, top_k: Any) -> Any:
 class MoEConfig:
     """Configuration of one MoE layer.
 
+    model_dim: D, the width of the tokens the layer takes and returns.
+    hidden_size: H, each expert's hidden width (a gated activation's first projection has 2H columns).
+    num_experts / top_k: E experts; each token goes to its top_k best.
+    eval_capacity_factor: used instead of capacity_factor in eval mode (None: the same).
+    min_capacity: the lower bound of a fixed capacity.
+    gate_noise: std of Gaussian noise added to the logits to choose experts (training only).
+    fp32_router: compute the router in at least fp32 (rounded logits would flip routes).
+    batch_prioritized_routing: tokens with the highest router score claim slots first (else token order).
+    aux_loss_coef / z_loss_coef: the weights of the balance loss and of the router z-loss in layer.aux_loss.
+    bias: the experts' Linears have biases.
+    node_size: processes per node for a2a "2dh" (None: LOCAL_WORLD_SIZE).
+    shared_gate: the shared expert's output is multiplied per token by sigmoid(x . w) (Qwen2-MoE).
+    clamp_shared: False keeps the shared expert unclamped when activation_limit is set (HY-V4).
+    router_norm_eps: the epsilon of router_norm's RMS normalization.
     capacity_factor > 0: fixed capacity per expert, max(ceil(top_k * cf * T / E), min_capacity).
     capacity_factor == 0: dropless, capacity = the largest real load.
     capacity_factor < 0: adaptive, the largest real load capped at |cf| times the fixed capacity.

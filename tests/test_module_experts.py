@@ -1,5 +1,17 @@
 """The general path (any expert module) and the identity activation, against the einsum reference and a
-plain per-token loop; expert parallelism on 2 gloo processes against one process."""
+plain per-token loop; expert parallelism on 2 gloo processes against one process.
+
+What this module tests (moved here from the README):
+
+- `tests/test_module_experts.py` (fp64). Four kinds of module (Linear with and without bias, a LayerNorm
+  MLP, a custom residual module with a constant buffer), k = 1 and 3, with drops and dropless. Each is
+  checked against the einsum reference: outputs, aux loss and every gradient.
+- The same file also has:
+  - a plain per-token loop;
+  - identity on the fast path against the reference, and against the same weights on the general path;
+  - warn-once, the named errors, per-expert seeding, autocast;
+  - ep_size 2 on 2 gloo processes against one process, sometimes with a rank that gets no tokens.
+"""
 import os
 import sys
 import warnings

@@ -1,6 +1,32 @@
 """DeepSpeed backend with any expert module: recognised MLPs take the fast path, every other module the
 general path; DeepSpeed's own native layer with the same weights on the same inputs is the reference
-(outputs, l_aux, exp_counts, gradients). On 2 gloo processes: ep_size 2 and engine checkpoints."""
+(outputs, l_aux, exp_counts, gradients). On 2 gloo processes: ep_size 2 and engine checkpoints.
+
+What this module tests (moved here from the README):
+
+- `tests/integrations/test_deepspeed_any_expert.py` uses DeepSpeed's own native layer, with the same
+  weights on the same inputs, as the reference. It compares outputs, l_aux, exp_counts and the gradients
+  of input, gate and every expert parameter, under the native names.
+- It covers 8 expert kinds (ReLU MLP, SiLU MLP without bias, Linear -> Linear, a custom GELU MLP class,
+  a single Linear, a LayerNorm MLP, a Tanh MLP, a residual class), in three cases: k = 1 and 2 with
+  drops, and k = 3 dropless.
+- It also checks that each kind takes the expected path.
+- On 2 gloo processes at ep_size 2, with the general path in two layers under ZeRO-1:
+  - training steps give the native model's outputs;
+  - `save_checkpoint` / `load_checkpoint` restore the model exactly, and training resumes bit-identically;
+  - a native checkpoint loads.
+
+DeepSpeed's own MoE unit tests (tests/unit/v1/moe/test_moe.py and tests/unit/checkpoint/test_moe_checkpoint.py
+of DeepSpeed's repository) pass with `deepspeed.moe.layer.MoE` replaced by this class: TestSimpleMoE,
+TestPRMoE, TestMoE (12/12), TestMoECheckpoint, test_all_to_all[single], in fp32 copies (DeepSpeed's CPU
+accelerator has no fp16, for its own class as for ours). Exceptions, each because it inspects DeepSpeed
+internals: test_all_to_all[multi] counts calls to DeepSpeed's own all-to-all (ours uses its own);
+TestExpertWeightGradWithZero reads `experts.deepspeed_experts[i][0].weight`, which the fast path keeps stacked
+(with only that read changed it passes, ZeRO 0-2); test_moe_tp.py needs tensor parallelism, which backend tutel
+refuses by name; the gating-function tests never build the MoE class. How they were run: a `sitecustomize.py`
+sets `deepspeed.moe.layer.MoE = moe_plugin.integrations.deepspeed.MoE`, with `MOE_PLUGIN_DEEPSPEED_HOOK=0` and
+`LOCAL_SIZE=4`, in a copy of those test files (not part of this repository).
+"""
 import os
 import warnings
 

@@ -1,0 +1,135 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict`, its generated pages hold
+what the code holds, every code block marked `<!-- runnable -->` runs as written, and the built pages render
+with their navigation in headless Chromium. `pytest -k docs` selects these tests.
+
+A runnable block is a fenced ```python or ```bash block right after a line `<!-- runnable -->` (invisible in
+the site). Each runs in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
+REPO in its environment (commands that need the shipped configs use $REPO).
+"""
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+RUNNABLE = re.compile(r"^<!-- runnable -->\n```(python|bash)\n(.*?)^```", re.M | re.S)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+
+
+def runnable_blocks():
+    """(id, language, code) of every runnable block in docs/, in page order."""
+    blocks = []
+    for name in PAGES:
+        for number, match in enumerate(RUNNABLE.finditer((DOCS / name).read_text(encoding="utf-8")), 1):
+            blocks.append((f"{name[:-3]}-{number}", match.group(1), match.group(2)))
+    return blocks
+
+
+def _hooks():
+    sys.path.insert(0, str(DOCS))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(DOCS))
+    return hooks
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built once for this module's tests, as CI builds it."""
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+@pytest.mark.spawns
+def test_docs_build_strict_with_every_page_and_the_generated_reference(site):
+    from moe_plugin.config import MoEConfig
+
+    for name in PAGES:
+        page = site / ("index.html" if name == "index.md" else f"{name[:-3]}/index.html")
+        assert page.is_file(), f"docs/{name} was not built"
+    reference = (site / "config" / "index.html").read_text(encoding="utf-8")
+    for field in dataclasses.fields(MoEConfig):
+        assert f"<code>{field.name}</code>" in reference, field.name
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    for name in ("moe_plugin.MoELayer", "moe_plugin.MoEConfig", "moe_plugin.aux_loss",
+                 "moe_plugin.integrations.deepspeed.initialize", "moe_plugin.integrations.transformers.swap_moe_blocks"):
+        assert f'id="{name}"' in api, f"the API page has no entry for {name}"
+
+
+@pytest.mark.spawns
+def test_docs_hf_page_lists_every_family_of_the_table(site):
+    transformers_moe = pytest.importorskip("moe_plugin.integrations.transformers")
+    page = (site / "huggingface" / "index.html").read_text(encoding="utf-8")
+    for model_type in transformers_moe.FAMILIES:
+        assert f"<code>{model_type}</code>" in page, model_type
+
+
+def test_docs_config_reference_describes_every_field():
+    """Every MoEConfig field has words in MoEConfig's docstring: a field added without them fails here."""
+    from moe_plugin.config import MoEConfig
+
+    described = _hooks().field_docs(MoEConfig)
+    missing = [f.name for f in dataclasses.fields(MoEConfig) if not described.get(f.name)]
+    assert not missing, f"MoEConfig's docstring says nothing of {missing}: add an entry 'name: meaning'"
+    table = _hooks().moe_config_markdown()
+    assert "| `capacity_factor` | float | `1.0` | capacity_factor > 0: fixed capacity" in table
+
+
+def test_docs_generated_markers_are_known():
+    hooks = _hooks()
+    for name in PAGES:
+        for marker in hooks.MARKER.findall((DOCS / name).read_text(encoding="utf-8")):
+            assert marker in hooks.GENERATORS, f"docs/{name}: unknown generated block {marker!r}"
+
+
+def test_docs_have_runnable_examples_on_the_main_pages():
+    pages = {block_id.rsplit("-", 1)[0] for block_id, _, _ in runnable_blocks()}
+    for page in ("index", "layer"):
+        assert page in pages, f"docs/{page}.md has no block marked <!-- runnable -->"
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("block_id,language,code", runnable_blocks(), ids=[b[0] for b in runnable_blocks()])
+def test_docs_example_runs(block_id, language, code, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", REPO=str(REPO), MPLBACKEND="Agg")
+    command = [sys.executable, "-c", code] if language == "python" else ["bash", "-euo", "pipefail", "-c", code]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (f"docs example {block_id} ({language}) failed with {done.returncode}:\n{code}\n"
+                                  f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}")
+
+
+def _dom(page: Path) -> str:
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"chromium failed on {page}:\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.spawns
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
+def test_docs_pages_render_with_navigation_in_chromium(site):
+    """The front page and the DeepSpeed page as a browser renders them: the theme's navigation lists every
+    section, the page's own title is there, and the search box was built by the theme's script."""
+    for page, title in ((site / "index.html", "moe_plugin"), (site / "deepspeed" / "index.html", "DeepSpeed")):
+        dom = _dom(page)
+        links = re.findall(r'<a [^>]*class="md-nav__link[^"]*"[^>]*>(.*?)</a>', dom, re.S)
+        labels = {" ".join(re.sub(r"<[^>]+>", " ", link).split()) for link in links}
+        for entry in ("The layer", "Training command", "DeepSpeed", "Hugging Face", "FSDP2", "fairseq",
+                      "Troubleshooting", "API"):
+            assert entry in labels, f"{page}: the navigation has no link '{entry}' (it has {sorted(labels)})"
+        assert re.search(rf"<h1[^>]*>\s*{re.escape(title)}", dom), f"{page}: no title '{title}'"
+        assert "md-search__input" in dom, f"{page}: the theme's search box is missing"
