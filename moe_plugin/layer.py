@@ -63,6 +63,11 @@ class MoELayer(nn.Module):
         self.tuner = self._make_tuner() if self.is_parallel else None
         self.aux_loss = torch.zeros((), device="cpu")
         self._routing = None          # (load_E, kept_E, capacity info) of the last forward, for .stats
+        # persistent (CUDA graphs: a replay writes into them; nothing holds a tensor of a past replay): the last
+        # forward's loads and kept rows per expert, and its aux loss's value. Plain attributes, not buffers: DDP
+        # must not broadcast them and state dicts do not hold them.
+        self._stats_2E = torch.zeros(2, config.num_experts, dtype=torch.long, device=self.router.weight_ED.device)
+        self._aux_value = torch.zeros((), device=self.router.weight_ED.device)
         self._parallel_stats: dict = {}
 
     def reset_parameters(self) -> None:
@@ -72,6 +77,22 @@ class MoELayer(nn.Module):
                 module.reset_parameters()
         self.aux_loss = torch.zeros((), device="cpu")
         self._routing = None
+
+    def _apply(self, fn, recurse=True):
+        """The persistent stats follow the parameters' device (fresh zeros: to_empty may come from meta)."""
+        super()._apply(fn, recurse)
+        device = self.router.weight_ED.device
+        if self._stats_2E.device != device:
+            self._stats_2E = torch.zeros_like(self._stats_2E, device=device)
+            self._aux_value = torch.zeros((), device=device)
+            self._routing = None
+        return self
+
+    @property
+    def aux_loss_value(self) -> torch.Tensor:
+        """The last forward's aux loss, detached, in a tensor every forward writes into (a persistent buffer:
+        safe to read after later calls and CUDA-graph replays, where .aux_loss is that forward's own output)."""
+        return self._aux_value
 
     @property
     def stats(self) -> dict:
@@ -182,7 +203,14 @@ class MoELayer(nn.Module):
         y_TD = shared.add_to(y_TD)
 
         self.aux_loss = aux_loss
-        self._routing = (plan.load_E.detach(), plan.kept_E.detach(), plan.capacity_factor, plan.fixed,
+        stats_2E = self._stats_2E
+        if stats_2E.device != plan.load_E.device:     # moved by hand (not .to()): follow the input
+            stats_2E = self._stats_2E = torch.zeros_like(stats_2E, device=plan.load_E.device)
+            self._aux_value = torch.zeros((), device=plan.load_E.device)
+        stats_2E[0].copy_(plan.load_E)
+        stats_2E[1].copy_(plan.kept_E)
+        self._aux_value.copy_(aux_loss.detach())
+        self._routing = (stats_2E[0], stats_2E[1], plan.capacity_factor, plan.fixed,
                          x_TD.shape[0], cfg.top_k)
         if degrees is not None:
             self._parallel_stats = dict(parallel=degrees[0], overlap_degree=degrees[1], a2a=degrees[2],

@@ -325,3 +325,16 @@ def test_train_runs_on_one_thread_unless_omp_num_threads_says(monkeypatch, omp):
     finally:
         torch.set_num_threads(before)
     assert seen == [1 if omp is None else 2]
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(tmp_path, fresh_seed):
+    """train.compile (reduce-overhead: CUDA graphs on CUDA; on CPU a compiled step) trains as the eager loop does."""
+    steps = ["train.steps=3", "train.eval_every=3", "train.checkpoint_every=0", f"train.seed={fresh_seed}"]
+    _, eager = run(tmp_path, *TINY, *steps, name="eager")
+    _, compiled = run(tmp_path, *TINY, *steps, "train.compile=reduce-overhead", name="compiled")
+    losses = [(r["step"], r.get("loss")) for r in eager if "loss" in r]
+    assert losses and all(abs(a[1] - b[1]) <= 1e-4 * abs(a[1])
+                          for a, b in zip(losses, [(r["step"], r.get("loss")) for r in compiled if "loss" in r]))
+    with pytest.raises(ValueError, match="train.compile"):
+        train.load_config(None, ["train.compile=graphs"])

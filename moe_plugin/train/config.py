@@ -41,6 +41,8 @@ class TrainConfig:
                                      # counted) or stop (an error naming it)
     max_skipped: int = 10            # with nonfinite=skip: stop after this many skipped steps in a row
     device: str = "auto"             # auto (cuda when available), cpu or cuda
+    compile: Optional[str] = None    # torch.compile the model in this mode: default, reduce-overhead (CUDA graphs on
+                                     # CUDA), max-autotune; null: eager
 
 
 @dataclass
@@ -169,6 +171,8 @@ def check_config(cfg: ExperimentConfig) -> None:
             f"null or between 1 and train.steps={cfg.train.steps}")
     require("train.device", cfg.train.device in ("auto", "cpu", "cuda"), "one of 'auto', 'cpu', 'cuda'")
     require("train.nonfinite", cfg.train.nonfinite in ("skip", "stop"), "one of 'skip', 'stop'")
+    require("train.compile", cfg.train.compile in (None, "default", "reduce-overhead", "max-autotune"),
+            "null, 'default', 'reduce-overhead' or 'max-autotune'")
     check_data_config(cfg.data)
     from .hf_image import IMAGE_MODEL_TYPES
     if cfg.data.task == "image":

@@ -170,6 +170,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     if is_main and resume_path is None:
         remove_checkpoints(out_dir)  # a fresh run replaces an old run's checkpoints
     wrapped = data_parallel(model, procs)
+    if cfg.train.compile:    # reduce-overhead: CUDA graphs (the MoE layers read nothing back; README)
+        wrapped = torch.compile(wrapped, mode=cfg.train.compile)
 
     log = None
     if is_main:
