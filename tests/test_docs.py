@@ -3,7 +3,7 @@ what the code holds, every code block marked `<!-- runnable -->` runs as written
 with their navigation in headless Chromium. `pytest -k docs` selects these tests.
 
 A runnable block is a fenced ```python or ```bash block right after a line `<!-- runnable -->` (invisible in
-the site). Each runs in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
+the site). Each runs as a script file in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
 REPO in its environment (commands that need the shipped configs use $REPO).
 """
 import dataclasses
@@ -97,7 +97,7 @@ def test_docs_generated_markers_are_known():
 
 def test_docs_have_runnable_examples_on_the_main_pages():
     pages = {block_id.rsplit("-", 1)[0] for block_id, _, _ in runnable_blocks()}
-    for page in ("index", "layer"):
+    for page in ("index", "layer", "training", "checkpoints", "expert-parallelism"):
         assert page in pages, f"docs/{page}.md has no block marked <!-- runnable -->"
 
 
@@ -105,7 +105,9 @@ def test_docs_have_runnable_examples_on_the_main_pages():
 @pytest.mark.parametrize("block_id,language,code", runnable_blocks(), ids=[b[0] for b in runnable_blocks()])
 def test_docs_example_runs(block_id, language, code, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", REPO=str(REPO), MPLBACKEND="Agg")
-    command = [sys.executable, "-c", code] if language == "python" else ["bash", "-euo", "pipefail", "-c", code]
+    script = tmp_path / ("example.py" if language == "python" else "example.sh")
+    script.write_text(code, encoding="utf-8")   # a file, so that spawned workers can import its functions
+    command = [sys.executable, script.name] if language == "python" else ["bash", "-euo", "pipefail", script.name]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (f"docs example {block_id} ({language}) failed with {done.returncode}:\n{code}\n"
                                   f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}")

@@ -1,5 +1,24 @@
 """`moe-plugin train` on images (configs/experiments/swinv2_moe.yaml): the digits data, SwinV2-MoE built through
-upcycle and its dense twin, metrics, plots, checkpoints and exact resume, config errors."""
+upcycle and its dense twin, metrics, plots, checkpoints and exact resume, config errors.
+
+What this module tests (moved here from the README):
+
+Tested (tests/test_train_images.py: about 40 s, plus about 30 s for the slow-marked torchrun test, on this
+machine when it was less loaded; up to 2.5× that under load): the split (per class, disjoint, complete), augmentation and the
+exactly resumable image stream; a tiny SwinV2-MoE run learns and writes every output, its checkpoint's model
+gives the run's last validation loss and accuracy, the evaluation's mean over images (a smaller last batch)
+equals a plain per-image computation, and `hf_model/` loads back (load_upcycled) to the same logits; the
+trainer's model equals `upcycle()` applied by hand to the dense Swinv2 of the same seed, with MoE in exactly
+blocks 5 and 7 (of the tests' 8-block model) and the moe section's settings; the shipped YAML, unmodified,
+puts MoE in exactly blocks 5, 7 and 9 with its moe section's settings (planned on the meta device); the
+dense twin (`upcycle=null`) has no MoE layer and its `hf_model/` loads with plain `from_pretrained`;
+upcycling that dense run starts at its validation loss and accuracy; stop-and-resume gives bit-exactly the
+uninterrupted run's records and parameters; 22 bad configs
+(19 image, 3 language-model ones: image keys, `upcycle` without hf, swinv2 without `data.task: image`) stop
+with messages naming the key; `--print-config`. Slow-marked: `torchrun` 2 processes with
+`parallel.ep_size=2` (each process holds its own experts, the load counts both processes' images, the
+checkpoint holds every expert and gives the run's validation loss in one process).
+"""
 import json
 from pathlib import Path
 

@@ -1,5 +1,25 @@
 """The per-load tuner (parallel/tuner.py) on simulated ranks with a mocked clock: each rank's tuner gets
-the same gathered counts and the same gathered times, as route_counts' all-gather gives them."""
+the same gathered counts and the same gathered times, as route_counts' all-gather gives them.
+
+What this module tests (moved here from the README):
+
+- `tests/test_tuner.py` simulates ranks on a mocked clock (single process, about 5 s). It checks:
+  - different load buckets get their own best setting, and every rank agrees, even when one rank's
+    times differ (max over ranks);
+  - a slow warm-up call and an outlier trial do not change the winner;
+  - a drift re-times the choice and switches it;
+  - every N calls the choice is re-timed;
+  - the cost model orders and prunes the search; its same-r pruning drops a setting far behind its own
+    r but keeps one far behind another r; the model gets each key's rows per rank and all ranks' rows,
+    and charges r = 0 for its own rows only;
+  - a probe far behind the best is not timed again, close ones get every trial (call counts checked);
+  - the time includes a weight-gradient branch that ends after x's gradient;
+  - a new key starts from the nearest key's choice;
+  - the dictionary survives a state_dict round trip, and a mismatched tag or dtype is ignored with
+    a log line;
+  - the timing marks add no host synchronization;
+  - the config errors name their fields.
+"""
 import logging
 
 import pytest

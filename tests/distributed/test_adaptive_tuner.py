@@ -3,7 +3,21 @@
   the single-process layer whatever setting the tuner picked, and every rank picks the same;
 - 2DH with overlap d > 1 equals flat with d = 1 (outputs and gradients), experts whole and sliced;
 - no host synchronization but route_counts' in a tuned forward + backward;
-- the dictionary survives state_dict."""
+- the dictionary survives state_dict.
+
+What this module tests (moved here from the README):
+
+- `tests/distributed/test_adaptive_tuner.py` runs one spawn of 4 gloo processes with 2 "nodes",
+  fp64 (about 35 s). It checks:
+  - over a drifting load, every step's output and gradients equal the single-process layer,
+    whatever setting the tuner picked, and all ranks pick the same settings;
+  - 2DH with d > 1 equals flat with d = 1, outputs and gradients, for whole and sliced experts;
+  - a tuned forward + backward reads no device memory on the host except the counts
+    `route_counts` gathers. Provenance is tracked through a dispatch mode; the CPU-only
+    branches of moe_plugin/ops are exempt, and their CUDA branches are covered by
+    test_compile.py's CUDA test;
+  - the dictionary survives `state_dict`.
+"""
 import traceback
 
 import pytest
