@@ -1,6 +1,18 @@
 """The "moe" section wherever DeepSpeed starts: moe_plugin_deepspeed_hook.pth (installed by setup.py) wraps
 deepspeed.initialize when deepspeed is first imported, so HF Trainer, Accelerate and plain scripts that call it
-get the section applied (or our error); MOE_PLUGIN_DEEPSPEED_HOOK=0 turns it off; enable() is idempotent."""
+get the section applied (or our error); MOE_PLUGIN_DEEPSPEED_HOOK=0 turns it off; enable() is idempotent.
+
+What this module tests (moved here from the README):
+
+Tested (tests/integrations/test_deepspeed_hook.py): the installed `.pth` registers the finder without importing
+torch or moe_plugin, `import deepspeed` enables the hook, the off switch leaves nothing registered; `enable()`
+twice wraps once; routing by every way DeepSpeed reads a config; bad sections give our errors through plain
+`deepspeed.initialize`; on 2 gloo ranks a plain `--deepspeed_config` script of native MoE layers (ep_size 2,
+ZeRO-1) gives the losses of an explicit `initialize` and, to 1e-5, of DeepSpeed's native layer with the hook
+off; under `torchrun` an unchanged HF Trainer script and an Accelerate script (`DeepSpeedPlugin(hf_ds_config=
+path)`, a torch Adam made before `prepare`), given only the JSON path (ZeRO-1, ep_size 2), swap the Mixtral
+blocks and give the losses of one process training HF's own model on both ranks' batches (rtol 1e-5).
+"""
 import argparse
 import importlib.util
 import json

@@ -1,7 +1,50 @@
 """ZeRO stage 3 (gloo, 2 and 4 processes): swapped HF blocks and moe_plugin's native-API layer train with the
 losses of HF's own blocks / ZeRO-1 under the same config and of one process; ranks routing to disjoint experts or
 to none do not hang; expert parameters are split over their expert-data-parallel group (ep_size 2); checkpoints
-round-trip and consolidate; HF Trainer with a stage-3 JSON trains and saves a folder plain transformers loads."""
+round-trip and consolidate; HF Trainer with a stage-3 JSON trains and saves a folder plain transformers loads.
+
+What this module tests (moved here from the README):
+
+The tests set `"stage3_param_persistence_threshold": 0` so that every parameter is really partitioned. By default
+DeepSpeed keeps parameters under 1e5 elements whole on every rank, and none of the tiny test models' parameters
+would be split.
+
+Tested (tests/integrations/test_deepspeed_zero3.py, gloo):
+- Tiny Mixtral on 2 ranks (dropless). These give the same per-step losses as HF's own blocks under plain
+  `deepspeed.initialize` with the same ZeRO-3 config, and as one process doing SGD on both ranks' batches:
+  - blocks swapped with `swap_moe_blocks` (ZeRO-3 through `initialize`);
+  - blocks swapped by the "moe" section;
+  - fixed capacity (capacity_factor 1.0): the same losses as ZeRO-1;
+  - built by HF under `deepspeed.zero.Init`, section at ep_size 2: the same losses as HF's own blocks built that way.
+- The native-API layer on 2 ranks, with the router sending rank r's tokens only to expert r (experts 2 and 3 get no
+  token). There is no hang, and ZeRO-3's losses equal ZeRO-1's in each of these cases:
+  - dropless and fixed capacity;
+  - ep_size 1 and 2;
+  - a model built under `deepspeed.zero.Init` (ep_size 1).
+- 4 ranks, native demo model, ep_size 2:
+  - expert parameters are partitioned over their expert-data-parallel group of 2 (each rank holds half of its
+    experts), dense parameters over all 4;
+  - losses equal ZeRO-1's;
+  - the first step's expert gradients (`safe_get_full_grad`) equal one process's on all ranks' batches.
+- Checkpoints (2 ranks, Adam):
+  - `save_checkpoint` / `load_checkpoint` round-trip at ep_size 1 and 2: same logits, and training goes on with
+    the same losses;
+  - at ep_size 1 and 2, DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` (and moe_plugin's command line,
+    safetensors) give a state dict that loads strictly into a swapped model in one process; through
+    `hf_state_dict` it loads into the unswapped HF model, and through `export_hf` into a folder plain
+    `from_pretrained` loads (all logits = the engine's).
+- Consolidation on 4 ranks (native demo model, ep_size 2: each expert split over an expert-data group of 2, the
+  experts over 2 expert-parallel ranks): the one-process model (ep_size 1) loading DeepSpeed's consolidated state
+  dict gives the engine's logits. Hidden slices (ep_size 4 over 2 gated experts with biases, one process): the
+  per-rank tensors come back as the whole experts.
+- HF Trainer under torchrun (2 ranks, stage-3 JSON with the section; a model swapped beforehand, and one swapped by
+  the section at ep_size 2): same losses as HF's own blocks under the same Trainer config; `save_model`'s folder
+  loads with plain `from_pretrained` as HF's trained model (at ep_size 2: every expert).
+- Bad input: a stage-3 config with `zero_optimization.zero_hpz_partition_size` > 1,
+  `zero_optimization.zero_quantized_gradients: true` or `sequence_parallel_size` > 1 (or an mpu with sequence
+  parallelism) fails in `initialize` with an error naming the key. DeepSpeed's constrained ZeRO-3 refuses these
+  for expert placement. The check runs before DeepSpeed starts.
+"""
 import copy
 import json
 import os
