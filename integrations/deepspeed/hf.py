@@ -70,7 +70,8 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
         self.expert_group_name = f"ep_size_{config.ep_size}"
         self.use_residual = False
         self.enable_expert_tensor_parallelism = False
-        for param in self.moe.experts.parameters():
+        carried = self._modules.get("experts")    # PEFT's LoRA on the experts by HF's names: per local expert too
+        for param in [*self.moe.experts.parameters(), *(() if carried is None else carried.parameters())]:
             param.allreduce = False
             param.group_name = self.expert_group_name
         if not self.__dict__.get("_deepspeed_names_hooked"):   # once, should the block turn plain and back again

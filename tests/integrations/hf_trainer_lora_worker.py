@@ -1,0 +1,73 @@
+"""Run under torchrun by test_peft_trainer.py: the README's LoRA recipe (a tiny Mixtral swapped, PEFT's LoRA on the
+experts by HF's names and on attention, transformers.Trainer under DeepSpeed ZeRO-2, CPU and gloo).
+
+    torchrun --nproc_per_node 2 hf_trainer_lora_worker.py OUT_DIR STEPS
+
+Writes batch<rank>.pt (the first batch this rank trained on), adapters<rank>_step1.pt and adapters<rank>.pt (the
+trainable parameters after the first step and at the end), result<rank>.json (losses, trainable names).
+"""
+import json
+import os
+import sys
+
+import torch
+
+import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
+from hf_trainer_worker import build_model, dataset
+
+LR = 0.05
+
+
+def lora_config():
+    import peft
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def peft_model(swap: bool):
+    """The tiny Mixtral with fixed LoRA draws; swapped (through our layer) or HF's own."""
+    import peft
+    model = build_model()
+    if swap:
+        model = hf_moe.swap_moe_blocks(model)
+    torch.manual_seed(3)
+    return peft.get_peft_model(model, lora_config())
+
+
+def trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def main(out_dir, steps):
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+                 "optimizer": {"type": "SGD", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), use_cpu=True, deepspeed=ds_config,
+                             per_device_train_batch_size=4, max_steps=steps, learning_rate=LR,
+                             lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+                             report_to=[], seed=0)
+    model = peft_model(swap=True)
+    rank = dist.get_rank()
+    batches = []
+    model.base_model.model.register_forward_pre_hook(
+        lambda module, a, kw: batches.append(kw["input_ids"].clone()), with_kwargs=True)
+
+    class AfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                torch.save(batches[0], os.path.join(out_dir, f"batch{rank}.pt"))
+                torch.save(trainable(model), os.path.join(out_dir, f"adapters{rank}_step1.pt"))
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=[AfterFirstStep()])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    torch.save(trainable(model), os.path.join(out_dir, f"adapters{rank}.pt"))
+    with open(os.path.join(out_dir, f"result{rank}.json"), "w") as out:
+        json.dump({"losses": losses, "trainable": sorted(trainable(model))}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
