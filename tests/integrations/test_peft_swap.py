@@ -126,3 +126,28 @@ def test_swapped_state_dict_and_parameters_are_unchanged_by_the_handle():
     assert list(block.experts.named_parameters(recurse=False)) == []     # FSDP2 and DeepSpeed walk modules so
     assert block.experts.gate_up_proj is block.moe.experts.w1_EDH         # (PEFT alone sees HF's names)
     assert block.experts.down_proj is block.moe.experts.w2_EHD
+
+
+def test_peft_and_add_lora_on_the_same_experts_is_an_error(fresh_seed):
+    from moe_plugin.lora import add_lora
+    model = build_model("mixtral", seed=fresh_seed % 1000)
+    ours = peft.get_peft_model(hf_moe.swap_moe_blocks(model), lora_config())
+    add_lora(ours, rank=2)
+    with pytest.raises(ValueError, match="use one of them"):
+        ours(tokens(fresh_seed))
+
+
+def test_peft_wrappers_on_experts_the_swapped_layer_lacks_are_an_error():
+    from moe_plugin.integrations.transformers.peft import attach_wrappers, detach_wrappers
+    model = build_model("mixtral", seed=1)
+    theirs = peft.get_peft_model(copy.deepcopy(model), lora_config())
+    hf_block = theirs.base_model.model.model.layers[0].mlp
+    wrappers = detach_wrappers(hf_block)
+    assert type(hf_block.experts).__name__ == "MixtralExperts"
+    swapped = hf_moe.swap_moe_blocks(copy.deepcopy(model)).model.layers[0].mlp
+    wrappers[0].parameter_name = "w3"        # a parameter HF's Mixtral experts do not have
+    with pytest.raises(ValueError, match="experts.w3, which the swapped layer does not hold"):
+        attach_wrappers(swapped, wrappers)
+    del swapped.experts
+    with pytest.raises(TypeError, match="no HF-named experts"):
+        attach_wrappers(swapped, wrappers)
