@@ -1,5 +1,13 @@
 """Sparse upcycling in `moe-plugin train`: a dense HF Llama run (configs/experiments/llama_dense_tiny.yaml), then
-its checkpoint upcycled into 8 experts and trained on (llama_upcycled.yaml). Reference: the dense run itself."""
+its checkpoint upcycled into 8 experts and trained on (llama_upcycled.yaml). Reference: the dense run itself.
+
+What this module tests (moved here from the README):
+
+Tested (tests/test_train_upcycle.py): a tiny dense run then the upcycled run from its checkpoint and from its `hf_model/` (step-0 validation loss equal to the dense run's last, the first train
+loss close to the dense run's last, 8 experts per layer, a Mixtral `hf_model/`), and the config errors
+(a moe key the MLP fixes, top_k > num_experts, a layer out of range, upcycling an MoE family, moe keys for
+a dense model, a missing dense run).
+"""
 import json
 from pathlib import Path
 

@@ -3,6 +3,17 @@
 The one-process reference is the same TransformerLM holding every expert, whose loss is the mean of the
 ranks' losses (what DDP and FSDP compute). A wrong expert gradient scale, or experts gathered across
 ranks that hold different experts, changes the losses after the first step by far more than fp32 noise.
+What this module tests (moved here from the README):
+
+What is tested (gloo, CPU): `tests/distributed/test_fsdp.py` (2 and 4 processes; ep_size 1, 2, and 4 with
+hidden-sliced experts; activation checkpointing; bf16 parameters with fp32 reduction; each rank routing no
+token to 4 of 8 experts; fp64 losses over 3 SGD steps equal one process training on all ranks' batches; the
+FSDP units are exactly the blocks and the root; the separate-unit path of older torch, at ep 2 and sliced ep 4;
+plain `fully_shard` detected; an already sharded model, a 2-D mesh and a layer built with a host's `ep_group`
+refused with a ValueError; torch's state-dict API at ep_size 2 on 2 and 4 processes, the 4 with uneven splits
+(3 experts over 2 holders): a sharded DCP save after 2 AdamW steps loads back exactly into a fresh model, every
+parameter and optimizer state, each rank's own shards and the next step's loss, also into ep_size 1, and a full
+state dict loads back exactly; sliced experts' sharded state dict refused);
 """
 import pytest
 import torch

@@ -4,6 +4,34 @@ Every experts class of transformers that uses HF's experts interface (@use_exper
 scanning transformers' modeling files, built from its family's config class at tiny sizes, and run both ways:
 outputs and every gradient (input, routing weights, each parameter) agree. Whole models (logits and every
 gradient) for the families tests/integrations/hf_helpers.py builds, selected both ways HF offers.
+What this module tests (moved here from the README):
+
+- **Every experts class**, found by scanning transformers' modeling files (65 classes; the scan must
+  find at least 60). Each is built from its family's config class at tiny sizes (D 24, H 20, 6 experts,
+  top-3, 13 tokens, one expert with no tokens). Output, input gradient, routing-weight gradient and every
+  parameter gradient equal the `grouped_mm` backend's to 1e-5 relative (fp32).
+- **Whole models**, for every table family whose experts use HF's experts interface (tiny models from
+  `hf_helpers`). A folder saved by a `grouped_mm` model is loaded with
+  `from_pretrained(..., experts_implementation="moe_plugin")`. Its logits and every gradient equal the
+  `grouped_mm` model's. Each gradient is held to 1e-5 relative to the larger of its own largest entry and
+  1e-3 of the model's largest gradient. The reason is HY-V4's hyper-connection gradients: they are 1e-4 to
+  1e-7 of the others, and fp32 rounding alone moves them by 1e-5 of themselves; HF's grouped_mm against
+  fp64 eager shows the same. `set_experts_implementation("moe_plugin")` and back to `"grouped_mm"` is
+  tested on Mixtral and DeepSeek-V3. A spy checks that the backend ran, and that it no longer runs after
+  switching back.
+- **Which gates run fused:** gpt-oss's, clamped SwiGLU, relu² and tanh GeGLU do. MuseSpark's post-expert
+  norm, gelu_new, and DeepSeek-V4 with a GELU act_fn (the clamp rule suggests SwiGLU, the probe rejects it)
+  run on HF's functions. Mixtral experts with `hidden_act` gelu and gelu_pytorch_tanh (fused GeGLU), and
+  gelu_new and relu (HF's act_fn), all equal grouped_mm.
+- **HF's EP sentinel routes:** index `num_experts` with weight 0, for Mixtral, gpt-oss and MuseSpark,
+  equal grouped_mm. The index is skipped like HF's eager experts without EP; a larger one is an error.
+- **bf16:** Mixtral and gpt-oss experts stay within 2e-2 of grouped_mm and keep bf16 parameters.
+- **HF's EP on 2 gloo processes** (slow): `DistributedConfig(fsdp_size=2, ep_size=2)`. On each rank the
+  backend gives grouped_mm's logits and every local gradient, and each rank's logits equal one process on
+  that rank's batch.
+- **A gate that fails on the fp64 probe** stays on HF's function and still equals grouped_mm.
+- **Weight gradients in HF's layout:** `experts.weight_grad` of a transposed view comes in the view's
+  strides, with the same values.
 """
 import copy
 import inspect

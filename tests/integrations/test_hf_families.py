@@ -4,6 +4,32 @@ and export_hf round trips; a capacity override's drops; ep_size 2 on 2 gloo proc
 
 A family's tiny config: hf_helpers.SPECIFIC / MORE (D 40, 2-3 layers, 6 experts, or 8 in 4 groups, top-3,
 SiLU), or COMPOSITE below for the families HF builds only inside a composite model.
+What this module tests (moved here from the README):
+
+- Tested: one parametrized harness (tests/integrations/test_hf_families.py) runs every entry of the
+  table on a tiny random config built from the family's own HF config class (D 40, 2-3 layers, 6
+  experts, or 8 in 4 groups with 2 chosen, top-3, batches of 2 x 13 tokens), fp32, against the
+  unswapped HF model: logits, loss, router logits, aux loss and every gradient agree to 1e-5 relative
+  (with non-zero choice biases; a gradient is held to 1e-5 of itself or of 1e-3 of the model's largest,
+  1e-2 for the small hyper-connection gradients of HY-V4, GLM-5-Next and DeepSeek-V4, which HF's own model
+  moves by more than that in fp32 rounding alone when its experts move by 1e-7).
+  State-dict round trips, in our names and in HF names, give equal outputs; `export_hf` then plain
+  `from_pretrained` gives equal outputs, and swapping again gives the exact weights. A capacity override
+  (0.5) drops exactly the choices past capacity (HF's own block, with the dropped choices' weights
+  zeroed on their way into its experts, gives the swapped block's output). ep_size 2 on 2 gloo processes
+  (ranks with 13 and 7 tokens a row) equals one process for every family, in one spawn, and exports
+  every expert. Config variants that change a mapping (LFM2-MoE without its bias, ERNIE-4.5 and
+  Cohere2-MoE without a shared expert, DBRX unnormalized) run too. Each new layer feature is also
+  tested against the HF block it serves and against the einsum reference (tests/test_expert_features.py,
+  tests/integrations/test_hf_features.py). For the five first families (tests/integrations/
+  test_transformers*.py): under bf16 autocast
+  (fp32 parameters, as GPU training runs) the swapped model's logits and gradients are as close to the
+  fp32 result as HF's own model under the same autocast, and DeepSpeed's `"bf16": {"enabled": true}`
+  trains swapped Mixtral and DeepSeek-V3 models with their experts over 2 processes (first loss equal
+  to HF's own model cast to bf16). Gradient checkpointing (`gradient_checkpointing_enable()`, reentrant
+  or not) gives HF's loss and gradients (the recomputed forward counts its choices twice, which leaves
+  the sign update of the expert bias unchanged), and greedy `generate()` through the KV cache gives
+  HF's tokens.
 """
 import functools
 import inspect

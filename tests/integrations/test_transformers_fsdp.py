@@ -4,7 +4,17 @@ Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the s
 from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
 for HF's own blocks and the swapped model at ep_size 1 and 2; at ep_size 2 Trainer's checkpoints (Accelerate's
 sharded state dicts of model and AdamW, through DCP) resume exactly, and FULL_STATE_DICT checkpoints, which torch's
-broadcast load cannot resume, are refused at their first save."""
+broadcast load cannot resume, are refused at their first save.
+
+What this module tests (moved here from the README):
+
+`tests/integrations/test_transformers_fsdp.py` (Trainer + Accelerate FSDP2, 2 processes, ep 1 and 2:
+losses = HF's own blocks under Accelerate's FSDP2; Accelerate's FSDP2 full state dict equals the gathered
+trained tensors at ep 1; `export_hf`'s folder loads as the trained model; `trainer.save_model`'s folder loads as
+the trained model for HF's own blocks and for the swapped model at ep_size 1 and 2; at ep 2 a Trainer run with
+AdamW resumed from its sharded step-2 checkpoint, from other starting weights, ends as the uninterrupted run
+(without the 2-D form it ends 0.16 off); a rank stuck in save_model dumps its stack and fails the test).
+"""
 import json
 import os
 import subprocess

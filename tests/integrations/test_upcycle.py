@@ -2,6 +2,21 @@
 
 References: the dense HF model itself (step 0 of an exact upcycling computes what it computes, outputs and
 gradients), a one-process run (expert parallelism), plain from_pretrained of the exported folder.
+What this module tests (moved here from the README):
+
+Tested (tests/integrations/test_upcycle.py): step 0 equals the dense model in outputs and gradients for
+llama (with and without biases, and with gated exact and tanh GELU as Gemma's MLP), qwen2, mistral, vit and
+swinv2 (fp64, some layers upcycled, top-3 of 5);
+the Swin numbering and the pair replacement; noise statistics, the reinitialised units, fraction 1.0, the
+router's init; every bad input above; drops, aux loss, expert-bias balancing and a state_dict round trip;
+adaptive capacity (capacity_factor < 0) against a by-hand capacity, drop count and reference_moe;
+the DeepSpeed block class; export per family (mixtral from llama and mistral, qwen2_moe from qwen2 with
+dense layers in between, and the generic folder for a partly upcycled llama, a llama with biases, a
+tanh-GeGLU llama, a cosine-router llama, a sliding-window qwen2, vit and swinv2: loaded outputs equal the
+model's); slow: ep_size 2 on 2 gloo processes equals one process (outputs, expert gradients), a DeepSpeed
+engine (ZeRO-1, "moe" section, ep_size 2) trains the result, a "moe" section contradicting the upcycled blocks
+(num_experts, top_k, min_capacity, a misspelled key) raises naming the key, and save_checkpoint /
+load_checkpoint into an engine of other weights gives the same logits and next-step loss.
 """
 import copy
 import math
