@@ -24,7 +24,9 @@ def eligible(layer, routed_TD: torch.Tensor) -> bool:
     if _kernels(routed_TD.device) is None or not _plain_dispatch() or routed_TD.shape[0] == 0:
         return False
     noisy = router.training and (cfg.gate_noise > 0 or getattr(router, "noise_policy", None) is not None)
-    return (cfg.router == "softmax" and not noisy and router.bias_E is None and router.input_scale_D is None
+    hooked = bool(router._forward_hooks or router._forward_pre_hooks)   # the fused path never calls the router
+    return (cfg.router == "softmax" and not noisy and not hooked and router.bias_E is None
+            and router.input_scale_D is None
             and router.gate_scale_E is None and not router.bias_routes and cfg.topk_groups >= cfg.num_groups
             and cfg.aux_loss in ("gshard", "switch", "none") and not cfg.batch_prioritized_routing
             and not cfg.gate_on_input and not layer.is_parallel and cfg.num_experts <= MAX_EXPERTS

@@ -49,6 +49,7 @@ class Router(nn.Module):
 
     fixed_bias = False                    # class defaults: also for modules pickled before these existed
     init_std: Optional[float] = None
+    noise_policy: Optional[str] = None    # a host's router noise in training (NOISE_POLICIES), set by its adapter
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -131,6 +132,9 @@ class Router(nn.Module):
         """For aux_loss "seq": seq_len tokens per sequence (None: all of x_TD is one sequence), or
         sequence_T, each token's sequence index (sequences of different lengths)."""
         cfg = self.config
+        noise = self.noise_policy if self.training else None
+        if noise == "jitter":
+            x_TD = multiplicative_jitter(x_TD, fp32=cfg.fp32_router)
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
         probs_TE = scores_TE
@@ -139,6 +143,8 @@ class Router(nn.Module):
 
         if self.training and cfg.gate_noise > 0:
             choice_TE = self.scores(logits_TE.detach() + cfg.gate_noise * torch.randn_like(logits_TE))
+        elif noise == "gumbel":
+            choice_TE = self.scores(logits_TE.detach() + gumbel_noise(logits_TE))
         else:
             choice_TE = scores_TE.detach()
         if self.bias_routes:
@@ -178,6 +184,30 @@ class Router(nn.Module):
         """bias_e += rate * sign(mean load - load_e); compared as sum - E * load_e, exact in integers."""
         below_E = torch.sign(load_E.sum() - self.config.num_experts * load_E)
         self.expert_bias_E.add_(below_E.to(torch.float32), alpha=self.config.expert_bias_update_rate)
+
+
+# Router noise policies a host adapter may set (Router.noise_policy), in training only:
+#   "jitter": the router input times uniform noise in [1 - JITTER, 1 + JITTER] (Switch Transformer; DeepSpeed's
+#             noisy_gate_policy "Jitter"): gates and choices both see it;
+#   "gumbel": experts chosen on the logits plus Gumbel(0, 1) noise, the gates from the clean scores
+#             (DeepSpeed's "RSample"; top-1 it samples an expert from the softmax).
+# Both draw as torch.distributions does, so a host drawing the same way from the same RNG state routes alike.
+NOISE_POLICIES = ("jitter", "gumbel")
+JITTER = 1e-2
+
+
+def multiplicative_jitter(x_TD: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    """x_TD (in fp32 at least, with fp32) times noise drawn uniform in [1 - JITTER, 1 + JITTER], in fp32."""
+    if fp32:
+        x_TD = x_TD.to(torch.promote_types(x_TD.dtype, torch.float32))
+    low, high = (torch.tensor(bound, device=x_TD.device) for bound in (1.0 - JITTER, 1.0 + JITTER))
+    return x_TD * torch.distributions.Uniform(low, high).rsample(x_TD.shape).to(x_TD.dtype)
+
+
+def gumbel_noise(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise of logits' shape (drawn in fp32), in logits' dtype."""
+    zero, one = (torch.tensor(v, device=logits_TE.device) for v in (0.0, 1.0))
+    return torch.distributions.Gumbel(zero, one).rsample(logits_TE.shape).to(logits_TE.dtype)
 
 
 def _zero_bias_when_missing(module, state_dict, prefix, *args) -> None:

@@ -19,6 +19,7 @@ files and a native checkpoint loads into this backend (and back).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -30,7 +31,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.layer import MoE as NativeMoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups
-from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.experts import ACTIVATIONS as ACTIVATION_FUNCTIONS
@@ -44,6 +45,7 @@ __all__ = ["MoE", "DeepSpeedMoELayer", "moe_config", "swap_moe_layers"]
 ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Identity: "identity"}
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 EXPERT_NAMES = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
+NOISE_POLICIES = (None, "None", "Jitter", "RSample")   # DeepSpeed's noisy_gate_policy values
 NATIVE_GATE_KEYS = ("k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens")
 
 
@@ -151,13 +153,18 @@ def _ensure_distributed() -> None:
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def _expert_parallel_group(ep_size: int):
+def _expert_parallel_group(ep_size: int, tensor_parallel: bool = False):
     """DeepSpeed's expert-parallel group "ep_size_<ep_size>" of this rank (created, with its expert-data
-    groups, when absent: every rank must build the layers in the same order)."""
+    groups, when absent: every rank must build the layers in the same order). tensor_parallel: with DeepSpeed's
+    mpu, as DeepSpeed's layer makes them with enable_expert_tensor_parallelism (ranks of one tensor-parallel
+    rank)."""
     name = f"ep_size_{ep_size}"
     if name not in groups._get_expert_parallel_group_dict():
         _ensure_distributed()
-        groups._create_expert_and_data_parallel(ep_size)
+        if tensor_parallel and groups.mpu is not None:
+            groups._create_expert_data_and_model_parallel(ep_size, mpu=groups.mpu)
+        else:
+            groups._create_expert_and_data_parallel(ep_size)
     return groups._get_expert_parallel_group(name)
 
 
@@ -173,6 +180,10 @@ class DeepSpeedMoELayer(MoELayer):
         """expert: run on the general path (linear_names None); else the fast path's linears' names."""
         super().__init__(config, ep_group=ep_group, expert=expert)
         self.linear_names = linear_names
+        self.experts.__class__ = NativeStackedExperts if expert is None else NativeModuleExperts
+        self.experts.linear_names = linear_names
+        self._used_T: Optional[torch.Tensor] = None   # during a forward with used_token: the used tokens
+        self.tp_group = None                           # expert tensor parallelism (bind_tensor_parallel_group)
         for param in self.experts.parameters():
             param.allreduce = False
             param.group_name = group_name
@@ -182,16 +193,206 @@ class DeepSpeedMoELayer(MoELayer):
         self.register_state_dict_post_hook(_to_native_names)
         self.register_load_state_dict_pre_hook(_from_native_names)
 
+    def bind_tensor_parallel_group(self) -> None:
+        """Expert tensor parallelism: the fast path's experts are this rank's hidden slices (the module given is
+        the slice, as DeepSpeed's own layer takes it), and the tensor-parallel ranks' partial outputs are summed.
+        Nothing to do without DeepSpeed's mpu, with a tensor-parallel size of 1, or on the general path (there the
+        module does its own tensor-parallel communication, e.g. Megatron's parallel linears, as under DeepSpeed)."""
+        tp = bwc_tensor_model_parallel_world_size(groups.mpu)
+        if tp == 1 or self.linear_names is None:
+            return
+        self.tp_group = bwc_tensor_model_parallel_group(groups.mpu)
+
     def _keep_balance_loss(self, router, inputs, routes):
+        if self.tp_group is not None:   # each tensor-parallel rank gives the gates a part of their gradient
+            routes.gate_TK = _CopyToTensorParallel.apply(routes.gate_TK, self.tp_group)
+        if self._used_T is not None:   # top-1 with used_token: only used tokens count as routed (top1gating)
+            used_T = self._used_T
+            first_E = torch.zeros(self.config.num_experts, dtype=torch.long, device=used_T.device).index_add_(
+                0, routes.expert_TK[:, 0], used_T.to(torch.long))
+            probs_TE = routes.scores_TE
+            if self.config.router in ("sigmoid", "sqrt_softplus"):
+                probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).tiny)
+            if self.config.aux_loss != "none":
+                routes.aux_loss = self.config.num_experts * (probs_TE.mean(0) * first_E / max(len(used_T), 1)).sum()
+            self._used_counts = first_E
         self.l_aux = routes.aux_loss
 
     def forward(self, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if used_token is not None and self.config.top_k == 1:   # native top-2 ignores used_token too
-            raise ValueError("used_token is not supported by backend tutel (DeepSpeed's top-1 gate masks tokens "
-                             "with it); pass used_token=None")
-        y = super().forward(x)
-        self.exp_counts = self._routing[0].to(torch.long)   # on the device: no host synchronization
+        if used_token is not None and self.config.top_k > 1:
+            _warn_used_token_ignored(self.config.top_k)   # as DeepSpeed's top-2 and top-k gates
+            used_token = None
+        if used_token is None:
+            y = self._forward(x)
+            self.exp_counts = self._routing[0].to(torch.long)   # on the device: no host synchronization
+            return y
+        return self._forward_used(x, used_tokens(used_token, x, self.config))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """MoELayer's forward; with expert tensor parallelism, the sum of the tensor-parallel ranks' outputs
+        (each from its hidden slices; the ranks hold the same tokens and route alike), gradients summed where the
+        ranks' parts meet: the expert input and the gates."""
+        if self.tp_group is None:
+            return super().forward(x)
+        y = super().forward(_CopyToTensorParallel.apply(x, self.tp_group), router_input=x)
+        return _SumOverTensorParallel.apply(y, self.tp_group)
+
+    def _forward_used(self, x: torch.Tensor, used_T: torch.Tensor) -> torch.Tensor:
+        """Top-1 with tokens masked out of routing (DeepSpeed's used_token): the used tokens go first, in order,
+        so they take the slots DeepSpeed gives them (the capacity still counts every token); the others are
+        routed after them and their outputs zeroed; l_aux and exp_counts count used tokens only."""
+        order_T = torch.argsort((~used_T).to(torch.int8), stable=True)
+        x_TD = x.reshape(-1, self.config.model_dim).index_select(0, order_T)
+        self._used_T = used_T.index_select(0, order_T)
+        try:
+            y_TD = self._forward(x_TD) * self._used_T.unsqueeze(-1).to(x_TD.dtype)
+        finally:
+            self._used_T = None
+        self.exp_counts = self._used_counts
+        return y_TD.new_empty(y_TD.shape).index_copy(0, order_T, y_TD).view(x.shape[:-1] + (self.config.model_dim,))
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """The same tensor on every tensor-parallel rank: identity forward, gradients summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    """The sum of the tensor-parallel ranks' partial outputs; each rank's part gets the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.contiguous().clone()
+        torch.distributed.all_reduce(y, group=group)
         return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def used_tokens(used_token: torch.Tensor, x: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """DeepSpeed's used_token (1 routes the token, 0 masks it out; one per token, flat or x's leading shape)
+    as a bool [T], checked."""
+    tokens = x.numel() // config.model_dim
+    if not torch.is_tensor(used_token) or used_token.numel() != tokens or \
+            used_token.shape not in (torch.Size([tokens]), x.shape[:-1]):
+        got = tuple(used_token.shape) if torch.is_tensor(used_token) else type(used_token).__name__
+        raise ValueError(f"used_token must be a tensor of one 0/1 value per token, shape ({tokens},) or "
+                         f"{tuple(x.shape[:-1])}; got {got}")
+    used_T = used_token.reshape(-1).to(x.device)
+    if used_T.dtype != torch.bool:
+        if not bool(((used_T == 0) | (used_T == 1)).all()):
+            raise ValueError("used_token must hold 0 (token masked out of routing) or 1 (routed) only")
+        used_T = used_T != 0
+    if config.aux_loss == "seq":
+        raise ValueError("used_token is not supported with aux_loss 'seq' (its sequences are the input's rows); "
+                         "use aux_loss 'gshard' or 'switch'")
+    return used_T
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_used_token_ignored(k: int) -> None:
+    warnings.warn(f"used_token is ignored with k={k}, as DeepSpeed's top-{k} gate ignores it; it masks tokens "
+                  f"out of routing with k=1 only", stacklevel=4)
+
+
+class _ExpertPath:
+    """A read-only view of one stacked expert as the module it was built from: `view[0].weight` (nn.Sequential)
+    or `view.fc1.weight` (named Linears) is that Linear's weight, [out, in] as nn.Linear keeps it; a view into
+    the stacked tensors (experts.w1_EDH[i] and so on), so it always reads the current values."""
+
+    def __init__(self, experts: "NativeStackedExperts", index: int, prefix: str = ""):
+        object.__setattr__(self, "_where", (experts, index, prefix))
+
+    def _child(self, name):
+        experts, index, prefix = self._where
+        key = prefix + str(name)
+        first, second = experts.linear_names
+        if key in (first, second):
+            return _LinearView(experts, index, key == first)
+        if any(n.startswith(key + ".") for n in (first, second)):
+            return _ExpertPath(experts, index, key + ".")
+        raise AttributeError(f"expert {index} has no Linear {key!r}; its Linears are {first!r} and {second!r} "
+                             f"(stacked in deepspeed_moe.experts.w1_EDH / w2_EHD)")
+
+    __getitem__ = _child
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._child(name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(_READ_ONLY)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        experts, index, prefix = self._where
+        state = {}
+        for name in experts.linear_names:
+            if name.startswith(prefix):
+                linear = _LinearView(experts, index, name == experts.linear_names[0])
+                state[f"{name[len(prefix):]}.weight"] = linear.weight.detach()
+                if linear.bias is not None:
+                    state[f"{name[len(prefix):]}.bias"] = linear.bias.detach()
+        return state
+
+
+_READ_ONLY = ("deepspeed_experts is a read-only view of the stacked expert weights (deepspeed_moe.experts.w1_EDH "
+              "[E_local, D, H], b1_EH, w2_EHD [E_local, H, D], b2_ED): change those parameters instead")
+
+
+class _LinearView:
+    """weight and bias: views into the stacked parameters, with .grad the matching slice of theirs, if any (the
+    parameter's .grad only: ZeRO 1/2 keep gradients in the optimizer, whose gathers are collectives)."""
+
+    def __init__(self, experts, index: int, first: bool):
+        names = ("w1_EDH", "b1_EH") if first else ("w2_EHD", "b2_ED")
+        weight, bias = (getattr(experts, n) for n in names)
+        object.__setattr__(self, "weight", _view(weight, index))
+        object.__setattr__(self, "bias", None if bias is None else _view(bias, index))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(_READ_ONLY)
+
+
+def _view(stacked: torch.Tensor, index: int) -> torch.Tensor:
+    """Expert index of a stacked tensor as nn.Linear keeps it ([out, in]), its gradient attached."""
+    view = stacked[index].t() if stacked.dim() == 3 else stacked[index]
+    if stacked.grad is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # .grad of a non-leaf tensor
+            view.grad = stacked.grad[index].t() if stacked.dim() == 3 else stacked.grad[index]
+    return view
+
+
+class NativeStackedExperts(Experts):
+    """The fast path's stacked experts, plus DeepSpeed's `deepspeed_experts`: per local expert, a read-only
+    view shaped as the module the experts were built from (see _ExpertPath)."""
+
+    linear_names: Tuple[str, str]
+
+    @property
+    def deepspeed_experts(self) -> List[_ExpertPath]:
+        return [_ExpertPath(self, i) for i in range(self.w1_EDH.shape[0])]
+
+
+class NativeModuleExperts(ModuleExperts):
+    """The general path's experts, plus DeepSpeed's `deepspeed_experts`: the local experts' modules themselves."""
+
+    @property
+    def deepspeed_experts(self) -> nn.ModuleList:
+        return self.local
 
 
 def _native_expert_names(layer: DeepSpeedMoELayer) -> Dict[str, str]:
@@ -286,10 +487,12 @@ class MoE(NativeMoE):
                  aux_loss: Optional[str] = None) -> None:
         # nn.Module's init, not the native one: that one deep-copies `expert` per local expert
         nn.Module.__init__(self)
-        if noisy_gate_policy not in (None, "None"):
-            raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r} is not supported by backend tutel; allowed: None")
-        if enable_expert_tensor_parallelism:
-            raise ValueError("enable_expert_tensor_parallelism=True is not supported by backend tutel; allowed: False")
+        if noisy_gate_policy not in NOISE_POLICIES:
+            raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r} is invalid; allowed: "
+                             f"{', '.join(map(repr, NOISE_POLICIES))}")
+        if enable_expert_tensor_parallelism not in (True, False):
+            raise ValueError(f"enable_expert_tensor_parallelism={enable_expert_tensor_parallelism!r} is invalid; "
+                             f"allowed: True, False")
         if not _is_int(num_experts, 1) or not _is_int(ep_size, 1) or num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be a multiple of ep_size={ep_size} (both integers >= 1)")
         if ep_size > 1:   # before DeepSpeed's groups fail with a bare AssertionError
@@ -308,7 +511,7 @@ class MoE(NativeMoE):
                              num_groups=num_groups, topk_groups=topk_groups, route_scale=route_scale,
                              aux_loss=aux_loss)
         self.use_residual = use_residual
-        self.enable_expert_tensor_parallelism = False
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.num_experts = num_experts
@@ -332,11 +535,19 @@ class MoE(NativeMoE):
                             min_capacity, drop_tokens, activation, bias, router, aux_loss_coef, parallel,
                             overlap_degree, a2a, node_size, expert_bias_update_rate, num_groups, topk_groups,
                             route_scale, aux_loss)
-        ep_group = _expert_parallel_group(ep_size) if ep_size > 1 else None
+        if enable_expert_tensor_parallelism and ep_size > 1 and groups.mpu is None:
+            raise ValueError(f"enable_expert_tensor_parallelism=True with ep_size={ep_size} needs DeepSpeed's "
+                             f"tensor-parallel groups when the layer is built (its expert-parallel group joins ranks "
+                             f"of one tensor-parallel rank): set deepspeed.utils.groups.mpu = mpu (the mpu you pass "
+                             f"to deepspeed.initialize) before building the model, or use ep_size=1")
+        ep_group = _expert_parallel_group(ep_size, enable_expert_tensor_parallelism) if ep_size > 1 else None
         self.deepspeed_moe = DeepSpeedMoELayer(config, ep_group, linear_names, self.expert_group_name,
                                                expert=None if structure else expert)
+        if enable_expert_tensor_parallelism:
+            self.deepspeed_moe.bind_tensor_parallel_group()
         if structure:   # the general path deep-copies the module; the fast path copies its Linears here
             copy_expert_weights(self.deepspeed_moe.experts, expert, linear_names)
+        self.deepspeed_moe.router.noise_policy = _noise_policy(noisy_gate_policy, k)
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
@@ -345,10 +556,23 @@ class MoE(NativeMoE):
         """Called by the engine: makes sure DeepSpeed's expert and expert-data groups exist."""
         if use_data_before_expert_parallel_:
             raise ValueError("use_data_before_expert_parallel_=True is not supported by backend tutel; allowed: False")
-        if groups.mpu is not None and bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+        if not self.enable_expert_tensor_parallelism and groups.mpu is not None and \
+                bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
             raise ValueError("backend tutel does not support tensor model parallelism (an mpu with tensor parallel "
-                             "size > 1); use backend deepspeed")
-        _expert_parallel_group(self.ep_size)
+                             "size > 1) without enable_expert_tensor_parallelism=True; use backend deepspeed")
+        _expert_parallel_group(self.ep_size, self.enable_expert_tensor_parallelism)
+        if self.enable_expert_tensor_parallelism:
+            self.deepspeed_moe.bind_tensor_parallel_group()
+
+
+def _noise_policy(noisy_gate_policy: Optional[str], k: int) -> Optional[str]:
+    """The router's noise policy for DeepSpeed's noisy_gate_policy (None: none). "RSample" acts on top-1 only, as
+    in DeepSpeed (its top-2 and top-k gates ignore it): with k > 1 it warns and adds nothing."""
+    if noisy_gate_policy == "RSample" and k > 1:
+        warnings.warn(f"noisy_gate_policy='RSample' has no effect with k={k}: DeepSpeed samples (and backend tutel "
+                      f"samples) the top-1 choice only", stacklevel=3)
+        return None
+    return {"Jitter": "jitter", "RSample": "gumbel"}.get(noisy_gate_policy)
 
 
 def _native_settings(moe: NativeMoE) -> Dict[str, Any]:

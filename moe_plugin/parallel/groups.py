@@ -196,10 +196,17 @@ def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Op
 
 
 def _all_ep_blocks(ep_ranks: List[int], world: int, ep_size: int) -> List[List[int]]:
-    """The ep groups of the whole world; with a host-given group we assume consecutive blocks like it."""
-    if ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + ep_size)) and world % ep_size == 0:
+    """The ep groups of the whole world: consecutive blocks like a host-given consecutive group; else (e.g.
+    DeepSpeed's groups under tensor parallelism, [0, 2] and [1, 3]) every rank's group, gathered, so that every
+    rank makes the same new_group calls."""
+    consecutive = ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + ep_size))
+    if consecutive and world % ep_size == 0:
         return [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
-    return [ep_ranks]
+    if consecutive:
+        return [ep_ranks]
+    every: List[List[int]] = [[] for _ in range(world)]
+    dist.all_gather_object(every, list(ep_ranks))
+    return sorted({tuple(ranks): list(ranks) for ranks in every}.values())
 
 
 def _sub_blocks(blocks: List[List[int]], key, ep_size: int) -> List[List[int]]:

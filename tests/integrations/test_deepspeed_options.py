@@ -1,0 +1,337 @@
+"""DeepSpeed options the tutel backend used to refuse (issue 31, item 3), each against DeepSpeed's own layer
+(deepspeed.moe.layer.MoE) or a one-process run: noisy_gate_policy "Jitter" and "RSample" (exact under the same
+RNG state; RSample's choices sampled from the softmax), used_token with k = 1, the per-expert view
+experts.deepspeed_experts, and enable_expert_tensor_parallelism on 4 gloo processes (tensor-parallel groups of 2)."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("deepspeed")
+import deepspeed.moe.sharded_moe as sharded_moe  # noqa: E402
+import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
+from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
+from launch import run_workers  # noqa: E402
+from test_deepspeed_distributed import TorchWithStableTopk, native_named_grads  # noqa: E402
+
+D, H, E, T = 8, 12, 4, 30
+TOLERANCE = 1e-5   # fp32; DeepSpeed's gate computes in fp32
+
+
+@pytest.fixture
+def stable_topk(monkeypatch):
+    """DeepSpeed's top-1 capacity selection takes torch.topk over a 0/1 mask, whose order among ties torch
+    leaves open; by position (ours) is one allowed outcome, made certain here."""
+    monkeypatch.setattr(sharded_moe, "torch", TorchWithStableTopk())
+
+
+def pair(expert=None, **kwargs):
+    """DeepSpeed's layer with distinct random experts, and ours with its weights."""
+    expert = expert or nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+    settings = dict(num_experts=E, min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False, **kwargs)
+    native = NativeMoE(D, expert, **settings)
+    with torch.no_grad():
+        for param in native.deepspeed_moe.experts.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = dsi.MoE(D, expert, **settings)
+    ours.load_state_dict(native.state_dict())
+    return native, ours
+
+
+def run(layer, x_TD, upstream_TD, seed, *args, stacked=False, keep_grads=False):
+    """Outputs and gradients of one training step's forward and backward, from RNG state `seed` (stacked: our
+    stacked experts' gradients too, as "stacked <name>")."""
+    x = x_TD.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y, l_aux, exp_counts = layer(x, *args)
+    ((y * upstream_TD).sum() + 0.1 * l_aux).backward()
+    out = {"y": y.detach(), "l_aux": l_aux.detach(), "exp_counts": exp_counts.float(), "x.grad": x.grad,
+           **native_named_grads(layer)}
+    if stacked:
+        out.update({f"stacked {n}": p.grad.clone() for n, p in layer.deepspeed_moe.experts.named_parameters()})
+    if not keep_grads:
+        layer.zero_grad()
+    return out
+
+
+def largest_difference(a, b):
+    """The largest difference over the tensors, relative to each tensor's largest value (when above 1)."""
+    assert a.keys() == b.keys()
+    return max(((a[key] - b[key]).abs().max() / a[key].abs().max().clamp(min=1)).item() for key in a)
+
+
+@pytest.mark.parametrize("policy, k", [("Jitter", 1), ("Jitter", 2), ("RSample", 1)])
+def test_noisy_gate_policy_draws_as_deepspeed(policy, k, stable_topk):
+    """The same RNG state gives DeepSpeed's numbers exactly (same noise, same choices); another state other
+    numbers (the noise is on); in eval mode no noise at all."""
+    native, ours = pair(k=k, capacity_factor=1.0, noisy_gate_policy=policy)
+    x_TD, upstream_TD = torch.randn(T, D) * 3, torch.randn(T, D)
+    theirs, mine = run(native, x_TD, upstream_TD, 5), run(ours, x_TD, upstream_TD, 5)
+    assert largest_difference(theirs, mine) < TOLERANCE
+    assert (run(ours, x_TD, upstream_TD, 6)["y"] - mine["y"]).abs().max() > 1e-3
+    native.eval(), ours.eval()
+    quiet, _ = pair(k=k, capacity_factor=1.0)
+    quiet.load_state_dict(native.state_dict()), quiet.eval()
+    with torch.no_grad():
+        assert torch.equal(ours(x_TD)[0], ours(x_TD)[0])
+        assert (ours(x_TD)[0] - quiet(x_TD)[0]).abs().max() < TOLERANCE
+
+
+def test_rsample_chooses_as_sampling_the_softmax():
+    """RSample's top-1 choice is a sample of the router's softmax (Gumbel-max); the gate stays the clean score.
+    Without noise, or with Gaussian noise in its place, the frequencies miss the softmax by far more."""
+    _, ours = pair(k=1, capacity_factor=0.0, noisy_gate_policy="RSample")
+    router = ours.deepspeed_moe.router
+    with torch.no_grad():
+        router.weight_ED.copy_(torch.randn(E, D))
+    x_TD = torch.randn(4, D)
+    x_TD = x_TD / router.logits(x_TD).std(-1, keepdim=True)   # logits of spread ~1: every expert has a chance
+    probs_TE = torch.softmax(router.logits(x_TD), -1).detach()
+    draws = 4000
+    counts_TE = torch.zeros_like(probs_TE)
+    with torch.no_grad():
+        for _ in range(draws):
+            routes = router(x_TD)
+            counts_TE.scatter_add_(1, routes.expert_TK, torch.ones_like(routes.gate_TK))
+            assert torch.equal(routes.gate_TK, probs_TE.gather(1, routes.expert_TK))
+    # 4 sigma of a frequency's standard deviation sqrt(p (1 - p) / draws) <= 0.032
+    assert (counts_TE / draws - probs_TE).abs().max() < 0.032, (counts_TE / draws, probs_TE)
+    argmax_TE = torch.zeros_like(probs_TE).scatter_(1, probs_TE.argmax(-1, keepdim=True), 1.0)
+    assert (argmax_TE - probs_TE).abs().max() > 0.1   # the test tells "no noise" apart
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["drops", "dropless"])
+def test_used_token_masks_tokens_out_of_routing(drop, stable_topk):
+    native, ours = pair(k=1, capacity_factor=0.5, drop_tokens=drop)   # capacity 4: 16 slots for 20 tokens
+    x_TD, upstream_TD = torch.randn(T, D), torch.randn(T, D)
+    used_T = torch.zeros(T).index_fill_(0, torch.randperm(T)[:20], 1.0)
+    theirs, mine = run(native, x_TD, upstream_TD, 1, used_T), run(ours, x_TD, upstream_TD, 1, used_T)
+    assert largest_difference(theirs, mine) < TOLERANCE
+    assert (mine["y"][used_T == 0] == 0).all() and int(mine["exp_counts"].sum()) == int(used_T.sum())
+    routed = int((mine["y"][used_T == 1].abs().sum(-1) > 0).sum())
+    # with drops, the used tokens fill their experts' capacity: the masked ones took none of their slots
+    assert routed == (int(mine["exp_counts"].clamp(max=4).sum()) if drop else 20) and (routed < 20) == drop
+    # bool, and the input's leading shape, mean the same
+    again = run(ours, x_TD.view(5, 6, D), upstream_TD.view(5, 6, D), 1, used_T.view(5, 6).bool())
+    assert largest_difference({k: v.reshape(mine[k].shape) for k, v in again.items()}, mine) < TOLERANCE
+    # all used: as without used_token
+    assert largest_difference(run(ours, x_TD, upstream_TD, 1, torch.ones(T)), run(ours, x_TD, upstream_TD, 1)) < TOLERANCE
+
+
+def test_used_token_is_checked_and_ignored_above_top_1_as_deepspeed(stable_topk):
+    _, ours = pair(k=1)
+    with pytest.raises(ValueError, match=r"used_token must be a tensor of one 0/1 value per token, shape \(6,\)"):
+        ours(torch.randn(6, D), torch.ones(5))
+    with pytest.raises(ValueError, match="used_token must hold 0 .* or 1"):
+        ours(torch.randn(6, D), torch.full((6,), 0.5))
+    native, ours = pair(k=2, capacity_factor=1.0)
+    x_TD, upstream_TD, used_T = torch.randn(T, D), torch.randn(T, D), (torch.rand(T) > 0.5).float()
+    with pytest.warns(UserWarning, match="used_token is ignored with k=2"):
+        mine = run(ours, x_TD, upstream_TD, 1, used_T)
+    assert largest_difference(run(native, x_TD, upstream_TD, 1, used_T), mine) < TOLERANCE
+
+
+def test_noisy_gate_policy_values_are_checked():
+    expert = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+    with pytest.raises(ValueError, match=r"noisy_gate_policy='Gaussian' is invalid; allowed: None, 'None', "
+                                         r"'Jitter', 'RSample'"):
+        dsi.MoE(D, expert, num_experts=E, use_rts=False, noisy_gate_policy="Gaussian")
+    with pytest.warns(UserWarning, match="noisy_gate_policy='RSample' has no effect with k=2"):
+        layer = dsi.MoE(D, expert, num_experts=E, k=2, use_rts=False, top2_2nd_expert_sampling=False,
+                        noisy_gate_policy="RSample")
+    assert layer.deepspeed_moe.router.noise_policy is None
+    with pytest.raises(ValueError, match="enable_expert_tensor_parallelism='yes' is invalid"):
+        dsi.MoE(D, expert, num_experts=E, use_rts=False, enable_expert_tensor_parallelism="yes")
+
+
+class NamedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.ModuleDict({"fc1": nn.Linear(D, H)})
+        self.act, self.fc2 = nn.GELU(), nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.block["fc1"](x)))
+
+
+def test_deepspeed_experts_is_a_read_only_view_of_each_expert(stable_topk):
+    native, ours = pair(k=1)
+    theirs, mine = native.deepspeed_moe.experts.deepspeed_experts, ours.deepspeed_moe.experts.deepspeed_experts
+    assert len(mine) == len(theirs) == E
+    for i in range(E):
+        for j in (0, 2):
+            assert torch.equal(mine[i][j].weight, theirs[i][j].weight) and torch.equal(mine[i][j].bias,
+                                                                                        theirs[i][j].bias)
+        assert mine[i].state_dict().keys() == theirs[i].state_dict().keys()
+        assert all(torch.equal(v, theirs[i].state_dict()[k]) for k, v in mine[i].state_dict().items())
+    with torch.no_grad():   # reads the current values
+        ours.deepspeed_moe.experts.w2_EHD[3].mul_(2)
+    assert torch.equal(mine[3][2].weight, 2 * theirs[3][2].weight)
+    x_TD, upstream_TD = torch.randn(T, D), torch.randn(T, D)
+    ours.load_state_dict(native.state_dict())
+    run(native, x_TD, upstream_TD, 1, keep_grads=True), run(ours, x_TD, upstream_TD, 1, keep_grads=True)
+    mine = ours.deepspeed_moe.experts.deepspeed_experts   # and the gradients (plain .grad, as ZeRO 0 keeps them)
+    for i in range(E):
+        for j in (0, 2):
+            assert torch.allclose(mine[i][j].weight.grad, theirs[i][j].weight.grad, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(mine[i][j].bias.grad, theirs[i][j].bias.grad, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AttributeError, match="read-only view of the stacked expert weights"):
+        mine[1][0].weight = nn.Parameter(torch.zeros(H, D))
+    with pytest.raises(AttributeError, match="expert 1 has no Linear '1'; its Linears are '0' and '2'"):
+        mine[1][1]
+    # named Linears, nested and without bias
+    native, ours = pair(expert=NamedMLP(), k=1)
+    theirs, mine = native.deepspeed_moe.experts.deepspeed_experts, ours.deepspeed_moe.experts.deepspeed_experts
+    assert torch.equal(mine[2].block.fc1.weight, theirs[2].block.fc1.weight)
+    assert torch.equal(mine[2].block["fc1"].bias, theirs[2].block["fc1"].bias) and mine[2].fc2.bias is None
+    assert torch.equal(mine[2].fc2.weight, theirs[2].fc2.weight)
+    # the general path's experts are modules: the view is the modules themselves
+    native, ours = pair(expert=nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D)), k=1)
+    mine = ours.deepspeed_moe.experts.deepspeed_experts
+    assert isinstance(mine[0], nn.Sequential) and mine[0] is ours.deepspeed_moe.experts.local[0]
+    assert torch.equal(mine[1][1].weight, native.deepspeed_moe.experts.deepspeed_experts[1][1].weight)
+
+
+class TensorParallelUnit:
+    """A minimal mpu: tensor-parallel groups of consecutive ranks, data-parallel groups across them."""
+
+    def __init__(self, tp):
+        import torch.distributed as dist
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp, self.rank = tp, rank
+        for start in range(0, world, tp):
+            group = dist.new_group(list(range(start, start + tp)))
+            if rank // tp == start // tp:
+                self.tp_group = group
+        for first in range(tp):
+            group = dist.new_group(list(range(first, world, tp)))
+            if rank % tp == first:
+                self.dp_group = group
+        self.world = world
+
+    def get_model_parallel_rank(self):
+        return self.rank % self.tp
+
+    def get_model_parallel_world_size(self):
+        return self.tp
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_data_parallel_rank(self):
+        return self.rank // self.tp
+
+    def get_data_parallel_world_size(self):
+        return self.world // self.tp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+
+def sliced_state(full, layer, tp_rank, tp):
+    """The whole experts' tensors (one-process layer's state) as this tensor-parallel rank holds them: its hidden
+    slice of its local experts; the output bias on tensor-parallel rank 0 only (the ranks' parts are summed)."""
+    experts = layer.deepspeed_moe.experts
+    first, local = experts.first_expert, experts.w1_EDH.shape[0]
+    Hs = experts.w1_EDH.shape[-1]
+    hidden = slice(tp_rank * Hs, (tp_rank + 1) * Hs)
+    own = slice(first, first + local)
+    return {"w1_EDH": full["w1_EDH"][own][:, :, hidden], "b1_EH": full["b1_EH"][own][:, hidden],
+            "w2_EHD": full["w2_EHD"][own][:, hidden], "b2_ED": full["b2_ED"][own] * (tp_rank == 0)}
+
+
+def tensor_parallel_worker(rank, world):
+    import deepspeed
+    from deepspeed.utils import groups
+    from test_deepspeed_distributed import setup_worker
+    setup_worker(rank, world)
+    tp = 2
+    tp_rank, dp_rank = rank % tp, rank // tp
+    settings = dict(num_experts=E, k=2, capacity_factor=1.0, min_capacity=0, use_rts=False,
+                    top2_2nd_expert_sampling=False)
+    torch.manual_seed(0)   # the same whole model on every rank
+    whole = dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), **settings)
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    full = {name: p.detach().clone() for name, p in whole.deepspeed_moe.experts.named_parameters()}
+    generator = torch.Generator().manual_seed(dp_rank)   # tensor-parallel ranks hold the same tokens
+    x_TD, upstream_TD = torch.randn(T, D, generator=generator), torch.randn(T, D, generator=generator)
+    mpu = TensorParallelUnit(tp)
+    report = {}
+
+    def build(ep_size):
+        slice_module = nn.Sequential(nn.Linear(D, H // tp), nn.ReLU(), nn.Linear(H // tp, D))
+        layer = dsi.MoE(D, slice_module, ep_size=ep_size, enable_expert_tensor_parallelism=True, **settings)
+        copies = all(torch.equal(layer.deepspeed_moe.experts.w1_EDH[i], slice_module[0].weight.t())
+                     for i in range(layer.num_local_experts))
+        with torch.no_grad():
+            layer.deepspeed_moe.router.weight_ED.copy_(whole.deepspeed_moe.router.weight_ED)
+            for name, tensor in sliced_state(full, layer, tp_rank, tp).items():
+                getattr(layer.deepspeed_moe.experts, name).copy_(tensor)
+        return layer, copies
+
+    def compare(name, layer):
+        want, got = run(whole, x_TD, upstream_TD, 3, stacked=True), run(layer, x_TD, upstream_TD, 3, stacked=True)
+        for out in (want, got):   # expert gradients compared stacked, below
+            for key in [key for key in out if ".experts." in key]:
+                out.pop(key)
+        stacked = {n: want.pop(f"stacked {n}") for n in full}
+        if layer.deepspeed_moe.is_parallel:   # an expert's gradient: from the tokens of every rank of its ep group
+            for grad in stacked.values():
+                torch.distributed.all_reduce(grad, group=layer.deepspeed_moe.groups.ep_group)
+        want_grads = sliced_state(stacked, layer, tp_rank, tp)
+        want_grads["b2_ED"] = sliced_state(stacked, layer, 0, tp)["b2_ED"]   # each rank's part: b2's whole gradient
+        got_grads = {n: got.pop(f"stacked {n}") for n in full}
+        errors = {key: (want[key] - got[key]).abs().max().item() for key in want}
+        errors.update({f"grad {n}": (want_grads[n] - g).abs().max().item() for n, g in got_grads.items()})
+        report[name] = (max(errors.values()), max(errors, key=errors.get), len(got_grads))
+
+    # ep_size 1, groups made as the engine makes them: the mpu known only at set_deepspeed_parallelism
+    layer, copies = build(1)
+    groups.mpu = mpu
+    layer.set_deepspeed_parallelism()
+    report["copies"] = copies
+    report["expert tp size"] = groups._get_expert_model_parallel_world_size()
+    compare("ep 1", layer)
+    # ep_size 2: the expert-parallel group joins the ranks of one tensor-parallel rank
+    layer, _ = build(2)
+    report["ep 2 group"] = torch.distributed.get_process_group_ranks(layer.deepspeed_moe.groups.ep_group)
+    compare("ep 2", layer)
+    # through deepspeed.initialize with the mpu (DeepSpeed's test_moe_tp): the engine's forward
+    groups.mpu = None
+    layer, _ = build(1)
+    engine, _, _, _ = deepspeed.initialize(model=layer, mpu=mpu, model_parameters=layer.parameters(),
+                                           config={"train_micro_batch_size_per_gpu": 1,
+                                                   "optimizer": {"type": "SGD", "params": {"lr": 0.0}}})
+    with torch.no_grad():
+        report["engine"] = (engine(x_TD)[0] - whole(x_TD)[0]).abs().max().item()
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_tensor_parallelism_equals_one_process():
+    """4 gloo processes, tensor-parallel groups of 2 ([0, 1], [2, 3]): each rank holds the hidden slice of the
+    experts it was given, and the layer equals one process holding the whole experts: outputs, l_aux,
+    exp_counts, input, gate and expert gradients, at ep_size 1 and 2, and under deepspeed.initialize."""
+    for rank, report in enumerate(run_workers(tensor_parallel_worker, 4, timeout=400)):
+        assert report.pop("copies") and report.pop("expert tp size") == 2
+        assert report.pop("ep 2 group") == [rank % 2, rank % 2 + 2]
+        assert report.pop("engine") < TOLERANCE
+        for name, (error, where, expert_grads) in report.items():
+            assert error < TOLERANCE and expert_grads > 0, f"rank {rank} {name}: {where} differs by {error}"
+
+
+def test_expert_tensor_parallelism_at_ep_size_2_needs_the_mpu_first(monkeypatch):
+    from deepspeed.utils import groups
+    monkeypatch.setattr(groups, "mpu", None)
+    monkeypatch.setattr(dsi.native, "check_ep_size_under_deepspeed", lambda *args: None)
+    monkeypatch.setattr(dsi.native, "_ensure_distributed", lambda: None)
+    with pytest.raises(ValueError, match="enable_expert_tensor_parallelism=True with ep_size=2 needs DeepSpeed's "
+                                         "tensor-parallel groups"):
+        dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), num_experts=E, ep_size=2,
+                use_rts=False, enable_expert_tensor_parallelism=True)
