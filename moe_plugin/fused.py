@@ -35,10 +35,11 @@ class FusedMoE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_TD):
+        saved = ctx.saved_tensors     # unpacked once (activation checkpointing allows no second unpack)
         if torch.compiler.is_compiling():
-            return FusedMoE._backward(ctx, grad_y_TD)
-        with ops.fused_call(grad_y_TD, *ctx.saved_tensors):
-            return FusedMoE._backward(ctx, grad_y_TD)
+            return FusedMoE._backward(ctx, grad_y_TD, saved)
+        with ops.fused_call(grad_y_TD, *saved):
+            return FusedMoE._backward(ctx, grad_y_TD, saved)
 
     @staticmethod
     def _forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED,
@@ -59,8 +60,8 @@ class FusedMoE(torch.autograd.Function):
         return y_TD
 
     @staticmethod
-    def _backward(ctx, grad_y_TD):
-        x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = ctx.saved_tensors
+    def _backward(ctx, grad_y_TD, saved):
+        x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = saved
         R = pos_TK.numel()
         needs = Needs.of(ctx.needs_input_grad, x=0, weights=5)
         gate_grad = ctx.needs_input_grad[1]

@@ -59,8 +59,13 @@ def test_fused_route_equals_router_plan_and_gates(case, dtype):
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_cpu_fused_route_equals_router_plan_and_gates(case, dtype, autocast):
-    """The same routing in torch ops (ops/torch_route.py), on CPU in eager mode, in this process."""
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_cpu_fused_route_equals_router_plan_and_gates(case, dtype, autocast, kernels, monkeypatch):
+    """The CPU form (ops/torch_route.py), in this process: the native route_forward / route_backward (auto, where
+    they build) and the torch ops (MOE_PLUGIN_KERNELS=torch)."""
+    from moe_plugin.ops import torch_route
+    monkeypatch.setenv("MOE_PLUGIN_KERNELS", kernels)
+    assert (torch_route._native(torch.device("cpu")) is None) == (kernels == "torch") or kernels == "auto"
     compare_with_reference(case, dtype, lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast))
 
 
@@ -138,3 +143,19 @@ def test_layer_on_the_cuda_path_equals_the_cpu_path_with_poisoned_memory(capacit
     assert relative(y, y_ref) <= 1e-5 and relative(aux, aux_ref) <= 1e-5
     for name in grads_ref:
         assert relative(grads[name], grads_ref[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_layer_under_activation_checkpointing_equals_without(capacity_factor):
+    """Non-reentrant checkpointing allows one unpack of the saved tensors per backward (the fused layer's
+    backward once unpacked them twice: CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+    from moe_testing import outputs_and_grads
+    layer = MoELayer(MoEConfig(model_dim=12, hidden_size=10, num_experts=4, top_k=2, activation="swiglu",
+                               capacity_factor=capacity_factor))
+    x = torch.randn(29, 12)
+    y, aux, grads = outputs_and_grads(lambda x: (checkpoint(layer, x, use_reentrant=False), layer.aux_loss), layer, x)
+    y_ref, aux_ref, grads_ref = outputs_and_grads(lambda x: (layer(x), layer.aux_loss), layer, x)
+    assert torch.equal(y, y_ref) and torch.equal(aux, aux_ref)
+    for name in grads_ref:
+        assert torch.equal(grads[name], grads_ref[name]), name
