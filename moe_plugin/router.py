@@ -45,7 +45,9 @@ class Router(nn.Module):
 
     init_std: None draws weight_ED (and bias_E) uniform in +-1/sqrt(model_dim); a float draws both normal(0,
     init_std) (what Hugging Face's _init_weights gives its routers, gpt-oss's bias included; set by
-    swap_moe_blocks)."""
+    swap_moe_blocks).
+
+    noise_policy: a host's router noise in training (NOISE_POLICIES; set by the DeepSpeed adapter)."""
 
     fixed_bias = False                    # class defaults: also for modules pickled before these existed
     init_std: Optional[float] = None

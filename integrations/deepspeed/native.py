@@ -471,9 +471,11 @@ class MoE(NativeMoE):
     like the native layer; aux_loss_coef weights only .deepspeed_moe.aux_loss (moe_plugin.aux_loss(model)),
     never the returned l_aux. ep_size > 1 needs torch.distributed (or deepspeed.init_distributed()) first.
 
-    Not expressible here (see README): noisy_gate_policy, enable_expert_tensor_parallelism (both raise),
-    use_rts=True (over-capacity tokens are dropped by position instead of at random) and
-    top2_2nd_expert_sampling=True (the second expert is the plain second best); both warn.
+    Every expert starts as a copy of `expert` (the fast path copies its Linears). noisy_gate_policy "Jitter" /
+    "RSample" and used_token (k = 1) act as in DeepSpeed; enable_expert_tensor_parallelism: see
+    DeepSpeedMoELayer.bind_tensor_parallel_group. Not expressible here (see README): use_rts=True (over-capacity
+    tokens are dropped by position instead of at random) and top2_2nd_expert_sampling=True (the second expert is
+    the plain second best); both warn.
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
