@@ -10,6 +10,7 @@
 #include "swiglu_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdlib>
 #include <limits>
@@ -371,6 +372,158 @@ Tensor grouped_mm(const Tensor& a, const Tensor& b, const Tensor& offs_E) {
   return out;
 }
 
+// The fused routing's CPU form (moe_plugin/ops/torch_route.py, the same in torch ops), fp32, from the router's
+// logits [T, E]: softmax, top-k (best first, ties to the lower expert), gates (normalized before dropping when
+// normalize == 1), loads, slots in visiting order (choice-major, tokens in order) below cap, the final gates
+// (zeroed where dropped, renormalized when normalize == 2, times scale), the balance loss (aux_kind 1 counts
+// first choices, 2 all) times aux_scale plus z_scale * the sum of lse^2. Returns (final_TK, aux, pos_TK, kept_TK,
+// load_E, kept_E, offs_E int32, expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E).
+std::vector<Tensor> route_forward(const Tensor& logits_in, int64_t K, int64_t normalize, int64_t cap, int64_t aux_kind,
+                                  double aux_scale, double z_scale, double scale) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat, "route_forward takes fp32 logits [T, E]");
+  const Tensor logits = logits_in.contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(K >= 1 && K <= E, "route_forward: top_k must be between 1 and the number of experts");
+  auto f32 = logits.options(), i64 = logits.options().dtype(at::kLong);
+  Tensor probs = at::empty({T, E}, f32), lse = at::empty({T}, f32), gate = at::empty({T, K}, f32);
+  Tensor expert = at::empty({T, K}, i64), pos = at::empty({T, K}, i64), final_gate = at::empty({T, K}, f32);
+  Tensor kept_tk = at::empty({T, K}, logits.options().dtype(at::kBool));
+  Tensor load = at::zeros({E}, i64), kept = at::empty({E}, i64), offs = at::empty({E}, logits.options().dtype(at::kInt));
+  Tensor aux_grad = at::empty({E}, f32), aux = at::empty({}, f32);
+  const float* l = logits.const_data_ptr<float>();
+  float *p = probs.data_ptr<float>(), *g = gate.data_ptr<float>(), *z = lse.data_ptr<float>();
+  int64_t *ex = expert.data_ptr<int64_t>(), *ld = load.data_ptr<int64_t>();
+  std::vector<int64_t> counted(E, 0);
+  std::vector<double> psum(E, 0.0);
+  double zsum = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* lt = l + t * E;
+    float* pt = p + t * E;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < E; ++e) top = std::max(top, lt[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (pt[e] = std::exp(lt[e] - top));
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; ++e) psum[e] += (pt[e] *= inv);
+    z[t] = top + std::log(sum);
+    zsum += static_cast<double>(z[t]) * z[t];
+    float chosen_sum = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {   // K passes over E: K is small
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t j = 0; j < k; ++j) taken |= ex[t * K + j] == e;
+        if (!taken && (best < 0 || pt[e] > pt[best])) best = e;
+      }
+      ex[t * K + k] = best;
+      g[t * K + k] = pt[best];
+      chosen_sum += pt[best];
+      ++ld[best];
+      if (aux_kind == 2 || (aux_kind == 1 && k == 0)) ++counted[best];
+    }
+    if (normalize == 1) {
+      const float denom = std::max(chosen_sum, std::numeric_limits<float>::min());
+      for (int64_t k = 0; k < K; ++k) g[t * K + k] /= denom;
+    }
+  }
+  int64_t *kp = kept.data_ptr<int64_t>();
+  int32_t* of = offs.data_ptr<int32_t>();
+  std::vector<int64_t> start(E), taken(E, 0);
+  for (int64_t e = 0, end = 0; e < E; ++e) {
+    kp[e] = std::min(ld[e], cap);
+    start[e] = end;
+    end += kp[e];
+    of[e] = static_cast<int32_t>(end);
+  }
+  int64_t* ps = pos.data_ptr<int64_t>();
+  bool* kt = kept_tk.data_ptr<bool>();
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t e = ex[t * K + k], slot = taken[e]++;
+      ps[t * K + k] = slot < cap ? start[e] + slot : -1;
+      kt[t * K + k] = slot < cap;
+    }
+  }
+  float* fg = final_gate.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float kept_sum = 0.0f;
+    for (int64_t k = 0; k < K; ++k) kept_sum += (fg[t * K + k] = kt[t * K + k] ? g[t * K + k] : 0.0f);
+    const float denom = normalize == 2 ? std::max(kept_sum, std::numeric_limits<float>::epsilon()) : 1.0f;
+    for (int64_t k = 0; k < K; ++k) fg[t * K + k] = normalize == 2 ? fg[t * K + k] / denom * static_cast<float>(scale)
+                                                                    : fg[t * K + k] * static_cast<float>(scale);
+  }
+  float* ag = aux_grad.data_ptr<float>();
+  double loss = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    ag[e] = static_cast<float>(counted[e] * aux_scale);
+    loss += psum[e] * ag[e];
+  }
+  aux.fill_(loss + z_scale * zsum);
+  return {final_gate, aux, pos, kept_tk, load, kept, offs, expert, gate, probs, lse, aux_grad};
+}
+
+// The logits' gradient [T, E] (fp32) of route_forward from its final gates' gradient and its loss's (either may
+// be undefined: 0): see triton_route.py's backward kernel.
+Tensor route_backward(const std::optional<Tensor>& grad_final_in, const std::optional<Tensor>& grad_aux_in,
+                      const Tensor& expert_in, const Tensor& gate_in, const Tensor& pos_in, const Tensor& probs_in,
+                      const Tensor& lse_in, const Tensor& aux_grad_in, int64_t normalize, double scale, double z_scale) {
+  const Tensor expert = expert_in.contiguous(), gate = gate_in.contiguous(), pos = pos_in.contiguous();
+  const Tensor probs = probs_in.contiguous(), aux_grad = aux_grad_in.contiguous();
+  const int64_t T = probs.size(0), E = probs.size(1), K = expert.size(1);
+  Tensor grad = at::zeros({T, E}, probs.options());
+  float* gr = grad.data_ptr<float>();
+  const float* p = probs.const_data_ptr<float>();
+  const int64_t* ex = expert.const_data_ptr<int64_t>();
+  const int64_t* ps = pos.const_data_ptr<int64_t>();
+  const float* g = gate.const_data_ptr<float>();
+  if (grad_final_in.has_value() && grad_final_in->defined()) {
+    const Tensor grad_final = grad_final_in->to(at::kFloat).contiguous();
+    const float* up = grad_final.const_data_ptr<float>();
+    std::vector<float> a(K), h(K), pk(K);
+    for (int64_t t = 0; t < T; ++t) {
+      float total = 0.0f, inner = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const bool kept = ps[t * K + k] >= 0;
+        a[k] = up[t * K + k] * static_cast<float>(scale);
+        h[k] = kept ? g[t * K + k] : 0.0f;
+        total += h[k];
+        inner += a[k] * h[k];
+      }
+      const float eps = std::numeric_limits<float>::epsilon();
+      const float n = std::max(total, eps);
+      for (int64_t k = 0; k < K; ++k) {
+        const bool kept = ps[t * K + k] >= 0;
+        float d = normalize == 2 ? a[k] / n - (total > eps ? inner / (n * n) : 0.0f) : a[k];
+        a[k] = kept ? d : 0.0f;
+      }
+      if (normalize == 1) {
+        float s = 0.0f, ap = 0.0f;
+        for (int64_t k = 0; k < K; ++k) s += (pk[k] = p[t * E + ex[t * K + k]]);
+        s = std::max(s, std::numeric_limits<float>::min());
+        for (int64_t k = 0; k < K; ++k) ap += a[k] * pk[k];
+        for (int64_t k = 0; k < K; ++k) a[k] = a[k] / s - ap / (s * s);
+      }
+      for (int64_t k = 0; k < K; ++k) gr[t * E + ex[t * K + k]] += a[k];
+    }
+  }
+  const bool has_aux = grad_aux_in.has_value() && grad_aux_in->defined();
+  const float grad_aux = has_aux ? grad_aux_in->to(at::kFloat).item<float>() : 0.0f;
+  const float* ag = aux_grad.const_data_ptr<float>();
+  const float* z = lse_in.numel() ? lse_in.contiguous().const_data_ptr<float>() : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = gr + t * E;
+    const float* pt = p + t * E;
+    float dot = 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      if (has_aux) row[e] += grad_aux * ag[e];
+      dot += pt[e] * row[e];
+    }
+    const float zterm = has_aux && z != nullptr && z_scale != 0.0 ? grad_aux * static_cast<float>(2 * z_scale) * z[t] : 0.0f;
+    for (int64_t e = 0; e < E; ++e) row[e] = pt[e] * (row[e] - dot) + zterm * pt[e];
+  }
+  return grad;
+}
+
 // SwiGLU forward: pre [R, 2H] = [gate | up] -> act [R, H] (swiglu_cpu.h)
 Tensor swiglu_forward(const Tensor& pre_in) {
   TORCH_CHECK(pre_in.dim() == 2 && pre_in.size(1) % 2 == 0, "pre must be [rows, 2 * hidden], got ", pre_in.sizes());
@@ -462,5 +615,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clamped_swiglu_forward", &clamped_swiglu_forward,
         "(clamp(up, -L, L) + beta) * g * sigmoid(alpha g), g = min(gate, L), of rows [gate | up], in one pass");
   m.def("clamped_swiglu_backward", &clamped_swiglu_backward, "(grad_pre, act) of the clamped form, in one pass");
+  m.def("route_forward", &route_forward, "the fused routing's CPU form from fp32 logits (see moe_plugin/ops/torch_route.py)");
+  m.def("route_backward", &route_backward, "the logits' gradient of route_forward");
   m.def("grouped_mm", &grouped_mm, "torch's CPU grouped GEMM into a pooled output (see moe_plugin/ops/grouped.py)");
 }

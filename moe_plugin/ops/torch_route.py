@@ -1,7 +1,7 @@
-"""The fused routing (moe_plugin/fused_route.py) in torch, for CPU tensors: the same results as the four Triton
-kernels of triton_route.py, in about half the ops the router, plan_routes and finalize_gates run (and one
-autograd node instead of ~25), for the host time of small steps. Slots come from ops.route_slots (the native
-kernel where it loads).
+"""The fused routing (moe_plugin/fused_route.py) for CPU tensors: the same results as the four Triton kernels of
+triton_route.py, as one autograd node (the router, plan_routes and finalize_gates take ~25), for the host time
+of small steps: the logits' GEMM, then one native call (csrc/routing_cpu.cpp route_forward / route_backward)
+where the native kernels load, else about twenty torch ops (below; slots from ops.route_slots).
 
 Legend: T tokens, E experts, K top-k.
 """
@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 
 TINY = torch.finfo(torch.float32).tiny
+NORMALIZE = {"none": 0, "before_drop": 1, "after_drop": 2}
+AUX = {"none": 0, "gshard": 1, "switch": 2}
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -27,6 +29,13 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
     if x_TD.dtype != torch.float32:
         x_TD, w_ED = x_TD.to(torch.float32), w_ED.to(torch.float32)
     logits_TE = torch.mm(x_TD, w_ED.t())
+    native = _native(x_TD.device)
+    if native is not None:     # everything after the logits in one call
+        (final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E, expert_TK, gate_TK, probs_TE, lse_T,
+         aux_grad_E) = native.route_forward(logits_TE, K, NORMALIZE[normalize], cap, AUX[aux_kind], aux_scale,
+                                            z_scale, scale)
+        outputs = (final_TK.to(gate_dtype), aux, pos_TK, kept_TK, load_E, kept_E, offs_E)
+        return outputs, (expert_TK, gate_TK, probs_TE, lse_T if z_scale else None, aux_grad_E)
     probs_TE = torch.softmax(logits_TE, -1)
     gate_TK, expert_TK = probs_TE.topk(K, -1)
     if normalize == "before_drop":
@@ -59,6 +68,11 @@ def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[tor
                    pos_TK, probs_TE, lse_T, aux_grad_E, normalize: str, scale: float, z_scale: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """grad_logits_TE (fp32; out_dtype is the Triton kernels' and unused here): see triton_route.route_backward."""
+    native = _native(probs_TE.device)
+    if native is not None:
+        return native.route_backward(grad_final_TK, grad_aux, expert_TK, gate_TK, pos_TK, probs_TE,
+                                     probs_TE.new_empty(0) if lse_T is None else lse_T, aux_grad_E,
+                                     NORMALIZE[normalize], scale, z_scale)
     grad_TE = None
     if grad_final_TK is not None:
         up_TK = grad_final_TK.to(torch.float32)
@@ -85,3 +99,10 @@ def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[tor
     if grad_aux is not None and lse_T is not None:
         grad_logits_TE += (grad_aux.to(torch.float32) * (2 * z_scale)) * lse_T[:, None] * probs_TE
     return grad_logits_TE
+
+
+def _native(device: torch.device):
+    """The native CPU kernels where they load (route_forward / route_backward), else None: the torch ops above."""
+    from .choice import kernels_for
+    module, name, _ = kernels_for(device)
+    return module if name == "native" and hasattr(module, "route_forward") else None
