@@ -3,10 +3,13 @@
 A page holds a marker comment; on_page_markdown replaces it:
     <!-- generated: moe-config -->    MoEConfig's fields: name, type, default, and the docstring's words on it
     <!-- generated: hf-families -->   the Hugging Face families of the table (families.supported_model_types_markdown)
+    <!-- generated: fairseq-readme --> integrations/fairseq_moe/README.md (the package's notes), its headings one level down
+    <!-- generated: results -->        benchmarks/RESULTS.md, its headings one level down
 """
 import dataclasses
 import re
 import typing
+from pathlib import Path
 
 MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
 
@@ -72,7 +75,31 @@ def hf_families_markdown() -> str:
     return supported_model_types_markdown()
 
 
-GENERATORS = {"moe-config": moe_config_markdown, "hf-families": hf_families_markdown}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def included(path: str, levels: int) -> str:
+    """A repository file without its title, its headings `levels` down, and its links to repository files (which
+    the site does not hold) as plain code."""
+    text = (REPO / path).read_text(encoding="utf-8")
+    lines, fence = [], False
+    for line in text.splitlines()[1:]:
+        fence ^= line.startswith("```")
+        lines.append("#" * levels + line if line.startswith("#") and not fence else line)
+    text = "\n".join(lines) + "\n"
+    return re.sub(r"\[([^\]]+)\]\((?!https?:|#)([^)]+)\)", lambda m: f"{m.group(1)} (`{m.group(2)}`)", text)
+
+
+def fairseq_readme_markdown() -> str:
+    return included("integrations/fairseq_moe/README.md", 1)
+
+
+def results_markdown() -> str:
+    return included("benchmarks/RESULTS.md", 1)
+
+
+GENERATORS = {"moe-config": moe_config_markdown, "hf-families": hf_families_markdown,
+              "fairseq-readme": fairseq_readme_markdown, "results": results_markdown}
 
 
 def on_page_markdown(markdown, page, config, files):

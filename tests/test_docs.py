@@ -98,7 +98,7 @@ def test_docs_generated_markers_are_known():
 def test_docs_have_runnable_examples_on_the_main_pages():
     pages = {block_id.rsplit("-", 1)[0] for block_id, _, _ in runnable_blocks()}
     for page in ("index", "layer", "training", "checkpoints", "expert-parallelism", "deepspeed", "huggingface",
-                 "fsdp2"):
+                 "fsdp2", "fairseq", "kernels", "benchmarks"):
         assert page in pages, f"docs/{page}.md has no block marked <!-- runnable -->"
 
 
