@@ -335,3 +335,27 @@ def test_expert_tensor_parallelism_at_ep_size_2_needs_the_mpu_first(monkeypatch)
                                          "tensor-parallel groups"):
         dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), num_experts=E, ep_size=2,
                 use_rts=False, enable_expert_tensor_parallelism=True)
+
+
+def used_token_ep2_worker(rank, world):
+    from test_deepspeed_distributed import setup_worker, stable_topk
+    setup_worker(rank, world)
+    stable_topk()
+    worst = {}
+    for drop in (True, False):
+        torch.manual_seed(11)   # the gate the same on both ranks; each rank's experts its own
+        native, ours = pair(k=1, capacity_factor=0.5, drop_tokens=drop, ep_size=2)
+        native.set_deepspeed_parallelism()
+        generator = torch.Generator().manual_seed(rank)
+        x_TD, upstream_TD = torch.randn(T, D, generator=generator), torch.randn(T, D, generator=generator)
+        used_T = (torch.rand(T, generator=generator) > 0.3).float()
+        worst[drop] = largest_difference(run(native, x_TD, upstream_TD, 1, used_T), run(ours, x_TD, upstream_TD, 1,
+                                                                                         used_T))
+    return worst
+
+
+@pytest.mark.slow
+def test_used_token_at_ep_size_2():
+    """Tokens masked on each rank of an expert-parallel pair, with drops and dropless: DeepSpeed's numbers."""
+    for worst in run_workers(used_token_ep2_worker, 2, timeout=300):
+        assert max(worst.values()) < TOLERANCE, worst
