@@ -56,7 +56,7 @@ def load() -> Tuple[Optional[ModuleType], str]:
         print("moe_plugin: building the native CPU kernels (first use only, about a minute)...",
               file=sys.stderr, flush=True)
         module = cpp_extension.load(name=name, sources=[str(path) for path in sources if path.suffix == ".cpp"],
-                                    extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+                                    extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp", "-ldl"], verbose=False)
     except Exception as error:  # any build or load failure means: use the torch path and say why
         detail = str(error).strip().splitlines()
         return None, f"building csrc/ failed: {detail[-1] if detail else type(error).__name__}"
