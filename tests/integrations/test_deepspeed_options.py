@@ -118,7 +118,8 @@ def test_used_token_masks_tokens_out_of_routing(drop, stable_topk):
     again = run(ours, x_TD.view(5, 6, D), upstream_TD.view(5, 6, D), 1, used_T.view(5, 6).bool())
     assert largest_difference({k: v.reshape(mine[k].shape) for k, v in again.items()}, mine) < TOLERANCE
     # all used: as without used_token
-    assert largest_difference(run(ours, x_TD, upstream_TD, 1, torch.ones(T)), run(ours, x_TD, upstream_TD, 1)) < TOLERANCE
+    every = run(ours, x_TD, upstream_TD, 1, torch.ones(T))
+    assert largest_difference(every, run(ours, x_TD, upstream_TD, 1)) < TOLERANCE
 
 
 def test_used_token_is_checked_and_ignored_above_top_1_as_deepspeed(stable_topk):
@@ -132,6 +133,15 @@ def test_used_token_is_checked_and_ignored_above_top_1_as_deepspeed(stable_topk)
     with pytest.warns(UserWarning, match="used_token is ignored with k=2"):
         mine = run(ours, x_TD, upstream_TD, 1, used_T)
     assert largest_difference(run(native, x_TD, upstream_TD, 1, used_T), mine) < TOLERANCE
+
+
+def test_a_native_layer_with_a_noisy_gate_swaps_and_keeps_it(stable_topk):
+    """The "moe" section's swap rebuilds DeepSpeed's layer as ours with its noisy_gate_policy (refused before)."""
+    native, _ = pair(k=1, capacity_factor=1.0, noisy_gate_policy="RSample")
+    ours = dsi.swap_moe_layers(nn.ModuleDict({"moe": native}), {"backend": "tutel"})[0]["moe"]
+    assert isinstance(ours, dsi.MoE) and ours.deepspeed_moe.router.noise_policy == "gumbel"
+    x_TD, upstream_TD = torch.randn(T, D) * 3, torch.randn(T, D)
+    assert largest_difference(run(native, x_TD, upstream_TD, 2), run(ours, x_TD, upstream_TD, 2)) < TOLERANCE
 
 
 def test_noisy_gate_policy_values_are_checked():
