@@ -124,3 +124,40 @@ def test_every_expert_starts_as_the_module_at_ep_size_2():
         for name, (count, weights, outputs) in worst.items():
             assert count > 0 and weights == 0, (name, weights)
             assert outputs < TOLERANCE, (name, outputs)
+
+
+def zero_init_worker(rank, world):
+    import deepspeed
+    from test_deepspeed_distributed import setup_worker
+    setup_worker(rank, world)
+    torch.manual_seed(3)   # the same module on both ranks
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    found = {}
+    for where in ("outside", "inside"):
+        module = random_module("relu_bias")
+        if where == "inside":   # the module partitioned too: its weights are gathered for the copy
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                module = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                with torch.no_grad():
+                    for param in module.parameters():
+                        param.copy_(torch.randn_like(param))
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            whole = {"w1_EDH": module[0].weight.t().clone(), "b1_EH": module[0].bias.clone(),
+                     "w2_EHD": module[2].weight.t().clone(), "b2_ED": module[2].bias.clone()}
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            layer = dsi.MoE(D, module, num_experts=E, k=1, use_rts=False)
+        experts = layer.deepspeed_moe.experts
+        params = list(experts.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            found[where] = (all(hasattr(p, "ds_id") for p in params),
+                            all(torch.equal(getattr(experts, name)[i], tensor)
+                                for name, tensor in whole.items() for i in range(E)))
+    return found
+
+
+@pytest.mark.slow
+def test_every_expert_starts_as_the_module_under_zero_init():
+    """Built under deepspeed.zero.Init (the layer's weights partitioned, and the module's too): gathered copies."""
+    for found in run_workers(zero_init_worker, 2, timeout=200):
+        assert found == {"outside": (True, True), "inside": (True, True)}, found
