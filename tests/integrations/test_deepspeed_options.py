@@ -369,3 +369,19 @@ def test_used_token_at_ep_size_2():
     """Tokens masked on each rank of an expert-parallel pair, with drops and dropless: DeepSpeed's numbers."""
     for worst in run_workers(used_token_ep2_worker, 2, timeout=300):
         assert max(worst.values()) < TOLERANCE, worst
+
+
+def test_tensor_parallelism_without_expert_tensor_parallelism_is_refused(monkeypatch):
+    from deepspeed.utils import groups
+
+    class TwoWayTensorParallel:
+        def get_model_parallel_world_size(self):
+            return 2
+
+    monkeypatch.setattr(groups, "mpu", TwoWayTensorParallel())
+    layer = dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), num_experts=E, use_rts=False)
+    with pytest.raises(ValueError, match=r"tensor model parallelism \(an mpu with tensor parallel size > 1\) without "
+                                         r"enable_expert_tensor_parallelism=True"):
+        layer.set_deepspeed_parallelism()
+    with pytest.raises(ValueError, match="used_token is not supported with aux_loss 'seq'"):
+        dsi.MoE(D, nn.Linear(D, D), num_experts=E, k=1, use_rts=False, aux_loss="seq")(torch.randn(6, D), torch.ones(6))
