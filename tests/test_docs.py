@@ -136,3 +136,21 @@ def test_docs_pages_render_with_navigation_in_chromium(site):
             assert entry in labels, f"{page}: the navigation has no link '{entry}' (it has {sorted(labels)})"
         assert re.search(rf"<h1[^>]*>\s*{re.escape(title)}", dom), f"{page}: no title '{title}'"
         assert "md-search__input" in dom, f"{page}: the theme's search box is missing"
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation but - and _ dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_docs_readme_and_results_links_resolve():
+    """Every relative link in README.md and benchmarks/RESULTS.md names a file or folder of the repository, and a
+    link to a section (RESULTS.md#...) names a heading there, so the README's headline table keeps its sources."""
+    for source in (REPO / "README.md", REPO / "benchmarks" / "RESULTS.md"):
+        for target in re.findall(r"\]\((?!https?:)([^)\s]+)\)", source.read_text(encoding="utf-8")):
+            path, _, anchor = target.partition("#")
+            file = (source.parent / path) if path else source
+            assert file.exists(), f"{source.name} links to {target}, which does not exist"
+            if anchor:
+                headings = re.findall(r"(?m)^#+ (.+)$", file.read_text(encoding="utf-8"))
+                assert anchor in {_github_anchor(h) for h in headings}, f"{source.name}: no heading for #{anchor}"
