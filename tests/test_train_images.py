@@ -165,7 +165,7 @@ def test_the_model_is_swinv2_upcycled_as_swinv2_moe(fresh_seed):
 
 def test_the_shipped_yaml_puts_moe_in_blocks_5_7_and_9():
     """configs/experiments/swinv2_moe.yaml as it ships (no override): MoE blocks exactly in blocks 5 and 7
-    (stage 3, its 2nd and 4th blocks) and 9 (stage 4, its 2nd), as the README says, with the moe section's
+    (stage 3, its 2nd and 4th blocks) and 9 (stage 4, its 2nd), as docs/training.md says, with the moe section's
     settings; planned by upcycle.plan on a meta-device model (no weights)."""
     from moe_plugin.integrations.transformers.upcycle import plan
     from moe_plugin.train.hf_image import image_hf_config, upcycle_arguments
