@@ -105,7 +105,8 @@ def test_docs_have_runnable_examples_on_the_main_pages():
 @pytest.mark.spawns
 @pytest.mark.parametrize("block_id,language,code", runnable_blocks(), ids=[b[0] for b in runnable_blocks()])
 def test_docs_example_runs(block_id, language, code, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", REPO=str(REPO), MPLBACKEND="Agg")
+    env = dict(os.environ, OMP_NUM_THREADS="1", REPO=str(REPO), MPLBACKEND="Agg",   # this Python's commands first
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     script = tmp_path / ("example.py" if language == "python" else "example.sh")
     script.write_text(code, encoding="utf-8")   # a file, so that spawned workers can import its functions
     command = [sys.executable, script.name] if language == "python" else ["bash", "-euo", "pipefail", script.name]
