@@ -86,8 +86,19 @@ def included(path: str, levels: int) -> str:
     for line in text.splitlines()[1:]:
         fence ^= line.startswith("```")
         lines.append("#" * levels + line if line.startswith("#") and not fence else line)
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(_blank_line_before_lists(lines)) + "\n"
     return re.sub(r"\[([^\]]+)\]\((?!https?:|#)([^)]+)\)", lambda m: f"{m.group(1)} (`{m.group(2)}`)", text)
+
+
+def _blank_line_before_lists(lines: list) -> list:
+    """GitHub starts a list right after a paragraph line; Python-Markdown needs a blank line there."""
+    out, fence = [], False
+    for line in lines:
+        fence ^= line.startswith("```")
+        if not fence and re.match(r"[-*] ", line) and out and out[-1].strip() and not out[-1].startswith((" ", "-", "*", "|")):
+            out.append("")
+        out.append(line)
+    return out
 
 
 def fairseq_readme_markdown() -> str:
