@@ -53,8 +53,11 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
     expert-data-parallel group, left out of the data-parallel allreduce). Its state dict names each local
     expert's tensors `deepspeed_moe.experts.deepspeed_experts.<i>.<w1_DH|w2_HD|...>` so that
     engine.save_checkpoint writes DeepSpeed's per-expert files; the engine takes every other key holding
-    "expert" for an expert tensor, so those (the expert bias) are written with "Expert" instead. Loading
-    undoes both. block.moe.state_dict() keeps the layer's own names.
+    "expert" for an expert tensor, so those (the expert bias) are written with "Expert" instead. PEFT's LoRA on
+    the HF-named experts keeps PEFT's keys (experts.lora_A...) in a model's state dict, where PEFT's adapter save
+    finds them and the engine leaves them out of its model file; the block's own state dict (what the engine
+    files per expert) holds each local expert's slice of them as `<that prefix><i>.peft.<PEFT's key>`. Loading
+    undoes all of it. block.moe.state_dict() keeps the layer's own names.
     """
 
     def __init__(self, moe, family: str, router_logits=None, jitter_noise: float = 0.0):
@@ -108,12 +111,45 @@ def use_deepspeed_blocks(model: nn.Module) -> nn.Module:
 def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, local_metadata) -> None:
     if not isinstance(block, DeepSpeedHFMoEBlock):   # made a plain HFMoEBlock for ZeRO-3 (zero3.to_zero3)
         return
+    peft = {key: state.pop(key) for key in [k for k in state if k.startswith(f"{prefix}experts.")]}
     for name, per_expert in PER_EXPERT.items():
         stacked = state.pop(f"{prefix}moe.experts.{name}", None)
         if stacked is not None:
             for i in range(block.num_local_experts):
                 state[f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}"] = stacked[i]
     hide_from_expert_files(state, prefix, EXPERTS_PREFIX)
+    if prefix:
+        # PEFT's LoRA on the HF-named experts, in a model's state dict (PEFT's and HF's saves, DeepSpeed's model
+        # file): PEFT's names, which PEFT's save selects and DeepSpeed's engine leaves out of its model file
+        state.update(peft)
+        return
+    # the block's own state dict, which DeepSpeed's engine files per expert: one slice per local expert
+    for key, value in peft.items():
+        for i, piece in enumerate(_peft_per_expert(key, value, block.num_local_experts)):
+            state[f"{EXPERTS_PREFIX}{i}.{PEFT_PART}{key[len('experts.'):]}"] = piece
+
+
+PEFT_PART = "peft."   # an expert's slice of PEFT's factors in DeepSpeed's per-expert files: <EXPERTS_PREFIX><i>.peft.<key>
+
+
+def _peft_per_expert(key: str, value: torch.Tensor, experts: int) -> List[torch.Tensor]:
+    """PEFT's ParamWrapper factors (lora_A [Q*E, I] expert-major, lora_B [O, Q*E] expert-minor) -> E slices
+    ([Q, I], [O, Q])."""
+    kind = key.split(".")[-3] if key.endswith(".weight") else None
+    if kind not in ("lora_A", "lora_B") or value.dim() != 2 or value.shape[kind == "lora_B"] % experts:
+        raise ValueError(f"DeepSpeed's per-expert checkpoint files cannot hold {key!r} (shape {tuple(value.shape)}) "
+                         f"of PEFT's adapter on the experts: only LoRA's lora_A / lora_B factors of "
+                         f"{experts} local experts can be split per expert")
+    if kind == "lora_A":
+        return list(value.reshape(experts, -1, value.shape[1]).unbind(0))
+    return list(value.reshape(value.shape[0], -1, experts).unbind(2))
+
+
+def _peft_stacked(key: str, pieces: List[torch.Tensor]) -> torch.Tensor:
+    """The inverse of _peft_per_expert."""
+    if key.split(".")[-3] == "lora_A":
+        return torch.cat(pieces, 0)
+    return torch.stack(pieces, 2).reshape(pieces[0].shape[0], -1)
 
 
 def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefix: str, *args) -> None:
@@ -124,6 +160,11 @@ def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], pre
         keys = [f"{prefix}{EXPERTS_PREFIX}{i}.{per_expert}" for i in range(block.num_local_experts)]
         if all(key in state for key in keys):
             state[f"{prefix}moe.experts.{name}"] = torch.stack([state.pop(key) for key in keys])
+    first = f"{prefix}{EXPERTS_PREFIX}0.{PEFT_PART}"
+    for rest in [k[len(first):] for k in state if k.startswith(first)]:
+        keys = [f"{prefix}{EXPERTS_PREFIX}{i}.{PEFT_PART}{rest}" for i in range(block.num_local_experts)]
+        if all(key in state for key in keys):
+            state[f"{prefix}experts.{rest}"] = _peft_stacked(rest, [state.pop(key) for key in keys])
 
 
 def check_section_for_model(model: nn.Module, section: Mapping[str, Any]) -> MoEConfig:

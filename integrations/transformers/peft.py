@@ -99,7 +99,9 @@ class HFExpertsHandle(nn.Module):
         if not name.startswith("_") and name in ("gate_up_proj", "up_proj", "down_proj"):
             layer_name = self.hf_names().get(name)
             if layer_name is not None:
-                return getattr(self._experts, layer_name)
+                weight = getattr(self._experts, layer_name)
+                columns = self.layer_columns(name) if _in_peft_merge() else None
+                return weight if columns is None else HFOrderedWeight(weight, columns)
         return super().__getattr__(name)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -112,6 +114,42 @@ class HFExpertsHandle(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise TypeError("HFExpertsHandle computes nothing: the swapped block runs its MoELayer")
+
+
+class HFOrderedWeight:
+    """What PEFT's merge and unmerge get for a weight the layer keeps in another column order than HF (gpt-oss's
+    gate_up_proj: HF interleaves gate and up, the layer keeps [gate | up]): `.data` reads a copy in HF's order and
+    assigning `.data` writes it back in the layer's, so PEFT's `param.data += delta` (and its safe merge's
+    `param.data = merged`) folds B's HF-ordered columns into the right columns of the layer's weight."""
+
+    def __init__(self, weight: nn.Parameter, columns: torch.Tensor):
+        self._weight = weight
+        self._columns = columns.to(weight.device)        # HF's column columns[c] is the layer's column c
+        self._hf_order = torch.argsort(self._columns)
+
+    dtype = property(lambda self: self._weight.dtype)
+    device = property(lambda self: self._weight.device)
+    shape = property(lambda self: self._weight.shape)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._weight.data.index_select(-1, self._hf_order)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._weight.data.copy_(value.index_select(-1, self._columns))
+
+
+def _in_peft_merge() -> bool:
+    """Whether PEFT's merge or unmerge (of a ParamWrapper; directly or through get_delta_weight) asks."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in ("merge", "unmerge") and frame.f_globals.get("__name__", "").startswith("peft."):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _called_from_peft() -> bool:
@@ -135,10 +173,6 @@ def peft_adapters(block: nn.Module) -> Optional[tuple]:
     factors_ = [None] * 4
     while type(module).__name__ == "ParamWrapper":
         adapters = [a for a in module.active_adapters if a in module.lora_A]
-        if module.merged and module.get_base_layer().layer_columns(module.parameter_name) is not None:
-            raise ValueError(f"moe_plugin: PEFT merged its LoRA into the swapped {block.family} layer's "
-                             f"{module.parameter_name} in HF's column order, which the layer keeps in another "
-                             f"([gate | up]): unmerge it, and merge on the unswapped model (or the experts backend)")
         if module.disable_adapters or module.merged or not adapters:
             module = module.base_layer
             continue

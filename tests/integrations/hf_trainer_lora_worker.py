@@ -4,7 +4,9 @@ experts by HF's names and on attention, transformers.Trainer under DeepSpeed ZeR
     torchrun --nproc_per_node 2 hf_trainer_lora_worker.py OUT_DIR STEPS
 
 Writes batch<rank>.pt (the first batch this rank trained on), adapters<rank>_step1.pt and adapters<rank>.pt (the
-trainable parameters after the first step and at the end), result<rank>.json (losses, trainable names).
+trainable parameters after the first step and at the end), adapter/ (trainer.save_model's PEFT folder), checkpoint/
+(DeepSpeed's engine checkpoint) and result<rank>.json (losses, trainable names, whether load_checkpoint restored the
+adapters after they were zeroed, the checkpoint's files).
 """
 import json
 import os
@@ -64,9 +66,21 @@ def main(out_dir, steps):
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=[AfterFirstStep()])
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    torch.save(trainable(model), os.path.join(out_dir, f"adapters{rank}.pt"))
+    final = trainable(model)
+    torch.save(final, os.path.join(out_dir, f"adapters{rank}.pt"))
+    trainer.save_model(os.path.join(out_dir, "adapter"))
+
+    # DeepSpeed's own checkpoint (experts' adapters in its per-expert files) brings the adapters back
+    trainer.deepspeed.save_checkpoint(os.path.join(out_dir, "checkpoint"), tag="t")
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.zero_()
+    trainer.deepspeed.load_checkpoint(os.path.join(out_dir, "checkpoint"), tag="t", load_module_only=True)
+    restored = all(torch.equal(p, final[n]) for n, p in trainable(model).items())
+    files = sorted(os.listdir(os.path.join(out_dir, "checkpoint", "t")))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as out:
-        json.dump({"losses": losses, "trainable": sorted(trainable(model))}, out)
+        json.dump({"losses": losses, "trainable": sorted(final), "restored": restored, "files": files}, out)
 
 
 if __name__ == "__main__":

@@ -107,13 +107,32 @@ def test_merge_and_unload_on_a_swapped_model_gives_plain_hf_folders(fresh_seed, 
         torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_merged_interleaved_adapter_on_a_swapped_layer_is_refused(fresh_seed):
-    """gpt-oss interleaves gate and up; the layer keeps [gate | up]: PEFT's merge would add B's columns in HF's order."""
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_of_an_interleaved_adapter_on_a_swapped_layer_is_exact(safe_merge, fresh_seed, tmp_path):
+    """gpt-oss interleaves gate and up; the layer keeps [gate | up]: PEFT's merge (and unmerge) of B's HF-ordered
+    columns lands on the layer's columns, so merged, unmerged and merge_and_unload() compute PEFT's own merged model."""
+    import transformers
     model = build_model("gpt_oss", seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    ids = tokens(fresh_seed)
     ours = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), lora_config())
-    ours.base_model.merge_adapter()
-    with pytest.raises(ValueError, match="column order"):
-        ours(tokens(fresh_seed))
+    theirs = peft.get_peft_model(copy.deepcopy(model), lora_config())
+    with torch.no_grad():
+        mine = trainable(ours)
+        for name, param in trainable(theirs).items():
+            mine[name].copy_(param)
+        expected = ours(ids).logits
+        weights = [p.clone() for p in ours.base_model.model.model.layers[0].mlp.moe.experts.parameters()]
+        ours.base_model.merge_adapter(safe_merge=safe_merge)
+        torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        ours.base_model.unmerge_adapter()
+        for before, after in zip(weights, ours.base_model.model.model.layers[0].mlp.moe.experts.parameters()):
+            torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        merged = ours.merge_and_unload(safe_merge=safe_merge)
+        torch.testing.assert_close(merged(ids).logits, theirs.merge_and_unload()(ids).logits, rtol=1e-5, atol=1e-5)
+        merged.save_pretrained(tmp_path / "merged")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_swapped_state_dict_and_parameters_are_unchanged_by_the_handle():
@@ -151,3 +170,39 @@ def test_peft_wrappers_on_experts_the_swapped_layer_lacks_are_an_error():
     del swapped.experts
     with pytest.raises(TypeError, match="no HF-named experts"):
         attach_wrappers(swapped, wrappers)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_adapters_under_deepspeed_blocks_save_with_peft_and_file_per_expert(family, fresh_seed, tmp_path):
+    """Under DeepSpeed's MoE blocks (which rename state keys holding "expert" for its checkpoint files), PEFT's save
+    holds the experts' adapters and loads on a swapped model and, with plain PEFT, on HF's own; the block's own
+    state dict (DeepSpeed's per-expert files) holds one slice of them per expert and loads back."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
+    from moe_plugin.integrations.deepspeed.hf import use_deepspeed_blocks
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    ids = tokens(fresh_seed)
+    swapped = peft.get_peft_model(use_deepspeed_blocks(hf_moe.swap_moe_blocks(copy.deepcopy(model))), lora_config())
+    swapped.save_pretrained(tmp_path / "adapter")
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    expert_keys = [k for k in saved if ".mlp.experts." in k]
+    assert len(expert_keys) == 4 * len(swapped.base_model.model.model.layers), sorted(saved)
+    with torch.no_grad():
+        expected = swapped(ids).logits
+        plain = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapter")
+        torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        fresh = use_deepspeed_blocks(hf_moe.swap_moe_blocks(copy.deepcopy(model)))
+        loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+        block = swapped.base_model.model.model.layers[0].mlp
+        state = block.state_dict()
+        assert not [k for k in state if k.startswith("experts.")], list(state)
+        slices = [k for k in state if k.startswith("deepspeed_moe.experts.deepspeed_experts.0.peft.")]
+        assert len(slices) == 4, list(state)
+        other = loaded.base_model.model.model.layers[0].mlp
+        for param in other.experts.parameters():
+            param.zero_()
+        other.load_state_dict(state)
+        mine = dict(block.experts.named_parameters())
+        assert all(torch.equal(p, mine[n]) for n, p in other.experts.named_parameters()) and mine

@@ -17,8 +17,9 @@ pytestmark = [needs_transformers, pytest.mark.slow, pytest.mark.spawns, pytest.m
 
 def test_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path):
     """The first step equals one process's SGD step of PEFT on HF's own model over both ranks' batches; the loss
-    falls; both ranks hold the same adapters. (Not checked: trainer.save_model's adapter folder, which under
-    DeepSpeed's MoE blocks misses the expert adapters: see the README's limits.)"""
+    falls; both ranks hold the same adapters. trainer.save_model's adapter folder holds every adapter (the experts'
+    under DeepSpeed's MoE blocks included) and loads with plain PEFT on HF's own model, computing what the trained
+    model computes; DeepSpeed's own checkpoint (per-expert files) brings the adapters back."""
     import subprocess
 
     import hf_trainer_lora_worker as worker
@@ -48,3 +49,18 @@ def test_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path
     final = [torch.load(tmp_path / f"adapters{rank}.pt") for rank in (0, 1)]
     assert all(torch.equal(final[0][n], final[1][n]) for n in final[0])
     assert any(not torch.equal(final[0][n], step1[n]) for n in step1 if ".mlp.experts." in n)
+
+    for result in results:
+        assert result["restored"], "DeepSpeed's load_checkpoint did not bring the adapters back"
+        assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(6)} \
+            <= set(result["files"]), result["files"]
+    plain = peft.PeftModel.from_pretrained(worker.build_model(), tmp_path / "adapter")
+    loaded = {n: p for n, p in plain.named_parameters() if "lora_" in n}
+    assert set(loaded) == set(final[0]), sorted(set(final[0]) ^ set(loaded))
+    assert all(torch.equal(loaded[n], final[0][n]) for n in loaded)
+    trained = worker.peft_model(swap=True)
+    with torch.no_grad():
+        mine = dict(trained.named_parameters())
+        for name, value in final[0].items():
+            mine[name].copy_(value)
+        torch.testing.assert_close(plain(batch).logits, trained(batch).logits, rtol=1e-5, atol=1e-5)
