@@ -268,3 +268,47 @@ def test_errors_name_what_was_wrong():
         add_lora(layer, rank=2)
     with pytest.raises(ValueError, match="no MoELayer with a LoRA adapter"):
         merge_lora(make_layer())
+
+
+class DispatchLog(TorchDispatchMode):
+    """The names of the moe_plugin ops run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket).startswith("moe_plugin."):
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", ["scatter_rows", "gather_sum"])
+def test_dispatch_ops_give_only_the_scale_its_gradient_when_the_rows_need_none(op):
+    """The registered backward of scatter_rows / gather_sum skips the row gradient (a gather_sum / scatter_rows of
+    every row) when only the scale needs one; the scale's gradient is the one the full backward gives."""
+    from moe_plugin import ops
+    T, K, D = 9, 3, 7
+    pos_TK = torch.randperm(T * K).view(T, K)
+    pos_TK[torch.rand(T, K) < 0.3] = -1                    # dropped choices
+    kept = int((pos_TK >= 0).sum())
+    pos_TK[pos_TK >= 0] = torch.randperm(kept)             # the kept rows come first
+    src = torch.randn(T * K if op == "gather_sum" else T, D, dtype=torch.float64)
+    scale_TK = torch.rand(T, K, dtype=torch.float64)
+
+    def run(rows_need_grad):
+        x = src.clone().requires_grad_(rows_need_grad)
+        scale = scale_TK.clone().requires_grad_(True)
+        out, _ = getattr(ops, op)(x, pos_TK, scale, None, T * K) if op == "scatter_rows" else \
+            ops.gather_sum(x, pos_TK, scale, None)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+        with DispatchLog() as log:
+            (out * upstream).sum().backward()
+        return scale.grad, log.ops
+
+    full, full_ops = run(True)
+    only_scale, ops_run = run(False)
+    assert full_ops, "the full backward ran no moe_plugin op: this test no longer counts what it means to"
+    assert ops_run == [], ops_run
+    assert relative_error(only_scale, full) <= 1e-12
+    assert bool((only_scale[pos_TK < 0] == 0).all())

@@ -233,6 +233,8 @@ def _scatter_setup(ctx, inputs, output):
 
 def _scatter_backward(ctx, grad_RD, _grad_dot):
     src_TD, pos_TK, scale_TK = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:     # only the scale asks: its dot products, no row gradient
+        return None, None, _choice_dot(grad_RD, pos_TK, src_TD) if src_TD is not None else None, None, None
     grad_TD, grad_scale_TK = gather_sum(grad_RD.contiguous(), pos_TK, scale_TK, src_TD)
     return grad_TD, None, grad_scale_TK if src_TD is not None else None, None, None
 
@@ -246,8 +248,19 @@ def _gather_setup(ctx, inputs, output):
 
 def _gather_backward(ctx, grad_TD, _grad_dot):
     src_RD, pos_TK, scale_TK = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, _choice_dot(src_RD, pos_TK, grad_TD) if src_RD is not None else None, None
     grad_RD, grad_scale_TK = scatter_rows(grad_TD.contiguous(), pos_TK, scale_TK, src_RD, ctx.num_rows)
     return grad_RD, None, grad_scale_TK if src_RD is not None else None, None
+
+
+def _choice_dot(rows_RD: torch.Tensor, pos_TK: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+    """dot_TK[t, k] = <x_TD[t], rows_RD[pos_TK[t, k]]>, 0 for dropped choices (gather_sum's dot, without its sum)."""
+    if rows_RD.shape[0] == 0:
+        return x_TD.new_zeros(pos_TK.shape)
+    rows_TKD = rows_RD.index_select(0, pos_TK.clamp(min=0).reshape(-1)).view(*pos_TK.shape, rows_RD.shape[1])
+    dot_TK = torch.bmm(rows_TKD, x_TD.unsqueeze(-1)).squeeze(-1)
+    return dot_TK.masked_fill(pos_TK < 0, 0)
 
 
 _scatter_rows_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
