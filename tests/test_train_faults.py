@@ -522,8 +522,8 @@ def test_ranks_killed_at_random_steps_and_mid_save_change_nothing(tmp_path, fres
 
 
 def test_upcycling_takes_the_newest_whole_dense_checkpoint(tmp_path, fresh_seed):
+    pytest.importorskip("moe_plugin.integrations.transformers")   # first: it hides an unloadable torchaudio
     pytest.importorskip("transformers")
-    import moe_plugin.integrations.transformers  # noqa: F401 (hides an unloadable torchaudio first)
     configs = ROOT / "configs" / "experiments"
     hf = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
           "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "log.progress=false", "log.plots=false",
