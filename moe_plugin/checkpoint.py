@@ -108,9 +108,15 @@ def _local_shard(tensor: torch.Tensor) -> Tuple[torch.Tensor, Offsets]:
 
 
 def expert_tensor_names(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
-    """name in model.state_dict() -> (its expert-parallel layer, its name in layer.experts)."""
-    return {f"{prefix}experts.{name}": (layer, name) for prefix, layer in expert_layers(model)
-            for name in EXPERT_NAMES if getattr(layer.experts, name) is not None}
+    """name in model.state_dict() -> (its expert-parallel layer, its name in layer.experts); a LoRA adapter's
+    factors (moe_plugin.lora: [E, ...], whole experts only) are expert tensors too."""
+    names = {}
+    for prefix, layer in expert_layers(model):
+        lora = getattr(layer.experts, "lora", None)
+        adapter = [f"lora.{n}" for n, _ in lora.named_parameters()] if isinstance(lora, nn.Module) else []
+        for name in [n for n in EXPERT_NAMES if getattr(layer.experts, n) is not None] + adapter:
+            names[f"{prefix}experts.{name}"] = (layer, name)
+    return names
 
 
 def _entries(tensors: List[Tuple[str, str, torch.Tensor]], writing: bool,

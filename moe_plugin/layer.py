@@ -137,7 +137,8 @@ class MoELayer(nn.Module):
         return OnceTuner(self._candidates())
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share."""
+        """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share (of the LoRA
+        adapter's factors too: add_lora first)."""
         if isinstance(self.experts, ModuleExperts):
             return self.load_state_dict(self.experts.local_share(state))
         layout, local = self.groups.layout, {}
@@ -148,6 +149,8 @@ class MoELayer(nn.Module):
         for key, name in names.items():
             if name in state:
                 local[name] = torch.stack([shard[key] for shard in shards])
+        from .lora import local_lora_share          # lora.py imports this module
+        local.update(local_lora_share(self, state))
         if isinstance(self.tuner, Tuner) and "tuner._extra_state" not in state:
             local["tuner._extra_state"] = self.tuner.get_extra_state()
         self.load_state_dict({**{k: v for k, v in state.items() if not k.startswith("experts.")}, **local})

@@ -15,9 +15,10 @@ Q LoRA rank.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .experts import NO_LORA, Experts
@@ -131,6 +132,39 @@ def add_lora(model: nn.Module, rank: int, alpha: Optional[float] = None, targets
                 param.requires_grad_(False)
         adapters.append(experts.lora)
     return adapters
+
+
+def local_lora_share(layer: MoELayer, state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The adapter entries ("experts.lora.<factor>") of a layer state dict holding every expert (ep_size 1), cut to
+    this rank's experts (MoELayer.load_full_state_dict)."""
+    keys = [k for k in state if k.startswith("experts.lora.")]
+    if not keys:
+        return {}
+    if getattr(layer.experts, "lora", None) is None:
+        raise ValueError(f"the state dict holds a LoRA adapter ({keys[0]}, ...), but this layer has none: call "
+                         f"add_lora on the model (same rank and targets) before loading it")
+    layout = layer.groups.layout
+    first, count = layout.first_expert, layout.local_experts
+    return {k: state[k][first:first + count] for k in keys}
+
+
+def whole_lora(layer: MoELayer) -> Dict[str, torch.Tensor]:
+    """{"lora.<factor>": the factor with every expert, detached} for an adapted layer ({} without an adapter): the
+    ranks' factors gathered over the layer's expert-parallel group (a collective there; FSDP2 shards gathered first)."""
+    lora = getattr(layer.experts, "lora", None)
+    if lora is None:
+        return {}
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for name, param in lora.named_parameters():
+        factor = (param.full_tensor() if isinstance(param, DTensor) else param).detach().contiguous()
+        if layer.is_parallel:
+            group = layer.groups.ep_group
+            parts = [torch.empty_like(factor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, factor, group=group)
+            factor = torch.cat(parts)
+        out[f"lora.{name}"] = factor
+    return out
 
 
 def _adapters(model: nn.Module):

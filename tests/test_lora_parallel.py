@@ -1,5 +1,6 @@
 """LoRA on the experts under expert parallelism (2 gloo processes, each holding its own experts' adapters) against
-one process holding every expert and adapter, fed every rank's tokens as micro-batches."""
+one process holding every expert and adapter, fed every rank's tokens as micro-batches; full state dicts and sharded
+checkpoints carry the adapters between 2 processes and 1."""
 import pytest
 import torch
 
@@ -36,12 +37,10 @@ def compare_with_one_process(rank, world, specs):
                     activation="swiglu", bias=spec["bias"])
         whole, whole_adapter = _adapted(MoEConfig(**base), spec["seed"])
         layer = MoELayer(MoEConfig(**base, ep_size=world, parallel=spec["r"], overlap_degree=spec["d"])).double()
-        layer.load_full_state_dict(whole.state_dict())
         (adapter,) = add_lora(layer, rank=2, alpha=3.0)
+        layer.load_full_state_dict(whole.state_dict())      # each rank keeps its experts' adapters
         first, count = layer.groups.layout.first_expert, layer.groups.layout.local_experts
-        with torch.no_grad():
-            for name in FACTORS:
-                getattr(adapter, name).copy_(getattr(whole_adapter, name)[first:first + count])
+        assert all(torch.equal(getattr(adapter, n), getattr(whole_adapter, n)[first:first + count]) for n in FACTORS)
 
         generator = torch.Generator().manual_seed(spec["seed"] + 1)
         xs = [torch.randn(n, D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
@@ -76,3 +75,37 @@ def test_lora_expert_parallel_equals_one_process():
     for result in run_workers(compare_with_one_process, 2, specs, timeout=180):
         for name, (error, where) in result.items():
             assert error < 1e-10, f"{name}: {where} off by {error:.3g}"
+
+
+def state_dicts_carry_adapters(rank, world, folder):
+    """Loads one process's adapted layer at ep_size 2 (load_full_state_dict); full_state_dict and a sharded
+    checkpoint of it must give that one process's adapters back (on rank 0; the gathers are collectives)."""
+    from moe_plugin import checkpoint as sharded
+    from moe_plugin.train.checkpoint import full_state_dict
+    config = dict(model_dim=D, hidden_size=H, num_experts=E, top_k=2, activation="swiglu")
+    whole, _ = _adapted(MoEConfig(**config), seed=21)
+    layer = MoELayer(MoEConfig(**config, ep_size=world)).double()
+    add_lora(layer, rank=2, alpha=3.0)
+    layer.load_full_state_dict(whole.state_dict())
+    full = full_state_dict(layer)
+    sharded.save(sharded.sharded_state(layer), folder)
+    torch.distributed.barrier()
+    if rank:
+        return None
+    written = sharded.full_state(folder)
+    expected = {k: v for k, v in whole.state_dict().items() if k.startswith("experts.lora.")}
+    return {"full": all(torch.equal(full[k], v) for k, v in expected.items()),
+            "sharded": all(torch.equal(written[f"model.{k}"], v) for k, v in expected.items()), "keys": len(expected)}
+
+
+@pytest.mark.slow
+def test_full_and_sharded_state_dicts_carry_lora_between_2_processes_and_1(tmp_path):
+    result = run_workers(state_dicts_carry_adapters, 2, str(tmp_path), timeout=180)[0]
+    assert result == {"full": True, "sharded": True, "keys": 4}, result
+
+
+def test_loading_adapters_into_a_layer_without_one_is_an_error():
+    whole, _ = _adapted(MoEConfig(model_dim=D, hidden_size=H, num_experts=E, top_k=2), seed=1)
+    with pytest.raises(ValueError, match="call add_lora"):
+        MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=E, top_k=2)).double().load_full_state_dict(
+            whole.state_dict())

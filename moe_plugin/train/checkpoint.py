@@ -46,6 +46,7 @@ from .. import checkpoint as sharded
 from . import manifest
 from .manifest import verify
 from ..parallel.expert_grads import expert_layers
+from ..lora import whole_lora
 from ..parallel.expert_parallel import whole_experts
 from .config import ExperimentConfig
 from .metrics import Window
@@ -128,6 +129,7 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     state = {k: whole(v) for k, v in model.state_dict().items() if k not in gathered}   # experts: below, once
     for prefix, layer in layers:
         state.update({f"{prefix}experts.{name}": tensor for name, tensor in whole_experts(layer).items()})
+        state.update({f"{prefix}experts.{name}": tensor for name, tensor in whole_lora(layer).items()})
     return state
 
 
