@@ -109,3 +109,74 @@ def test_loading_adapters_into_a_layer_without_one_is_an_error():
     with pytest.raises(ValueError, match="call add_lora"):
         MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=E, top_k=2)).double().load_full_state_dict(
             whole.state_dict())
+
+
+def _fsdp_lora_worker(rank, world, ep, steps=3, lr=0.3):
+    """A TransformerLM with add_lora (everything else frozen) under fully_shard_moe at ep_size ep, trained with SGD on
+    this rank's batches, against one process training the same adapters on the mean of every rank's loss: (worst
+    relative loss error, worst adapter error after training, how far the adapters moved, the base experts' change)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from moe_plugin import aux_loss
+    from moe_plugin.models import TransformerLM
+    from moe_plugin.models.transformer import ModelConfig
+    from moe_plugin.parallel import fully_shard_moe
+    from moe_plugin.train.checkpoint import full_state_dict, load_full_state_dict
+    V, B, S = 40, 3, 6
+
+    def build(ep_size):
+        torch.manual_seed(5)
+        moe = MoEConfig(model_dim=8, hidden_size=10, num_experts=4, top_k=2, activation="swiglu", bias=True,
+                        aux_loss_coef=0.01, ep_size=ep_size)
+        model = TransformerLM(ModelConfig(dim=8, layers=2, heads=2, seq_len=S, ffn_hidden=12, moe_every=1), moe, V)
+        model = model.double().requires_grad_(False)
+        add_lora(model, rank=2, alpha=4.0)
+        return model
+
+    def loss_of(model, x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + aux_loss(model)
+
+    reference = build(1)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "lora" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.3)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    batches = [[(torch.randint(V, (B, S), generator=generator), torch.randint(V, (B, S), generator=generator))
+                for _ in range(world)] for _ in range(steps)]
+
+    model = build(ep)
+    load_full_state_dict(model, initial)
+    fully_shard_moe(model)
+    ours = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    theirs = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
+    errors = []
+    for step in range(steps):
+        want = [loss_of(reference, *batches[step][r]) for r in range(world)]
+        theirs.zero_grad()
+        (sum(want) / world).backward()
+        theirs.step()
+        loss = loss_of(model, *batches[step][rank])
+        ours.zero_grad()
+        loss.backward()
+        ours.step()
+        errors.append(abs(loss.item() - want[rank].item()) / abs(want[rank].item()))
+    full = full_state_dict(model)
+    final = reference.state_dict()
+    adapters = [k for k in final if ".lora." in k]
+    adapter_error = max(float((full[k] - final[k]).abs().max() / final[k].abs().max()) for k in adapters)
+    moved = min(float((final[k] - initial[k]).abs().max()) for k in adapters)
+    base_change = max(float((full[k] - initial[k]).abs().max()) for k in final if k not in adapters)
+    dist.barrier()
+    return max(errors), adapter_error, moved, base_change, len(adapters)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_lora_under_fully_shard_moe_equals_one_process(ep):
+    for loss_error, adapter_error, moved, base_change, count in run_workers(_fsdp_lora_worker, 2, ep, timeout=240):
+        assert count == 8 and moved > 1e-3, (count, moved)
+        assert loss_error < 1e-10 and adapter_error < 1e-10, (loss_error, adapter_error)
+        assert base_change == 0.0, base_change
