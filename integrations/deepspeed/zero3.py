@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 import deepspeed
@@ -79,9 +80,24 @@ def to_zero3(model: nn.Module) -> nn.Module:
     for layer in layers:
         _place_experts(layer)
         layer.__class__ = HFMoEBlock if isinstance(layer, DeepSpeedHFMoEBlock) else Zero3MoE
+        if not layer.__dict__.get("_input_grad_hooked"):
+            layer.register_forward_pre_hook(_input_needs_grad)
+            layer._input_grad_hooked = True
     if any(isinstance(m, (HFMoEBlock, Zero3MoE)) for m in model.modules()):
         set_z3_leaf_modules(model, [HFMoEBlock, Zero3MoE])
     return model
+
+
+def _input_needs_grad(layer: nn.Module, args):
+    """DeepSpeed reduces a ZeRO-3 leaf module's gradients in a full backward hook, which fires as soon as the
+    outputs' gradients exist when no input requires grad: before the layer's own backward gives its parameters
+    theirs (AccumulateGrad then fails on a re-partitioned parameter). A layer that trains below frozen modules (LoRA
+    on the experts, the rest frozen) gets an input that requires grad."""
+    if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor) \
+            or not args[0].is_floating_point() or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
+            or not any(p.requires_grad for p in layer.parameters()):
+        return None
+    return (args[0].detach().requires_grad_(True), *args[1:])
 
 
 def _place_experts(layer: nn.Module) -> None:
