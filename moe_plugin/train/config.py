@@ -74,6 +74,19 @@ class UpcycleConfig:
 
 
 @dataclass
+class LoRASectionConfig:
+    """LoRA fine-tuning (moe_plugin.lora.add_lora) of the hf section's MoE model (or the upcycled one): every weight
+    frozen but the experts' adapters."""
+    rank: int = 8
+    alpha: Optional[float] = None        # scale alpha / rank; null: alpha = rank
+    dropout: float = 0.0                 # on the adapters' input; only 0.0 (none) is implemented
+    targets: List[str] = field(default_factory=lambda: ["up", "down"])   # the experts' projections: up, down
+    checkpoint: Optional[str] = None     # the run to fine-tune: an MoE run of the same hf section (its out_dir:
+                                         # newest checkpoint; a checkpoints/step_N folder; or its hf_model/); with
+                                         # an upcycle section, a dense run (as upcycle.checkpoint)
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MOE))  # MoEConfig fields but those above
@@ -85,6 +98,8 @@ class ExperimentConfig:
     hf: Optional[Dict[str, Any]] = None
     # the HF model's dense MLPs become MoE blocks (hf_image.py; null: the model as the hf section builds it)
     upcycle: Optional[UpcycleConfig] = None
+    # LoRA on the experts, everything else frozen (hf_model.py; null: train every weight)
+    lora: Optional[LoRASectionConfig] = None
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -119,6 +134,8 @@ def _valid_keys(section: Optional[str]) -> List[str]:
         return [name for name in field_names() if name not in MOE_KEYS_SET_ELSEWHERE]
     if section == "upcycle":
         return [f.name for f in dataclasses.fields(UpcycleConfig)]
+    if section == "lora":
+        return [f.name for f in dataclasses.fields(LoRASectionConfig)]
     return [f.name for f in dataclasses.fields(getattr(ExperimentConfig(), section))]
 
 
@@ -174,6 +191,7 @@ def check_config(cfg: ExperimentConfig) -> None:
     require("train.compile", cfg.train.compile in (None, "default", "reduce-overhead", "max-autotune"),
             "null, 'default', 'reduce-overhead' or 'max-autotune'")
     check_data_config(cfg.data)
+    check_lora(cfg)
     from .hf_image import IMAGE_MODEL_TYPES
     if cfg.data.task == "image":
         from .hf_image import image_moe_configs   # imports transformers
@@ -194,6 +212,27 @@ def check_config(cfg: ExperimentConfig) -> None:
             check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
         except ValueError as error:
             raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
+
+
+def check_lora(cfg: ExperimentConfig) -> None:
+    lora = cfg.lora
+    if lora is None:
+        return
+    if cfg.hf is None or cfg.data.task == "image":
+        raise ValueError("lora is invalid without an hf section (a Hugging Face causal LM: an MoE model_type such "
+                         "as mixtral, or a dense one with an upcycle section): it fine-tunes that model's experts")
+    if isinstance(lora.rank, bool) or lora.rank < 1:
+        raise ValueError(f"lora.rank={lora.rank!r} is invalid: must be >= 1")
+    if lora.alpha is not None and not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ValueError(f"lora.alpha={lora.alpha!r} is invalid: must be a positive number or null (= rank)")
+    if lora.dropout != 0.0:
+        raise ValueError(f"lora.dropout={lora.dropout!r} is invalid: moe_plugin's LoRA on the experts has no dropout; "
+                         f"must be 0.0")
+    from ..lora import TARGETS
+    if not lora.targets or any(t not in TARGETS for t in lora.targets):
+        raise ValueError(f"lora.targets={list(lora.targets)!r} is invalid: must name one or both of {list(TARGETS)}")
+    if lora.checkpoint is not None and cfg.upcycle is not None and cfg.upcycle.checkpoint is not None:
+        raise ValueError("lora.checkpoint and upcycle.checkpoint are both set: give the dense run once (either)")
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

@@ -175,18 +175,41 @@ def build_hf_model(cfg) -> HFCausalLM:
     model = transformers.AutoModelForCausalLM.from_config(config)
     hf_moe = _integration()
     # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
+    lora = getattr(cfg, "lora", None)
+    start = None if lora is None else lora.checkpoint
     if not is_dense(config):
+        from pathlib import Path
+        hf_folder = start is not None and (Path(start) / "config.json").is_file()
+        if hf_folder:                # an MoE run's hf_model/: HF's own names, before the swap
+            load_dense(model, start, key="lora.checkpoint", what="an MoE run of this hf section")
         hf_moe.swap_moe_blocks(model, block_class=hf_moe.HFMoEBlock, **swap_overrides(cfg, config))
+        if start is not None and not hf_folder:    # an MoE run's checkpoint: the swapped model's tensors
+            from .checkpoint import load_full_state_dict
+            state = run_state(start, "lora.checkpoint")
+            try:
+                load_full_state_dict(model, state)     # every expert: each rank keeps its share
+            except RuntimeError as error:
+                raise ValueError(f"lora.checkpoint={start!r} does not fit the hf section's model: "
+                                 f"{str(error).splitlines()[-1].strip()} (a run of another hf config?)") from None
     elif cfg.upcycle is not None:
-        if cfg.upcycle.checkpoint is not None:
-            load_dense(model, cfg.upcycle.checkpoint)
+        dense = cfg.upcycle.checkpoint if start is None else start
+        if dense is not None:
+            load_dense(model, dense, key="upcycle.checkpoint" if start is None else "lora.checkpoint")
         arguments = upcycle_arguments(cfg)
         hf_moe.upcycle(model, arguments.pop("num_experts", 8), arguments.pop("top_k", 2),
                        block_class=hf_moe.HFMoEBlock, **arguments)
+    if lora is not None:
+        from ..lora import add_lora
+        if not any(isinstance(m, MoELayer) for m in model.modules()):
+            raise ValueError("lora is invalid for a dense hf model trained as it is: it adapts MoE experts (add an "
+                             "upcycle section, or use an MoE model_type)")
+        model.requires_grad_(False)
+        add_lora(model, lora.rank, lora.alpha, lora.targets)
     return HFCausalLM(model)
 
 
-def load_dense(model: nn.Module, where: str, auto_class: str = "AutoModelForCausalLM") -> None:
+def load_dense(model: nn.Module, where: str, auto_class: str = "AutoModelForCausalLM", key: str = "upcycle.checkpoint",
+               what: str = "a dense run") -> None:
     """The dense run's weights into model (the HF model of the same hf section): where is the run's out_dir (its
     newest checkpoint), a checkpoint folder (checkpoints/step_N) or an HF folder (the run's hf_model/, read by
     transformers' auto_class)."""
@@ -196,23 +219,31 @@ def load_dense(model: nn.Module, where: str, auto_class: str = "AutoModelForCaus
         import transformers
         state = getattr(transformers, auto_class).from_pretrained(path).state_dict()
     else:
-        from .checkpoint import checkpoints, read_meta, verify
-        if (path / "checkpoints").is_dir() and checkpoints(path):   # the newest whole one
-            path = next((p for p in reversed(checkpoints(path)) if verify(p) is None), checkpoints(path)[-1])
-        try:
-            read_meta(path)
-            problem = verify(path)
-            if problem is not None:
-                raise ValueError(f"the checkpoint is damaged: {problem}")
-        except ValueError as error:
-            raise ValueError(f"upcycle.checkpoint={where!r} is invalid: {error} (give the dense run's out_dir, a "
-                             f"checkpoint folder or an HF folder)") from None
-        state = _model_state(path)
+        state = run_state(where, key)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or {})]
     if missing or unexpected:
-        raise ValueError(f"upcycle.checkpoint={where!r} does not fit the hf section's model: it lacks {missing[:4]}, "
-                         f"holds {unexpected[:4]} (a run of another hf config, or not a dense run)")
+        raise ValueError(f"{key}={where!r} does not fit the hf section's model: it lacks {missing[:4]}, "
+                         f"holds {unexpected[:4]} (a run of another hf config, or not {what})")
+
+
+def run_state(where: str, key: str) -> Dict[str, torch.Tensor]:
+    """The HF model's tensors of a run of `moe-plugin train`: where is its out_dir (the newest whole checkpoint) or a
+    checkpoint folder."""
+    from pathlib import Path
+    from .checkpoint import checkpoints, read_meta, verify
+    path = Path(where)
+    if (path / "checkpoints").is_dir() and checkpoints(path):   # the newest whole one
+        path = next((p for p in reversed(checkpoints(path)) if verify(p) is None), checkpoints(path)[-1])
+    try:
+        read_meta(path)
+        problem = verify(path)
+        if problem is not None:
+            raise ValueError(f"the checkpoint is damaged: {problem}")
+    except ValueError as error:
+        raise ValueError(f"{key}={where!r} is invalid: {error} (give the run's out_dir, a "
+                         f"checkpoint folder or an HF folder)") from None
+    return _model_state(path)
 
 
 def _model_state(path) -> Dict[str, torch.Tensor]:
@@ -250,7 +281,15 @@ def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
 def _export(hf: nn.Module, directory) -> None:
     """export_hf; a dense model (trained as it is) with its own save_pretrained. Rank 0 writes, then a barrier."""
     if any(isinstance(m, MoELayer) for m in hf.modules()):
-        _integration().export_hf(hf, directory)
+        from ..lora import merge_lora, unmerge_lora
+        adapted = any(getattr(m.experts, "lora", None) is not None for m in hf.modules() if isinstance(m, MoELayer))
+        if adapted:     # the fine-tuned weights W + s A B, as plain HF experts
+            merge_lora(hf)
+        try:
+            _integration().export_hf(hf, directory)
+        finally:
+            if adapted:
+                unmerge_lora(hf)
         return
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:

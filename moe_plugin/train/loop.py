@@ -237,7 +237,9 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     from .. import plots
     if cfg.log.plots:
-        before = plots.run_records(cfg.upcycle.checkpoint) if cfg.upcycle is not None else []
+        start = (cfg.lora.checkpoint if cfg.lora is not None else None) or \
+            (cfg.upcycle.checkpoint if cfg.upcycle is not None else None)    # the run this one goes on from
+        before = plots.run_records(start) if start is not None else []
         plots.save_plots(log.records, out_dir, routing, task, before)
     summary = plots.summary(cfg.log.name, result, log.records, routing) + _faults_summary(result)
     (out_dir / "summary.txt").write_text(summary)

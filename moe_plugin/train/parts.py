@@ -38,7 +38,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     biases ([E, H], [E, D]: 2-D, but biases), nor Swinv2's attention temperatures (logit_scale, [heads, 1, 1])."""
     def is_matrix(name: str, param: torch.nn.Parameter) -> bool:
         return param.dim() >= 2 and not name.endswith(("b1_EH", "b2_ED", "logit_scale"))
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # frozen (lora): no optimizer state
     return [{"params": [p for n, p in named if is_matrix(n, p)], "weight_decay": weight_decay},
             {"params": [p for n, p in named if not is_matrix(n, p)], "weight_decay": 0.0}]
 
