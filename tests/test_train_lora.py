@@ -44,8 +44,11 @@ def test_lora_run_fine_tunes_the_experts_of_an_moe_run(tmp_path, fresh_seed):
     base, _ = run(MIXTRAL_TINY, tmp_path / "moe", "train.steps=8", "train.eval_every=8", "train.lr=0.01", *seeds)
     result, records = run(MIXTRAL_TINY, tmp_path / "lora", f"lora.checkpoint={tmp_path / 'moe'}", "lora.rank=4",
                           "lora.alpha=8", "train.steps=8", "train.eval_every=8", "train.lr=0.02", *seeds)
-    # B starts at zero: step 0 computes what the MoE run ended with
+    # B starts at zero: step 0 computes what the MoE run ended with (from its checkpoint, or from its hf_model/)
     assert abs(result["val_loss_first"] - base["val_loss_last"]) < 1e-5, (result, base)
+    from_hf, _ = run(MIXTRAL_TINY, tmp_path / "from_hf", f"lora.checkpoint={tmp_path / 'moe' / 'hf_model'}",
+                     "train.steps=1", "train.eval_every=1", *seeds)
+    assert abs(from_hf["val_loss_first"] - base["val_loss_last"]) < 1e-5, (from_hf, base)
     assert result["val_loss_last"] < result["val_loss_first"], result
     before, after = last_state(tmp_path / "moe"), last_state(tmp_path / "lora")
     adapters = [k for k in after if ".experts.lora." in k]
