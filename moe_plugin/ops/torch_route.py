@@ -1,7 +1,8 @@
 """The fused routing (moe_plugin/fused_route.py) for CPU tensors: the same results as the four Triton kernels of
 triton_route.py, as one autograd node (the router, plan_routes and finalize_gates take ~25), for the host time
-of small steps: the logits' GEMM, then one native call (csrc/routing_cpu.cpp route_forward / route_backward)
-where the native kernels load, else about twenty torch ops (below; slots from ops.route_slots).
+of small steps: forward, the logits' GEMM, then about twenty torch ops (below; slots from ops.route_slots) with
+torch's own softmax and topk, so the choices are the reference's bit for bit; backward, one native call
+(csrc/routing_cpu.cpp route_backward) where the native kernels load, else torch ops.
 
 Legend: T tokens, E experts, K top-k.
 """
@@ -13,7 +14,6 @@ import torch
 
 TINY = torch.finfo(torch.float32).tiny
 NORMALIZE = {"none": 0, "before_drop": 1, "after_drop": 2}
-AUX = {"none": 0, "gshard": 1, "switch": 2}
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -29,13 +29,8 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
     if x_TD.dtype != torch.float32:
         x_TD, w_ED = x_TD.to(torch.float32), w_ED.to(torch.float32)
     logits_TE = torch.mm(x_TD, w_ED.t())
-    native = _native(x_TD.device)
-    if native is not None:     # everything after the logits in one call
-        (final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E, expert_TK, gate_TK, probs_TE, lse_T,
-         aux_grad_E) = native.route_forward(logits_TE, K, NORMALIZE[normalize], cap, AUX[aux_kind], aux_scale,
-                                            z_scale, scale)
-        outputs = (final_TK.to(gate_dtype), aux, pos_TK, kept_TK, load_E, kept_E, offs_E)
-        return outputs, (expert_TK, gate_TK, probs_TE, lse_T if z_scale else None, aux_grad_E)
+    # torch's own softmax and topk, as the reference router and HF's blocks: the native route_forward's softmax
+    # rounds differently, which flips near-tied choices (a swapped Qwen3-Omni talker's logits moved by 6e-4)
     probs_TE = torch.softmax(logits_TE, -1)
     gate_TK, expert_TK = probs_TE.topk(K, -1)
     if normalize == "before_drop":
@@ -102,7 +97,7 @@ def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[tor
 
 
 def _native(device: torch.device):
-    """The native CPU kernels where they load (route_forward / route_backward), else None: the torch ops above."""
+    """The native CPU kernels where they load (route_backward), else None: the torch ops above."""
     from .choice import kernels_for
     module, name, _ = kernels_for(device)
     return module if name == "native" and hasattr(module, "route_forward") else None
