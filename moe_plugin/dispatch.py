@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -40,16 +40,6 @@ class Plan:
         return int(self.pos_TK.numel())
 
     @property
-    def num_kept(self) -> int:
-        """Kept rows (reads a device tensor: a host synchronization)."""
-        return int(self.kept_E.sum())
-
-    @property
-    def rows_per_expert(self) -> List[int]:
-        """Kept rows per expert as host ints (a host synchronization)."""
-        return self.kept_E.tolist()
-
-    @property
     def capacity(self) -> int:
         """C of the padded layout: fixed, the largest load (dropless), or the smaller of the two (cf < 0).
         Reads a device tensor unless fixed."""
@@ -64,16 +54,6 @@ def fixed_capacity(capacity_factor: float, num_tokens: int, num_experts: int, to
 
 def padded_capacity(capacity_factor: float, fixed: int, largest_load: int) -> int:
     return fixed if capacity_factor > 0 else largest_load if capacity_factor == 0 else min(largest_load, fixed)
-
-
-def capacity_for(capacity_factor: float, max_load: int, num_tokens: int, num_experts: int,
-                 top_k: int, min_capacity: int) -> int:
-    """> 0: fixed; == 0: dropless (the largest load); < 0: the largest load capped at |cf| x fixed."""
-    if capacity_factor > 0:
-        return fixed_capacity(capacity_factor, num_tokens, num_experts, top_k, min_capacity)
-    if capacity_factor == 0:
-        return max_load
-    return min(max_load, fixed_capacity(-capacity_factor, num_tokens, num_experts, top_k, min_capacity))
 
 
 def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: float, min_capacity: int,

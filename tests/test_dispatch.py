@@ -3,7 +3,18 @@ import math
 import pytest
 import torch
 
-from moe_plugin.dispatch import Plan, capacity_for, decode, encode, plan_routes
+from moe_plugin.dispatch import Plan, decode, encode, fixed_capacity, plan_routes
+
+
+def capacity_for(capacity_factor: float, max_load: int, num_tokens: int, num_experts: int,
+                 top_k: int, min_capacity: int) -> int:
+    """MoEConfig's capacity rule, written out: > 0 fixed; == 0 dropless (the largest load); < 0 the largest load
+    capped at |cf| x fixed."""
+    if capacity_factor > 0:
+        return fixed_capacity(capacity_factor, num_tokens, num_experts, top_k, min_capacity)
+    if capacity_factor == 0:
+        return max_load
+    return min(max_load, fixed_capacity(-capacity_factor, num_tokens, num_experts, top_k, min_capacity))
 
 
 def slots_by_counting(expert_TK, priority_T=None):
@@ -32,7 +43,7 @@ def test_plan_matches_counting_loop(T, E, K, cf, prioritized):
     assert plan.load_E.tolist() == load
     assert plan.capacity == capacity_for(cf, max(load, default=0), T, E, K, 2)
     kept_rows = [min(n, plan.capacity) for n in load]
-    assert plan.rows_per_expert == kept_rows and plan.num_rows == T * K   # static: T*K rows
+    assert plan.kept_E.tolist() == kept_rows and plan.num_rows == T * K   # static: T*K rows
     start = [sum(kept_rows[:e]) for e in range(E)]
     assert plan.offs_E.dtype == torch.int32 and plan.offs_E.tolist() == [start[e] + kept_rows[e] for e in range(E)]
     for (t, k), s in slot.items():
