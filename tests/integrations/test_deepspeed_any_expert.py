@@ -16,20 +16,9 @@ What this module tests (moved here from the README):
   - `save_checkpoint` / `load_checkpoint` restore the model exactly, and training resumes bit-identically;
   - a native checkpoint loads.
 
-DeepSpeed's own MoE unit tests (tests/unit/v1/moe/test_moe.py and tests/unit/checkpoint/test_moe_checkpoint.py
-of DeepSpeed's repository) pass with `deepspeed.moe.layer.MoE` replaced by this class: TestSimpleMoE,
-TestPRMoE, TestMoE (12/12), TestMoECheckpoint, test_all_to_all[single], in fp32 copies (DeepSpeed's CPU
-accelerator has no fp16, for its own class as for ours). Exceptions, each because it inspects DeepSpeed
-internals: test_all_to_all[multi] counts calls to DeepSpeed's own all-to-all (ours uses its own);
-TestExpertWeightGradWithZero reads `experts.deepspeed_experts[i][0].weight` and its gradient through
-`safe_get_full_grad`, which the fast path keeps stacked (with only that read changed it passes, ZeRO 0-2; the
-read-only `deepspeed_experts` view now answers the read and carries the plain `.grad`, but ZeRO 1/2 keep
-gradients in the optimizer, which a view cannot reach); test_moe_tp.py needs tensor parallelism, refused by name
-until `enable_expert_tensor_parallelism=True` was supported (its True cases at ep_size 2 need the mpu before the
-layer is built, see above; its False cases keep the clear error); the gating-function tests never build the MoE
-class. Not re-run since the options above became supported (issue 31 item 3). How they were run: a `sitecustomize.py`
-sets `deepspeed.moe.layer.MoE = moe_plugin.integrations.deepspeed.MoE`, with `MOE_PLUGIN_DEEPSPEED_HOOK=0` and
-`LOCAL_SIZE=4`, in a copy of those test files (not part of this repository).
+DeepSpeed's own MoE unit tests (test_moe.py, test_moe_tp.py, test_moe_checkpoint.py), re-run on 2026-11-26 with
+`deepspeed.moe.layer.MoE` replaced by this class: the list of what passes and fails, with each reason, and how they
+were run, is on the DeepSpeed docs page (docs/deepspeed.md, "DeepSpeed's own MoE tests with this layer").
 """
 import os
 import warnings
