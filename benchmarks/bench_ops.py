@@ -61,7 +61,7 @@ def main() -> int:
     expert_TK = torch.rand(T, E).argsort(dim=1)[:, :K]
     plan = plan_routes(expert_TK, E, args.capacity_factor, 4)
     R, pos_TK = plan.num_rows, plan.pos_TK
-    kept_E = torch.tensor(plan.rows_per_expert)
+    kept_E = plan.kept_E
     row_start_E = kept_E.cumsum(0) - kept_E
     x_TD, grad_TD = torch.randn(T, D, dtype=dtype), torch.randn(T, D, dtype=dtype)
     y_RD = torch.randn(R, D, dtype=dtype)
