@@ -13,8 +13,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # names whose use in a test, its fixtures or the tests' own helpers they call means "starts processes"
 LAUNCHERS = frozenset({"subprocess", "run_workers", "spawn", "start_processes", "Process", "Popen"})
 REPO = os.path.dirname(TESTS)
-# code a process start passes through on its way from whoever asked for it
-LAUNCH_LIBRARIES = (os.path.dirname(os.__file__), os.path.join(os.path.dirname(torch.__file__), "multiprocessing"),
+# code a process start passes through on its way from whoever asked for it: the standard library (not the
+# libraries installed inside it, as under a system or pyenv Python), torch's launchers, this file
+STANDARD_LIBRARY = os.path.dirname(os.__file__)
+LAUNCH_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), "multiprocessing"),
                     os.path.join(os.path.dirname(torch.__file__), "distributed"), os.path.abspath(__file__))
 
 # JIT-built C++ ops (ours, DeepSpeed's CPU shm comm) are cached per environment: two environments sharing
@@ -65,7 +67,9 @@ def _asked_for_by_this_project() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(LAUNCH_LIBRARIES):
+        passes_through = path.startswith(LAUNCH_LIBRARIES) or (
+            path.startswith(STANDARD_LIBRARY) and "-packages" + os.sep not in path)
+        if not passes_through:
             return path.startswith(REPO)
         frame = frame.f_back
     return False
