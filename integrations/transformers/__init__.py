@@ -12,7 +12,8 @@ from .torchaudio_guard import hide_unloadable_torchaudio
 hide_unloadable_torchaudio()   # before any transformers model module is imported (see the module)
 
 from .block import HFMoEBlock, RouterLogits, block_type  # noqa: E402
-from .export import export_hf, hf_state_dict  # noqa: E402
+from .export import export_hf  # noqa: E402
+from .writer import hf_state_dict  # noqa: E402
 from . import experts_backend  # noqa: F401,E402  (registers "moe_plugin" in HF's ExpertsInterface)
 from .families import (FAMILIES, Family, WeightMap, family_of, hf_config_of, hf_to_layer, layer_to_hf,
                        require_family)  # noqa: E402

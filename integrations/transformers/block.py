@@ -184,6 +184,22 @@ def _recording_router_logits() -> bool:
     return collected is not None and "router_logits" in collected
 
 
+def init_blocks_in_init_weights(model: nn.Module) -> None:
+    """HF's init_weights() reaches each module through the _init_weights(module) of the PreTrainedModel
+    above it, which knows only HF's classes (the router tap gets HF's router init, nothing else of ours):
+    each PreTrainedModel's _init_weights also resets the swapped blocks."""
+    from transformers import PreTrainedModel
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and "_init_weights" not in vars(module):
+            module._init_weights = functools.partial(_init_weights_and_blocks, module)   # picklable
+
+
+def _init_weights_and_blocks(model: nn.Module, module: nn.Module) -> None:
+    type(model)._init_weights(model, module)
+    if isinstance(module, HFMoEBlock):
+        module.reset_parameters()
+
+
 def block_type() -> type:
     """The class swap_moe_blocks and upcycle build by default: HFMoEBlock, whatever is installed. DeepSpeed's paths
     (its initialize, the hook, ZeRO-3) turn blocks into their DeepSpeed subclass themselves

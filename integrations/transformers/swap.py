@@ -11,9 +11,10 @@ from torch import nn
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.groups import check_ep_size
 
-from .block import HFMoEBlock, RouterInputTap, router_logits_class, router_logits_name
+from .block import (HFMoEBlock, RouterInputTap, RouterLogits, init_blocks_in_init_weights, router_logits_class,
+                    router_logits_name)
 from . import peft as peft_lora
-from .export import save_pretrained_in_hf_names
+from .writer import save_pretrained_in_hf_names
 from .families import FAMILIES, Family, hf_config_of, hf_to_layer, require_families
 
 # fields the HF weights fix: an override may not contradict them
@@ -80,7 +81,7 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
             peft_lora.attach_wrappers(block, adapters)
         setattr(model.get_submodule(parent), attr, block)
     _hook_new_router_logits(model)
-    _init_blocks_in_init_weights(model)
+    init_blocks_in_init_weights(model)
     if hasattr(type(model), "save_pretrained") and not peft_lora.is_peft_model(model):
         # a PreTrainedModel: its folders stay loadable by plain transformers (a PeftModel saves its adapters itself)
         model.save_pretrained = functools.partial(save_pretrained_in_hf_names, model)
@@ -168,27 +169,10 @@ def _load_hf_tensors(layer: MoELayer, family: Family, hf_state: Dict[str, torch.
     layer.load_full_state_dict({**own, **hf_to_layer(family, hf_state, layer.config.num_experts)})
 
 
-def _init_blocks_in_init_weights(model: nn.Module) -> None:
-    """HF's init_weights() reaches each module through the _init_weights(module) of the PreTrainedModel
-    above it, which knows only HF's classes (the router tap gets HF's router init, nothing else of ours):
-    each PreTrainedModel's _init_weights also resets the swapped blocks."""
-    from transformers import PreTrainedModel
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel) and "_init_weights" not in vars(module):
-            module._init_weights = functools.partial(_init_weights_and_blocks, module)   # picklable
-
-
-def _init_weights_and_blocks(model: nn.Module, module: nn.Module) -> None:
-    type(model)._init_weights(model, module)
-    if isinstance(module, HFMoEBlock):
-        module.reset_parameters()
-
-
 def _hook_new_router_logits(model: nn.Module) -> None:
     """HF hooks its output recorders once, on the first forward that records: if that already
     happened, hook the new blocks' router logits the same way."""
     from transformers.utils.output_capturing import install_output_capuring_hook
-    from .block import RouterLogits
     if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules()):
         return
     for module in model.modules():

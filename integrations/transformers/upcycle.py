@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
 
-from .block import block_type
+from .block import block_type, init_blocks_in_init_weights
 
 ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
                "silu": F.silu}
@@ -195,7 +195,6 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
     Under expert parallelism every rank must call it (with the same RNG state); each keeps its share.
     Returns model.
     """
-    from .swap import _init_blocks_in_init_weights
     _check_noise_and_fraction(noise, reinit_fraction)
     planned = plan(model, num_experts, top_k, every, layers, **moe_overrides)
     hf_config = getattr(model, "config", None)
@@ -208,7 +207,7 @@ def upcycle(model: nn.Module, num_experts: int = 8, top_k: int = 2, every: int =
                                 config.activation in GATED.values())
         block = _new_block(config, experts, init_std, ep_group, block_class, getattr(hf_config, "model_type", None))
         _install(model, name, kind, site, block.train(site.training))
-    _init_blocks_in_init_weights(model)
+    init_blocks_in_init_weights(model)
     model.__dict__[ATTRIBUTE] = dict(num_experts=num_experts, top_k=top_k, layers=[p[0] for p in planned],
                                      sites=[(p[1], p[2]) for p in planned], noise=noise,
                                      reinit_fraction=reinit_fraction, moe_overrides=dict(moe_overrides))

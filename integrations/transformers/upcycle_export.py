@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .export import full_layer_state, write_folder
+from .writer import full_layer_state, write_folder
 from .family import routed_experts
 from .upcycle import ATTRIBUTE, is_upcycled, upcycle, upcycled_blocks
 
