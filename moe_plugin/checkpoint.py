@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-EXPERT_NAMES = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
+from .experts import WEIGHT_NAMES as EXPERT_NAMES   # the stacked experts' tensors
 Offsets = Tuple[int, ...]
 
 

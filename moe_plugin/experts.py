@@ -6,8 +6,7 @@ With a gated activation (swiglu, geglu, ...) the first projection gives 2H colum
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -37,15 +36,34 @@ class _Cast(torch.autograd.Function):
         return ops.new_empty(grad, *grad.shape, dtype=ctx.dtype).copy_(grad), None
 
 
-def cast_weights(experts, dtype: torch.dtype):
+class ExpertWeights(NamedTuple):
+    """The stacked weights the expert GEMMs run with (a rank's own, cast, or gathered over ranks): the first four
+    fields are the experts' parameters, whose names (WEIGHT_NAMES) are those of every state dict."""
+    w1_EDH: torch.Tensor
+    b1_EH: Optional[torch.Tensor]
+    w2_EHD: torch.Tensor
+    b2_ED: Optional[torch.Tensor]
+    activation: Any = None          # activations.Activation
+    lora: tuple = (None, None, None, None)     # lora_factors()
+
+
+WEIGHT_NAMES = ExpertWeights._fields[:4]     # ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
+
+
+def short_name(name: str) -> str:
+    """"w1" for "w1_EDH": the key of one expert's tensors (Experts.full_expert, take_slice)."""
+    return name.split("_")[0]
+
+
+def cast_weights(experts, dtype: torch.dtype) -> ExpertWeights:
     """The experts' weights (and LoRA factors) in dtype, differentiably (gradients return in the parameters' dtype)."""
     lora = lora_factors(experts)
-    if experts.w1_EDH.dtype == dtype and all(f is None or f.dtype == dtype for f in lora):
-        return experts
-    cast = {name: None if getattr(experts, name) is None else _Cast.apply(getattr(experts, name), dtype)
-            for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")}
+    weights = [getattr(experts, name) for name in WEIGHT_NAMES]
+    if weights[0].dtype == dtype and all(f is None or f.dtype == dtype for f in lora):
+        return ExpertWeights(*weights, experts.activation, lora)
+    weights = [None if w is None else _Cast.apply(w, dtype) for w in weights]
     lora = tuple(None if f is None else f if f.dtype == dtype else _Cast.apply(f, dtype) for f in lora)
-    return SimpleNamespace(activation=experts.activation, lora=lora, **cast)
+    return ExpertWeights(*weights, experts.activation, lora)
 
 
 def weight_grad(a_RI: torch.Tensor, grad_RO: torch.Tensor, offs_E: torch.Tensor, w_EIO: torch.Tensor) -> torch.Tensor:
@@ -241,10 +259,10 @@ class Experts(KeepsParameterTags):
                    for i in range(self.w1_EDH.shape[0])]
         shards = [self.take_slice(w, self.slices, self.slice_index) for w in weights]
         with torch.no_grad():
-            for name, key in (("w1_EDH", "w1"), ("w2_EHD", "w2"), ("b1_EH", "b1"), ("b2_ED", "b2")):
+            for name in WEIGHT_NAMES:
                 param = getattr(self, name)
                 if param is not None:
-                    param.copy_(torch.stack([w[key] for w in shards]))
+                    param.copy_(torch.stack([w[short_name(name)] for w in shards]))
 
     @staticmethod
     def full_expert(config: MoEConfig, seed: int, std: Optional[float] = None) -> dict:

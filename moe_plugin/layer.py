@@ -12,13 +12,13 @@ from torch import nn
 
 from . import dispatch, fused_route
 from .config import AUTO, MoEConfig
-from .experts import Experts, cast_weights
+from .experts import WEIGHT_NAMES, Experts, cast_weights, short_name
 from .fused import fused_moe
 from .module_experts import ModuleExperts
 from .parallel.expert_parallel import expert_parallel_moe, route_counts
 from .parallel.ddp import check_plain_ddp
 from .parallel.fsdp import check_expert_sharding
-from .parallel.groups import build_groups
+from .parallel.groups import ExpertGroups, build_groups
 from .parallel.tuner import OnceTuner, Tuner
 from .router import Router, autocast_off, autocast_on
 from .shared_expert import SharedExpert
@@ -37,7 +37,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: Union[MoEConfig, Mapping[str, Any], None] = None, ep_group=None,
                  expert: Optional[nn.Module] = None, **kwargs):
-        """ep_group: a host framework's expert-parallel process group (default: built from the world).
+        """ep_group: a host framework's expert-parallel process group (default: built from the world), or
+        ExpertGroups already built (a host that binds its group later: integrations/deepspeed/native.py).
         expert: any module mapping [rows, model_dim] to [rows, model_dim]; every expert starts as a copy
         of it and runs on the general path (module_experts.py; hidden_size and activation then unused).
         Without it the experts are the fast path's Linear -> activation -> Linear."""
@@ -52,8 +53,8 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects an MoEConfig or a dict, got {type(config).__name__}")
         self.config = config
         self.router = Router(config)
-        self.groups = build_groups(config.num_experts, config.hidden_size, config.ep_size, config.node_size,
-                                   ep_group)
+        self.groups = ep_group if isinstance(ep_group, ExpertGroups) else build_groups(
+            config.num_experts, config.hidden_size, config.ep_size, config.node_size, ep_group)
         layout = self.groups.layout
         if expert is None:
             self.experts = Experts(config, layout.first_expert, layout.local_experts, layout.slices, layout.slice_index)
@@ -143,7 +144,7 @@ class MoELayer(nn.Module):
             return self.load_state_dict(self.experts.local_share(state))
         layout, local = self.groups.layout, {}
         experts = range(layout.first_expert, layout.first_expert + layout.local_experts)
-        names = {"w1": "experts.w1_EDH", "b1": "experts.b1_EH", "w2": "experts.w2_EHD", "b2": "experts.b2_ED"}
+        names = {short_name(name): "experts." + name for name in WEIGHT_NAMES}
         shards = [Experts.take_slice({k: state[n][e] for k, n in names.items() if n in state}, layout.slices,
                                      layout.slice_index) for e in experts]
         for key, name in names.items():

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .experts import NO_LORA, Experts
+from .experts import NO_LORA, WEIGHT_NAMES, Experts
 from .layer import MoELayer
 from .module_experts import ModuleExperts
 
@@ -126,7 +126,7 @@ def add_lora(model: nn.Module, rank: int, alpha: Optional[float] = None, targets
         if getattr(experts, "lora", None) is not None:
             raise ValueError("add_lora: these experts hold an adapter already (remove it: remove_lora)")
         experts.lora = ExpertsLoRA(experts, rank, alpha, targets)
-        for name in ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED"):
+        for name in WEIGHT_NAMES:
             param = getattr(experts, name)
             if param is not None:
                 param.requires_grad_(False)

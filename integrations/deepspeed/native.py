@@ -35,6 +35,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_mode
 
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.experts import ACTIVATIONS as ACTIVATION_FUNCTIONS
+from moe_plugin.experts import WEIGHT_NAMES as EXPERT_NAMES
 from moe_plugin.experts import Experts
 from moe_plugin.module_experts import ModuleExperts
 from moe_plugin.integrations.deepspeed.section import (SECTION_TO_ARGUMENT, _is_int, check_ep_size_under_deepspeed,
@@ -44,7 +45,6 @@ __all__ = ["MoE", "DeepSpeedMoELayer", "moe_config", "swap_moe_layers"]
 
 ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Identity: "identity"}
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-EXPERT_NAMES = ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 NOISE_POLICIES = (None, "None", "Jitter", "RSample")   # DeepSpeed's noisy_gate_policy values
 NATIVE_GATE_KEYS = ("k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens")
 

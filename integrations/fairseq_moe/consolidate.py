@@ -30,7 +30,9 @@ from typing import List, Optional
 
 import torch
 
-EXPERT_TENSORS = ("experts.w1_EDH", "experts.b1_EH", "experts.w2_EHD", "experts.b2_ED")
+from moe_plugin.experts import WEIGHT_NAMES
+
+EXPERT_TENSORS = tuple(f"experts.{name}" for name in WEIGHT_NAMES)
 
 
 def rank_paths(rank0_path: str, ep_size: int) -> List[str]:

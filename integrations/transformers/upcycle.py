@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.experts import WEIGHT_NAMES, short_name
 
 from .block import block_type, init_blocks_in_init_weights
 
@@ -261,7 +262,7 @@ def _new_block(config: MoEConfig, experts: Dict[str, torch.Tensor], init_std: fl
         part.init_std = init_std      # reset_parameters (HF's init_weights) draws as HF draws its blocks
     layer.router.reset_parameters()
     state = {k: v for k, v in layer.state_dict().items() if not k.startswith("experts.")}
-    names = {"w1": "experts.w1_EDH", "b1": "experts.b1_EH", "w2": "experts.w2_EHD", "b2": "experts.b2_ED"}
+    names = {short_name(name): f"experts.{name}" for name in WEIGHT_NAMES}
     state.update({names[key]: tensor for key, tensor in experts.items()})
     layer.to(device=reference.device, dtype=reference.dtype)
     layer.load_full_state_dict(state)

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import dispatch, ops
-from ..checkpoint import EXPERT_NAMES
 from ..activations import as_activation
-from ..experts import GroupedMLP, lora_factors
+from ..experts import WEIGHT_NAMES, ExpertWeights, GroupedMLP, lora_factors
 from ..fused import fused_moe
 from ..module_experts import ModuleExperts
 from .all_to_all import Pending2DH, PendingAllToAll, gather_sum, ranges, segment_permutation
@@ -67,9 +66,8 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
     group = groups.gather_groups[r]
     use_b2 = layout.computes_first_slice(r) if r else True
     if r == layout.slices:
-        return SimpleNamespace(activation=experts.activation, w1_EDH=experts.w1_EDH, b1_EH=experts.b1_EH,
-                               w2_EHD=experts.w2_EHD, b2_ED=experts.b2_ED if use_b2 else None,
-                               lora=lora_factors(experts))
+        return ExpertWeights(experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED if use_b2 else None,
+                             experts.activation, lora_factors(experts))
     G = dist.get_world_size(group)
     experts_in = max(1, G // layout.slices) if layout.slices > 1 else G * layout.local_experts
     slices_in = G // experts_in if layout.slices > 1 else 1
@@ -92,10 +90,9 @@ def gathered_experts(experts, groups: ExpertGroups, r: int):
         return torch.cat(parts, dim=hidden_dim)
 
     lora = lora_factors(experts)     # LoRA factors come with whole experts only (lora.py refuses hidden slices)
-    return SimpleNamespace(activation=experts.activation, w1_EDH=join(experts.w1_EDH, -1),
-                           b1_EH=join(experts.b1_EH, -1), w2_EHD=join(experts.w2_EHD, 1),
-                           b2_ED=join(experts.b2_ED, None) if use_b2 else None,
-                           lora=tuple(None if f is None else join(f, 1) for f in lora))
+    return ExpertWeights(join(experts.w1_EDH, -1), join(experts.b1_EH, -1), join(experts.w2_EHD, 1),
+                         join(experts.b2_ED, None) if use_b2 else None, experts.activation,
+                         tuple(None if f is None else join(f, 1) for f in lora))
 
 
 @torch.no_grad()
@@ -103,10 +100,10 @@ def whole_experts(layer) -> dict:
     """The stacked expert tensors of an expert-parallel layer with every expert, whole, detached (collectives over
     its FSDP2 mesh, where sharded, and its expert-parallel group): name -> tensor, for w1_EDH, b1_EH, ..."""
     from torch.distributed.tensor import DTensor
-    local = {name: getattr(layer.experts, name, None) for name in EXPERT_NAMES}
-    local = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in local.items()}
-    whole = gathered_experts(SimpleNamespace(activation=layer.experts.activation, **local), layer.groups, 0)
-    return {name: getattr(whole, name).detach() for name in EXPERT_NAMES if getattr(whole, name) is not None}
+    local = [getattr(layer.experts, name, None) for name in WEIGHT_NAMES]
+    local = [t.full_tensor() if isinstance(t, DTensor) else t for t in local]
+    whole = gathered_experts(ExpertWeights(*local, layer.experts.activation), layer.groups, 0)
+    return {name: t.detach() for name, t in zip(WEIGHT_NAMES, whole) if t is not None}
 
 
 def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,

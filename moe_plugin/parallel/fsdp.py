@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..experts import WEIGHT_NAMES, ExpertWeights
 from . import fsdp_state_dict
 from .groups import check_ep_size
 
@@ -42,7 +43,8 @@ try:   # per-parameter meshes in one fully_shard call (pytorch PR 173509; absent
 except ImportError:
     FSDPMeshInfo = ShardPlacementResult = None
 
-EXPERT_DIM = {"w1_EDH": 1, "w2_EHD": 2, "b1_EH": 0, "b2_ED": 0}   # sharded dim when E_local < P: D (biases: E)
+# the dim each expert tensor is sharded along when E_local < P: D (biases: E)
+EXPERT_DIM = dict(zip(WEIGHT_NAMES, ExpertWeights(w1_EDH=1, b1_EH=0, w2_EHD=2, b2_ED=0)))
 
 
 def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn.Module]] = None,
