@@ -14,7 +14,8 @@ parallel.ep_size > 1 the experts are spread over each block of ep_size ranks: DD
 and parallel/expert_grads.py finishes their gradients; each process writes its own experts into a
 sharded checkpoint (torch.distributed.checkpoint) that resumes on any number of processes and ep_size.
 
-One file per job: config.py (sections, loading, checks), processes.py (one process or torchrun ranks),
+One file per job: config.py (sections, parsing, each section's checks), checks.py (load_config, check_config:
+the whole, with the model's MoE layers), processes.py (one process or torchrun ranks),
 metrics.py (the metrics window and log), parts.py (model, optimizer, LR schedule, data, DDP),
 checkpoint.py (save, verify and restore), faults.py (preemption signals, non-finite steps), loop.py (the
 training loop), command.py (the command line; with
@@ -23,8 +24,9 @@ training loop), command.py (the command line; with
 from .checkpoint import (checkpoint_path, checkpoints, full_state_dict, load_full_state_dict, rank_state, read_meta,
                          remove_checkpoints, resolve_resume, restore, save, verify)
 from .command import add_arguments, main, split_arguments
+from .checks import check_config, load_config
 from .config import (AT_LEAST, DEFAULT_MOE, MOE_KEYS_SET_ELSEWHERE, ExperimentConfig, LogConfig, ParallelConfig,
-                     TrainConfig, check_config, load_config, moe_config, to_yaml)
+                     TrainConfig, moe_config, to_yaml)
 from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
 from .loop import clip_gradients, evaluate, gradient_norm, parameter_hash, topic_routing, train
 from .metrics import MetricsLog, Window, tensorboard_writer

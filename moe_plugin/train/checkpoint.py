@@ -37,7 +37,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,8 +50,10 @@ from ..lora import whole_lora
 from ..parallel.expert_parallel import whole_experts
 from .config import ExperimentConfig
 from .metrics import Window
-from .parts import Parts
 from .processes import Processes
+
+if TYPE_CHECKING:
+    from .parts import Parts   # annotations only: parts.py builds hf models, which read checkpoints
 
 FORMAT = "moe_plugin sharded checkpoint v1"
 

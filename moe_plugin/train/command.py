@@ -11,7 +11,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import load_config, to_yaml
+from .checks import load_config
+from .hf_model import hf_moe_config
+from .config import to_yaml
 from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
 from .loop import train
 from .processes import torchrun_command
@@ -31,7 +33,6 @@ def with_effective_moe(cfg):
     classifier's (data.task=image) is shown as given: its MLPs' widths differ from stage to stage."""
     if cfg.hf is None or cfg.data.task == "image":
         return cfg
-    from .hf_model import hf_moe_config
     effective = hf_moe_config(cfg).to_dict()
     cfg.moe = {key: effective.get(key, value) for key, value in cfg.moe.items()}
     return cfg

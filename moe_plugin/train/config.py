@@ -1,4 +1,5 @@
-"""The experiment config: its sections, loading (defaults, YAML file, key=value overrides) and checks."""
+"""The experiment config: its sections, parsing (defaults, YAML file, key=value overrides) and each section's checks.
+checks.py checks the whole (the model's MoE layers); this file imports no model code."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import MoEConfig, field_names
+from ..lora import TARGETS
 from ..data import DataConfig
 from ..data import check_config as check_data_config
 from ..models import ModelConfig
-from ..parallel.groups import check_sizes
 
 MOE_KEYS_SET_ELSEWHERE = {"model_dim": "model.dim", "ep_size": "parallel.ep_size"}
 DEFAULT_MOE = {"hidden_size": 256, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25,
@@ -102,8 +103,9 @@ class ExperimentConfig:
     lora: Optional[LoRASectionConfig] = None
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """The defaults, then the YAML file, then the key=value overrides; ValueError on any bad key or value."""
+def parse_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """The defaults, then the YAML file, then the key=value overrides; ValueError on a bad key or a value of the
+    wrong type (checks.load_config then checks the values)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -123,7 +125,6 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ex
         raise ValueError(_unknown_key_message(error.full_key)) from None
     except OmegaConfBaseException as error:
         raise ValueError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
-    check_config(cfg)
     return cfg
 
 
@@ -168,7 +169,8 @@ AT_LEAST = {"model.dim": 1, "model.layers": 1, "model.heads": 1, "model.seq_len"
             "train.keep_checkpoints": 0, "train.max_skipped": 1, "parallel.ep_size": 1, "log.every": 1}
 
 
-def check_config(cfg: ExperimentConfig) -> None:
+def check_sections(cfg: ExperimentConfig) -> None:
+    """Each section's values on their own (checks.check_config adds the MoE layers of the model)."""
     def value(key):
         section, name = key.split(".")
         return getattr(getattr(cfg, section), name)
@@ -192,26 +194,6 @@ def check_config(cfg: ExperimentConfig) -> None:
             "null, 'default', 'reduce-overhead' or 'max-autotune'")
     check_data_config(cfg.data)
     check_lora(cfg)
-    from .hf_image import IMAGE_MODEL_TYPES
-    if cfg.data.task == "image":
-        from .hf_image import image_moe_configs   # imports transformers
-        moes = image_moe_configs(cfg)
-    elif cfg.hf is not None and cfg.hf.get("model_type") in IMAGE_MODEL_TYPES:
-        raise ValueError(f"hf.model_type={cfg.hf['model_type']!r} is an image classifier: it needs data.task='image' "
-                         f"(see configs/experiments/swinv2_moe.yaml)")
-    elif cfg.hf is not None:
-        from .hf_model import hf_moe_configs   # imports transformers
-        moes = hf_moe_configs(cfg)
-    elif cfg.upcycle is not None:
-        raise ValueError("upcycle is invalid without an hf section: it turns the dense MLPs of a Hugging Face "
-                         "model (hf.model_type: llama, qwen2, mistral, swinv2, ...) into MoE blocks (leave it out)")
-    else:
-        moes = [moe_config(cfg)]
-    for moe in moes:
-        try:
-            check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
-        except ValueError as error:
-            raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
 
 
 def check_lora(cfg: ExperimentConfig) -> None:
@@ -228,7 +210,6 @@ def check_lora(cfg: ExperimentConfig) -> None:
     if lora.dropout != 0.0:
         raise ValueError(f"lora.dropout={lora.dropout!r} is invalid: moe_plugin's LoRA on the experts has no dropout; "
                          f"must be 0.0")
-    from ..lora import TARGETS
     if not lora.targets or any(t not in TARGETS for t in lora.targets):
         raise ValueError(f"lora.targets={list(lora.targets)!r} is invalid: must name one or both of {list(TARGETS)}")
     if lora.checkpoint is not None and cfg.upcycle is not None and cfg.upcycle.checkpoint is not None:

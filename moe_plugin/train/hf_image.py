@@ -11,7 +11,6 @@ Legend: B batch, C channels, H and W height and width, L labels.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Dict, List
 
 import torch
@@ -20,19 +19,10 @@ from torch import nn
 from ..config import MoEConfig
 from ..data_images import NUM_CHANNELS, NUM_CLASSES
 from ..layer import MoELayer
+from .hf_model import hf_adapter, upcycle_module, load_dense
+from .hf_model import upcycle_arguments as hf_upcycle_arguments
 
 IMAGE_MODEL_TYPES = ("swinv2",)
-
-
-def _integration():
-    import moe_plugin.integrations.transformers as hf_moe   # hides an unloadable torchaudio first
-    return hf_moe
-
-
-def _upcycle_module():
-    """The module (the package's `upcycle` is the function)."""
-    _integration()
-    return importlib.import_module("moe_plugin.integrations.transformers.upcycle")
 
 
 def image_hf_config(cfg):
@@ -40,7 +30,7 @@ def image_hf_config(cfg):
     if cfg.hf is None:
         raise ValueError("data.task='image' needs an hf section: the image classifier's transformers config "
                          "(model_type: swinv2 and its fields; see configs/experiments/swinv2_moe.yaml)")
-    _integration()
+    hf_adapter()
     import transformers
     values: Dict[str, Any] = dict(cfg.hf)
     model_type = values.pop("model_type", None)
@@ -85,8 +75,7 @@ def stage_widths(config) -> List[int]:
 def upcycle_arguments(cfg) -> Dict[str, Any]:
     """upcycle()'s keyword arguments from the upcycle and moe sections (cfg.upcycle must be set), as for a
     dense language model (hf_model.upcycle_arguments): a moe key the dense MLP fixes is an error."""
-    from .hf_model import upcycle_arguments as arguments_of
-    return arguments_of(cfg, mlp_keys="hf.embed_dim, hf.mlp_ratio, hf.hidden_act")
+    return hf_upcycle_arguments(cfg, mlp_keys="hf.embed_dim, hf.mlp_ratio, hf.hidden_act")
 
 
 def image_moe_configs(cfg) -> List[MoEConfig]:
@@ -97,7 +86,7 @@ def image_moe_configs(cfg) -> List[MoEConfig]:
         raise ValueError("parallel.fsdp=true is invalid with data.task='image': not supported yet (use DDP)")
     if cfg.upcycle is None:
         return []
-    upcycle = _upcycle_module()
+    upcycle = upcycle_module()
     arguments = upcycle_arguments(cfg)
     moe = {k: v for k, v in arguments.items() if k not in ("every", "layers", "noise", "reinit_fraction")}
     widths = stage_widths(config)
@@ -136,8 +125,8 @@ def export_image_model(model: HFImageClassifier, directory) -> None:
     moe_plugin.integrations.transformers.upcycle_export rebuilds it), a dense model's by save_pretrained
     (AutoModelForImageClassification.from_pretrained loads it). Under expert parallelism every process must call it."""
     import torch.distributed as dist
-    if _upcycle_module().is_upcycled(model.hf):
-        _integration().export_hf(model.hf, directory)
+    if upcycle_module().is_upcycled(model.hf):
+        hf_adapter().export_hf(model.hf, directory)
     elif not dist.is_initialized() or dist.get_rank() == 0:
         model.hf.save_pretrained(directory)
 
@@ -151,9 +140,8 @@ def build_image_model(cfg) -> HFImageClassifier:
     model = transformers.AutoModelForImageClassification.from_config(config)
     if cfg.upcycle is not None:
         if cfg.upcycle.checkpoint is not None:   # sparse upcycling of a trained dense run
-            from .hf_model import load_dense
             load_dense(model, cfg.upcycle.checkpoint, "AutoModelForImageClassification")
-        hf_moe = _integration()
+        hf_moe = hf_adapter()
         # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
         hf_moe.upcycle(model, block_class=hf_moe.HFMoEBlock, **upcycle_arguments(cfg))
     return HFImageClassifier(model)

@@ -20,6 +20,7 @@ Legend: B batch rows, S sequence length, V vocabulary.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Dict, List
 
 import torch
@@ -27,20 +28,31 @@ from torch import nn
 
 from ..config import MoEConfig, gate_normalization
 from ..data import VOCAB_SIZE
+from .. import checkpoint as sharded
 from ..layer import MoELayer
+from ..lora import add_lora, merge_lora, unmerge_lora
+from .checkpoint import checkpoints, full_state_dict, load_full_state_dict, read_meta, verify
+from .config import DEFAULT_MOE, ParallelConfig
 
 # moe-section keys whose value describes the routing in the HF model too (the HF config sets them)
 FREE_KEYS = ("capacity_factor", "aux_loss", "aux_loss_coef", "expert_bias_update_rate")
 
 
-def _integration():
-    import moe_plugin.integrations.transformers as hf_moe   # hides an unloadable torchaudio first
+def hf_adapter():
+    """The transformers adapter (it imports transformers, an optional dependency: only when an hf section is set)."""
+    import moe_plugin.integrations.transformers as hf_moe   # optional: needs transformers; hides torchaudio first
     return hf_moe
+
+
+def upcycle_module():
+    """The module (the package's `upcycle` is the function)."""
+    hf_adapter()
+    return importlib.import_module("moe_plugin.integrations.transformers.upcycle")
 
 
 def hf_config(cfg):
     """The transformers config of the `hf` section; ValueError naming the key on a bad one."""
-    hf_moe = _integration()
+    hf_moe = hf_adapter()
     import transformers
     values: Dict[str, Any] = dict(cfg.hf)
     model_type = values.pop("model_type", None)
@@ -68,8 +80,7 @@ def hf_config(cfg):
 def swap_overrides(cfg, config) -> Dict[str, Any]:
     """The moe section as swap_moe_blocks overrides. A key that the HF config fixes is left out; one
     set in the YAML (not the built-in default) to another value than the HF config's is an error."""
-    from .config import DEFAULT_MOE
-    hf_moe = _integration()
+    hf_moe = hf_adapter()
     fixed = set(hf_moe.require_family(config).moe_config(config)) - set(FREE_KEYS)
     base = hf_moe.moe_config(config).to_dict()
     overrides = {"ep_size": cfg.parallel.ep_size}
@@ -87,7 +98,7 @@ def swap_overrides(cfg, config) -> Dict[str, Any]:
 
 
 def is_dense(config) -> bool:
-    return _integration().family_of(config) is None
+    return hf_adapter().family_of(config) is None
 
 
 def upcycle_arguments(cfg, mlp_keys: str = "hf.hidden_size, hf.intermediate_size, hf.hidden_act, hf.mlp_bias"
@@ -95,13 +106,11 @@ def upcycle_arguments(cfg, mlp_keys: str = "hf.hidden_size, hf.intermediate_size
     """upcycle()'s arguments from the upcycle and moe sections. A moe key the dense MLP fixes (hidden_size,
     activation, bias) set in the YAML (not the built-in default) is an error naming mlp_keys, the hf keys
     that set them instead."""
-    from .config import DEFAULT_MOE
-    from moe_plugin.integrations.transformers.upcycle import FIXED_BY_MLP
     up = cfg.upcycle
     arguments = {"every": up.every, "layers": up.layers, "noise": up.noise, "reinit_fraction": up.reinit_fraction,
                  "ep_size": cfg.parallel.ep_size}
     for key, value in cfg.moe.items():
-        if key in FIXED_BY_MLP:
+        if key in upcycle_module().FIXED_BY_MLP:
             if key not in DEFAULT_MOE or value != DEFAULT_MOE[key]:
                 raise ValueError(f"moe.{key}={value!r} is invalid with upcycle: the dense MLPs of the hf model fix it "
                                  f"({mlp_keys}); leave it out")
@@ -117,7 +126,6 @@ def hf_moe_configs(cfg) -> List[MoEConfig]:
     if not is_dense(config):
         return [_family_moe_config(cfg, config)]
     if cfg.upcycle is None:
-        from .config import DEFAULT_MOE
         if cfg.moe != DEFAULT_MOE or cfg.parallel.ep_size != 1:
             raise ValueError(f"the moe section and parallel.ep_size apply to no layer of the dense hf model "
                              f"({config.model_type}): add an upcycle section to make it MoE, or leave them out")
@@ -130,8 +138,7 @@ def hf_moe_configs(cfg) -> List[MoEConfig]:
         arguments.pop(key)
     arguments.update(num_experts=arguments.pop("num_experts", 8), top_k=arguments.pop("top_k", 2))
     try:
-        from moe_plugin.integrations.transformers.upcycle import plan
-        return [moe for *_, moe in plan(model, **arguments)]
+        return [moe for *_, moe in upcycle_module().plan(model, **arguments)]
     except (ValueError, TypeError) as error:
         raise ValueError(f"upcycle/moe section: {error}") from None
 
@@ -148,7 +155,7 @@ def hf_moe_config(cfg) -> MoEConfig:
 
 def _family_moe_config(cfg, config) -> MoEConfig:
     try:
-        return _integration().moe_config(config, **swap_overrides(cfg, config))
+        return hf_adapter().moe_config(config, **swap_overrides(cfg, config))
     except ValueError as error:
         raise ValueError(f"moe section: {error}") from None
 
@@ -173,7 +180,7 @@ def build_hf_model(cfg) -> HFCausalLM:
     import transformers
     config = hf_config(cfg)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    hf_moe = _integration()
+    hf_moe = hf_adapter()
     # plain blocks: the trainer runs its own data and expert parallelism, whatever hosts are installed
     lora = getattr(cfg, "lora", None)
     start = None if lora is None else lora.checkpoint
@@ -184,7 +191,6 @@ def build_hf_model(cfg) -> HFCausalLM:
             load_dense(model, start, key="lora.checkpoint", what="an MoE run of this hf section")
         hf_moe.swap_moe_blocks(model, block_class=hf_moe.HFMoEBlock, **swap_overrides(cfg, config))
         if start is not None and not hf_folder:    # an MoE run's checkpoint: the swapped model's tensors
-            from .checkpoint import load_full_state_dict
             state = run_state(start, "lora.checkpoint")
             try:
                 load_full_state_dict(model, state)     # every expert: each rank keeps its share
@@ -199,7 +205,6 @@ def build_hf_model(cfg) -> HFCausalLM:
         hf_moe.upcycle(model, arguments.pop("num_experts", 8), arguments.pop("top_k", 2),
                        block_class=hf_moe.HFMoEBlock, **arguments)
     if lora is not None:
-        from ..lora import add_lora
         if not any(isinstance(m, MoELayer) for m in model.modules()):
             raise ValueError("lora is invalid for a dense hf model trained as it is: it adapts MoE experts (add an "
                              "upcycle section, or use an MoE model_type)")
@@ -231,7 +236,6 @@ def run_state(where: str, key: str) -> Dict[str, torch.Tensor]:
     """The HF model's tensors of a run of `moe-plugin train`: where is its out_dir (the newest whole checkpoint) or a
     checkpoint folder."""
     from pathlib import Path
-    from .checkpoint import checkpoints, read_meta, verify
     path = Path(where)
     if (path / "checkpoints").is_dir() and checkpoints(path):   # the newest whole one
         path = next((p for p in reversed(checkpoints(path)) if verify(p) is None), checkpoints(path)[-1])
@@ -248,14 +252,8 @@ def run_state(where: str, key: str) -> Dict[str, torch.Tensor]:
 
 def _model_state(path) -> Dict[str, torch.Tensor]:
     """The HF model's tensors of a checkpoint of `moe-plugin train` (read by this one process)."""
-    import torch.distributed.checkpoint as dcp
-    from ..checkpoint import _quiet, metadata
     prefix = "model.hf."
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
-             for key, md in metadata(path).state_dict_metadata.items() if key.startswith(prefix)}
-    with _quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return {key[len(prefix):]: tensor for key, tensor in state.items()}
+    return {key[len(prefix):]: tensor for key, tensor in sharded.full_state(path).items() if key.startswith(prefix)}
 
 
 def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
@@ -267,8 +265,6 @@ def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
         return _export(model.hf, directory)
     import dataclasses
     import torch.distributed as dist
-    from .checkpoint import full_state_dict
-    from .config import ParallelConfig
     state = full_state_dict(model)   # a collective
     if dist.get_rank() == 0:
         plain = build_hf_model(dataclasses.replace(cfg, parallel=ParallelConfig(ep_size=1)))
@@ -281,12 +277,11 @@ def export_hf_model(model: HFCausalLM, directory, cfg=None) -> None:
 def _export(hf: nn.Module, directory) -> None:
     """export_hf; a dense model (trained as it is) with its own save_pretrained. Rank 0 writes, then a barrier."""
     if any(isinstance(m, MoELayer) for m in hf.modules()):
-        from ..lora import merge_lora, unmerge_lora
         adapted = any(getattr(m.experts, "lora", None) is not None for m in hf.modules() if isinstance(m, MoELayer))
         if adapted:     # the fine-tuned weights W + s A B, as plain HF experts
             merge_lora(hf)
         try:
-            _integration().export_hf(hf, directory)
+            hf_adapter().export_hf(hf, directory)
         finally:
             if adapted:
                 unmerge_lora(hf)

@@ -19,7 +19,10 @@ from ..models import TransformerLM
 from ..parallel.expert_grads import expert_parameters
 from ..parallel.groups import check_ep_size
 from .checkpoint import checkpoint_path, remove_checkpoints, resolve_resume, restore, save
-from .config import ExperimentConfig, check_config, to_yaml
+from .checks import check_config
+from .hf_image import export_image_model
+from .hf_model import export_hf_model
+from .config import ExperimentConfig, to_yaml
 from .faults import NonFiniteStep, Preempted, Signals, any_signal, step_verdict
 from .metrics import MetricsLog, Window
 from .parts import build, data_parallel
@@ -221,10 +224,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     hashes = gather(procs, (parameter_hash(model), parameter_hash(model, skip=experts)))
     routing = topic_routing(model, data.topics, procs.device) if model.moe_layers() else {}  # same rows everywhere
     if task == "image":   # an HF image classifier: its folder (every rank: experts gathered)
-        from .hf_image import export_image_model
         export_image_model(model, out_dir / "hf_model")
     elif cfg.hf is not None:   # an HF architecture: a folder plain transformers loads (every rank: experts gathered)
-        from .hf_model import export_hf_model
         export_hf_model(model, out_dir / "hf_model", cfg)
     if not is_main:
         return {}

@@ -13,6 +13,8 @@ from ..models import TransformerLM
 from ..parallel.ddp import ddp_moe
 from ..parallel.fsdp import fully_shard_moe
 from .config import ExperimentConfig, TrainConfig, moe_config
+from .hf_image import build_image_model
+from .hf_model import build_hf_model
 from .processes import Processes
 
 
@@ -76,10 +78,8 @@ def _construction_order(model: TransformerLM) -> List[nn.Module]:
 def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
     if cfg.data.task == "image":
-        from .hf_image import build_image_model   # imports transformers
         model = build_image_model(cfg).to(procs.device)
     elif cfg.hf is not None:
-        from .hf_model import build_hf_model   # imports transformers
         model = build_hf_model(cfg).to(procs.device)
     elif cfg.parallel.fsdp:
         model = materialize_from_meta(lambda: TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE), procs.device)
