@@ -38,6 +38,7 @@ from moe_plugin.experts import ACTIVATIONS as ACTIVATION_FUNCTIONS
 from moe_plugin.experts import WEIGHT_NAMES as EXPERT_NAMES
 from moe_plugin.experts import Experts
 from moe_plugin.module_experts import ModuleExperts
+from moe_plugin.parallel.groups import ExpertGroups, ExpertLayout, build_groups
 from moe_plugin.integrations.deepspeed.section import (SECTION_TO_ARGUMENT, _is_int, check_ep_size_under_deepspeed,
                                                        section_key)
 
@@ -184,6 +185,7 @@ class DeepSpeedMoELayer(MoELayer):
         self.experts.linear_names = linear_names
         self._used_T: Optional[torch.Tensor] = None   # during a forward with used_token: the used tokens
         self.tp_group = None                           # expert tensor parallelism (bind_tensor_parallel_group)
+        self.group_pending = config.ep_size > 1 and not self.is_parallel   # see bind_expert_parallel_group
         for param in self.experts.parameters():
             param.allreduce = False
             param.group_name = group_name
@@ -192,6 +194,17 @@ class DeepSpeedMoELayer(MoELayer):
         self.router.register_forward_hook(self._keep_balance_loss)
         self.register_state_dict_post_hook(_to_native_names)
         self.register_load_state_dict_pre_hook(_from_native_names)
+
+    def bind_expert_parallel_group(self, ep_group) -> None:
+        """The expert-parallel group of a layer built before it was known (given ExpertGroups without one, see
+        MoE): its sub-groups (collective: every rank binds its layers in the same order), this rank's place among
+        the experts and the tuner. The weights stay: the layout decides only which experts these are."""
+        cfg = self.config
+        self.groups = build_groups(cfg.num_experts, cfg.hidden_size, cfg.ep_size, cfg.node_size, ep_group)
+        assert self.groups.layout.slices == 1, "MoE checks that ep_size divides num_experts"
+        self.experts.first_expert = self.groups.layout.first_expert
+        self.tuner = self._make_tuner()
+        self.group_pending = False
 
     def bind_tensor_parallel_group(self) -> None:
         """Expert tensor parallelism: the fast path's experts are this rank's hidden slices (the module given is
@@ -219,6 +232,11 @@ class DeepSpeedMoELayer(MoELayer):
         self.l_aux = routes.aux_loss
 
     def forward(self, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.group_pending:
+            raise ValueError(f"enable_expert_tensor_parallelism=True with ep_size={self.config.ep_size}: the layer has "
+                             f"no expert-parallel group yet (it joins ranks of one tensor-parallel rank, known from "
+                             f"DeepSpeed's mpu): run it under deepspeed.initialize(..., mpu=mpu), which binds it, or "
+                             f"set deepspeed.utils.groups.mpu = mpu before its first forward")
         if used_token is not None and self.config.top_k > 1:
             _warn_used_token_ignored(self.config.top_k)   # as DeepSpeed's top-2 and top-k gates
             used_token = None
@@ -473,7 +491,9 @@ class MoE(NativeMoE):
 
     Every expert starts as a copy of `expert` (the fast path copies its Linears). noisy_gate_policy "Jitter" /
     "RSample" and used_token (k = 1) act as in DeepSpeed; enable_expert_tensor_parallelism: see
-    DeepSpeedMoELayer.bind_tensor_parallel_group. Not expressible here (see README): use_rts=True (over-capacity
+    DeepSpeedMoELayer.bind_tensor_parallel_group; at ep_size > 1 its expert-parallel group (ranks of one
+    tensor-parallel rank) is bound as soon as DeepSpeed's mpu is known: when built, when the engine calls
+    set_deepspeed_parallelism, or at the first forward (a ValueError if still unknown). Not expressible here (see README): use_rts=True (over-capacity
     tokens are dropped by position instead of at random) and top2_2nd_expert_sampling=True (the second expert is
     the plain second best); both warn.
     """
@@ -537,12 +557,12 @@ class MoE(NativeMoE):
                             min_capacity, drop_tokens, activation, bias, router, aux_loss_coef, parallel,
                             overlap_degree, a2a, node_size, expert_bias_update_rate, num_groups, topk_groups,
                             route_scale, aux_loss)
-        if enable_expert_tensor_parallelism and ep_size > 1 and groups.mpu is None:
-            raise ValueError(f"enable_expert_tensor_parallelism=True with ep_size={ep_size} needs DeepSpeed's "
-                             f"tensor-parallel groups when the layer is built (its expert-parallel group joins ranks "
-                             f"of one tensor-parallel rank): set deepspeed.utils.groups.mpu = mpu (the mpu you pass "
-                             f"to deepspeed.initialize) before building the model, or use ep_size=1")
-        ep_group = _expert_parallel_group(ep_size, enable_expert_tensor_parallelism) if ep_size > 1 else None
+        ep_group = None
+        if ep_size > 1 and enable_expert_tensor_parallelism and not self._groups_known():
+            # its expert-parallel group joins ranks of one tensor-parallel rank: bound when DeepSpeed's mpu is known
+            ep_group = ExpertGroups(None, ExpertLayout(num_experts, config.hidden_size, ep_size, 0), 1)
+        elif ep_size > 1:
+            ep_group = _expert_parallel_group(ep_size, enable_expert_tensor_parallelism)
         self.deepspeed_moe = DeepSpeedMoELayer(config, ep_group, linear_names, self.expert_group_name,
                                                expert=None if structure else expert)
         if enable_expert_tensor_parallelism:
@@ -554,17 +574,34 @@ class MoE(NativeMoE):
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
+    def _groups_known(self) -> bool:
+        """Whether DeepSpeed's mpu or this layer's expert-parallel group is known (DeepSpeed's layer binds the group
+        when the engine calls set_deepspeed_parallelism; this one as soon as it is known)."""
+        return groups.mpu is not None or self.expert_group_name in groups._get_expert_parallel_group_dict()
+
+    def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None):
+        """deepspeed.moe.layer.MoE's forward; a layer built before its expert-parallel group was known binds it
+        here once DeepSpeed knows it (else DeepSpeedMoELayer's forward says what is missing)."""
+        if self.deepspeed_moe.group_pending and self._groups_known():
+            self._bind_groups()
+        return super().forward(hidden_states, used_token)
+
+    def _bind_groups(self) -> None:
+        group = _expert_parallel_group(self.ep_size, self.enable_expert_tensor_parallelism)
+        if self.deepspeed_moe.group_pending:
+            self.deepspeed_moe.bind_expert_parallel_group(group)
+        if self.enable_expert_tensor_parallelism:
+            self.deepspeed_moe.bind_tensor_parallel_group()
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Called by the engine: makes sure DeepSpeed's expert and expert-data groups exist."""
+        """Called by the engine: makes sure DeepSpeed's expert and expert-data groups exist, and binds them."""
         if use_data_before_expert_parallel_:
             raise ValueError("use_data_before_expert_parallel_=True is not supported by backend tutel; allowed: False")
         if not self.enable_expert_tensor_parallelism and groups.mpu is not None and \
                 bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
             raise ValueError("backend tutel does not support tensor model parallelism (an mpu with tensor parallel "
                              "size > 1) without enable_expert_tensor_parallelism=True; use backend deepspeed")
-        _expert_parallel_group(self.ep_size, self.enable_expert_tensor_parallelism)
-        if self.enable_expert_tensor_parallelism:
-            self.deepspeed_moe.bind_tensor_parallel_group()
+        self._bind_groups()
 
 
 def _noise_policy(noisy_gate_policy: Optional[str], k: int) -> Optional[str]:

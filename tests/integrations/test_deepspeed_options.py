@@ -273,16 +273,20 @@ def tensor_parallel_worker(rank, world):
     mpu = TensorParallelUnit(tp)
     report = {}
 
-    def build(ep_size):
+    def build(ep_size, load=True):
         slice_module = nn.Sequential(nn.Linear(D, H // tp), nn.ReLU(), nn.Linear(H // tp, D))
         layer = dsi.MoE(D, slice_module, ep_size=ep_size, enable_expert_tensor_parallelism=True, **settings)
         copies = all(torch.equal(layer.deepspeed_moe.experts.w1_EDH[i], slice_module[0].weight.t())
                      for i in range(layer.num_local_experts))
+        if load:
+            load_whole(layer)
+        return layer, copies
+
+    def load_whole(layer):   # this rank's share of the whole experts (its experts known once its group is bound)
         with torch.no_grad():
             layer.deepspeed_moe.router.weight_ED.copy_(whole.deepspeed_moe.router.weight_ED)
             for name, tensor in sliced_state(full, layer, tp_rank, tp).items():
                 getattr(layer.deepspeed_moe.experts, name).copy_(tensor)
-        return layer, copies
 
     def compare(name, layer):
         want, got = run(whole, x_TD, upstream_TD, 3, stacked=True), run(layer, x_TD, upstream_TD, 3, stacked=True)
@@ -307,7 +311,28 @@ def tensor_parallel_worker(rank, world):
     report["copies"] = copies
     report["expert tp size"] = groups._get_expert_model_parallel_world_size()
     compare("ep 1", layer)
-    # ep_size 2: the expert-parallel group joins the ranks of one tensor-parallel rank
+    # ep_size 2, layers built before DeepSpeed knows the mpu (DeepSpeed's test_moe_tp): a forward says so; the
+    # engine binds one (deepspeed.initialize(mpu=...) creates the groups), the other binds at its first forward
+    groups.mpu = None
+    (first, _), (later, _) = build(2, load=False), build(2, load=False)
+    report["pending"] = first.deepspeed_moe.group_pending and later.deepspeed_moe.group_pending
+    try:
+        later(x_TD)
+        report["error"] = None
+    except ValueError as error:
+        report["error"] = str(error)
+    engine, _, _, _ = deepspeed.initialize(model=first, mpu=mpu, model_parameters=first.parameters(),
+                                           config={"train_micro_batch_size_per_gpu": 1,
+                                                   "optimizer": {"type": "SGD", "params": {"lr": 0.0}}})
+    with torch.no_grad():
+        later(x_TD)
+    deepspeeds = torch.distributed.get_process_group_ranks(groups._get_expert_parallel_group("ep_size_2"))
+    for name, layer in (("ep 2 mpu at initialize", first), ("ep 2 mpu at first forward", later)):
+        report[f"{name} group"] = (torch.distributed.get_process_group_ranks(layer.deepspeed_moe.groups.ep_group),
+                                   deepspeeds, layer.deepspeed_moe.experts.first_expert)
+        load_whole(layer)
+        compare(name, layer)
+    # ep_size 2 with the mpu known when built: the expert-parallel group joins the ranks of one tensor-parallel rank
     layer, _ = build(2)
     report["ep 2 group"] = torch.distributed.get_process_group_ranks(layer.deepspeed_moe.groups.ep_group)
     compare("ep 2", layer)
@@ -327,24 +352,36 @@ def tensor_parallel_worker(rank, world):
 def test_expert_tensor_parallelism_equals_one_process():
     """4 gloo processes, tensor-parallel groups of 2 ([0, 1], [2, 3]): each rank holds the hidden slice of the
     experts it was given, and the layer equals one process holding the whole experts: outputs, l_aux,
-    exp_counts, input, gate and expert gradients, at ep_size 1 and 2, and under deepspeed.initialize."""
-    for rank, report in enumerate(run_workers(tensor_parallel_worker, 4, timeout=400)):
+    exp_counts, input, gate and expert gradients, at ep_size 1 and 2, and under deepspeed.initialize. At ep_size 2
+    also in DeepSpeed's test_moe_tp order, the layer built before DeepSpeed knows the mpu: bound by the engine or at
+    the first forward after, in DeepSpeed's expert-parallel group; a forward before that is a clear error."""
+    for rank, report in enumerate(run_workers(tensor_parallel_worker, 4, timeout=500)):
         assert report.pop("copies") and report.pop("expert tp size") == 2
         assert report.pop("ep 2 group") == [rank % 2, rank % 2 + 2]
+        assert report.pop("pending")
+        assert "has no expert-parallel group yet" in report.pop("error")
+        for name in ("ep 2 mpu at initialize", "ep 2 mpu at first forward"):
+            ours, deepspeeds, first_expert = report.pop(f"{name} group")
+            assert ours == deepspeeds == [rank % 2, rank % 2 + 2] and first_expert == 2 * (rank // 2), (name, ours)
         assert report.pop("engine") < TOLERANCE
         for name, (error, where, expert_grads) in report.items():
             assert error < TOLERANCE and expert_grads > 0, f"rank {rank} {name}: {where} differs by {error}"
 
 
-def test_expert_tensor_parallelism_at_ep_size_2_needs_the_mpu_first(monkeypatch):
+def test_expert_tensor_parallelism_at_ep_size_2_builds_before_the_mpu_and_refuses_a_forward_without_it(monkeypatch):
+    """Built before DeepSpeed knows the mpu (DeepSpeed's test_moe_tp builds the layer, then calls initialize): the
+    group is bound later; a forward before any group is known is a clear error, not a run on the wrong ranks."""
     from deepspeed.utils import groups
     monkeypatch.setattr(groups, "mpu", None)
     monkeypatch.setattr(dsi.native, "check_ep_size_under_deepspeed", lambda *args: None)
     monkeypatch.setattr(dsi.native, "_ensure_distributed", lambda: None)
-    with pytest.raises(ValueError, match="enable_expert_tensor_parallelism=True with ep_size=2 needs DeepSpeed's "
-                                         "tensor-parallel groups"):
-        dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), num_experts=E, ep_size=2,
-                use_rts=False, enable_expert_tensor_parallelism=True)
+    assert "ep_size_2" not in groups._get_expert_parallel_group_dict()
+    layer = dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), num_experts=E, ep_size=2,
+                    use_rts=False, enable_expert_tensor_parallelism=True)
+    assert layer.deepspeed_moe.group_pending and layer.deepspeed_moe.experts.w1_EDH.shape[0] == E // 2
+    with pytest.raises(ValueError, match=r"enable_expert_tensor_parallelism=True with ep_size=2: the layer has no "
+                                         r"expert-parallel group yet .* deepspeed.initialize\(..., mpu=mpu\)"):
+        layer(torch.randn(T, D))
 
 
 def used_token_ep2_worker(rank, world):
