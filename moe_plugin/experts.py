@@ -6,7 +6,7 @@ With a gated activation (swiglu, geglu, ...) the first projection gives 2H colum
 from __future__ import annotations
 
 import math
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Mapping, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -206,8 +206,38 @@ class GroupedMLP(torch.autograd.Function):
         return (grad_x_RD, None, None, *grads)
 
 
-class KeepsParameterTags(nn.Module):
-    """Experts (stacked or module copies) whose parameters keep the attributes hosts set on them across to_empty."""
+class BaseExperts(nn.Module):
+    """The experts contract, met by Experts (stacked weights, the fast path) and ModuleExperts (any module):
+
+    forward(x_RD, rows_per_expert) -> y_RD      the experts on routed rows grouped by expert (rows past the last
+                                                block give 0)
+    weights(dtype)                              ExpertWeights in dtype (differentiable), or None: no stacked
+                                                weights, the dispatchers run forward on the routed rows instead
+    stacked                                     whether weights() gives ExpertWeights (the state dict holds
+                                                experts.<WEIGHT_NAMES>)
+    parallel_degrees(layout), check_degree(layout, r)
+                                                the expert-parallel degrees r they allow (any overlap degree)
+    local_share(state, prefix)                  a state dict holding every expert cut to this rank's share
+    parameter_dtype(default)                    the dtype inputs must have outside autocast
+
+    Parameters keep the attributes hosts set on them across to_empty."""
+
+    stacked = False
+
+    def weights(self, dtype: torch.dtype) -> Optional["ExpertWeights"]:
+        return None
+
+    def parallel_degrees(self, layout) -> List[int]:
+        return layout.degrees()
+
+    def check_degree(self, layout, r: int) -> None:
+        layout.check_degree(r)
+
+    def parameter_dtype(self, default: torch.dtype) -> torch.dtype:
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), default)
+
+    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> dict:
+        raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
         """to_empty (meta -> a device) makes new parameter objects: the attributes hosts set on the old ones
@@ -221,7 +251,7 @@ class KeepsParameterTags(nn.Module):
         return self
 
 
-class Experts(KeepsParameterTags):
+class Experts(BaseExperts):
     """This rank's experts, stacked: w1_EDH [E_local, D, H_local (x2 for gated activations)], w2_EHD [E_local,
     H_local, D]. .activation is an activations.Activation (the name and its limit and alpha).
 
@@ -233,6 +263,7 @@ class Experts(KeepsParameterTags):
     """
 
     init_std: Optional[float] = None
+    stacked = True
 
     def __init__(self, config: MoEConfig, first_expert: int = 0, local_experts: Optional[int] = None,
                  slices: int = 1, slice_index: int = 0):
@@ -299,6 +330,21 @@ class Experts(KeepsParameterTags):
         offs_E = ops.offsets(rows_per_expert, device=x_RD.device)
         return GroupedMLP.apply(x_RD, offs_E, self.activation,
                                 self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED, *lora_factors(self))
+
+    def weights(self, dtype: torch.dtype) -> ExpertWeights:
+        return cast_weights(self, dtype)
+
+    def parameter_dtype(self, default: torch.dtype) -> torch.dtype:
+        return self.w1_EDH.dtype
+
+    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> dict:
+        """From a state dict holding every expert whole (`<prefix>w1_EDH` [num_experts, ...], ...): this rank's
+        experts (its hidden slice of them), the rest of the state as given."""
+        names = {short_name(name): prefix + name for name in WEIGHT_NAMES if prefix + name in state}
+        experts = range(self.first_expert, self.first_expert + self.w1_EDH.shape[0])
+        shards = [self.take_slice({key: state[name][e] for key, name in names.items()}, self.slices,
+                                  self.slice_index) for e in experts]
+        return {**state, **{name: torch.stack([shard[key] for shard in shards]) for key, name in names.items()}}
 
 
 def _uniform(*shape: int, fan_in: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import dispatch, fused_route
 from .config import AUTO, MoEConfig
-from .experts import WEIGHT_NAMES, Experts, cast_weights, short_name
+from .experts import Experts
 from .fused import fused_moe
 from .module_experts import ModuleExperts
 from .parallel.expert_parallel import expert_parallel_moe, route_counts
@@ -116,8 +116,7 @@ class MoELayer(nn.Module):
     def _candidates(self):
         """(r, d, a2a) settings the configuration allows; the a2a of r = 0 (no exchange) is moot."""
         cfg, layout = self.config, self.groups.layout
-        degrees = [cfg.parallel] if cfg.parallel not in AUTO else \
-            [1] if isinstance(self.experts, ModuleExperts) else layout.degrees()
+        degrees = [cfg.parallel] if cfg.parallel not in AUTO else self.experts.parallel_degrees(layout)
         for r in degrees:
             layout.check_degree(r)
         overlaps = [1, 2, 4] if cfg.overlap_degree in AUTO else [cfg.overlap_degree]
@@ -140,21 +139,12 @@ class MoELayer(nn.Module):
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share (of the LoRA
         adapter's factors too: add_lora first)."""
-        if isinstance(self.experts, ModuleExperts):
-            return self.load_state_dict(self.experts.local_share(state))
-        layout, local = self.groups.layout, {}
-        experts = range(layout.first_expert, layout.first_expert + layout.local_experts)
-        names = {short_name(name): "experts." + name for name in WEIGHT_NAMES}
-        shards = [Experts.take_slice({k: state[n][e] for k, n in names.items() if n in state}, layout.slices,
-                                     layout.slice_index) for e in experts]
-        for key, name in names.items():
-            if name in state:
-                local[name] = torch.stack([shard[key] for shard in shards])
+        local = self.experts.local_share(state)
         from .lora import local_lora_share          # lora.py imports this module
         local.update(local_lora_share(self, state))
         if isinstance(self.tuner, Tuner) and "tuner._extra_state" not in state:
             local["tuner._extra_state"] = self.tuner.get_extra_state()
-        self.load_state_dict({**{k: v for k, v in state.items() if not k.startswith("experts.")}, **local})
+        self.load_state_dict(local)
 
     def capacity_factor(self) -> float:
         cfg = self.config
@@ -192,7 +182,7 @@ class MoELayer(nn.Module):
 
         # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
         shared = _SharedOutput(self.shared_expert, x_TD)
-        experts = self.experts if isinstance(self.experts, ModuleExperts) else cast_weights(self.experts, dtype)
+        experts = self.experts
         x_TD = x_TD.to(dtype)
         if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
             x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
@@ -225,8 +215,7 @@ class MoELayer(nn.Module):
         """The autocast dtype under autocast; else the input's, which must be the parameters'."""
         if autocast_on(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-        param_dtype = self.experts.parameter_dtype(self.router.weight_ED.dtype) \
-            if isinstance(self.experts, ModuleExperts) else self.experts.w1_EDH.dtype
+        param_dtype = self.experts.parameter_dtype(self.router.weight_ED.dtype)
         if x.dtype != param_dtype:
             raise TypeError(f"MoELayer got an input of dtype {x.dtype} but its parameters are {param_dtype}: "
                             f"cast the input or the layer (layer.to({x.dtype})), or run under torch.autocast")

@@ -23,7 +23,6 @@ from torch import nn
 
 from .experts import NO_LORA, WEIGHT_NAMES, Experts
 from .layer import MoELayer
-from .module_experts import ModuleExperts
 
 TARGETS = ("up", "down")
 
@@ -113,7 +112,7 @@ def add_lora(model: nn.Module, rank: int, alpha: Optional[float] = None, targets
     adapters = []
     for layer in layers:
         experts = layer.experts
-        if isinstance(experts, ModuleExperts):
+        if not experts.stacked:
             raise TypeError(f"add_lora: LoRA inside the layer adapts its stacked experts only, not expert modules "
                             f"({experts.module_name}); adapt those modules' own weights (PEFT target_modules)")
         if experts.slices > 1:

@@ -3,8 +3,9 @@
 The fast path (experts.py) runs experts Linear(D, H) -> activation -> Linear(H, D) as stacked weights on
 grouped GEMMs. Any other module (a single Linear, an expert with a LayerNorm, a custom module) runs here:
 the rows grouped by expert are cut at their counts (read to the host once per call) and each block goes
-through its own expert's module. Same forward contract as experts.Experts: forward(x_RD, rows_per_expert)
--> y_RD, rows past the last expert's block give 0. Under autocast the modules run under autocast of the
+through its own expert's module. It meets the experts contract (experts.BaseExperts) as experts.Experts does
+(forward(x_RD, rows_per_expert) -> y_RD, rows past the last expert's block give 0) with no stacked weights:
+weights() is None. Under autocast the modules run under autocast of the
 rows' dtype, and their outputs come back in it.
 
 The state dict holds expert i (local index) as `local.<i>.<the module's own names>`.
@@ -23,12 +24,12 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
-from .experts import KeepsParameterTags
+from .experts import BaseExperts
 
 PROBE_ROWS = 3
 
 
-class ModuleExperts(KeepsParameterTags):
+class ModuleExperts(BaseExperts):
     """This rank's experts [first_expert, first_expert + local_experts), each a copy of `module` (as
     DeepSpeed's Experts: copies, so every expert starts from the module's weights)."""
 
@@ -63,8 +64,14 @@ class ModuleExperts(KeepsParameterTags):
                     if callable(getattr(module, "reset_parameters", None)):
                         module.reset_parameters()
 
-    def parameter_dtype(self, default: torch.dtype) -> torch.dtype:
-        return next((p.dtype for p in self.parameters() if p.is_floating_point()), default)
+    def parallel_degrees(self, layout) -> list:
+        return [1]
+
+    def check_degree(self, layout, r: int) -> None:
+        if r != 1:
+            raise ValueError(f"parallel degree {r} is not supported with expert module {self.module_name} "
+                             f"(the general path runs expert parallel only: parallel=1)")
+        layout.check_degree(r)
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert) -> torch.Tensor:
         """rows_per_expert: a list of ints or a tensor (read to the host); x_RD may hold more rows."""

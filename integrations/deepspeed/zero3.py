@@ -27,7 +27,6 @@ from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups, set_z3_leaf_modules
 
 from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group
-from moe_plugin.module_experts import ModuleExperts
 from moe_plugin.parallel.expert_grads import expert_layers
 from moe_plugin.parallel.expert_parallel import whole_experts
 
@@ -121,7 +120,7 @@ def gather_every_expert_on_16bit_save(engine) -> None:
     calls it) hold every expert of each expert-parallel layer on rank 0, not only rank 0's (stacked experts; the
     general path's expert modules stay rank 0's)."""
     layers = [(prefix, layer) for prefix, layer in expert_layers(engine.module)
-              if not isinstance(layer.experts, ModuleExperts)]
+              if layer.experts.stacked]
     if not layers:
         return
     consolidated = engine._zero3_consolidated_16bit_state_dict

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from moe_plugin import MoELayer
-from moe_plugin.experts import Experts
 
 from .peft import HFExpertsHandle, peft_adapters_in
 
@@ -136,7 +135,7 @@ class HFMoEBlock(nn.Module):
         self.moe = moe
         self.family = family
         self.router_logits = router_logits
-        if isinstance(moe.experts, Experts):   # HF's names for PEFT's target_parameters (peft.py)
+        if moe.experts.stacked:   # HF's names for PEFT's target_parameters (peft.py)
             self.experts = HFExpertsHandle(moe.experts, family)
         if router_logits is not None:
             router_logits.__dict__["_router"] = moe.router

@@ -29,7 +29,6 @@ from .. import dispatch, ops
 from ..activations import as_activation
 from ..experts import WEIGHT_NAMES, ExpertWeights, GroupedMLP, lora_factors
 from ..fused import fused_moe
-from ..module_experts import ModuleExperts
 from .all_to_all import Pending2DH, PendingAllToAll, gather_sum, ranges, segment_permutation
 from .groups import ExpertGroups
 
@@ -55,14 +54,10 @@ def chunk_of(counts: torch.Tensor, d: int, c: int):
     return size, offset
 
 
-def gathered_experts(experts, groups: ExpertGroups, r: int):
-    """The weights this rank computes with under degree r (gathered where needed; differentiable)."""
+def gathered_experts(experts, groups: ExpertGroups, r: int) -> ExpertWeights:
+    """The weights (an ExpertWeights, or anything with its fields) this rank computes with under degree r
+    (gathered where needed; differentiable)."""
     layout = groups.layout
-    if isinstance(experts, ModuleExperts):
-        if r != 1:
-            raise ValueError(f"parallel degree {r} is not supported with expert module {experts.module_name} "
-                             f"(the general path runs expert parallel only: parallel=1)")
-        return experts
     group = groups.gather_groups[r]
     use_b2 = layout.computes_first_slice(r) if r else True
     if r == layout.slices:
@@ -113,15 +108,16 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
     counts_WE: route_counts' C[w, e] when the caller has it already (to choose r, d and a2a from it)."""
     in_flight = in_flight or (lambda: None)
     layout = groups.layout
-    layout.check_degree(r)
+    experts.check_degree(layout, r)
+    weights = experts.weights(x_TD.dtype)
     if r == 0:
-        weights = gathered_experts(experts, groups, r)
+        weights = gathered_experts(weights, groups, r)
         in_flight()
-        return fused_moe(x_TD, gate_TK, plan, weights)   # all experts are here: no token exchange
+        return fused_moe(x_TD, gate_TK, plan, experts, weights)   # all experts are here: no token exchange
 
     if counts_WE is None:
         counts_WE, _ = route_counts(plan, groups.ep_group, x_TD.device)
-    weights = gathered_experts(experts, groups, r)
+    weights = None if weights is None else gathered_experts(weights, groups, r)
     x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
     row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
     chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
@@ -141,13 +137,12 @@ def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatc
             pending[c + 1].progress()
         if chunk.group_by_expert is not None:
             x_in_RD = x_in_RD.index_select(0, chunk.group_by_expert)
-        if isinstance(weights, ModuleExperts):
-            y_in_RD = weights(x_in_RD, chunk.rows_per_local_expert)
+        if weights is None:       # experts without stacked weights: their own forward
+            y_in_RD = experts(x_in_RD, chunk.rows_per_local_expert)
         else:
             offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
             y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
-                                       weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED,
-                                       *lora_factors(weights))
+                                       weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
         if chunk.group_by_expert is not None:
             y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
         if returns:

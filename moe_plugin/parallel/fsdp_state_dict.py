@@ -26,7 +26,6 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ..module_experts import ModuleExperts
 from .expert_parallel import whole_experts
 from .groups import ep_blocks
 
@@ -97,7 +96,7 @@ def register(layer, device_type: str) -> None:
     layer.register_state_dict_post_hook(_model_state_dict_hook)
     layer.register_load_state_dict_pre_hook(_model_load_hook)
     layout = layer.groups.layout
-    if isinstance(layer.experts, ModuleExperts) or layout.slices > 1:
+    if not layer.experts.stacked or layout.slices > 1:
         return
     mesh = _two_d_mesh(layer, device_type)
     for param in layer.experts.parameters():
@@ -138,7 +137,7 @@ def _model_state_dict_hook(layer, state, prefix, local_metadata) -> None:
             state[prefix + "experts." + name] = form.whole(state[prefix + "experts." + name], full)
         return
     loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
-    if not loading and full and not isinstance(layer.experts, ModuleExperts):
+    if not loading and full and layer.experts.stacked:
         state.update({prefix + "experts." + name: tensor for name, tensor in whole_experts(layer).items()})
         return
     _refuse(layer, prefix)
@@ -228,7 +227,7 @@ def _full_state_dict(frames: list, function: str) -> bool:
 
 
 def _refuse(layer, prefix: str) -> None:
-    what = "expert modules (the general path)" if isinstance(layer.experts, ModuleExperts) else \
+    what = "expert modules (the general path)" if not layer.experts.stacked else \
         "hidden-sliced experts (ep_size > num_experts)"
     raise ValueError(
         f"torch.distributed.checkpoint.state_dict (get_model_state_dict / get_state_dict / set_model_state_dict, "
