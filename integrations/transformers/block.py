@@ -12,7 +12,7 @@ from torch import nn
 
 from moe_plugin import MoELayer
 
-from .peft import HFExpertsHandle, peft_adapters_in
+from .peft import HFExpertsHandle, add_router_handle, peft_adapters_in
 
 
 class RouterLogits(nn.Module):
@@ -137,6 +137,7 @@ class HFMoEBlock(nn.Module):
         self.router_logits = router_logits
         if moe.experts.stacked:   # HF's names for PEFT's target_parameters (peft.py)
             self.experts = HFExpertsHandle(moe.experts, family)
+        add_router_handle(self, moe.router, family)     # HF's name of the router weight, for PEFT (peft.py)
         if router_logits is not None:
             router_logits.__dict__["_router"] = moe.router
         self.jitter_noise = jitter_noise
@@ -166,9 +167,10 @@ class HFMoEBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tap = self.tap
-        if tap is not None and tap._forward_hooks and _recording_router_logits():
-            tap(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
-        with peft_adapters_in(self):
+        with peft_adapters_in(self) as router_weight:
+            if tap is not None and tap._forward_hooks and _recording_router_logits():
+                with router_weight():
+                    tap(self.moe.router.logits(hidden_states.reshape(-1, hidden_states.shape[-1])))
             output = self.moe(hidden_states, router_input=router_input)
         return (output, None) if self.returns_tuple else output
 

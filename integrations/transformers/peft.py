@@ -8,7 +8,12 @@ weight; the backend reads the stored W and the factors instead (factors() below)
 the routed rows with grouped GEMMs. Any other PEFT state (several adapters, a merged-delta proxy, a
 parametrization of some other library) is left as PEFT made it: the backend then reads the parameter as before.
 
-Legend: E experts, I input dim, O output dim (of the projection x -> x W), Q LoRA rank.
+The router: PEFT adapts HF's router weight (`target_modules=["gate"]`, which PEFT turns into
+`target_parameters=["mlp.gate.weight"]` for MoE families; or that name directly) with a ParamWrapper of a 2-D weight,
+whose merged weight W + s B A is [E, D], the router weight's own size. A swapped block shows the router's weight_ED
+under HF's name (HFRouterHandle), and its layer's router computes with W + s B A during the block's forward.
+
+Legend: E experts, D model dim, I input dim, O output dim (of the projection x -> x W), Q LoRA rank.
 """
 from __future__ import annotations
 
@@ -116,6 +121,46 @@ class HFExpertsHandle(nn.Module):
         raise TypeError("HFExpertsHandle computes nothing: the swapped block runs its MoELayer")
 
 
+class HFRouterHandle(nn.Module):
+    """What PEFT finds at a swapped block's HF router name (gate, router): the layer's router.weight_ED [E, D] as
+    HF's `weight` ([E, D] too), listed to PEFT's target matching only (as HFExpertsHandle's weights). It computes
+    nothing: the block reads PEFT's factors around it (router_delta) and its router adds them to its weight."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.__dict__["_router"] = router     # not a submodule: the layer owns it
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            return self._router.weight_ED
+        return super().__getattr__(name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        if not _called_from_peft():
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return iter([(f"{prefix}.weight" if prefix else "weight", self._router.weight_ED)])
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("HFRouterHandle computes nothing: the swapped block runs its MoELayer")
+
+
+def router_handle_name(family: str) -> Optional[str]:
+    """The block attribute HF keeps its router under ("gate" for HF's gate.weight), when the family's router weight
+    is one level down the block; None otherwise (no handle: PEFT then finds no router there)."""
+    from .families import FAMILIES
+    names = [w.hf[0] for w in FAMILIES[family].weights if w.layer == "router.weight_ED" and len(w.hf) == 1]
+    if len(names) != 1:
+        return None
+    module, _, param = names[0].partition(".")
+    return module if param == "weight" else None
+
+
+def add_router_handle(block: nn.Module, router: nn.Module, family: str) -> None:
+    name = router_handle_name(family)
+    if name is not None and name not in block._modules and not hasattr(type(block), name):
+        setattr(block, name, HFRouterHandle(router))
+
+
 class HFOrderedWeight:
     """What PEFT's merge and unmerge get for a weight the layer keeps in another column order than HF (gpt-oss's
     gate_up_proj: HF interleaves gate and up, the layer keeps [gate | up]): `.data` reads a copy in HF's order and
@@ -190,22 +235,87 @@ def peft_adapters(block: nn.Module) -> Optional[tuple]:
     return None if factors_ == [None] * 4 else tuple(factors_)
 
 
+def router_delta(block: nn.Module) -> Optional[torch.Tensor]:
+    """s B A [E, D] of PEFT's LoRA on the block's HFRouterHandle (differentiable in A and B), or None: no wrapper,
+    adapters disabled or merged."""
+    for module in block._modules.values():
+        if type(module).__name__ != "ParamWrapper" or not isinstance(module.get_base_layer(), HFRouterHandle):
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if module.disable_adapters or module.merged or not adapters:
+            return None
+        if len(adapters) > 1:
+            raise ValueError(f"moe_plugin: {len(adapters)} active LoRA adapters on the router ({adapters}); the "
+                             f"swapped layer runs one at a time (set_adapter)")
+        name = adapters[0]
+        return module.lora_B[name].weight @ module.lora_A[name].weight * module.scaling[name]
+    return None
+
+
 @contextlib.contextmanager
-def peft_adapters_in(block: nn.Module):
-    """Within it, the block's layer computes with PEFT's factors (peft_adapters), as its experts' LoRA factors."""
-    lora = peft_adapters(block)
-    if lora is None:
-        yield
-        return
-    experts = block.moe.experts
-    if getattr(experts, "lora", None) is not None:
-        raise ValueError("moe_plugin: the swapped experts hold an adapter of moe_plugin.lora (add_lora) and PEFT's "
-                         "LoRA on mlp.experts at once; use one of them")
-    experts.lora = lora
+def _router_weight(router: nn.Module, delta_ED: torch.Tensor):
+    """Within it, router.weight_ED reads W + delta_ED (the parameter itself is untouched and gets its gradient)."""
+    params = router._parameters
+    weight_ED = params["weight_ED"]
+    params["weight_ED"] = weight_ED + delta_ED.to(weight_ED.dtype)
     try:
         yield
     finally:
-        del experts.lora
+        params["weight_ED"] = weight_ED
+
+
+@contextlib.contextmanager
+def _router_adapted(router: nn.Module, delta_ED: torch.Tensor):
+    """Within it, the router's own forward computes with W + delta_ED: the weight changes only between its forward
+    hooks (after hosts' hooks gathered or unsharded it), and a router with hooks takes the reference route path, which
+    reads router.weight_ED."""
+    if hasattr(router.weight_ED, "ds_id"):
+        raise ValueError("moe_plugin: PEFT's LoRA on the router of a swapped block under DeepSpeed ZeRO-3 is not "
+                         "supported (its partitioned weight cannot take the adapter); adapt the experts only, or "
+                         "use ZeRO-1/2 or FSDP2")
+    active = []
+
+    def enter(module, args):
+        active.append(_router_weight(module, delta_ED))
+        active[-1].__enter__()
+
+    def leave(module, args, output):
+        active.pop().__exit__(None, None, None)
+    handles = [router.register_forward_pre_hook(enter), router.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        while active:
+            active.pop().__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def peft_adapters_in(block: nn.Module):
+    """Within it, the block's layer computes with PEFT's factors (peft_adapters), as its experts' LoRA factors, and
+    its router with PEFT's LoRA on the router (router_delta). It gives router_weight(): a context in which reading
+    the router's weight_ED directly (the block's router-logits tap) sees the adapted weight too."""
+    with contextlib.ExitStack() as stack:
+        delta_ED = router_delta(block)
+        router_weight = contextlib.nullcontext
+        if delta_ED is not None:
+            router = block.moe.router
+            stack.enter_context(_router_adapted(router, delta_ED))
+            router_weight = lambda: _router_weight(router, delta_ED)   # noqa: E731
+        lora = peft_adapters(block)
+        if lora is None:
+            yield router_weight
+            return
+        experts = block.moe.experts
+        if getattr(experts, "lora", None) is not None:
+            raise ValueError("moe_plugin: the swapped experts hold an adapter of moe_plugin.lora (add_lora) and PEFT's "
+                             "LoRA on mlp.experts at once; use one of them")
+        experts.lora = lora
+        try:
+            yield router_weight
+        finally:
+            del experts.lora
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -213,34 +323,43 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def detach_wrappers(hf_block: nn.Module):
-    """PEFT's ParamWrappers around an HF block's experts, taken off it (its experts are HF's own again), as
-    (outermost, innermost); None without any."""
-    outer = hf_block._modules.get("experts")
-    if outer is None or type(outer).__name__ != "ParamWrapper":
-        return None
-    inner = outer
-    while type(inner.base_layer).__name__ == "ParamWrapper":
-        inner = inner.base_layer
-    hf_block.experts = inner.base_layer
-    return outer, inner
+    """PEFT's ParamWrappers around an HF block's children (its experts, its router), taken off it (the children are
+    HF's own again), as {child name: (outermost, innermost)}; None without any."""
+    found = {}
+    for name, outer in list(hf_block._modules.items()):
+        if type(outer).__name__ != "ParamWrapper":
+            continue
+        inner = outer
+        while type(inner.base_layer).__name__ == "ParamWrapper":
+            inner = inner.base_layer
+        setattr(hf_block, name, inner.base_layer)
+        found[name] = (outer, inner)
+    return found or None
 
 
 def attach_wrappers(block: nn.Module, wrappers) -> None:
-    """Puts detach_wrappers' wrappers around a swapped block's HFExpertsHandle (same names, same shapes)."""
-    if wrappers is None:
-        return
-    outer, inner = wrappers
-    handle = block._modules.get("experts")
-    if not isinstance(handle, HFExpertsHandle):
-        raise TypeError(f"swap_moe_blocks: PEFT's LoRA targets HF's experts, but the swapped {type(block).__name__} "
-                        f"has no HF-named experts to carry it (expert modules, or a family without fused experts)")
-    module = outer
-    while True:
-        if module.parameter_name not in handle.hf_names():
-            raise ValueError(f"swap_moe_blocks: PEFT's LoRA targets experts.{module.parameter_name}, which the "
-                             f"swapped layer does not hold (it holds {sorted(handle.hf_names())})")
-        if module is inner:
-            break
-        module = module.base_layer
-    inner.base_layer = handle
-    block.experts = outer
+    """Puts detach_wrappers' wrappers around a swapped block's HF-named handles (same names, same shapes)."""
+    for name, (outer, inner) in (wrappers or {}).items():
+        handle = block._modules.get(name)
+        if name == "experts":
+            if not isinstance(handle, HFExpertsHandle):
+                raise TypeError(f"swap_moe_blocks: PEFT's LoRA targets HF's experts, but the swapped "
+                                f"{type(block).__name__} has no HF-named experts to carry it (expert modules, or a "
+                                f"family without fused experts)")
+            held = handle.hf_names()
+        elif isinstance(handle, HFRouterHandle):
+            held = {"weight": None}
+        else:
+            raise TypeError(f"swap_moe_blocks: PEFT's LoRA targets the HF block's {name}, which the swapped "
+                            f"{type(block).__name__} does not carry (it carries PEFT's LoRA on the experts and on the "
+                            f"router's weight)")
+        module = outer
+        while True:
+            if module.parameter_name not in held:
+                raise ValueError(f"swap_moe_blocks: PEFT's LoRA targets {name}.{module.parameter_name}, which the "
+                                 f"swapped layer does not hold (it holds {sorted(held)})")
+            if module is inner:
+                break
+            module = module.base_layer
+        inner.base_layer = handle
+        setattr(block, name, outer)

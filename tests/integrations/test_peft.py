@@ -145,3 +145,25 @@ def test_swapped_layer_lora_with_peft_factors_equals_peft(family, fresh_seed):
             assert relative(grad_A, wrapper.lora_A["default"].weight.grad) <= TOL, (name, param, "A")
             assert relative(grad_B, wrapper.lora_B["default"].weight.grad) <= TOL, (name, param, "B")
     assert set(grads) == {n for n, _ in theirs.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("family,router", [("mixtral", "mlp.gate.weight"), ("gpt_oss", "mlp.router.weight")])
+def test_backend_with_peft_lora_on_the_router_too_equals_peft(family, router, fresh_seed):
+    """The backend leaves HF's router to HF and PEFT (its ParamWrapper on the [E, D] weight); the experts' factors
+    still go the grouped path: same loss and adapter gradients as PEFT on grouped_mm, the router's included."""
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    sides = []
+    for implementation in ("grouped_mm", "moe_plugin"):
+        copied = copy.deepcopy(model)
+        copied.set_experts_implementation(implementation)
+        torch.manual_seed(fresh_seed)
+        sides.append(peft.get_peft_model(copied, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["o_proj"], target_parameters=EXPERTS + [router],
+            init_lora_weights=False)))
+    ids = tokens(fresh_seed)
+    (loss, grads), (our_loss, our_grads) = (loss_and_adapter_grads(side, ids) for side in sides)
+    routers = [n for n in grads if router.rpartition(".")[0] + ".lora_" in n]
+    assert routers and all(grads[n].abs().max() > 0 for n in routers)
+    assert relative(our_loss, loss) <= TOL
+    assert set(our_grads) == set(grads)
+    assert max(relative(our_grads[n], grads[n]) for n in grads) <= TOL

@@ -164,12 +164,15 @@ def test_peft_wrappers_on_experts_the_swapped_layer_lacks_are_an_error():
     wrappers = detach_wrappers(hf_block)
     assert type(hf_block.experts).__name__ == "MixtralExperts"
     swapped = hf_moe.swap_moe_blocks(copy.deepcopy(model)).model.layers[0].mlp
-    wrappers[0].parameter_name = "w3"        # a parameter HF's Mixtral experts do not have
+    assert list(wrappers) == ["experts"]
+    wrappers["experts"][0].parameter_name = "w3"        # a parameter HF's Mixtral experts do not have
     with pytest.raises(ValueError, match="experts.w3, which the swapped layer does not hold"):
         attach_wrappers(swapped, wrappers)
     del swapped.experts
     with pytest.raises(TypeError, match="no HF-named experts"):
         attach_wrappers(swapped, wrappers)
+    with pytest.raises(TypeError, match="targets the HF block's norm, which the swapped"):
+        attach_wrappers(swapped, {"norm": wrappers["experts"]})
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
@@ -206,3 +209,74 @@ def test_adapters_under_deepspeed_blocks_save_with_peft_and_file_per_expert(fami
         other.load_state_dict(state)
         mine = dict(block.experts.named_parameters())
         assert all(torch.equal(p, mine[n]) for n, p in other.experts.named_parameters()) and mine
+
+
+ROUTERS = {"mixtral": "mlp.gate.weight", "qwen3_moe": "mlp.gate.weight", "gpt_oss": "mlp.router.weight",
+           "deepseek_v3": "mlp.gate.weight"}
+
+
+def router_lora_config(family, by_module=False):
+    """LoRA on the experts, the attention output and the router: by HF's parameter name, or (by_module) by the
+    router module's name, which PEFT turns into that parameter name for the families it converts (mixtral)."""
+    if by_module:
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "gate"], init_lora_weights=False,
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", ROUTERS[family]])
+
+
+def router_adapters(model):
+    names = [n for n in trainable(model) if (".mlp.gate." in n or ".mlp.router." in n) and "lora_" in n]
+    assert names, "PEFT targeted no router"
+    return names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_lora_on_the_router_of_a_swapped_model_equals_peft(family, fresh_seed):
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    theirs = peft.get_peft_model(copy.deepcopy(model), router_lora_config(family))
+    ours = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), router_lora_config(family))
+    with torch.no_grad():
+        mine = trainable(ours)
+        for name, param in trainable(theirs).items():
+            mine[name].copy_(param)
+    names = router_adapters(ours)
+    assert_same_training(ours, theirs, tokens(fresh_seed))
+    assert all(ours.get_parameter(n).grad.abs().max() > 0 for n in names)
+    for block in (m for m in ours.modules() if isinstance(m, hf_moe.HFMoEBlock)):   # the weight is back
+        assert isinstance(block.moe.router.weight_ED, torch.nn.Parameter)
+        assert not block.moe.router.weight_ED.requires_grad
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_swap_after_peft_lora_on_the_router_keeps_it(family, fresh_seed):
+    model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    theirs = peft.get_peft_model(copy.deepcopy(model), router_lora_config(family))
+    ours = hf_moe.swap_moe_blocks(copy.deepcopy(theirs))
+    router_adapters(ours)
+    assert_same_training(ours, theirs, tokens(fresh_seed))
+
+
+def test_router_adapter_by_module_name_and_across_save_load(fresh_seed, tmp_path):
+    """target_modules=["gate"] (PEFT's own conversion to the router's weight) on a swapped mixtral; the adapters saved
+    there load with plain PEFT onto the unswapped model and give the same logits, and with the router adapter
+    disabled both give the unadapted model's."""
+    model = build_model("mixtral", seed=fresh_seed % 1000, experts_implementation="grouped_mm")
+    ids = tokens(fresh_seed)
+    swapped = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), router_lora_config("mixtral", True))
+    router_adapters(swapped)
+    swapped.save_pretrained(tmp_path / "adapters")
+    plain = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapters")
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+        with swapped.disable_adapter():
+            torch.testing.assert_close(swapped(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_lora_dropout_on_the_experts_is_refused_on_swapped_models():
+    """PEFT refuses lora_dropout on expert parameters (its ParamWrapper cannot drop the input of the low-rank term
+    alone); on a swapped model its error stands, before any forward."""
+    model = hf_moe.swap_moe_blocks(build_model("mixtral", seed=0, experts_implementation="grouped_mm"))
+    config = peft.LoraConfig(r=4, lora_dropout=0.1, target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(ValueError, match="lora_dropout"):
+        peft.get_peft_model(model, config)
