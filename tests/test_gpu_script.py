@@ -1,6 +1,9 @@
-"""benchmarks/gpu/run.sh, the one-call GPU check, stays runnable: it parses, the test files it names
-exist, and every benchmark flag it passes is one `moe-plugin bench` accepts."""
+"""benchmarks/gpu/run.sh, the one-call GPU check of issues 33 and 34, stays runnable where no GPU is: it parses,
+every file it names exists, every step has a time limit, the fast set fits 6 minutes, every flag it passes is
+one the called script accepts, the peers script's CPU smoke run prints every peer's row or its reason, the
+summary turns partial results into one table, and each GPU script says it needs a GPU."""
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -13,18 +16,47 @@ import torch
 from moe_plugin import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "run.sh"
+GPU = ROOT / "benchmarks" / "gpu"
+SCRIPT = GPU / "run.sh"
+FAST_SET_LIMIT_S = 360
+sys.path.insert(0, str(GPU))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def script_lines():
+    """run.sh's lines with the backslash continuations joined."""
+    return SCRIPT.read_text().replace("\\\n", " ").splitlines()
+
+
+def steps_by_mode():
+    """[(kind, name, limit, line, modes)] of run.sh's step/background/await_background lines, where modes are the
+    run modes (fast, slow) whose if-block holds the line."""
+    out, modes = [], {"fast", "slow"}
+    for line in script_lines():
+        text = line.strip()
+        if text.startswith('if [ "$MODE" != slow ]'):
+            modes = {"fast"}
+        elif text.startswith('if [ "$MODE" != fast ]'):
+            modes = {"slow"}
+        elif text == "fi":
+            modes = {"fast", "slow"}
+        match = re.match(r"(step|background) (\S+) (\S+) ", text)
+        if match:
+            out.append((match.group(1), match.group(2), match.group(3), text, set(modes)))
+        elif text.startswith("await_background"):
+            out.append(("await", text.split()[1], None, text, set(modes)))
+    return out
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
-def test_script_parses():
-    result = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+@pytest.mark.parametrize("name", ["run.sh", "setup_peers.sh", "make_carry.sh"])
+def test_scripts_parse(name):
+    result = subprocess.run(["bash", "-n", str(GPU / name)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_named_test_files_exist_and_hold_cuda_tests():
-    text = SCRIPT.read_text()
-    block = re.search(r"CUDA_TESTS=\((.*?)\)", text, re.S).group(1)
+    block = re.search(r"CUDA_TESTS=\((.*?)\)", SCRIPT.read_text(), re.S).group(1)
     files = block.split()
     assert files, "no test files named"
     for name in files:
@@ -33,28 +65,141 @@ def test_named_test_files_exist_and_hold_cuda_tests():
         assert "cuda" in path.read_text(), f"{name} holds no CUDA test"
 
 
-def test_benchmark_flags_are_accepted():
+def test_every_file_named_exists():
+    text = SCRIPT.read_text() + (GPU / "setup_peers.sh").read_text()
+    named = set(re.findall(r"((?:benchmarks|tests)/[\w/.-]+\.(?:py|sh))", text))
+    assert {"benchmarks/bench_peers.py", "benchmarks/gpu/launches_graphs.py", "benchmarks/gpu/fp8_probe.py",
+            "benchmarks/gpu/setup_peers.sh", "benchmarks/gpu/summary.py", "benchmarks/bench_fsdp.py"} <= named
+    for name in named:
+        assert (ROOT / name).is_file(), name
+
+
+def test_every_command_runs_as_a_step_with_a_limit():
+    steps = steps_by_mode()
+    assert len(steps) >= 10
+    for kind, name, limit, line, _ in steps:
+        if kind != "await":
+            assert limit.isdigit() and int(limit) > 0, line
+    names = [s[1] for s in steps if s[0] != "await"]
+    assert len(names) == len(set(names)), names
+    for line in script_lines():     # nothing that runs Python or pip escapes a step's timeout
+        if re.search(r'"\$PY"|pytest|pip install', line) and "sys.exit" not in line:
+            assert re.match(r"\s*(step|background) ", line), line
+
+
+def test_fast_set_fits_six_minutes_with_the_background_step_inside():
+    fast = [s for s in steps_by_mode() if "fast" in s[4]]
+    foreground = [int(limit) for kind, _, limit, _, _ in fast if kind == "step"]
+    assert sum(foreground) <= FAST_SET_LIMIT_S, (sum(foreground), foreground)
+    for index, (kind, name, limit, _, _) in enumerate(fast):
+        if kind == "background":    # it must end before the foreground reaches its wait, at the latest
+            wait = next(i for i, s in enumerate(fast) if s[0] == "await" and s[1] == name)
+            before = sum(int(s[2]) for s in fast[index + 1:wait] if s[0] == "step")
+            assert int(limit) <= before, (name, limit, before)
+    named = {s[1] for s in fast}
+    assert {"launches_graphs", "fp8_probe", "fsdp_mixtral_gpu", "peers", "summary"} <= named
+    slow = {s[1] for s in steps_by_mode() if s[4] == {"slow"}}
+    assert {"cuda_tests", "fsdp_fine_gpu"} <= slow
+
+
+def _step_args(name):
+    line = next(s[3] for s in steps_by_mode() if s[1] == name)
+    words = line.replace('"$OUT/', "OUT/").replace('"', "").split()
+    script = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    return words[script + 1:]
+
+
+def test_each_scripts_flags_are_accepted():
+    import bench_peers
+    for name in ("peers", "peers_compiled"):
+        args = bench_peers.parse_args(_step_args(name))
+        assert args.device == "cuda" and set(args.shapes.split(",")) <= set(bench_peers.SHAPES)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    known = {option for action in parser._actions for option in action.option_strings}
-    text = SCRIPT.read_text().replace("\\\n", " ")
-    bench_lines = [line for line in text.splitlines() if re.search(r"cli bench|BENCH", line) and "--" in line]
-    flags = {flag for line in bench_lines for flag in re.findall(r"(--[a-z][a-z0-9-]*)", line)}
-    assert {"--device", "--autocast", "--compile", "--hf"} <= flags
-    assert flags - {"--no-deps", "--no-index", "--no-build-isolation", "--use-pep517"} <= known, flags - known
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
-def test_profile_script_says_it_needs_a_gpu():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "profile_layer.py"), "--top-k", "3"],
-                            capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 2 and "no CUDA device is available" in result.stderr, result.stderr
+    parser.add_argument("--steps")
+    parser.add_argument("--rows")
+    parser.parse_args(_step_args("profile_hf_shape"))
+    for name in ("launches_graphs", "fp8_probe"):
+        assert _step_args(name)[0] == "--json"
 
 
 def test_fsdp_step_flags_exist():
-    text = SCRIPT.read_text().replace("\\\n", " ")
-    line = next(line for line in text.splitlines() if "bench_fsdp.py" in line and "step " in line)
     source = (ROOT / "benchmarks" / "bench_fsdp.py").read_text()
-    for flag in re.findall(r"(--[a-z][a-z0-9-]*)", line):
-        assert f'"{flag}"' in source, flag
-    assert "mixtral_gpu" in source
+    for name in ("fsdp_mixtral_gpu", "fsdp_fine_gpu"):
+        words = _step_args(name)
+        for flag in (w for w in words if w.startswith("--")):
+            assert f'"{flag}"' in source, flag
+        assert words[words.index("--hf-model") + 1] in source
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    path = tmp_path_factory.mktemp("peers") / "peers.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--json",
+                             str(path)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(path.read_text())
+
+
+CANDIDATES = ("moe_plugin", "moe_plugin_graphed", "moe_plugin_compiled", "moe_plugin_fp32_amp", "floor_gated",
+              "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
+
+
+def test_peers_smoke_prints_each_peers_row_or_reason(smoke):
+    stdout, result = smoke
+    assert set(result["shapes"]) == {"tiny_relu", "tiny_swiglu"}
+    for name, shape in result["shapes"].items():
+        assert set(shape["median_ms"]) | set(shape["reasons"]) == set(CANDIDATES), name
+        assert not set(shape["median_ms"]) & set(shape["reasons"])
+        for timed in ("moe_plugin", "floor_gated", "floor_relu", "einsum_fairseq"):
+            assert 0 < shape["median_ms"][timed] < 1e4, (name, timed)
+        assert shape["ratio_to_floor_gated"]["floor_gated"] == 1.0
+        assert sum(shape["routed_rows_per_expert"]) <= shape["config"]["tokens"] * shape["config"]["top_k"]
+        for candidate in CANDIDATES:     # the table names every candidate of every shape
+            assert re.search(rf"^{candidate} ", stdout, re.M), candidate
+    assert "CUDA graphs need a GPU" in result["shapes"]["tiny_relu"]["reasons"]["moe_plugin_graphed"]
+    assert "hf_grouped_mm" in result["shapes"]["tiny_swiglu"]["median_ms"]        # HF's block: SwiGLU, dropless
+    assert "not this layer" in result["shapes"]["tiny_relu"]["reasons"]["hf_grouped_mm"]
+    swiglu = result["shapes"]["tiny_swiglu"]
+    assert "deepspeed" in swiglu["median_ms"] or "capacity" in swiglu["reasons"]["deepspeed"]   # no dropless mode
+
+
+def test_summary_turns_partial_results_into_one_table(tmp_path, smoke):
+    import summary
+    (tmp_path / "peers.json").write_text(json.dumps(smoke[1]))
+    (tmp_path / "summary.txt").write_text("install rc=0\nlaunches_graphs rc=124\n")
+    launches = [dict(case="dropless_bf16", variant="ours", budget=30, total=29),
+                dict(case="dropless_bf16", variant="hf_grouped_mm", budget=None, total=61),
+                dict(case="bias_fixed_bf16", variant="ours", budget=40, total=41)]
+    table = summary.rows(tmp_path)
+    assert any("launches_graphs rc=124" in row[3] for row in table)
+    assert any(row[1].startswith("FSDP2") and "did not run" in row[3] for row in table)
+    (tmp_path / "launches_graphs.json").write_text(json.dumps(dict(
+        launches=launches, host=dict(ratio=0.7, median_ms=dict(ours=0.7, hf_grouped_mm=1.0)),
+        graphs=[dict(case="tiny", error="RuntimeError: capture failed")])))
+    table = {row[1]: row for row in summary.rows(tmp_path)}
+    assert table["launches fwd+bwd (profiler), dropless_bf16"][4] == "met"
+    assert "hf_grouped_mm 61" in table["launches fwd+bwd (profiler), dropless_bf16"][3]
+    assert table["launches fwd+bwd (profiler), bias_fixed_bf16"][4] == "MISSED"
+    assert table["CUDA graph, tiny"][4] == "MISSED"
+    assert table["host time, tiny shape on the GPU, ours / HF block"][4] == "met"
+    printed = summary.format_rows(list(table.values()))
+    assert printed.count("\n") == len(table)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+@pytest.mark.parametrize("script", ["profile_layer.py", "launches_graphs.py", "fp8_probe.py"])
+def test_gpu_scripts_say_they_need_a_gpu(script):
+    result = subprocess.run([sys.executable, str(GPU / script)], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "no CUDA device is available" in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or shutil.which("bash") is None,
+                    reason="checks what run.sh does without a GPU")
+def test_run_script_stops_without_a_gpu(tmp_path):
+    result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env={**__import__("os").environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "no CUDA device" in (tmp_path / "no_gpu.txt").read_text()
+    assert not (tmp_path / "install.log").exists()

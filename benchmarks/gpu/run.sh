@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# One-call GPU check. On a bare GPU machine that has Python with a CUDA PyTorch and Triton (no network
-# needed), from anywhere in the checkout:
+# One-call GPU check of issues 33 and 34. On a bare GPU machine with Python, a CUDA PyTorch, Triton, nvcc and
+# transformers (no network needed), from anywhere in the checkout:
 #
-#     bash benchmarks/gpu/run.sh          # results under $OUT (default: ./gpu-results)
+#     bash benchmarks/gpu/run.sh              # the fast set: at most 6 minutes (the sum of its steps' limits)
+#     bash benchmarks/gpu/run.sh --slow-only  # the slow parts alone, a second call (under 10 minutes)
+#     bash benchmarks/gpu/run.sh --full       # both (longer than one 10-minute device call: not for the tool)
 #
-# It installs moe_plugin from this checkout (pip --no-deps --no-index: nothing is downloaded), then runs
-#   1. every CUDA test of the suite (CUDA_TESTS below), the Triton routing kernels compiled for real
-#      among them, each file with -rs so a skip shows its reason;
-#   2. the GPU benchmarks: the layer under bf16 autocast against a grouped_mm floor and the bare
-#      bmm GEMMs, eager and compiled, with HF's Mixtral block on grouped_mm and DeepSpeed's MoE layer
-#      where they import; then the HF shape again with bf16 parameters; then a small Mixtral under FSDP2,
-#      swapped against HF's own blocks;
-# each step with its own time limit, about 8 minutes in all (6.5 on an H100 before the FSDP2 step was added).
-# Per step: $OUT/<step>.log, and one line "<step> rc=<code>" in $OUT/summary.txt; the exit code is 0 only
-# when every step passed. DeepSpeed and omegaconf, where the machine lacks them, can travel as wheels
-# (benchmarks/RESULTS.md, "The first GPU run", says which).
+# Results under $OUT (default ./gpu-results): per step $OUT/<step>.log and a line "<step> rc=<code>" in
+# $OUT/summary.txt; the scripts' JSON; last, ONE table of every target of issues 33 and 34
+# (benchmarks/gpu/summary.py). The exit code is 0 only when every step passed.
+#
+# The fast set: install (pip, offline); peers_setup in the background (benchmarks/gpu/setup_peers.sh: DeepSpeed,
+# omegaconf and Tutel from the git-ignored gpu_carry/, Tutel's extension built here); launches_graphs
+# (profiler launch counts against the budgets, host time, CUDA-graph replays against eager); fp8_probe;
+# fsdp_mixtral_gpu (FSDP2, swapped vs HF's own); peers (bench_peers.py at the default, HF and SonicMoE shapes:
+# ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style einsum). The slow parts: every CUDA
+# test file, fsdp_fine_gpu, torch.compile'd peers at the HF and SonicMoE shapes, a profiler table at the HF shape.
+# tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, and the fast
+# set's limits sum to at most 360 s with the background step inside the foreground steps before its wait.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+MODE=fast
+case "${1:-}" in
+  "") ;;
+  --full) MODE=full ;;
+  --slow-only) MODE=slow ;;
+  *) echo "usage: bash benchmarks/gpu/run.sh [--full | --slow-only]" >&2; exit 2 ;;
+esac
 OUT="${OUT:-$PWD/gpu-results}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
@@ -34,36 +44,66 @@ CUDA_TESTS=(
 )
 
 step() {   # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2
+  local name=$1 limit=$2 start=$SECONDS
   shift 2
-  echo "== $name: $*"
+  echo "== $name (limit ${limit} s): $*"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc" | tee -a "$OUT/summary.txt"
-  tail -n 15 "$OUT/$name.log"
+  echo "$name rc=$rc" >> "$OUT/summary.txt"
+  echo "-- $name rc=$rc in $((SECONDS - start)) s"
+  tail -n 8 "$OUT/$name.log"
   [ "$rc" -eq 0 ] || failed=1
 }
 
-{ nvidia-smi || true
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-  "$PY" -c "import triton; print('triton', triton.__version__)" || true
-} > "$OUT/environment.txt" 2>&1
-cat "$OUT/environment.txt"
+background() {   # background NAME SECONDS COMMAND...: started now, awaited by await_background
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (background, limit ${limit} s): $*"
+  ( timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?" >> "$OUT/summary.txt" ) &
+  BG_PID=$!
+}
 
-step install 120 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
-# the Triton interpreter run is the CPU check of the same kernels (CI runs it); here they run compiled
-step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}" \
-  --deselect tests/ops/test_triton_kernels.py::test_interpreter_run
+await_background() {
+  wait "$BG_PID"
+  tail -n 8 "$OUT/$1.log"
+  grep -q "^$1 rc=0$" "$OUT/summary.txt" || failed=1
+}
 
-BENCH=("$PY" -m moe_plugin.cli bench --device cuda --autocast bf16 --rounds 10 --warmup 3 --skip einsum --compile)
-step bench_default 90 "${BENCH[@]}" --json
-BENCH_HF_SHAPE=(--hf --activation swiglu --no-bias --capacity-factor 0 --model-dim 2048 --hidden-size 1408 \
-  --num-experts 64 --top-k 6 --tokens 16384 --json)
-step bench_hf_shape 180 "${BENCH[@]}" "${BENCH_HF_SHAPE[@]}"
-# the same with bf16 parameters and no autocast: no weight casts in any candidate (HF's block runs its own path)
-step bench_hf_shape_bf16 150 "$PY" -m moe_plugin.cli bench --device cuda --dtype bf16 --rounds 10 --warmup 3 \
-  --skip einsum "${BENCH_HF_SHAPE[@]}"
-# FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
-step fsdp_swapped_vs_hf 120 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
-  --hf-model mixtral_gpu --steps 10
+step environment 10 bash -c "nvidia-smi; $PY -c \"import torch, triton; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__)\""
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "run.sh measures on a GPU: torch sees no CUDA device here, so nothing was run (exit 3)" | tee "$OUT/no_gpu.txt"
+  exit 3
+fi
+
+if [ "$MODE" != slow ]; then
+  background peers_setup 180 bash benchmarks/gpu/setup_peers.sh
+fi
+step install 35 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
+
+if [ "$MODE" != slow ]; then
+  step launches_graphs 70 "$PY" benchmarks/gpu/launches_graphs.py --json "$OUT/launches_graphs.json"
+  step fp8_probe 25 "$PY" benchmarks/gpu/fp8_probe.py --json "$OUT/fp8.json"
+  # FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
+  step fsdp_mixtral_gpu 75 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+    --hf-model mixtral_gpu --steps 10
+  await_background peers_setup
+  step peers 130 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
+    --json "$OUT/peers.json"
+fi
+
+if [ "$MODE" != fast ]; then
+  # the Triton interpreter run is the CPU check of the same kernels (CI runs it); here they run compiled
+  step cuda_tests 280 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}" \
+    --deselect tests/ops/test_triton_kernels.py::test_interpreter_run
+  step fsdp_fine_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+    --hf-model fine_gpu --steps 10
+  step peers_compiled 120 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
+    --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$OUT/peers_compiled.json"
+  step profile_hf_shape 45 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
+    --capacity-factor 0 --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384
+fi
+
+step summary 10 "$PY" benchmarks/gpu/summary.py "$OUT"
+cat "$OUT/summary.log"
 exit "$failed"
