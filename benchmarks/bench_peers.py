@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -183,7 +182,6 @@ def tutel_step(config, x_TD, grad_TD):
         return f"Tutel has no {config.activation} expert with bias={config.bias}"
     if x_TD.device.type == "cpu" and not _tutel_has_cpu_kernels():
         return "Tutel built without its C++ extension: no CPU kernels here (the GPU script builds it)"
-    _single_process_group()
     gate = {"type": "top", "k": config.top_k, "capacity_factor": config.capacity_factor, "fp32_gate": True}
     module = tutel_moe.moe_layer(gate_type=gate, model_dim=config.model_dim, experts=experts)
     module = module.to(device=x_TD.device, dtype=x_TD.dtype)
@@ -199,18 +197,6 @@ def _tutel_has_cpu_kernels() -> bool:
         return hasattr(tutel_custom_kernel, "invoke_cpu_fp32")
     except ImportError:
         return False
-
-
-def _single_process_group() -> None:
-    import torch.distributed as dist
-    if dist.is_available() and not dist.is_initialized():
-        import socket
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 def einsum_step(shape, T, x_TD, grad_TD, device, dtype):

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "benchmarks" / "gpu"
 SCRIPT = GPU / "run.sh"
 FAST_SET_LIMIT_S = 360
+OTHER_SET_LIMIT_S = 420    # --slow-only, --tests: each a later device call of at most 10 minutes
+MODES = ("fast", "slow", "tests")
 sys.path.insert(0, str(GPU))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -30,16 +32,16 @@ def script_lines():
 
 def steps_by_mode():
     """[(kind, name, limit, line, modes)] of run.sh's step/background/await_background lines, where modes are the
-    run modes (fast, slow) whose if-block holds the line."""
-    out, modes = [], {"fast", "slow"}
+    run modes (fast, slow, tests) whose `if wants ...; then` block holds the line (all outside any block)."""
+    out, modes = [], set(MODES)
     for line in script_lines():
         text = line.strip()
-        if text.startswith('if [ "$MODE" != slow ]'):
-            modes = {"fast"}
-        elif text.startswith('if [ "$MODE" != fast ]'):
-            modes = {"slow"}
+        block = re.match(r"if wants ([a-z ]+); then", text)
+        if block:
+            modes = set(block.group(1).split()) - {"full"}
+            assert modes <= set(MODES), text
         elif text == "fi":
-            modes = {"fast", "slow"}
+            modes = set(MODES)
         match = re.match(r"(step|background) (\S+) (\S+) ", text)
         if match:
             out.append((match.group(1), match.group(2), match.group(3), text, set(modes)))
@@ -98,8 +100,12 @@ def test_fast_set_fits_six_minutes_with_the_background_step_inside():
             assert int(limit) <= before, (name, limit, before)
     named = {s[1] for s in fast}
     assert {"launches_graphs", "fp8_probe", "fsdp_mixtral_gpu", "peers", "summary"} <= named
-    slow = {s[1] for s in steps_by_mode() if s[4] == {"slow"}}
-    assert {"cuda_tests", "fsdp_fine_gpu"} <= slow
+    for mode in ("slow", "tests"):
+        steps = [s for s in steps_by_mode() if mode in s[4]]
+        assert not [s for s in steps if s[0] == "background"], mode
+        assert sum(int(s[2]) for s in steps if s[0] == "step") <= OTHER_SET_LIMIT_S, mode
+    assert "cuda_tests" in {s[1] for s in steps_by_mode() if s[4] == {"tests"}}
+    assert {"fsdp_fine_gpu", "graphs_compiled", "peers_compiled"} <= {s[1] for s in steps_by_mode() if s[4] == {"slow"}}
 
 
 def _step_args(name):
@@ -121,6 +127,7 @@ def test_each_scripts_flags_are_accepted():
     parser.parse_args(_step_args("profile_hf_shape"))
     for name in ("launches_graphs", "fp8_probe"):
         assert _step_args(name)[0] == "--json"
+    assert _step_args("graphs_compiled")[:2] == ["--compile", "--json"]
 
 
 def test_fsdp_step_flags_exist():

@@ -10,7 +10,8 @@
 3. CUDA graphs: the eager step against the same step captured as one graph and replayed, at the default shape
    (fp32 parameters under bf16 autocast, ReLU with biases, capacity 1.25), the default dims dropless SwiGLU in
    bf16, and the tiny shape; each replay's outputs and gradients compared with an eager step on the same input,
-   and the layer's stats read after a replay compared with eager's.
+   and the layer's stats read after a replay compared with eager's. With --compile instead (slow: it compiles):
+   torch.compile(layer, mode="reduce-overhead"), the documented way, against eager in the same way.
 
 Legend: T tokens, D model dim, H hidden, E experts, K top-k.
 """
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_plugin.integrations.transformers  # noqa: E402,F401  (hides an unloadable torchaudio first)
 from moe_plugin import MoEConfig, MoELayer  # noqa: E402
-from graph_step import GraphedStep, check_replay  # noqa: E402
+from graph_step import GraphedStep, check_replay, eager_reference, relative_error  # noqa: E402
 
 # configuration -> (MoEConfig overrides, parameter dtype, autocast dtype or None, budget): count_launches.py's CASES
 CASES = {
@@ -102,7 +103,8 @@ def profiled_launches(forward, x) -> dict:
     torch.cuda.synchronize()
     counts = {}
     for phase in ("forward", "backward"):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
             if phase == "forward":
                 outputs = forward(x)
             else:
@@ -208,22 +210,87 @@ def graphs() -> list:
     return rows
 
 
+def compiled_graphs() -> list:
+    """torch.compile(layer, mode="reduce-overhead") (the documented way to graph the layer; CUDA graphs by
+    cudagraph trees, backward included): its step against eager on the same input, outputs and gradients."""
+    rows = []
+    for name in ("tiny_dropless_swiglu_bf16", "default_fp32_autocast"):
+        shape, overrides, activation, dtype, amp = GRAPH_CASES[name]
+        torch.manual_seed(0)
+        try:
+            layer, forward, x = ours(shape, overrides, dtype, amp, activation)
+            compiled_layer = torch.compile(layer, mode="reduce-overhead")
+            grads = [torch.randn(shape["tokens"], shape["model_dim"], device="cuda", dtype=amp or dtype),
+                     torch.ones((), device="cuda")]
+            params = [p for p in layer.parameters() if p.requires_grad]
+            x_c = x.detach().clone().requires_grad_()
+
+            def compiled_step():
+                torch.compiler.cudagraph_mark_step_begin()
+                for p in params + [x_c]:
+                    p.grad = None
+                with autocast(amp):
+                    outputs = [compiled_layer(x_c), layer.aux_loss]
+                torch.autograd.backward(outputs, grads)
+                return outputs
+
+            def timed_compiled_step():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                compiled_step()
+                torch.cuda.synchronize()
+                return time.perf_counter() - start
+
+            for _ in range(4):       # compile, then cudagraph trees record and replay
+                compiled_step()
+            outputs = [o.detach().clone() for o in compiled_step()]
+            gradients = [t.grad.detach().clone() for t in params + [x_c]]
+            eager = eager_reference(forward, params, x_c, grads)
+            errors = {"outputs": max(relative_error(a, b) for a, b in zip(outputs, eager["outputs"])),
+                      "gradients": max(relative_error(a, b) for a, b in zip(gradients, eager["gradients"]))}
+            ms = interleaved_ms({"eager": step_timer(forward, params, x, grads), "compiled": timed_compiled_step},
+                                warmup=3, rounds=20)
+            rows.append(dict(case=f"reduce-overhead {name}", eager_ms=ms["eager"], graphed_ms=ms["compiled"],
+                             ratio=ms["compiled"] / ms["eager"], output_error=errors["outputs"],
+                             gradient_error=errors["gradients"], stats_match=True,
+                             replay_ok=max(errors.values()) <= REPLAY_TOLERANCE))
+        except Exception as error:
+            rows.append(dict(case=f"reduce-overhead {name}", error=f"{type(error).__name__}: {error}"[:300]))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compile", action="store_true",
+                        help="only torch.compile(mode='reduce-overhead') against eager (slow: compiles)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("launches_graphs.py measures on a GPU: no CUDA device is available")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "launches": launches()}
+    if args.compile:
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "graphs": compiled_graphs()}
+        for row in result["graphs"]:
+            print("compiled graphs", row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def save():   # after each part: a run stopped at its time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+    result["launches"] = launches()
     for row in result["launches"]:
         print("launches", {k: v for k, v in row.items() if not k.endswith("_names")})
+    save()
     result["host"] = host_time()
     print("host", result["host"])
+    save()
     result["graphs"] = graphs()
     for row in result["graphs"]:
         print("graphs", row)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    save()
     return 0
 
 

@@ -3,21 +3,25 @@
 # transformers (no network needed), from anywhere in the checkout:
 #
 #     bash benchmarks/gpu/run.sh              # the fast set: at most 6 minutes (the sum of its steps' limits)
-#     bash benchmarks/gpu/run.sh --slow-only  # the slow parts alone, a second call (under 10 minutes)
-#     bash benchmarks/gpu/run.sh --full       # both (longer than one 10-minute device call: not for the tool)
+#     bash benchmarks/gpu/run.sh --slow-only  # the slow benchmarks alone, a later call (at most 7 minutes)
+#     bash benchmarks/gpu/run.sh --tests      # every CUDA test file alone, a later call (at most 6 minutes)
+#     bash benchmarks/gpu/run.sh --full       # all three (longer than one 10-minute device call: not for the tool)
 #
 # Results under $OUT (default ./gpu-results): per step $OUT/<step>.log and a line "<step> rc=<code>" in
 # $OUT/summary.txt; the scripts' JSON; last, ONE table of every target of issues 33 and 34
 # (benchmarks/gpu/summary.py). The exit code is 0 only when every step passed.
 #
-# The fast set: install (pip, offline); peers_setup in the background (benchmarks/gpu/setup_peers.sh: DeepSpeed,
+# The fast set (this checkout on PYTHONPATH, nothing installed but the peers): peers_setup in the background (benchmarks/gpu/setup_peers.sh: DeepSpeed,
 # omegaconf and Tutel from the git-ignored gpu_carry/, Tutel's extension built here); launches_graphs
 # (profiler launch counts against the budgets, host time, CUDA-graph replays against eager); fp8_probe;
 # fsdp_mixtral_gpu (FSDP2, swapped vs HF's own); peers (bench_peers.py at the default, HF and SonicMoE shapes:
-# ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style einsum). The slow parts: every CUDA
-# test file, fsdp_fine_gpu, torch.compile'd peers at the HF and SonicMoE shapes, a profiler table at the HF shape.
-# tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, and the fast
-# set's limits sum to at most 360 s with the background step inside the foreground steps before its wait.
+# ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style einsum). The slow benchmarks:
+# fsdp_fine_gpu, torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at the HF and SonicMoE
+# shapes, a profiler table at the HF shape. The tests: install (pip, offline), every CUDA test file, the Triton
+# kernels compiled.
+# tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
+# limits sum to at most 360 s with the background step inside the foreground steps before its wait, and the
+# other sets' to at most 420 s.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=fast
@@ -25,8 +29,10 @@ case "${1:-}" in
   "") ;;
   --full) MODE=full ;;
   --slow-only) MODE=slow ;;
-  *) echo "usage: bash benchmarks/gpu/run.sh [--full | --slow-only]" >&2; exit 2 ;;
+  --tests) MODE=tests ;;
+  *) echo "usage: bash benchmarks/gpu/run.sh [--slow-only | --tests | --full]" >&2; exit 2 ;;
 esac
+wants() { [[ " $* " == *" $MODE "* ]]; }   # wants MODE...: this run's mode is one of them
 OUT="${OUT:-$PWD/gpu-results}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
@@ -51,7 +57,7 @@ step() {   # step NAME SECONDS COMMAND...
   local rc=$?
   echo "$name rc=$rc" >> "$OUT/summary.txt"
   echo "-- $name rc=$rc in $((SECONDS - start)) s"
-  tail -n 8 "$OUT/$name.log"
+  [ "$name" = summary ] || tail -n 8 "$OUT/$name.log"    # the summary's table is printed whole, last
   [ "$rc" -eq 0 ] || failed=1
 }
 
@@ -76,28 +82,36 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 3
 fi
 
-if [ "$MODE" != slow ]; then
+if wants fast full; then
   background peers_setup 180 bash benchmarks/gpu/setup_peers.sh
 fi
-step install 35 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
+if wants tests full; then   # some tests run the installed command; the benchmarks import this checkout directly
+  step install 35 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
-if [ "$MODE" != slow ]; then
-  step launches_graphs 70 "$PY" benchmarks/gpu/launches_graphs.py --json "$OUT/launches_graphs.json"
+if wants fast full; then
+  step launches_graphs 80 "$PY" benchmarks/gpu/launches_graphs.py --json "$OUT/launches_graphs.json"
   step fp8_probe 25 "$PY" benchmarks/gpu/fp8_probe.py --json "$OUT/fp8.json"
   # FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
-  step fsdp_mixtral_gpu 75 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+  step fsdp_mixtral_gpu 80 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model mixtral_gpu --steps 10
   await_background peers_setup
-  step peers 130 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
+  step peers 150 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
     --json "$OUT/peers.json"
 fi
 
-if [ "$MODE" != fast ]; then
+if wants tests full; then
   # the Triton interpreter run is the CPU check of the same kernels (CI runs it); here they run compiled
-  step cuda_tests 280 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}" \
+  step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}" \
     --deselect tests/ops/test_triton_kernels.py::test_interpreter_run
+fi
+
+if wants slow full; then
   step fsdp_fine_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model fine_gpu --steps 10
+  step graphs_compiled 90 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$OUT/graphs_compiled.json"
   step peers_compiled 120 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
     --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$OUT/peers_compiled.json"
   step profile_hf_shape 45 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \

@@ -2,7 +2,8 @@
 
     python benchmarks/gpu/summary.py OUT_DIR
 
-Reads what run.sh's steps left in OUT_DIR (launches_graphs.json, peers.json, fp8.json, fsdp_*.log, summary.txt);
+Reads what run.sh's steps left in OUT_DIR (launches_graphs.json, graphs_compiled.json, peers.json,
+peers_compiled.json, fp8.json, fsdp_*.log, summary.txt);
 a step that did not run or failed gives its rows as "not measured" with the step's exit code.
 """
 from __future__ import annotations
@@ -38,6 +39,19 @@ def verdict(value, target, lower_is_better=True):
     return "met" if (value <= target if lower_is_better else value >= target) else "MISSED"
 
 
+def graph_rows(graphs: list) -> list:
+    table = []
+    for g in graphs:
+        if "error" in g:
+            table.append(("33.4", f"CUDA graph, {g['case']}", "capture + replay = eager", g["error"], "MISSED"))
+        else:
+            table.append(("33.4", f"CUDA graph, {g['case']}", "replay = eager",
+                          f"eager {g['eager_ms']:.3f} ms, graphed {g['graphed_ms']:.3f} ms ({g['ratio']:.2f}x); "
+                          f"errors out {g['output_error']:.1e} grad {g['gradient_error']:.1e}, stats "
+                          f"{'equal' if g['stats_match'] else 'DIFFER'}", "met" if g["replay_ok"] else "MISSED"))
+    return table
+
+
 def rows(out: Path) -> list:
     codes = step_codes(out)
 
@@ -50,7 +64,7 @@ def rows(out: Path) -> list:
     if lg is None:
         table.append(("33.1-4", "launches, host time, CUDA graphs", "", missing("launches_graphs"), "open"))
     else:
-        by = {(r["case"], r["variant"]): r for r in lg["launches"]}
+        by = {(r["case"], r["variant"]): r for r in lg.get("launches", [])}
         for case in ("dropless_bf16", "bias_fixed_bf16", "autocast_fp32"):
             r = by.get((case, "ours"), {})
             side = ", ".join(f"{v} {by[(case, v)].get('total', by[(case, v)].get('error'))}"
@@ -59,18 +73,15 @@ def rows(out: Path) -> list:
             table.append(("33.1", f"launches fwd+bwd (profiler), {case}", f"<= {r.get('budget')}",
                           f"{total if total is not None else r.get('error')} ({side})",
                           verdict(total, r.get("budget") or 0)))
-        h = lg["host"]
+        h = lg.get("host")
         table.append(("33.3", "host time, tiny shape on the GPU, ours / HF block", f"<= {HOST_TARGET}",
-                      f"{h['ratio']:.3f} ({h['median_ms']['ours']:.3f} vs {h['median_ms']['hf_grouped_mm']:.3f} ms)",
-                      verdict(h["ratio"], HOST_TARGET)))
-        for g in lg["graphs"]:
-            if "error" in g:
-                table.append(("33.4", f"CUDA graph, {g['case']}", "capture + replay = eager", g["error"], "MISSED"))
-            else:
-                table.append(("33.4", f"CUDA graph, {g['case']}", "replay = eager",
-                              f"eager {g['eager_ms']:.3f} ms, graphed {g['graphed_ms']:.3f} ms ({g['ratio']:.2f}x); "
-                              f"errors out {g['output_error']:.1e} grad {g['gradient_error']:.1e}, stats "
-                              f"{'equal' if g['stats_match'] else 'DIFFER'}", "met" if g["replay_ok"] else "MISSED"))
+                      f"{h['ratio']:.3f} ({h['median_ms']['ours']:.3f} vs {h['median_ms']['hf_grouped_mm']:.3f} ms)"
+                      if h else missing("launches_graphs"), verdict(h["ratio"] if h else None, HOST_TARGET)))
+        table += graph_rows(lg["graphs"]) if "graphs" in lg else [
+            ("33.4", "CUDA graph replays = eager", "", missing("launches_graphs"), "open")]
+    compiled = load(out, "graphs_compiled.json")
+    table += graph_rows(compiled["graphs"]) if compiled else [
+        ("33.4", "torch.compile(mode='reduce-overhead') = eager", "", missing("graphs_compiled"), "open")]
     for model in ("mixtral_gpu", "fine_gpu"):
         log = out / f"fsdp_{model}.log"
         match = re.search(r"swapped / HF = ([0-9.]+)", log.read_text()) if log.is_file() else None
@@ -109,6 +120,15 @@ def rows(out: Path) -> list:
                                   f"{ms[peer]:.2f} ms; {peer} {ms[peer] / ms[ours]:.2f}x ours)", verdict(r, 0.999)))
                 else:
                     table.append(("34.4", f"{name}: {peer}", "< 1", s["reasons"].get(peer, "not run"), "n/a"))
+    compiled_peers = load(out, "peers_compiled.json")
+    for name, s in (compiled_peers or {}).get("shapes", {}).items():
+        if "moe_plugin_compiled" in s["median_ms"] and "floor_gated" in s["median_ms"]:
+            table.append(("34.1", f"{name}: moe_plugin_compiled / floor_gated; TFLOP/s", f"<= {FLOOR_TARGET}; "
+                          f">= {TFLOPS_TARGET:.0f}", f"{s['ratio_to_floor_gated']['moe_plugin_compiled']:.3f}; "
+                          f"{s['tflops']['moe_plugin_compiled']:.0f}",
+                          verdict(s["ratio_to_floor_gated"]["moe_plugin_compiled"], FLOOR_TARGET)))
+        else:
+            table.append(("34.1", f"{name}: moe_plugin_compiled", "", str(s["reasons"])[:200], "open"))
     fp8 = load(out, "fp8.json")
     if fp8 is None:
         table.append(("34.5", "fp8 grouped GEMM probe", "", missing("fp8_probe"), "open"))
