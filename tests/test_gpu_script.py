@@ -205,8 +205,12 @@ def test_gpu_scripts_say_they_need_a_gpu(script):
 @pytest.mark.skipif(torch.cuda.is_available() or shutil.which("bash") is None,
                     reason="checks what run.sh does without a GPU")
 def test_run_script_stops_without_a_gpu(tmp_path):
-    result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                            env={**__import__("os").environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+    import tarfile
+    env = {**__import__("os").environ, "RESULTS": str(tmp_path / "results"), "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert result.returncode == 3, result.stdout + result.stderr
-    assert "no CUDA device" in (tmp_path / "no_gpu.txt").read_text()
-    assert not (tmp_path / "install.log").exists()
+    assert "no CUDA device" in (tmp_path / "results" / "no_gpu.txt").read_text()
+    assert not (tmp_path / "results" / "peers_setup.log").exists()
+    with tarfile.open(tmp_path / "out" / "gpu-results.tgz") as packed:    # what the device tool brings back
+        assert "./no_gpu.txt" in packed.getnames()

@@ -7,9 +7,10 @@
 #     bash benchmarks/gpu/run.sh --tests      # every CUDA test file alone, a later call (at most 6 minutes)
 #     bash benchmarks/gpu/run.sh --full       # all three (longer than one 10-minute device call: not for the tool)
 #
-# Results under $OUT (default ./gpu-results): per step $OUT/<step>.log and a line "<step> rc=<code>" in
-# $OUT/summary.txt; the scripts' JSON; last, ONE table of every target of issues 33 and 34
-# (benchmarks/gpu/summary.py). The exit code is 0 only when every step passed.
+# Results under $RESULTS (default ./gpu-results, git-ignored): per step <step>.log and a line "<step> rc=<code>"
+# in summary.txt; the scripts' JSON; last, ONE table of every target of issues 33 and 34 (benchmarks/gpu/summary.py,
+# also in summary_table.txt). Where $OUT is set (the device tool's folder that comes back, at most 8 files), they
+# are packed into $OUT/gpu-results.tgz, the table beside it. The exit code is 0 only when every step passed.
 #
 # The fast set (this checkout on PYTHONPATH, nothing installed but the peers): peers_setup in the background (benchmarks/gpu/setup_peers.sh: DeepSpeed,
 # omegaconf and Tutel from the git-ignored gpu_carry/, Tutel's extension built here); launches_graphs
@@ -33,10 +34,19 @@ case "${1:-}" in
   *) echo "usage: bash benchmarks/gpu/run.sh [--slow-only | --tests | --full]" >&2; exit 2 ;;
 esac
 wants() { [[ " $* " == *" $MODE "* ]]; }   # wants MODE...: this run's mode is one of them
-OUT="${OUT:-$PWD/gpu-results}"
+RESULTS="${RESULTS:-$PWD/gpu-results}"
 PY="${PYTHON:-python3}"
-mkdir -p "$OUT"
-: > "$OUT/summary.txt"
+mkdir -p "$RESULTS"
+rm -f "$RESULTS"/*.log "$RESULTS"/*.json "$RESULTS"/*.txt "$RESULTS"/*.tgz   # a warm machine keeps an earlier run's files
+: > "$RESULTS/summary.txt"
+pack() {
+  if [ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ]; then
+    mkdir -p "$OUT"
+    tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .
+    [ ! -f "$RESULTS/summary_table.txt" ] || cp "$RESULTS/summary_table.txt" "$OUT/"
+  fi
+}
+trap pack EXIT
 export PYTHONUNBUFFERED=1
 failed=0
 
@@ -53,11 +63,11 @@ step() {   # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   echo "== $name (limit ${limit} s): $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc" >> "$OUT/summary.txt"
+  echo "$name rc=$rc" >> "$RESULTS/summary.txt"
   echo "-- $name rc=$rc in $((SECONDS - start)) s"
-  [ "$name" = summary ] || tail -n 8 "$OUT/$name.log"    # the summary's table is printed whole, last
+  [ "$name" = summary ] || tail -n 8 "$RESULTS/$name.log"    # the summary's table is printed whole, last
   [ "$rc" -eq 0 ] || failed=1
 }
 
@@ -65,20 +75,20 @@ background() {   # background NAME SECONDS COMMAND...: started now, awaited by a
   local name=$1 limit=$2
   shift 2
   echo "== $name (background, limit ${limit} s): $*"
-  ( timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?" >> "$OUT/summary.txt" ) &
+  ( timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1; echo "$name rc=$?" >> "$RESULTS/summary.txt" ) &
   BG_PID=$!
 }
 
 await_background() {
   wait "$BG_PID"
-  tail -n 8 "$OUT/$1.log"
-  grep -q "^$1 rc=0$" "$OUT/summary.txt" || failed=1
+  tail -n 8 "$RESULTS/$1.log"
+  grep -q "^$1 rc=0$" "$RESULTS/summary.txt" || failed=1
 }
 
 step environment 10 bash -c "nvidia-smi; $PY -c \"import torch, triton; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__)\""
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "run.sh measures on a GPU: torch sees no CUDA device here, so nothing was run (exit 3)" | tee "$OUT/no_gpu.txt"
+  echo "run.sh measures on a GPU: torch sees no CUDA device here, so nothing was run (exit 3)" | tee "$RESULTS/no_gpu.txt"
   exit 3
 fi
 
@@ -92,14 +102,14 @@ else
 fi
 
 if wants fast full; then
-  step launches_graphs 80 "$PY" benchmarks/gpu/launches_graphs.py --json "$OUT/launches_graphs.json"
-  step fp8_probe 25 "$PY" benchmarks/gpu/fp8_probe.py --json "$OUT/fp8.json"
+  step launches_graphs 80 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
+  step fp8_probe 25 "$PY" benchmarks/gpu/fp8_probe.py --json "$RESULTS/fp8.json"
   # FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
   step fsdp_mixtral_gpu 80 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model mixtral_gpu --steps 10
   await_background peers_setup
   step peers 150 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
-    --json "$OUT/peers.json"
+    --json "$RESULTS/peers.json"
 fi
 
 if wants tests full; then
@@ -111,13 +121,14 @@ fi
 if wants slow full; then
   step fsdp_fine_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model fine_gpu --steps 10
-  step graphs_compiled 90 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$OUT/graphs_compiled.json"
+  step graphs_compiled 90 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"
   step peers_compiled 120 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
-    --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$OUT/peers_compiled.json"
+    --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$RESULTS/peers_compiled.json"
   step profile_hf_shape 45 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
     --capacity-factor 0 --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384
 fi
 
-step summary 10 "$PY" benchmarks/gpu/summary.py "$OUT"
-cat "$OUT/summary.log"
+step summary 10 "$PY" benchmarks/gpu/summary.py "$RESULTS"
+cp "$RESULTS/summary.log" "$RESULTS/summary_table.txt"
+cat "$RESULTS/summary_table.txt"
 exit "$failed"
