@@ -11,12 +11,10 @@ Legend: T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from . import dispatch, ops
-from .experts import ExpertWeights, Needs, mlp_backward, mlp_forward
+from . import ops
+from .experts import Needs, mlp_backward, mlp_forward
 
 
 class FusedMoE(torch.autograd.Function):
@@ -79,13 +77,3 @@ class FusedMoE(torch.autograd.Function):
         grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
 
         return (grad_x_TD, grad_gate_TK if gate_grad else None, None, None, None, *weight_grads)
-
-
-def fused_moe(x_TD, gate_TK, plan, experts, weights: Optional[ExpertWeights] = None) -> torch.Tensor:
-    """weights: what the experts run with (default: experts.weights in x_TD's dtype); experts without stacked
-    weights run their own forward on the routed rows (encode, experts, decode)."""
-    weights = experts.weights(x_TD.dtype) if weights is None else weights
-    if weights is None:
-        return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
-    return FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
-                          weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)

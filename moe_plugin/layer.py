@@ -1,6 +1,7 @@
-"""MoELayer: router -> encode -> experts -> decode, a drop-in for a transformer FFN block.
+"""MoELayer: router -> plan -> dispatcher (the experts on the routed rows) -> shared expert, a drop-in for a
+transformer FFN block.
 
-Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
+Shape legend: moe_plugin/shapes.py.
 """
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from torch import nn
 
 from . import dispatch, fused_route
 from .config import AUTO, MoEConfig
+from .dispatchers import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from .experts import Experts
-from .fused import fused_moe
 from .module_experts import ModuleExperts
-from .parallel.expert_parallel import expert_parallel_moe, route_counts
 from .parallel.ddp import check_plain_ddp
 from .parallel.fsdp import check_expert_sharding
 from .parallel.groups import ExpertGroups, build_groups
@@ -62,6 +62,7 @@ class MoELayer(nn.Module):
             self.experts = ModuleExperts(config, expert, layout.first_expert, layout.local_experts, layout.slices)
         self.shared_expert = SharedExpert(config) if config.shared_hidden_size else None
         self.tuner = self._make_tuner() if self.is_parallel else None
+        self._dispatcher = self.make_dispatcher()
         self.aux_loss = torch.zeros((), device="cpu")
         self._routing = None          # (load_E, kept_E, capacity info) of the last forward, for .stats
         # persistent (CUDA graphs: a replay writes into them; nothing holds a tensor of a past replay): the last
@@ -136,6 +137,13 @@ class MoELayer(nn.Module):
             return Tuner(self._candidates(), shape)
         return OnceTuner(self._candidates())
 
+    def make_dispatcher(self) -> Dispatcher:
+        """The layer's dispatcher for its groups and tuner: all-to-all over its expert-parallel group, or every
+        expert here. A new dispatcher (one file under dispatchers/) is chosen here."""
+        if self.is_parallel:
+            return AllToAllDispatcher(self.groups, self.tuner, self.config.a2a)
+        return LocalDispatcher(self.groups, self.tuner)
+
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share (of the LoRA
         adapter's factors too: add_lora first)."""
@@ -182,18 +190,15 @@ class MoELayer(nn.Module):
 
         # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
         shared = _SharedOutput(self.shared_expert, x_TD)
-        experts = self.experts
         x_TD = x_TD.to(dtype)
         if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
             x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
-        if self.is_parallel:   # the shared expert runs while the first all-to-all is in flight
-            with _autocast_off(x.device.type):   # the expert path runs in dtype already
-                y_TD, degrees = self._parallel_forward(x_TD, gate_TK, plan, experts, parallel, overlap_degree,
-                                                       shared)
-        else:
-            shared()
-            with _autocast_off(x.device.type):
-                y_TD, degrees = fused_moe(x_TD, gate_TK, plan, experts), None
+        dispatcher = self.__dict__.get("_dispatcher")
+        if dispatcher is None or dispatcher.groups is not self.groups or dispatcher.tuner is not self.tuner:
+            dispatcher = self._dispatcher = self.make_dispatcher()   # a host bound the groups after __init__
+        with _autocast_off(x.device.type):   # the expert path runs in dtype already
+            # the shared expert runs while the first all-to-all is in flight
+            y_TD = dispatcher(x_TD, gate_TK, plan, self.experts, shared, parallel, overlap_degree, self.training)
         y_TD = shared.add_to(y_TD)
 
         self.aux_loss = aux_loss
@@ -206,9 +211,8 @@ class MoELayer(nn.Module):
         self._aux_value.copy_(aux_loss.detach())
         self._routing = (stats_2E[0], stats_2E[1], plan.capacity_factor, plan.fixed,
                          x_TD.shape[0], cfg.top_k)
-        if degrees is not None:
-            self._parallel_stats = dict(parallel=degrees[0], overlap_degree=degrees[1], a2a=degrees[2],
-                                        **self.tuner.stats())
+        if self.is_parallel:
+            self._parallel_stats = dispatcher.stats()
         return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
@@ -220,28 +224,6 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer got an input of dtype {x.dtype} but its parameters are {param_dtype}: "
                             f"cast the input or the layer (layer.to({x.dtype})), or run under torch.autocast")
         return x.dtype
-
-    def _parallel_forward(self, x_TD, gate_TK, plan, experts, parallel, overlap_degree, in_flight):
-        tuning = parallel is None and overlap_degree is None and self.training and torch.is_grad_enabled()
-        tuner = self.tuner
-        if isinstance(tuner, Tuner):    # the setting follows this step's counts (gathered before any weight)
-            counts_WE, times_W = route_counts(plan, self.groups.ep_group, x_TD.device, extra=tuner.outgoing())
-            r, d, a2a = tuner.choose(counts_WE, times_W, x_TD.dtype, measure=tuning)
-            r = r if parallel is None else parallel
-            d = d if overlap_degree is None else overlap_degree
-            x_TD, gate_TK = tuner.enter(x_TD, gate_TK, self.experts.parameters())
-            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, a2a, in_flight=in_flight,
-                                       counts_WE=counts_WE)
-            return tuner.leave(y_TD), (r, d, a2a)
-        r, d, a2a = tuner.current()
-        a2a = a2a if self.config.a2a == "auto" else self.config.a2a
-        r = r if parallel is None else parallel
-        d = d if overlap_degree is None else overlap_degree
-        with tuner.timed() as timer:
-            y_TD = expert_parallel_moe(x_TD, gate_TK, plan, experts, self.groups, r, d, a2a, in_flight=in_flight)
-        if tuning:
-            tuner.record((r, d, a2a), timer.seconds)
-        return y_TD, (r, d, a2a)
 
     def extra_repr(self) -> str:
         cfg = self.config

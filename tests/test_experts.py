@@ -58,7 +58,7 @@ def test_grouped_mlp_gradcheck():
 @pytest.mark.parametrize("capacity_factor", [0.5, 0.0])
 def test_fused_path_matches_encode_experts_decode(activation, bias, capacity_factor):
     from moe_plugin.dispatch import decode, encode, plan_routes
-    from moe_plugin.fused import fused_moe
+    from moe_plugin.dispatchers.local import local_moe
 
     E, K, T = 6, 3, 41
     config = MoEConfig(model_dim=7, hidden_size=5, num_experts=E, top_k=K, activation=activation, bias=bias)
@@ -69,11 +69,11 @@ def test_fused_path_matches_encode_experts_decode(activation, bias, capacity_fac
     upstream = torch.randn(T, 7, dtype=torch.float64)
     params = [x_TD, gate_TK] + list(experts.parameters())
 
-    y = fused_moe(x_TD, gate_TK, plan, experts)
+    y = local_moe(x_TD, gate_TK, plan, experts)
     grads = torch.autograd.grad((y * upstream).sum(), params)
     y_ref = decode(experts(encode(x_TD, plan), plan.kept_E.tolist()), gate_TK, plan)
     grads_ref = torch.autograd.grad((y_ref * upstream).sum(), params)
     assert torch.allclose(y, y_ref, rtol=1e-12, atol=1e-12)
     for got, want in zip(grads, grads_ref):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda x, g: fused_moe(x, g, plan, experts), (x_TD, gate_TK))
+    assert torch.autograd.gradcheck(lambda x, g: local_moe(x, g, plan, experts), (x_TD, gate_TK))

@@ -20,10 +20,10 @@ levels move data at the same time (NVLink next to InfiniBand), sum when they sha
 (gloo on one host). 2DH: a stride copy groups the chunks by local destination, an intra-node
 exchange, a second stride copy groups them by destination node, an inter-node exchange among the
 ranks with the same local index; the copies run at B_copy bytes copied per second. With N = 1 or
-L = 1 the layer runs the flat exchange for "2dh" (parallel/expert_parallel.py), and so does this
+L = 1 the layer runs the flat exchange for "2dh" (dispatchers/all_to_all.py), and so does this
 model.
 
-A layer (forward + backward) under degree r (parallel/expert_parallel.py):
+A layer (forward + backward) under degree r (dispatchers/all_to_all.py):
     r = 0: every rank gathers all E experts (an all-gather forward, an all-reduce of the gathered
            gradients backward, one of each per weight tensor: w1, b1, w2, b2), no token exchange;
     r >= 1: rows go by all-to-all (r copies of each when experts are sliced), weights are gathered

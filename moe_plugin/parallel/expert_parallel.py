@@ -1,57 +1,21 @@
-"""The MoE data path across an expert-parallel group, for a parallel degree r and overlap degree d.
+"""The experts' weights across an expert-parallel group: the weights a rank computes with at parallel degree r
+(gathered_experts; the dispatcher, dispatchers/all_to_all.py, calls it), and every expert whole (whole_experts,
+for checkpoints and exports).
 
-r = 0: every rank gathers all experts' weights and computes its own tokens (no token exchange).
-r >= 1: rows go by all-to-all to the ranks computing their expert (each of the r hidden slices of
-it, partial outputs summed on return); weights are first gathered over the G = S / r ranks
-whose slices make one compute slice. The rows are cut into d chunks: chunk c + 1 is in flight
-while chunk c is computed, and chunk c's results travel back while chunk c + 1 is computed.
+r = 0: every rank gathers all experts' weights. r >= 1: a compute slice of an expert is the concatenated hidden
+slices of the G = slices / r ranks of its gather group (slices: hidden slices per expert).
 
-The one host synchronization of the layer's forward is here, in route_counts: all-to-all needs
-the split sizes (rows per destination rank, and per source rank on arrival) as host ints, so the
-gathered counts C[w, e] are copied to the host once per forward. The degrees are chosen from them
-(parallel/tuner.py) before any weight is gathered. The single-process path has none.
-
-With 2DH each exchange has two steps; chunk c + 2 starts its first step while chunk c + 1 runs its
-second and chunk c is computed, so both steps overlap expert compute.
-
-Legend: T tokens, D model dim, E experts, W ranks, R routed rows on this rank, C[w, e] rows that
-rank w routes to expert e (kept ones), S slices per expert, G ranks gathered per compute slice.
+Shape legend: moe_plugin/shapes.py (here G ranks gathered per compute slice).
 """
 from __future__ import annotations
-
-from types import SimpleNamespace
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import dispatch, ops
 from ..activations import as_activation
-from ..experts import WEIGHT_NAMES, ExpertWeights, GroupedMLP, lora_factors
-from ..fused import fused_moe
-from .all_to_all import Pending2DH, PendingAllToAll, gather_sum, ranges, segment_permutation
+from ..experts import WEIGHT_NAMES, ExpertWeights, lora_factors
+from .all_to_all import gather_sum
 from .groups import ExpertGroups
-
-
-def route_counts(plan: dispatch.Plan, group, device, extra: Optional[int] = None):
-    """(C[w, e], extra_W): kept rows of every rank for every expert (one small all-gather), on the host:
-    the all-to-all split sizes come from it (the layer's one host synchronization). extra: one host int
-    per rank that rides on the same all-gather (the tuner's timings); extra_W is None without it."""
-    mine_E = plan.kept_E.to(device=device, dtype=torch.long)
-    if extra is not None:
-        mine_E = torch.cat([mine_E, torch.tensor([extra], dtype=torch.long, device=device)])
-    all_WE = mine_E.new_empty((dist.get_world_size(group),) + tuple(mine_E.shape))
-    dist.all_gather(list(all_WE.unbind(0)), mine_E, group=group)
-    all_WE = all_WE.cpu()
-    return (all_WE, None) if extra is None else (all_WE[:, :-1], all_WE[:, -1])
-
-
-def chunk_of(counts: torch.Tensor, d: int, c: int):
-    """Sizes and offsets of chunk c when each count is cut into d near-equal parts."""
-    base, extra = counts // d, counts % d
-    size = base + (c < extra).long()
-    offset = c * base + torch.clamp(extra, max=c)
-    return size, offset
 
 
 def gathered_experts(experts, groups: ExpertGroups, r: int) -> ExpertWeights:
@@ -99,111 +63,3 @@ def whole_experts(layer) -> dict:
     local = [t.full_tensor() if isinstance(t, DTensor) else t for t in local]
     whole = gathered_experts(ExpertWeights(*local, layer.experts.activation), layer.groups, 0)
     return {name: t.detach() for name, t in zip(WEIGHT_NAMES, whole) if t is not None}
-
-
-def expert_parallel_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts,
-                        groups: ExpertGroups, r: int, d: int, a2a: str, in_flight=None,
-                        counts_WE: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """in_flight: a callable run once while the first all-to-all is in flight (before it, when r = 0).
-    counts_WE: route_counts' C[w, e] when the caller has it already (to choose r, d and a2a from it)."""
-    in_flight = in_flight or (lambda: None)
-    layout = groups.layout
-    experts.check_degree(layout, r)
-    weights = experts.weights(x_TD.dtype)
-    if r == 0:
-        weights = gathered_experts(weights, groups, r)
-        in_flight()
-        return fused_moe(x_TD, gate_TK, plan, experts, weights)   # all experts are here: no token exchange
-
-    if counts_WE is None:
-        counts_WE, _ = route_counts(plan, groups.ep_group, x_TD.device)
-    weights = None if weights is None else gathered_experts(weights, groups, r)
-    x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
-    row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
-    chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
-
-    def send(chunk):
-        rows_RD = x_RD if chunk.sends_all_in_order else x_RD.index_select(0, chunk.send_index)
-        return _start(rows_RD, chunk, groups, a2a)
-
-    ahead = 2 if _two_step(groups, a2a) else 1     # chunks in flight ahead of the one computed
-    pending, returns = [send(chunk) for chunk in chunks[:ahead]], []
-    in_flight()
-    for c, chunk in enumerate(chunks):
-        if c + ahead < d:
-            pending.append(send(chunks[c + ahead]))
-        x_in_RD = pending[c].wait()
-        if c + 1 < d:
-            pending[c + 1].progress()
-        if chunk.group_by_expert is not None:
-            x_in_RD = x_in_RD.index_select(0, chunk.group_by_expert)
-        if weights is None:       # experts without stacked weights: their own forward
-            y_in_RD = experts(x_in_RD, chunk.rows_per_local_expert)
-        else:
-            offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
-            y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
-                                       weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
-        if chunk.group_by_expert is not None:
-            y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
-        if returns:
-            returns[-1].progress()
-        returns.append(_start(y_in_RD, chunk.reversed(), groups, a2a))
-
-    if len(chunks) == 1 and chunks[0].sends_all_in_order:
-        y_RD = returns[0].wait()
-    else:   # replicated rows (sliced experts) come back once per slice: their partial outputs add up
-        y_RD = x_RD.new_zeros(x_RD.shape)
-        for chunk, back in zip(chunks, returns):
-            y_RD = y_RD.index_add(0, chunk.send_index, back.wait())
-    return dispatch.decode(y_RD, gate_TK, plan)
-
-
-class _ChunkExchange(SimpleNamespace):
-    def reversed(self):
-        return _ChunkExchange(send_counts=self.recv_counts, recv_counts=self.send_counts,
-                              counts_WW=None if self.counts_WW is None else self.counts_WW.t().contiguous())
-
-
-def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
-    """Which of my rows go where in chunk c, and how the rows arriving here group by expert."""
-    W, E = counts_WE.shape
-    me = layout.ep_rank
-    size_WE, offset_WE = chunk_of(counts_WE, d, c)
-    S, r_ = layout.slices, max(r, 1)
-    if S == 1:      # dst owns experts [dst * E_local, (dst + 1) * E_local): rows go in expert order
-        counts_WW = size_WE.view(W, W, layout.local_experts).sum(2)
-        seg_start, seg_size = row_start_E + offset_WE[me], size_WE[me]
-    else:           # expert e's rows go to replica (src % G) of each of its r compute slices
-        G = layout.gather_size(r_)
-        counts_WW = torch.zeros(W, W, dtype=torch.long)
-        replica_W1 = (torch.arange(W) % G)[:, None]
-        for m in range(r_):
-            counts_WW.scatter_add_(1, torch.arange(E) * S + m * G + replica_W1, size_WE)
-        seg_start = (row_start_E + offset_WE[me]).repeat_interleave(r_)     # (expert, m) = destination order
-        seg_size = size_WE[me].repeat_interleave(r_)
-    send_index = ranges(seg_start, seg_size)
-
-    mine = slice(layout.first_expert, layout.first_expert + layout.local_experts)
-    arriving_WX = size_WE[:, mine] if layout.slices == 1 else counts_WW[:, me:me + 1]   # [src, local expert]
-    group_by_expert = ungroup = None
-    if layout.local_experts > 1:
-        group_by_expert = segment_permutation(arriving_WX)
-        ungroup = torch.empty_like(group_by_expert)
-        ungroup[group_by_expert] = torch.arange(group_by_expert.numel())
-    return _ChunkExchange(send_index=send_index, send_counts=counts_WW[me].tolist(),
-                          recv_counts=counts_WW[:, me].tolist(), counts_WW=counts_WW,
-                          rows_per_local_expert=arriving_WX.sum(0).tolist(),
-                          group_by_expert=group_by_expert, ungroup=ungroup,
-                          sends_all_in_order=(d == 1 and layout.slices == 1))
-
-
-def _two_step(groups: ExpertGroups, a2a: str) -> bool:
-    """2DH runs as two steps only with several nodes of several ranks; otherwise it is the flat exchange."""
-    return a2a == "2dh" and groups.node_size not in (1, groups.layout.ep_size)
-
-
-def _start(rows_RD, chunk, groups: ExpertGroups, a2a: str):
-    if _two_step(groups, a2a):
-        return Pending2DH(rows_RD, chunk.counts_WW, groups.layout.ep_rank, groups.node_size,
-                          groups.intra_node_group, groups.inter_node_group)
-    return PendingAllToAll(rows_RD, chunk.send_counts, chunk.recv_counts, groups.ep_group)

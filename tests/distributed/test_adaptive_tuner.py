@@ -146,13 +146,13 @@ class HostReads(TorchDispatchMode):
 
 
 def one_host_synchronization(rank, world):
-    import moe_plugin.layer as layer_module
+    import moe_plugin.dispatchers.all_to_all as dispatcher_module
     torch.manual_seed(2)
     layer = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=2, top_k=2, capacity_factor=-1.0,
                                ep_size=world, node_size=2, parallel="auto", overlap_degree="auto", a2a="auto",
                                shared_hidden_size=4))
     layer.tuner.prune = layer.tuner.prune_same_r = float("inf")
-    record, original = HostReads(), layer_module.route_counts
+    record, original = HostReads(), dispatcher_module.route_counts
     calls = []
 
     def route_counts(*args, **kwargs):
@@ -164,7 +164,7 @@ def one_host_synchronization(rank, world):
             record.allowed = False
         record.mark(result, on_device=False)
         return result
-    layer_module.route_counts = route_counts
+    dispatcher_module.route_counts = route_counts
     methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy")}
 
     def reading(name):
@@ -187,7 +187,7 @@ def one_host_synchronization(rank, world):
     finally:
         for name, method in methods.items():
             setattr(torch.Tensor, name, method)
-        layer_module.route_counts = original
+        dispatcher_module.route_counts = original
     return dict(seen=sorted(set(record.seen)), calls=len(calls), settings=len(settings))
 
 
