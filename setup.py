@@ -12,7 +12,9 @@ TRITON = ["triton>=3.6"]
 # Hugging Face MoE families (integrations/transformers): the family table and weight layouts follow 5.23
 # accelerate: transformers.Trainer needs it (HF Trainer + DeepSpeed, tested with 1.15.0)
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
-LORA = ["peft==0.21.2"]   # LoRA on the experts through PEFT (moe_plugin.integrations.transformers.peft)
+# LoRA on the experts through PEFT (moe_plugin.integrations.transformers.peft); TRL's SFTTrainer on it (tested with
+# 1.16.0, which installs beside torch 2.13.0 and transformers 5.23.0 without changing either)
+LORA = ["peft==0.21.2", "trl==1.16.0"]
 IMAGES = ["scikit-learn>=1.0"]   # the handwritten digits of `moe-plugin train` data.task=image (shipped, no download)
 DEV = ["pytest>=7", "pytest-timeout>=2"]
 # the documentation site (mkdocs.yml, docs/): its hook generates the HF family list from the table (transformers)

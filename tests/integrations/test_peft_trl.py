@@ -1,0 +1,63 @@
+"""TRL's SFTTrainer fine-tuning a tiny swapped Mixtral with PEFT's LoRA on the experts (by HF's names) and on
+attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/integrations/trl_sft_lora_worker.py)."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from hf_helpers import needs_transformers
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
+pytest.importorskip("trl", reason="trl is not installed (pip install -e .[lora])")
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
+
+pytestmark = [needs_transformers, pytest.mark.slow, pytest.mark.spawns, pytest.mark.timeout(600)]
+
+
+def test_sft_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path):
+    """SFTTrainer(peft_config=...) on a swapped model: the first step equals one process's SGD step of PEFT on HF's
+    own model (the same initial adapters) over both ranks' batches, HF's router aux loss (which SFTTrainer asks
+    MoE models for, through the swapped block's router-logits tap) included; the loss falls; both ranks hold the same
+    adapters; the saved adapter folder loads with plain PEFT on HF's own model and computes what the trained one
+    computes."""
+    import subprocess
+
+    import hf_trainer_lora_worker as lora_worker
+    import trl_sft_lora_worker as worker
+    steps = 12
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               worker.__file__, str(tmp_path), str(steps)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=500,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert any(".mlp.experts." in n for n in result["trainable"]) and all("lora_" in n for n in result["trainable"])
+        losses = result["losses"]
+        assert len(losses) == steps and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+    reference = peft.get_peft_model(worker.build_model(), lora_worker.lora_config())   # PEFT on HF's experts
+    init = torch.load(tmp_path / "adapters0_init.pt")
+    params = dict(reference.named_parameters())
+    assert set(init) == {n for n, p in params.items() if p.requires_grad}
+    with torch.no_grad():
+        for name, value in init.items():
+            params[name].copy_(value)
+    for rank in (0, 1):   # SFTTrainer adds each rank's router aux loss (output_router_logits): per rank, averaged
+        batch = torch.load(tmp_path / f"batch{rank}.pt")
+        (reference(input_ids=batch, labels=batch, output_router_logits=True).loss / 2).backward()
+    step1 = torch.load(tmp_path / "adapters0_step1.pt")
+    for name, value in step1.items():
+        update = lora_worker.LR * params[name].grad
+        error = float((value - (params[name].detach() - update)).abs().max())
+        assert error <= 1e-4 * float(update.abs().max()) + 1e-6, f"{name}: {error} off one process's step"
+
+    final = [torch.load(tmp_path / f"adapters{rank}.pt") for rank in (0, 1)]
+    assert all(torch.equal(final[0][n], final[1][n]) for n in final[0])
+    assert any(not torch.equal(final[0][n], step1[n]) for n in step1 if ".mlp.experts." in n)
+    plain = peft.PeftModel.from_pretrained(worker.build_model(), tmp_path / "adapter")
+    loaded = {n: p for n, p in plain.named_parameters() if "lora_" in n}
+    assert set(loaded) == set(final[0]), sorted(set(final[0]) ^ set(loaded))
+    assert all(torch.equal(loaded[n], final[0][n]) for n in loaded)
