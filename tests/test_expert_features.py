@@ -3,21 +3,21 @@ gpt-oss's variant, a router bias, sqrt(softplus) scores, groups scored by their 
 the expert input) against the einsum reference, in fp64 and fp32, on the native and the torch kernels;
 their backward against autograd; compile, bf16 and hidden slices. The HF blocks they serve are checked
 in tests/integrations/test_hf_features.py."""
-import os
 import pickle
-import sys
 
 import pytest
 import torch
 
+from helpers.compare import relative_error
+from helpers.expert_parallel import D, H, expected_shard, single_process_grads
+from helpers.launch import run_workers
+from helpers.reference import assert_matches_reference, make_layer, outputs_and_grads
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.activations import Activation, activate, activation_backward, forward
 from moe_plugin.experts import Experts
 from moe_plugin.ops import ENV
 from moe_plugin.reference import reference_moe
-from moe_testing import assert_matches_reference, make_layer, outputs_and_grads, relative_error
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # launch.run_workers
 
 GATED = ["swiglu", "geglu", "geglu_tanh", "swiglu_oai"]
 ACTIVATIONS = [Activation("geglu"), Activation("geglu_tanh"), Activation("relu2"), Activation("swiglu", 0.3),
@@ -222,7 +222,7 @@ def test_native_clamped_swiglu_matches_torch_ops(dtype, limit, alpha, beta):
     assert (pre.double().abs() > limit).any(), "the clamp must engage"
 
 
-PARALLEL_SPECS = [   # on 2 processes; hidden 8 and model dim 6 (test_expert_parallel's expected_shard)
+PARALLEL_SPECS = [   # on 2 processes; hidden 8 and model dim 6 (helpers.expert_parallel's expected_shard)
     dict(name="gpt-oss ep", E=8, k=4, cf=0.0, r=1, d=1, tokens=[7, 4],
          features=dict(activation="swiglu_oai", activation_limit=0.4, activation_alpha=1.702, router_bias=True)),
     dict(name="llama4 drops overlap", E=4, k=1, cf=0.6, r=1, d=2, tokens=[9, 0],
@@ -238,7 +238,6 @@ PARALLEL_SPECS = [   # on 2 processes; hidden 8 and model dim 6 (test_expert_par
 
 
 def _parallel_features(rank, world, specs):
-    from test_expert_parallel import D, H, _relative, expected_shard, single_process_grads
     worst = {}
     for i, spec in enumerate(specs):
         config = dict(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"], capacity_factor=spec["cf"],
@@ -254,12 +253,13 @@ def _parallel_features(rank, world, specs):
         x = xs[rank].clone().requires_grad_()
         y = layer(x)
         ((y * upstreams[rank]).sum() + layer.aux_loss).backward()
-        errors = {"y": _relative(y.detach(), mine["y"]), "x.grad": _relative(x.grad, mine["x.grad"])}
+        errors = {"y": relative_error(y.detach(), mine["y"], floor=1e-12),
+                  "x.grad": relative_error(x.grad, mine["x.grad"], floor=1e-12)}
         params = dict(layer.named_parameters())
         for name in names:
             want = mine[name] if not name.startswith("experts.") else expected_shard(
                 total[name], name, layer.groups.layout, layer.experts.activation.gated)
-            errors[name] = _relative(params[name].grad, want)
+            errors[name] = relative_error(params[name].grad, want, floor=1e-12)
         worst[spec["name"]] = (max(errors.values()), max(errors, key=errors.get), layer.groups.layout.slices)
     return worst
 
@@ -267,7 +267,6 @@ def _parallel_features(rank, world, specs):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_processes_match_one_process():
-    from launch import run_workers
     results = run_workers(_parallel_features, 2, PARALLEL_SPECS, timeout=800)
     for spec in PARALLEL_SPECS:
         for rank, worst in enumerate(results):

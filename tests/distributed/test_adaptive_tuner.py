@@ -26,9 +26,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from launch import run_workers
+from helpers.compare import relative_error
+from helpers.expert_parallel import expected_shard, single_process_grads
+from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
-from test_expert_parallel import _relative, expected_shard, single_process_grads
 
 D, H = 6, 8
 PHASES = [3, 14, 5, 24]          # tokens per rank; the largest expert's rows follow them (capacity_factor < 0)
@@ -58,11 +59,12 @@ def drifting_load_equals_one_process(rank, world):
         y = layer(x)
         ((y * ups[rank]).sum() + layer.aux_loss).backward()
         params = dict(layer.named_parameters())
-        errors = [_relative(y.detach(), mine["y"]), _relative(x.grad, mine["x.grad"])]
+        errors = [relative_error(y.detach(), mine["y"], floor=1e-12),
+                  relative_error(x.grad, mine["x.grad"], floor=1e-12)]
         for name in names:
             want = mine[name] if name.startswith("router.") else \
                 expected_shard(total[name], name, layer.groups.layout, swiglu=True)
-            errors.append(_relative(params[name].grad, want))
+            errors.append(relative_error(params[name].grad, want, floor=1e-12))
         worst = max(worst, *errors)
         used.append((layer.stats["parallel"], layer.stats["overlap_degree"], layer.stats["a2a"]))
 
@@ -91,7 +93,8 @@ def two_step_overlap_equals_flat(rank, world):
             (layer(x_in) * up).sum().backward()
             results.append([layer(x).detach(), x_in.grad] + [p.grad for p in layer.parameters()])
         assert [g is None for g in results[1]] == [g is None for g in results[0]]
-        worst[name] = max(_relative(got, want) for got, want in zip(results[1], results[0]) if want is not None)
+        worst[name] = max(relative_error(got, want, floor=1e-12)
+                          for got, want in zip(results[1], results[0]) if want is not None)
     return worst
 
 

@@ -2,26 +2,11 @@
 import pytest
 import torch
 
-from launch import run_workers
+from helpers.compare import relative_error
+from helpers.expert_parallel import D, H, expected_shard, single_process_grads
+from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.groups import ExpertLayout, check_sizes
-
-D, H = 6, 8
-
-
-def expected_shard(full, name, layout, swiglu):
-    """The part of a full-layer expert tensor a rank owns, written out independently of the layer."""
-    first, count, S, s = layout.first_expert, layout.local_experts, layout.slices, layout.slice_index
-    part = full[first:first + count]
-    if S == 1 or name == "experts.b2_ED":
-        return part if (S == 1 or s == 0) else torch.zeros_like(part)
-    h = H // S
-    if name == "experts.w2_EHD":
-        return part[:, s * h:(s + 1) * h]
-    if swiglu:
-        return torch.cat([part[..., s * h:(s + 1) * h], part[..., H + s * h:H + (s + 1) * h]], dim=-1)
-    return part[..., s * h:(s + 1) * h]
-
 
 def compare_with_single_process(rank, world, specs):
     worst = {}
@@ -50,40 +35,15 @@ def compare_with_single_process(rank, world, specs):
         params = dict(layer.named_parameters())
         errors = {}
         for name in got:
-            errors[name] = _relative(got[name], mine[name])
+            errors[name] = relative_error(got[name], mine[name], floor=1e-12)
         for name in names:
             if name.startswith("router."):
-                errors[name] = _relative(params[name].grad, mine[name])
+                errors[name] = relative_error(params[name].grad, mine[name], floor=1e-12)
             else:
                 want = expected_shard(total[name], name, layer.groups.layout, base["activation"] == "swiglu")
-                errors[name] = _relative(params[name].grad, want)
+                errors[name] = relative_error(params[name].grad, want, floor=1e-12)
         worst[spec["name"]] = (max(errors.values()), max(errors, key=errors.get), layer.stats.get("tuned"))
     return worst
-
-
-def single_process_grads(reference, xs, upstreams, rank):
-    """One process on every rank's tokens as micro-batches: (parameter names, each parameter's gradient
-    summed over the micro-batches, and rank's own micro-batch: y, x.grad, aux and parameter gradients)."""
-    names = [n for n, _ in reference.named_parameters()]
-    total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
-    for i, (x, upstream) in enumerate(zip(xs, upstreams)):
-        x = x.clone().requires_grad_()
-        y = reference(x)
-        grads = torch.autograd.grad((y * upstream).sum() + reference.aux_loss, [x] + list(reference.parameters()),
-                                    allow_unused=True)
-        for n, g in zip(names, grads[1:]):
-            total[n] += 0 if g is None else g
-        if i == rank:
-            mine = {"y": y.detach(), "x.grad": grads[0], "aux": reference.aux_loss.detach(),
-                    **dict(zip(names, grads[1:]))}
-    return names, total, mine
-
-
-def _relative(got, want):
-    got = torch.zeros_like(want) if got is None else got
-    if got.shape != want.shape:
-        return float("inf")
-    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-12)) if want.numel() else 0.0
 
 
 def _check(results, specs):

@@ -1,0 +1,73 @@
+"""Run a function on W gloo processes spawned from the test, or `moe-plugin train` under torchrun; a hang or a
+crash fails the test."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, fn(rank, world_size, *args), None))
+    except BaseException:  # reported to the parent, which fails the test with it
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = 120.0):
+    """fn(rank, world_size, *args) on every rank; returns the list of results by rank."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, value, error = queue.get(timeout=timeout)
+            results[rank] = value
+            if error:
+                errors.append(f"rank {rank}:\n{error}")
+                break
+    except Exception as error:  # queue.Empty: some rank hung
+        errors.append(f"no answer within {timeout} s from ranks {sorted(set(range(world_size)) - set(results))}"
+                      f" ({type(error).__name__})")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not errors else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[rank] for rank in range(world_size)]
+
+
+def torchrun_train(out: Path, *arguments, timeout=200):
+    """`moe-plugin train *arguments` under torchrun on 2 processes writing to out (which must not be the
+    working folder): (result.json, the metrics.jsonl records)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "moe_plugin.cli", "train", *arguments, f"log.out_dir={out}"]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "result.json").read_text()), records

@@ -1,0 +1,112 @@
+"""The tests' pytest plugin (loaded by tests/conftest.py): a fresh seed per test, the spawns marker set on every
+test that starts processes, and a guard that fails a test starting one without it."""
+import inspect
+import multiprocessing.process
+import os
+import random
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# names whose use in a test, its fixtures or the tests' own helpers they call means "starts processes"
+LAUNCHERS = frozenset({"subprocess", "run_workers", "spawn", "start_processes", "Process", "Popen"})
+REPO = os.path.dirname(TESTS)
+# code a process start passes through on its way from whoever asked for it: the standard library (not the
+# libraries installed inside it, as under a system or pyenv Python), torch's launchers, this file
+STANDARD_LIBRARY = os.path.dirname(os.__file__)
+LAUNCH_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), "multiprocessing"),
+                    os.path.join(os.path.dirname(torch.__file__), "distributed"), os.path.abspath(__file__))
+
+# JIT-built C++ ops (ours, DeepSpeed's CPU shm comm) are cached per environment: two environments sharing
+# ~/.cache/torch_extensions rebuild each other's ops, and a build killed half-way leaves a lock on which every
+# later build of that op waits forever (seen: all DeepSpeed tests hung). Spawned workers inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """A fresh seed per test, printed so a failure can be replayed with MOE_TEST_SEED=<seed>."""
+    seed = int(os.environ.get("MOE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    print(f"{request.node.nodeid}: MOE_TEST_SEED={seed}")
+    return seed
+
+
+def _names(code: types.CodeType) -> set:
+    """Global and attribute names a code object and its nested functions use."""
+    names, stack = set(), [code]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    return names
+
+
+def _starts_processes(functions) -> bool:
+    """Whether these functions, or functions of tests/ they reach by name, use a launcher."""
+    todo, seen = list(functions), set()
+    while todo:
+        function = inspect.unwrap(todo.pop())
+        code = getattr(function, "__code__", None)
+        if code is None or code in seen or not code.co_filename.startswith(TESTS):
+            continue
+        seen.add(code)
+        names = _names(code)
+        if names & LAUNCHERS:
+            return True
+        todo += [value for value in map(function.__globals__.get, names) if inspect.isfunction(value)]
+    return False
+
+
+def _asked_for_by_this_project() -> bool:
+    """Whether the code that starts a process is this repository's (a test, its helpers, the package, a
+    benchmark), not a library's own builds and probes (torch.compile's C++ compiler and its load check, JIT-built
+    ops, find_library), which are cached from one run to the next."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        passes_through = path.startswith(LAUNCH_LIBRARIES) or (
+            path.startswith(STANDARD_LIBRARY) and "-packages" + os.sep not in path)
+        if not passes_through:
+            return path.startswith(REPO)
+        frame = frame.f_back
+    return False
+
+
+def pytest_collection_modifyitems(items):
+    """Mark spawns on every test that starts processes (its body, its fixtures, or the helpers they call), so
+    that `pytest -m "not spawns"` is the in-process inner loop. process_guard catches what this misses.
+    Session fixtures (one-time builds shared by every test) and this file's own fixtures do not count."""
+    for item in items:
+        fixtures = [fixture.func for defs in item._fixtureinfo.name2fixturedefs.values() for fixture in defs
+                    if fixture.scope != "session" and fixture.func.__code__.co_filename != __file__]
+        if item.get_closest_marker("spawns") is None and _starts_processes([item.function] + fixtures):
+            item.add_marker(pytest.mark.spawns)
+
+
+@pytest.fixture(autouse=True)
+def process_guard(request, monkeypatch):
+    """A test that starts a process without the spawns marker fails, naming what it started: the marker (set by
+    pytest_collection_modifyitems) must be right for `-m "not spawns"` to mean what it says."""
+    if request.node.get_closest_marker("spawns") is not None:
+        yield
+        return
+    started = []
+
+    def recording(original):
+        def record(self, *args, **kwargs):
+            if _asked_for_by_this_project():
+                started.append(f"{type(self).__name__} {args[0] if args else kwargs.get('args', '')}"[:200])
+            return original(self, *args, **kwargs)
+        return record
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording(subprocess.Popen.__init__))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
+                        recording(multiprocessing.process.BaseProcess.start))
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} started a process ({started[0]}) but is not marked spawns: mark it "
+                    f"@pytest.mark.spawns, or add the launcher it calls to LAUNCHERS in tests/helpers/plugin.py")
