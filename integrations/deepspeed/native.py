@@ -371,8 +371,10 @@ _READ_ONLY = ("deepspeed_experts is a read-only view of the stacked expert weigh
 
 
 class _LinearView:
-    """weight and bias: views into the stacked parameters, with .grad the matching slice of theirs, if any (the
-    parameter's .grad only: ZeRO 1/2 keep gradients in the optimizer, whose gathers are collectives)."""
+    """weight and bias: views into the stacked parameters, with .grad the matching slice of theirs, if any; under
+    ZeRO 1/2 (gradients and fp32 weights in the optimizer) DeepSpeed's safe_get_full_grad, safe_get_full_fp32_param
+    and safe_get_full_optimizer_state give the matching slice of the stacked parameter's (collectives over its
+    data-parallel group, as for any parameter); DeepSpeed's setters refuse the view (AttributeError)."""
 
     def __init__(self, experts, index: int, first: bool):
         names = ("w1_EDH", "b1_EH") if first else ("w2_EHD", "b2_ED")
@@ -385,13 +387,27 @@ class _LinearView:
 
 
 def _view(stacked: torch.Tensor, index: int) -> torch.Tensor:
-    """Expert index of a stacked tensor as nn.Linear keeps it ([out, in]), its gradient attached."""
-    view = stacked[index].t() if stacked.dim() == 3 else stacked[index]
+    """Expert index of a stacked tensor as nn.Linear keeps it ([out, in]), its gradient attached; with the stacked
+    parameter's ZeRO 1/2 mapping (DeepSpeed's link_hp_params: _hp_mapping, None on ranks whose partition lacks
+    it), the full-gradient and fp32 readers DeepSpeed's safe_get_full_* call, each giving this expert's slice."""
+    def pick(tensor):
+        return tensor[index].t() if stacked.dim() == 3 else tensor[index]
+
+    view = pick(stacked)
     if stacked.grad is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)   # .grad of a non-leaf tensor
-            view.grad = stacked.grad[index].t() if stacked.dim() == 3 else stacked.grad[index]
+            view.grad = pick(stacked.grad)
+    if hasattr(stacked, "_hp_mapping"):
+        view._hp_mapping = stacked._hp_mapping
+        view.get_full_hp_grad = lambda: pick(stacked.get_full_hp_grad())
+        view.get_full_hp_param = lambda optim_state_key=None: pick(stacked.get_full_hp_param(optim_state_key))
+        view.set_full_hp_grad = view.set_full_hp_param = _refuse_write
     return view
+
+
+def _refuse_write(*args):
+    raise AttributeError(_READ_ONLY)
 
 
 class NativeStackedExperts(Experts):

@@ -422,3 +422,69 @@ def test_tensor_parallelism_without_expert_tensor_parallelism_is_refused(monkeyp
         layer.set_deepspeed_parallelism()
     with pytest.raises(ValueError, match="used_token is not supported with aux_loss 'seq'"):
         dsi.MoE(D, nn.Linear(D, D), num_experts=E, k=1, use_rts=False, aux_loss="seq")(torch.randn(6, D), torch.ones(6))
+
+
+class LossOf(nn.Module):
+    """A DeepSpeed MoE layer as a model whose forward gives a loss."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x, upstream):
+        y, l_aux, _ = self.moe(x)
+        return (y * upstream).sum() + 0.1 * l_aux
+
+
+def zero_reads_worker(rank, world):
+    """Per ZeRO stage and ep_size: DeepSpeed's safe_get_full_grad and (after the step) safe_get_full_fp32_param on
+    each expert's Linear weight and bias, read through experts.deepspeed_experts of DeepSpeed's layer and of ours
+    (its views of the stacked parameters), one step from the same weights."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from test_deepspeed_distributed import setup_worker, stable_topk
+    setup_worker(rank, world)
+    stable_topk()
+
+    def expert_tensors(layer):   # (name, tensor) of each local expert's Linears: DeepSpeed's modules or our views
+        return [(f"{i}.{j}.{name}", getattr(expert[j], name))
+                for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts)
+                for j in (0, 2) for name in ("weight", "bias")]
+
+    report = {}
+    for stage in (0, 1, 2):
+        for ep_size in (1, 2):
+            torch.manual_seed(stage)   # the same weights on every rank, as the engine's broadcast leaves them
+            native, ours = pair(k=2, capacity_factor=1.0, ep_size=ep_size)
+            generator = torch.Generator().manual_seed(10 * stage + rank)
+            x_TD, upstream_TD = torch.randn(T, D, generator=generator), torch.randn(T, D, generator=generator)
+            reads = []
+            for layer in (native, ours):
+                config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                          "optimizer": {"type": "Adam", "params": {"lr": 0.1, "torch_adam": True}}}
+                engine, _, _, _ = deepspeed.initialize(model=LossOf(layer), config=config,
+                                                       model_parameters=layer.parameters())
+                engine.backward(engine(x_TD, upstream_TD))
+                read = {f"grad {n}": safe_get_full_grad(v).clone() for n, v in expert_tensors(layer)}
+                engine.step()
+                views = expert_tensors(layer)
+                if stage > 0:   # the optimizer's fp32 weights (its Adam states: see the test's doc)
+                    read.update({f"fp32 {n}": safe_get_full_fp32_param(v).clone() for n, v in views})
+                reads.append(read)
+            report[(stage, ep_size)] = (largest_difference(*reads), len(reads[1]))
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_deepspeed_full_reads_of_expert_views_under_zero():
+    """DeepSpeed's TestExpertWeightGradWithZero reads safe_get_full_grad(experts.deepspeed_experts[i][0].weight); at
+    ZeRO 1/2 the gradient lives in the optimizer. Through our views it reads the stacked parameter's slice: the
+    values of DeepSpeed's own layer, with ZeRO partitions that split the stacked tensors (ep_size 1, 2 ranks).
+    safe_get_full_optimizer_state is not compared: DeepSpeed 0.19.8 links the optimizer states of the first param
+    group only (stage_1_and_2._optimizer_step steps one group, then links all), so for DeepSpeed's own expert
+    parameters it raises "exp_avg not found in optimizer state fragment"."""
+    for report in run_workers(zero_reads_worker, 2, timeout=500):
+        for (stage, ep_size), (error, count) in report.items():
+            assert count == (4 if stage == 0 else 8) * E // ep_size, (stage, ep_size, count)
+            assert error < TOLERANCE, (stage, ep_size, error)
