@@ -130,22 +130,42 @@ def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_
     return y_RD, saved_RH, xa_RQ, ha_RQ
 
 
+BACKWARD_GRADS = Needs._fields + ("gate",)
+
+
 def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1, bias2, routed_inputs,
-                 needs: Needs, lora=NO_LORA, xa_RQ=None, ha_RQ=None):
-    """(grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2, grad_up_a, grad_up_b, grad_down_a, grad_down_b) of
-    mlp_forward, None for each gradient needs does not ask for (its GEMMs are not run). routed_inputs()
-    gives x_RD; it is called once the activations are freed, so a caller may gather the rows again only then."""
+                 needs: Needs, lora=NO_LORA, xa_RQ=None, ha_RQ=None, gate_R1=None, b2_ED=None):
+    """(grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2, grad_up_a, grad_up_b, grad_down_a, grad_down_b, grad_gate_R)
+    of mlp_forward (BACKWARD_GRADS), None for each gradient needs does not ask for (its GEMMs are not run).
+    routed_inputs() gives x_RD; it is called once the activations are freed, so a caller may gather the rows again
+    only then.
+
+    With gate_R1 ([R, 1], the gate each row's output is scaled by; b2_ED the second bias, if any): grad_y_RD is the
+    rows' gradient before the gate scales it (scaled here, in place), and grad_gate_R [R] is <grad_y_RD[r], expert
+    output r> = <grad_y_RD[r] W2^T (+ its LoRA term), act[r]> + <grad_y_RD[r], b2>: the down projection's own dgrad
+    and the activations give it, so no caller need keep the expert outputs."""
     up_a, up_b, down_a, down_b = lora
-    grads = dict.fromkeys(Needs._fields)
+    grads = dict.fromkeys(BACKWARD_GRADS)
     below = needs.below_activation
+    gated = gate_R1 is not None
     act_RH = grad_pre_RH = grad_ha_RQ = None
-    if down_a is not None and (below or needs.down_a):
+    if down_a is not None and (below or needs.down_a or gated):
         grad_ha_RQ = ops.grouped_mm(grad_y_RD, down_b.transpose(1, 2), offs_E)
-    if below:
+    if below or gated:
         grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
         if grad_ha_RQ is not None:
             grad_act_RH.add_(ops.grouped_mm(grad_ha_RQ, down_a.transpose(1, 2), offs_E))
-        act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
+        if below:   # relu and identity write grad_pre_RH into grad_act_RH: the dot below is the same (zero where act is)
+            act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
+        else:
+            act_RH = activate(saved_RH, activation)[0]
+        if gated:
+            grads["gate"] = ops.row_dot(grad_act_RH, act_RH)
+            if b2_ED is not None:
+                grads["gate"] += ops.grouped_mm(grad_y_RD, b2_ED.unsqueeze(2), offs_E).squeeze(1)
+            for unscaled in (grad_y_RD, grad_pre_RH, grad_ha_RQ):
+                if unscaled is not None:
+                    unscaled.mul_(gate_R1)
         del grad_act_RH
     elif needs.w2 or (needs.down_a and down_a is not None):
         act_RH = activate(saved_RH, activation)[0]
@@ -158,7 +178,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         grads["down_a"] = weight_grad(act_RH, grad_ha_RQ, offs_E, down_a) if needs.down_a else None
     del act_RH, grad_ha_RQ
     if not below:
-        return tuple(grads[name] for name in Needs._fields)
+        return tuple(grads[name] for name in BACKWARD_GRADS)
     x_RD = routed_inputs() if needs.w1 or (needs.up_a and up_a is not None) else None
     if needs.w1:
         grads["w1"] = weight_grad(x_RD, grad_pre_RH, offs_E, w1_EDH)
@@ -176,7 +196,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         if grad_xa_RQ is not None:
             grad_x_RD.add_(ops.grouped_mm(grad_xa_RQ, up_a.transpose(1, 2), offs_E))
         grads["x"] = grad_x_RD
-    return tuple(grads[name] for name in Needs._fields)
+    return tuple(grads[name] for name in BACKWARD_GRADS)
 
 
 class GroupedMLP(torch.autograd.Function):
@@ -200,7 +220,7 @@ class GroupedMLP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_RD):
         x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = ctx.saved_tensors
-        grad_x_RD, *grads = mlp_backward(
+        grad_x_RD, *grads, _ = mlp_backward(
             grad_y_RD.contiguous(), saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
             lambda: x_RD, Needs.of(ctx.needs_input_grad, x=0, weights=3), tuple(lora), xa_RQ, ha_RQ)
         return (grad_x_RD, None, None, *grads)

@@ -2,8 +2,10 @@
 
 The routed inputs [R, D] are gathered (into pooled memory on CPU), run through the experts with two
 grouped GEMMs, and one gather_sum kernel weights the expert outputs and adds them into the tokens.
-Only the expert outputs and the activations are kept for backward (the gate gradient needs the
-outputs); the backward pass gathers the routed inputs again. Shapes are static (R = T*K, offsets on
+Backward keeps no [R, D] tensor from forward: only the activations' input (the pre-activation, or
+relu's output); the gate gradient <grad_y, expert output> comes from the down projection's dgrad and
+the activations (experts.mlp_backward), and the routed inputs are gathered again for the first
+weight gradient. Shapes are static (R = T*K, offsets on
 the device): no host synchronization, so torch.compile captures it whole. Matches
 dispatch.encode -> GroupedMLP -> dispatch.decode.
 
@@ -51,29 +53,42 @@ class FusedMoE(torch.autograd.Function):
                                                           lora)
         del x_RD
         y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
+        del expert_y_RD
 
-        ctx.save_for_backward(x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ,
-                              *lora)
+        ctx.save_for_backward(x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, *lora)
         ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
 
     @staticmethod
     def _backward(ctx, grad_y_TD, saved):
-        x_TD, saved_RH, expert_y_RD, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = saved
+        x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, *lora = saved
         R = pos_TK.numel()
         needs = Needs.of(ctx.needs_input_grad, x=0, weights=5)
         gate_grad = ctx.needs_input_grad[1]
+        if not (any(needs) or gate_grad):
+            return (None,) * (4 + len(Needs._fields))     # x, gate, pos, offsets, activation, 8 weights
 
-        # every routed row's output gradient, scaled by its gate, and the gate gradients <g, expert output>
-        grad_RD, grad_gate_TK = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, gate_TK,
-                                                 expert_y_RD if gate_grad else None, R)
-        grads = (None,) * len(Needs._fields)
-        if any(needs):
-            grads = mlp_backward(grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
-                                 lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], needs, tuple(lora),
-                                 xa_RQ, ha_RQ)
-        grad_x_RD, *weight_grads = grads
+        # every routed row's output gradient: scaled by its gate here, or (for the gate gradient) in mlp_backward
+        grad_RD = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, None if gate_grad else gate_TK, None, R)[0]
+        gate_R1 = rows_of_choices(gate_TK, pos_TK, R).unsqueeze(1) if gate_grad else None
+        grad_x_RD, *weight_grads, grad_gate_R = mlp_backward(
+            grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
+            lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], needs, tuple(lora), xa_RQ, ha_RQ,
+            gate_R1, b2_ED if ctx.bias2 else None)
         grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
+        grad_gate_TK = choices_of_rows(grad_gate_R, pos_TK).to(gate_TK.dtype) if gate_grad else None
+        return (grad_x_TD, grad_gate_TK, None, None, None, *weight_grads)
 
-        return (grad_x_TD, grad_gate_TK if gate_grad else None, None, None, None, *weight_grads)
+
+def rows_of_choices(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """values_R[pos_TK[t, k]] = values_TK[t, k] for kept choices; 0 on rows no choice names. No host sync."""
+    values_R = values_TK.new_zeros(num_rows + 1)       # dropped choices write the spare last row
+    values_R[pos_TK.masked_fill(pos_TK < 0, num_rows).reshape(-1)] = values_TK.reshape(-1)
+    return values_R[:num_rows]
+
+
+def choices_of_rows(values_R: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """values_TK[t, k] = values_R[pos_TK[t, k]], 0 for dropped choices. No host sync."""
+    padded_R = torch.cat([values_R, values_R.new_zeros(1)])     # dropped choices read the zero past the rows
+    return padded_R[pos_TK.masked_fill(pos_TK < 0, values_R.shape[0])]

@@ -65,6 +65,15 @@ def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = No
     return like.new_empty(shape, dtype=dtype)
 
 
+def row_dot(a_RH: torch.Tensor, b_RH: torch.Tensor) -> torch.Tensor:
+    """[R]: <a_RH[r], b_RH[r]>, accumulated and returned in fp32 (fp64 for fp64 rows): on CPU in eager mode in
+    cache-sized chunks, elsewhere one vecdot (a compiled graph fuses its casts)."""
+    dtype = torch.promote_types(a_RH.dtype, torch.float32)
+    if device_kind(a_RH.device) == "cpu" and not torch.compiler.is_compiling():
+        return torch_ops.row_dot(a_RH, b_RH, dtype)
+    return torch.linalg.vecdot(a_RH.to(dtype), b_RH.to(dtype))
+
+
 # ---- custom ops -------------------------------------------------------------------------------
 
 def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_start_E: torch.Tensor,

@@ -121,14 +121,16 @@ def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tens
     return y_TD
 
 
-def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor) -> torch.Tensor:
-    """dot_R[r] = <a_RD[r], b_RD[r]>, in cache-sized chunks."""
-    dot_R = a_RD.new_empty(a_RD.shape[0])
+def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """dot_R[r] = <a_RD[r], b_RD[r]>, in cache-sized chunks; with dtype, the products and sums in dtype (exact
+    products of bf16 rows in fp32) and dot_R in dtype."""
+    dtype = a_RD.dtype if dtype is None else dtype
+    dot_R = a_RD.new_empty(a_RD.shape[0], dtype=dtype)
     chunk = _chunk_rows(a_RD)
-    scratch_CD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1])
+    scratch_CD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1], dtype=dtype)
     for start in range(0, a_RD.shape[0], chunk):
         end = min(start + chunk, a_RD.shape[0])
-        product_CD = torch.mul(a_RD[start:end], b_RD[start:end], out=scratch_CD[:end - start])
+        product_CD = scratch_CD[:end - start].copy_(a_RD[start:end]).mul_(b_RD[start:end])
         torch.sum(product_CD, dim=1, out=dot_R[start:end])
     return dot_R
 
