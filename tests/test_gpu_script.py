@@ -214,3 +214,19 @@ def test_run_script_stops_without_a_gpu(tmp_path):
     assert not (tmp_path / "results" / "peers_setup.log").exists()
     with tarfile.open(tmp_path / "out" / "gpu-results.tgz") as packed:    # what the device tool brings back
         assert "./no_gpu.txt" in packed.getnames()
+
+
+def test_fp8_probe_rowwise_scaling_round_trips():
+    """The probe's quantization (its timed work besides the GEMM): each row's largest magnitude maps to e4m3's
+    448, and scale x e4m3 gives the row back within e4m3's rounding."""
+    import fp8_probe
+    x_RK = torch.randn(37, 48) * torch.rand(37, 1) * 100
+    q_RK, scale_R = fp8_probe.rowwise(x_RK, 1)
+    assert q_RK.dtype == torch.float8_e4m3fn and scale_R.shape == (37,)
+    assert torch.equal(q_RK.float().abs().amax(1), torch.full((37,), 448.0))
+    back_RK = q_RK.float() * scale_R[:, None]
+    assert float((back_RK - x_RK).norm() / x_RK.norm()) < 0.05
+    w_ENK = torch.randn(3, 16, 32)
+    q_ENK, scale_EN = fp8_probe.rowwise(w_ENK, 2)
+    assert scale_EN.shape == (3, 16)
+    assert float((q_ENK.float() * scale_EN[..., None] - w_ENK).norm() / w_ENK.norm()) < 0.05

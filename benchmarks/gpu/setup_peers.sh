@@ -29,8 +29,11 @@ export DS_BUILD_OPS=0 MAX_JOBS=8
 PIP=("$PY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check)
 timed "${PIP[@]}" "$CARRY"/wheels/*.whl "$CARRY"/sdists/*.tar.gz
 timed "${PIP[@]}" "$CARRY"/deepspeed-*.tar.gz
-# Tutel's setup.py tries the extension with NCCL, then without NCCL (enough for one process), then without CUDA
-timed "${PIP[@]}" "./$CARRY/tutel"
+# Tutel's setup.py tries the extension with NCCL, then without NCCL (enough for one process), then without CUDA.
+# Built from a fresh copy: an in-tree build/ left by an earlier build elsewhere (a CPU one) would be reused.
+TUTEL_SRC="$(mktemp -d)/tutel"
+cp -r "$CARRY/tutel" "$TUTEL_SRC" && rm -rf "$TUTEL_SRC/build" "$TUTEL_SRC"/*.egg-info
+timed "${PIP[@]}" "$TUTEL_SRC"
 timed "$PY" -c "import deepspeed, omegaconf, tutel, tutel_custom_kernel as k; \
 print('deepspeed', deepspeed.__version__, 'omegaconf', omegaconf.__version__, 'tutel', tutel.__file__, \
 'extension with CUDA', hasattr(k, 'inject_source'))"
