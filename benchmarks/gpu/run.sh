@@ -12,14 +12,14 @@
 # also in summary_table.txt). Where $OUT is set (the device tool's folder that comes back, at most 8 files), they
 # are packed into $OUT/gpu-results.tgz, the table beside it. The exit code is 0 only when every step passed.
 #
-# The fast set (this checkout on PYTHONPATH, nothing installed but the peers): peers_setup in the background (benchmarks/gpu/setup_peers.sh: DeepSpeed,
-# omegaconf and Tutel from the git-ignored gpu_carry/, Tutel's extension built here); launches_graphs
-# (profiler launch counts against the budgets, host time, CUDA-graph replays against eager); fp8_probe;
-# fsdp_mixtral_gpu (FSDP2, swapped vs HF's own); peers (bench_peers.py at the default, HF and SonicMoE shapes:
-# ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style einsum). The slow benchmarks:
-# fsdp_fine_gpu, torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at the HF and SonicMoE
-# shapes, a profiler table at the HF shape. The tests: install (pip, offline), every CUDA test file, the Triton
-# kernels compiled.
+# The fast set (this checkout on PYTHONPATH; nothing installed but the peers): peers_setup in the background
+# (benchmarks/gpu/setup_peers.sh: DeepSpeed, omegaconf and Tutel from the git-ignored gpu_carry/, Tutel's
+# extension built here); launches_graphs (profiler launch counts against the budgets, host time, CUDA-graph
+# replays against eager); fp8_probe; fsdp_mixtral_gpu (FSDP2, swapped vs HF's own); peers (bench_peers.py at
+# the default, HF and SonicMoE shapes: ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style
+# einsum). The slow benchmarks: fsdp_fine_gpu, torch.compile(mode="reduce-overhead") against eager,
+# torch.compile'd ours at the HF and SonicMoE shapes, a profiler table at the HF shape. The tests: install (pip,
+# offline), every CUDA test file, the Triton kernels compiled.
 # tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
 # limits sum to at most 360 s with the background step inside the foreground steps before its wait, and the
 # other sets' to at most 420 s.
@@ -37,7 +37,8 @@ wants() { [[ " $* " == *" $MODE "* ]]; }   # wants MODE...: this run's mode is o
 RESULTS="${RESULTS:-$PWD/gpu-results}"
 PY="${PYTHON:-python3}"
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/*.log "$RESULTS"/*.json "$RESULTS"/*.txt "$RESULTS"/*.tgz   # a warm machine keeps an earlier run's files
+# a warm machine keeps an earlier run's files
+rm -f "$RESULTS"/*.log "$RESULTS"/*.json "$RESULTS"/*.txt "$RESULTS"/*.tgz
 : > "$RESULTS/summary.txt"
 pack() {
   if [ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ]; then
@@ -88,7 +89,8 @@ await_background() {
 step environment 10 bash -c "nvidia-smi; $PY -c \"import torch, triton; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__)\""
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "run.sh measures on a GPU: torch sees no CUDA device here, so nothing was run (exit 3)" | tee "$RESULTS/no_gpu.txt"
+  echo "run.sh measures on a GPU: torch sees no CUDA device here, so nothing was run (exit 3)" \
+    | tee "$RESULTS/no_gpu.txt"
   exit 3
 fi
 
@@ -102,10 +104,10 @@ else
 fi
 
 if wants fast full; then
-  step launches_graphs 80 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
-  step fp8_probe 25 "$PY" benchmarks/gpu/fp8_probe.py --json "$RESULTS/fp8.json"
+  step launches_graphs 75 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
+  step fp8_probe 20 "$PY" benchmarks/gpu/fp8_probe.py --json "$RESULTS/fp8.json"
   # FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
-  step fsdp_mixtral_gpu 80 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+  step fsdp_mixtral_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model mixtral_gpu --steps 10
   await_background peers_setup
   step peers 150 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
