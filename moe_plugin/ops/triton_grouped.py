@@ -1,0 +1,143 @@
+"""Grouped GEMMs with their neighbours fused in, in Triton, for CUDA tensors (issue 34 item 3): the up projection
+that reads x's routed rows by index (no gathered copy of x) and applies the bias and the activation in its
+epilogue. Same results as torch_grouped.py, the reference; on CPU tensors only under TRITON_INTERPRET=1.
+
+Legend: T tokens, D model dim, N hidden width (H), F the first projection's width (2N gated: [gate | up]),
+E experts, R routed rows (grouped by expert, each expert's block ending at offs_E[e], int32 on the device).
+Each program computes one [BLOCK_M, BLOCK_N] tile of one expert's rows; the tiles are laid out expert after expert
+on the device (tile_end_E), so the grid is sized from R and E alone and nothing is read back on the host.
+Accumulation in fp32; fp32 inputs multiply in IEEE fp32 (no TF32), as torch's default matmul.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from . import triton_kernels
+from .torch_grouped import GATHER_UP_ACTIVATIONS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+_MISSING = "triton is not installed (pip install triton, or pip install moe_plugin[triton])"
+_ACTIVATION_CODES = {name: code for code, name in enumerate(GATHER_UP_ACTIVATIONS)}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _blocks() -> Tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): tl.dot's smallest tiles under the interpreter (tests run tiny shapes)."""
+    if _interpreted():
+        return 16, 16, 16
+    return 64, 64, 32
+
+
+def supports(x_TD: torch.Tensor, activation: str) -> bool:
+    """Whether gather_up takes these inputs (else the caller runs the unfused path)."""
+    return triton is not None and x_TD.dtype in DTYPES and activation in _ACTIVATION_CODES
+
+
+def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w1_EDF: torch.Tensor,
+              b1_EF: Optional[torch.Tensor], activation: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """See torch_grouped.gather_up: (act_RN, saved), rows past the last offset 0."""
+    if triton is None:
+        raise ImportError(f"moe_plugin.ops.triton_grouped: {_MISSING}")
+    if not supports(x_TD, activation):
+        raise ValueError(f"gather_up: {x_TD.dtype} / {activation!r} not fused; dtypes {DTYPES}, activations "
+                         f"{GATHER_UP_ACTIVATIONS}")
+    T, D = x_TD.shape
+    E, _, F = w1_EDF.shape
+    R = token_R.shape[0]
+    gated = activation != "relu"
+    N = F // 2 if gated else F
+    device, dtype = x_TD.device, x_TD.dtype
+    act_RN = torch.empty(R, N, dtype=dtype, device=device)
+    pre_RF = torch.empty(R, F, dtype=dtype, device=device) if gated else act_RN
+    if R == 0 or N == 0:
+        return act_RN, pre_RF
+    end = offs_E[-1] if E else torch.zeros((), dtype=torch.int32, device=device)
+    for out in {id(act_RN): act_RN, id(pre_RF): pre_RF}.values():     # the rows past the last expert's: 0
+        triton_kernels.zero_rows_past(out, end)
+    if E == 0:
+        return act_RN, pre_RF
+    block_m, block_n, block_k = _blocks()
+    counts_E = torch.diff(offs_E.long(), prepend=offs_E.new_zeros(1).long())
+    tile_end_E = torch.cumsum((counts_E + block_m - 1) // block_m, 0).to(torch.int32)
+    grid = (triton.cdiv(R, block_m) + E, triton.cdiv(N, block_n))
+    _gather_up_kernel[grid](
+        x_TD.contiguous(), token_R.contiguous(), offs_E.contiguous(), tile_end_E, w1_EDF,
+        b1_EF.contiguous() if b1_EF is not None else w1_EDF, pre_RF, act_RN,
+        D, N, F, E, w1_EDF.stride(0), w1_EDF.stride(1), w1_EDF.stride(2),
+        HAS_BIAS=b1_EF is not None, ACTIVATION=_ACTIVATION_CODES[activation], IEEE=dtype == torch.float32,
+        INTERPRETED=_interpreted(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E))
+    return act_RN, pre_RF
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+        if INTERPRETED:     # triton 3.9's interpreter multiplies bf16 tiles wrongly (garbage; fp32 is right)
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _gather_up_kernel(x_ptr, token_ptr, offs_ptr, tile_end_ptr, w_ptr, b_ptr, pre_ptr, act_ptr,
+                          D, N, F, E, stride_we, stride_wd, stride_wf, HAS_BIAS: tl.constexpr,
+                          ACTIVATION: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+        pid_m = tl.program_id(0)
+        e_E = tl.arange(0, BLOCK_E)
+        tile_end_E = tl.load(tile_end_ptr + e_E, mask=e_E < E, other=2147483647)
+        e = tl.sum((tile_end_E <= pid_m).to(tl.int32), 0)        # E: a spare program past the last tile
+        if e < E:
+            tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
+            row_start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            row_end = tl.load(offs_ptr + e)
+            r_M = row_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask_M = r_M < row_end
+            token_M = tl.load(token_ptr + r_M, mask=mask_M, other=0).to(tl.int64)
+            n_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_N = n_N < N
+            gated = ACTIVATION != 0
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            acc_MN = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up_MN = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k in range(0, D, BLOCK_K):
+                k_K = k + tl.arange(0, BLOCK_K)
+                mask_K = k_K < D
+                x_MK = tl.load(x_ptr + token_M[:, None] * D + k_K[None, :], mask=mask_M[:, None] & mask_K[None, :],
+                               other=0)
+                w_KN = w_e + k_K[:, None] * stride_wd
+                mask_KN = mask_K[:, None] & mask_N[None, :]
+                acc_MN = _dot(x_MK, tl.load(w_KN + n_N[None, :] * stride_wf, mask=mask_KN, other=0), acc_MN, IEEE, INTERPRETED)
+                if gated:
+                    up_MN = _dot(x_MK, tl.load(w_KN + (N + n_N)[None, :] * stride_wf, mask=mask_KN, other=0), up_MN,
+                                 IEEE, INTERPRETED)
+            if HAS_BIAS:
+                acc_MN += tl.load(b_ptr + e * F + n_N, mask=mask_N, other=0).to(tl.float32)[None, :]
+                if gated:
+                    up_MN += tl.load(b_ptr + e * F + N + n_N, mask=mask_N, other=0).to(tl.float32)[None, :]
+            mask_MN = mask_M[:, None] & mask_N[None, :]
+            rows_M = r_M.to(tl.int64)
+            out_dtype = act_ptr.dtype.element_ty
+            if ACTIVATION == 0:     # relu: its output is what backward keeps
+                act_MN = tl.maximum(acc_MN, 0)
+            else:
+                tl.store(pre_ptr + rows_M[:, None] * F + n_N[None, :], acc_MN.to(out_dtype), mask=mask_MN)
+                tl.store(pre_ptr + rows_M[:, None] * F + N + n_N[None, :], up_MN.to(out_dtype), mask=mask_MN)
+                if ACTIVATION == 1:     # swiglu
+                    act_MN = acc_MN / (1 + tl.exp(-acc_MN)) * up_MN
+                else:                   # geglu (exact gelu)
+                    act_MN = 0.5 * acc_MN * (1 + tl.erf(acc_MN * 0.7071067811865476)) * up_MN
+            tl.store(act_ptr + rows_M[:, None] * N + n_N[None, :], act_MN.to(out_dtype), mask=mask_MN)

@@ -1,0 +1,107 @@
+"""The fused grouped-GEMM Triton kernels (moe_plugin/ops/triton_grouped.py) against their torch references
+(torch_grouped.py), on fresh random inputs: on CPU under the Triton interpreter (a child process, as
+test_triton_kernels.py does), compiled on CUDA when a GPU is present.
+
+Legend: T tokens, D model dim, N hidden width, F first projection width, E experts, K top-k, R routed rows.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_plugin.ops import torch_grouped, torch_ops
+from moe_testing import random_slots
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (T, E, K, capacity, D, N): k = 1 and k > 2, empty experts (T*K < E), one expert taking every row, dropped
+# choices, odd D and N; D = 37 takes three K steps of 16 with a ragged end, N = 21 two N tiles
+ROUTINGS = {"k1": (13, 4, 1, 13, 8, 5), "k3_empty_experts": (2, 9, 3, 2, 7, 3),
+            "one_expert_all_rows": (23, 1, 1, 23, 37, 21), "k4_dropping_odd": (11, 6, 4, 5, 19, 9),
+            "no_tokens": (0, 3, 2, 1, 5, 4)}
+
+
+def routed(T, E, K, capacity, device):
+    """pos_TK and R of a top-k routing with distinct experts per token, rows packed by expert; offs_E."""
+    expert_TK, row_start_E, R = random_slots(T, E, K, capacity)
+    pos_TK, _ = torch_ops.route_slots(expert_TK, None, row_start_E, capacity, R)
+    kept_E = torch.bincount(expert_TK.reshape(-1)[pos_TK.reshape(-1) >= 0], minlength=E)
+    return pos_TK.to(device), R, kept_E.cumsum(0).to(device=device, dtype=torch.int32)
+
+
+@pytest.fixture(params=["interpreter"] if INTERPRET else ["cuda"])
+def device(request):
+    if triton is None:
+        pytest.skip("triton is not installed")
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
+    return "cpu" if INTERPRET else "cuda"
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_interpreter_run():
+    """Every kernel case of this file again, on CPU, in a child process started with TRITON_INTERPRET=1."""
+    if triton is None:
+        pytest.skip("triton is not installed")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
+    print(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", sorted(ROUTINGS))
+@pytest.mark.parametrize("activation", torch_grouped.GATHER_UP_ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_gather_up(device, case, activation, dtype, bias):
+    """Activations and saved pre-activations against the reference in fp64 on the same values (bf16: within
+    its rounding of the fp32 accumulator); rows past the last expert's are 0."""
+    from moe_plugin.ops import triton_grouped
+    T, E, K, capacity, D, N = ROUTINGS[case]
+    pos_TK, R, offs_E = routed(T, E, K, capacity, device)
+    R += 3                                          # rows past the kept ones, as a fixed capacity leaves
+    F = 2 * N if activation != "relu" else N
+    x_TD = torch.randn(T, D, device=device).to(dtype)
+    w1_EDF = (torch.randn(E, D, F, device=device) / D ** 0.5).to(dtype)
+    b1_EF = torch.randn(E, F, device=device).to(dtype) if bias else None
+    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+    act_RN, saved = triton_grouped.gather_up(x_TD, token_R, offs_E, w1_EDF, b1_EF, activation)
+    wide = torch.float64
+    expected_RN, expected_saved = torch_grouped.gather_up(
+        x_TD.to(wide), token_R, offs_E, w1_EDF.to(wide), None if b1_EF is None else b1_EF.to(wide), activation)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2 * torch.finfo(dtype).eps, 1e-2)
+    for got, want in ((act_RN, expected_RN), (saved, expected_saved)):
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.to(wide), want, rtol=rtol, atol=atol)
+    kept = int(offs_E[-1]) if E else 0
+    assert torch.all(act_RN[kept:] == 0) and torch.all(saved[kept:] == 0)
+
+
+def test_tokens_of_rows():
+    pos_TK = torch.tensor([[0, -1], [2, 1], [-1, 3]])
+    assert torch_grouped.tokens_of_rows(pos_TK, 5).tolist() == [0, 1, 1, 2, 0]
+
+
+def test_gather_up_reference_matches_the_unfused_path():
+    """The reference itself: gather, grouped GEMM with bias, activations.activate, all in fp64."""
+    from moe_plugin import ops
+    from moe_plugin.activations import activate
+    pos_TK, R, offs_E = routed(17, 5, 3, 8, "cpu")
+    x_TD = torch.randn(17, 6, dtype=torch.float64)
+    for activation, F in (("relu", 7), ("swiglu", 14), ("geglu", 14)):
+        w1_EDF, b1_EF = torch.randn(5, 6, F, dtype=torch.float64), torch.randn(5, F, dtype=torch.float64)
+        token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+        act_RN, saved = torch_grouped.gather_up(x_TD, token_R, offs_E, w1_EDF, b1_EF, activation)
+        x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0]
+        expected_RN, expected_saved = activate(ops.grouped_mm(x_RD, w1_EDF, offs_E, b1_EF), activation)
+        torch.testing.assert_close(act_RN, expected_RN, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(saved, expected_saved, rtol=1e-12, atol=1e-12)
