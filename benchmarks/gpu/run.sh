@@ -64,7 +64,7 @@ step() {   # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   echo "== $name (limit ${limit} s): $*"
-  timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc" >> "$RESULTS/summary.txt"
   echo "-- $name rc=$rc in $((SECONDS - start)) s"
@@ -76,7 +76,7 @@ background() {   # background NAME SECONDS COMMAND...: started now, awaited by a
   local name=$1 limit=$2
   shift 2
   echo "== $name (background, limit ${limit} s): $*"
-  ( timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1; echo "$name rc=$?" >> "$RESULTS/summary.txt" ) &
+  ( timeout -k 10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1; echo "$name rc=$?" >> "$RESULTS/summary.txt" ) &
   BG_PID=$!
 }
 
