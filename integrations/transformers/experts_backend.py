@@ -180,6 +180,7 @@ def _with_lora(out_RO, in_RI, a_EIQ, b_EQO, offs_E):
 def register() -> None:
     """Adds "moe_plugin" to HF's ExpertsInterface (idempotent)."""
     ExpertsInterface.register(NAME, moe_plugin_experts_forward)
+    peft_lora.answer_shape_checks_cheaply()
 
 
 register()

@@ -80,7 +80,7 @@ class HFExpertsHandle(nn.Module):
         self.family = family
 
     def _maps(self):
-        from .families import FAMILIES
+        from .families import FAMILIES   # families -> families_special -> block -> this file
         return {w.layer: w for w in FAMILIES[self.family].weights if len(w.hf) == 1}
 
     def hf_names(self) -> dict:
@@ -147,7 +147,7 @@ class HFRouterHandle(nn.Module):
 def router_handle_name(family: str) -> Optional[str]:
     """The block attribute HF keeps its router under ("gate" for HF's gate.weight), when the family's router weight
     is one level down the block; None otherwise (no handle: PEFT then finds no router there)."""
-    from .families import FAMILIES
+    from .families import FAMILIES   # families -> families_special -> block -> this file
     names = [w.hf[0] for w in FAMILIES[family].weights if w.layer == "router.weight_ED" and len(w.hf) == 1]
     if len(names) != 1:
         return None
@@ -203,6 +203,44 @@ def _called_from_peft() -> bool:
     while frame is not None and frame.f_globals.get("__name__") == "torch.nn.modules.module":
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__", "").startswith("peft.")
+
+
+def _in_shape_check_of_backend_experts() -> bool:
+    """Whether torch's register_parametrization (unsafe=False) is evaluating a parametrization once to check its
+    dtype and shape, on an HF experts module that runs on the "moe_plugin" backend (which never reads it)."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "register_parametrization" and \
+                frame.f_globals.get("__name__") == "torch.nn.utils.parametrize":
+            config = getattr(frame.f_locals.get("module"), "config", None)
+            return getattr(config, "_experts_implementation", None) == "moe_plugin"
+        frame = frame.f_back
+    return False
+
+
+def answer_shape_checks_cheaply() -> None:
+    """PEFT registers its factors proxy on the experts' parameter in every forward, and torch's registration
+    evaluates it once to check its dtype and shape: a merged W + s A B per projection, the size of all the experts'
+    weights, formed and dropped. For experts on the "moe_plugin" backend, which read W and the factors, that check
+    gets W itself (same dtype and shape, no new memory); every other reader still gets PEFT's merged weight.
+    Installed once, when peft is importable."""
+    try:
+        from peft.tuners.lora import layer
+    except ImportError:
+        return
+    proxy = getattr(layer, PROXY, None)
+    if proxy is None or getattr(proxy.forward, "_moe_plugin", False):
+        return
+    merged = proxy.forward
+
+    def forward(self, W):
+        if _in_shape_check_of_backend_experts():
+            return W
+        return merged(self, W)
+    forward._moe_plugin = True
+    proxy.forward = forward
 
 
 PAIRS = {"gate_up_proj": (0, 1), "up_proj": (0, 1), "down_proj": (2, 3)}   # -> positions in the factors

@@ -23,15 +23,16 @@ def lora_config(**extra):
 
 
 class MergedWeights:
-    """Counts PEFT's merged-weight forms (its factors proxy's forward: W + s lhs rhs)."""
+    """Counts PEFT's merged weights formed (its factors proxy's forward giving W + s lhs rhs, a new tensor)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
         forward = peft_layer._LoraFactorsProxy.forward
 
         def counted(proxy, W):
-            self.count += 1
-            return forward(proxy, W)
+            merged = forward(proxy, W)
+            self.count += merged is not W
+            return merged
         monkeypatch.setattr(peft_layer._LoraFactorsProxy, "forward", counted)
 
 
@@ -63,15 +64,16 @@ def test_backend_reads_peft_factors_with_peft_loss_and_gradients(family, monkeyp
     assert len(expert_adapters) >= 4, "PEFT targeted no expert"
     ids = tokens(fresh_seed)
 
-    # torch's register_parametrization forms the merged weight once as a check when PEFT registers it (each
-    # forward, outside the compute and its graph); PEFT's own path forms it once more for the GEMMs, ours never
+    # torch's register_parametrization evaluates the proxy once as a dtype/shape check when PEFT registers it (each
+    # forward); PEFT's own path forms the merged weight there and once more for the GEMMs; ours answers the check
+    # with W itself (peft.answer_shape_checks_cheaply) and never forms it
     merged = MergedWeights(monkeypatch)
     loss, grads = loss_and_adapter_grads(theirs, ids)
     wrapped = sum(1 for m in ours.modules() if type(m).__name__ == "ParamWrapper")
     assert merged.count == 2 * wrapped, "PEFT's own path changed: this test no longer shows what ours saves"
     merged.count = 0
     our_loss, our_grads = loss_and_adapter_grads(ours, ids)
-    assert merged.count == wrapped, "the backend formed PEFT's merged weight"
+    assert merged.count == 0, "the backend formed PEFT's merged weight"
 
     assert relative(our_loss, loss) <= TOL
     assert set(our_grads) == set(grads)
@@ -167,3 +169,21 @@ def test_backend_with_peft_lora_on_the_router_too_equals_peft(family, router, fr
     assert relative(our_loss, loss) <= TOL
     assert set(our_grads) == set(grads)
     assert max(relative(our_grads[n], grads[n]) for n in grads) <= TOL
+
+
+def test_reading_the_experts_weight_on_the_backend_still_gives_peft_merged_weight(fresh_seed):
+    """Only torch's registration check gets W itself: code reading the parametrized weight inside PEFT's forward
+    (here, a forward pre-hook on the experts) gets W + s B A, as PEFT defines it."""
+    model = build_model("mixtral", seed=fresh_seed % 1000, experts_implementation="moe_plugin")
+    ours = peft_model(model, "moe_plugin", fresh_seed)
+    experts = ours.base_model.model.model.layers[0].mlp.experts.get_base_layer()
+    wrapper = peft_wrappers(ours, "model.layers.0.mlp")["gate_up_proj"]
+    seen = []
+    experts.register_forward_pre_hook(lambda module, args: seen.append(module.gate_up_proj.detach().clone()))
+    with torch.no_grad():
+        ours(tokens(fresh_seed))
+        stored = experts.parametrizations["gate_up_proj"].original if hasattr(experts, "parametrizations") else \
+            experts.gate_up_proj
+        expected = stored + wrapper.get_delta_weight("default")
+    assert seen and not torch.equal(seen[0], stored)
+    torch.testing.assert_close(seen[0], expected, rtol=1e-6, atol=1e-6)
