@@ -111,18 +111,22 @@ def lora_factors(experts) -> tuple:
     return lora if isinstance(lora, tuple) else lora.factors()
 
 
-def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_LORA):
+def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_LORA, up=None):
     """(y_RD, saved_RH, xa_RQ, ha_RQ) of y = act(x W1 + b1 + (x A1) B1) W2 + b2 + (act A2) B2 on grouped rows: the
     low-rank terms on the routed rows (W + A B is never formed); xa_RQ and ha_RQ (None without adapters) are
-    what their backward needs besides saved_RH."""
+    what their backward needs besides saved_RH. up: (act_RH, saved_RH) of the first projection computed already
+    (a fused kernel, ops/fused_gemms.py; no adapter on it), x_RD then unused."""
     up_a, up_b, down_a, down_b = lora
-    pre_RH = ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH)
     xa_RQ = ha_RQ = None
-    if up_a is not None:
-        xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
-        pre_RH.add_(ops.grouped_mm(xa_RQ, up_b, offs_E))     # in place: no second [R, F] buffer
-    act_RH, saved_RH = activate(pre_RH, activation)
-    del pre_RH
+    if up is not None:
+        act_RH, saved_RH = up
+    else:
+        pre_RH = ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH)
+        if up_a is not None:
+            xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
+            pre_RH.add_(ops.grouped_mm(xa_RQ, up_b, offs_E))     # in place: no second [R, F] buffer
+        act_RH, saved_RH = activate(pre_RH, activation)
+        del pre_RH
     y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
     if down_a is not None:
         ha_RQ = ops.grouped_mm(act_RH, down_a, offs_E)

@@ -17,6 +17,7 @@ import torch
 
 from . import ops
 from .experts import Needs, mlp_backward, mlp_forward
+from .ops import fused_gemms
 
 
 class FusedMoE(torch.autograd.Function):
@@ -48,10 +49,12 @@ class FusedMoE(torch.autograd.Function):
         x_TD = x_TD.contiguous()
         R = pos_TK.numel()
         lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
-        x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0]
+        # the first projection on x's rows read by index, where that kernel runs and measured faster
+        up = fused_gemms.gather_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH) if up_a_EDQ is None else None
+        x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0] if up is None else None
         expert_y_RD, saved_RH, xa_RQ, ha_RQ = mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
-                                                          lora)
-        del x_RD
+                                                          lora, up)
+        del x_RD, up
         y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
         del expert_y_RD
 

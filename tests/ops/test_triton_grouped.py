@@ -105,3 +105,51 @@ def test_gather_up_reference_matches_the_unfused_path():
         expected_RN, expected_saved = activate(ops.grouped_mm(x_RD, w1_EDF, offs_E, b1_EF), activation)
         torch.testing.assert_close(act_RN, expected_RN, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(saved, expected_saved, rtol=1e-12, atol=1e-12)
+
+
+# ---- the choice: the fused layer takes gather_up on the CUDA path only where it measured faster ----------------
+
+def fused_layer_step(activation, bias):
+    """Output and gradients (x, gate, weights) of FusedMoE on a small routing with dropped choices."""
+    from moe_plugin import MoEConfig
+    from moe_plugin.experts import Experts
+    from moe_plugin.fused import FusedMoE
+    T, E, K, capacity, D, H = 19, 5, 3, 9, 11, 7
+    torch.manual_seed(5)
+    experts = Experts(MoEConfig(model_dim=D, hidden_size=H, num_experts=E, top_k=K, activation=activation,
+                                bias=bias))
+    pos_TK, R, offs_E = routed(T, E, K, capacity, "cpu")
+    x_TD = torch.randn(T, D, requires_grad=True)
+    gate_TK = torch.rand(T, K, requires_grad=True)
+    y_TD = FusedMoE.apply(x_TD, gate_TK, pos_TK, offs_E, experts.activation, experts.w1_EDH, experts.b1_EH,
+                          experts.w2_EHD, experts.b2_ED)
+    params = [x_TD, gate_TK] + list(experts.parameters())
+    return [y_TD] + list(torch.autograd.grad(y_TD.square().sum(), params))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CUDA path simulated on CPU needs the interpreter run")
+@pytest.mark.parametrize("fused_wins", [True, False], ids=["fused_faster", "unfused_faster"])
+@pytest.mark.parametrize("activation, bias", [("swiglu", False), ("relu", True), ("geglu", True)])
+def test_layer_takes_gather_up_only_where_measured_faster(monkeypatch, fused_wins, activation, bias):
+    """Timed once per shape (then cached), the fused kernel runs only when it won; the layer's outputs and
+    gradients equal today's CPU path either way."""
+    from moe_plugin.ops import choice, fused_gemms, triton_grouped
+    expected = fused_layer_step(activation, bias)      # CPU: today's path
+    timed, calls = [], []
+    monkeypatch.setattr(fused_gemms, "_FASTER", {})
+    monkeypatch.setattr(fused_gemms, "seconds", lambda run, device: timed.append(run) or
+                        (1.0 if (run.__name__ == "fused") == fused_wins else 2.0))
+    real = triton_grouped.gather_up
+    monkeypatch.setattr(triton_grouped, "gather_up", lambda *args: calls.append(args) or real(*args))
+    with choice.simulated_cuda():
+        for _ in range(2):
+            got = fused_layer_step(activation, bias)
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(timed) == 2 and len(calls) == (2 if fused_wins else 0)
+
+
+def test_cpu_runs_todays_path():
+    from moe_plugin.ops import fused_gemms
+    pos_TK, R, offs_E = routed(5, 3, 2, 5, "cpu")
+    assert fused_gemms.gather_up(torch.randn(5, 4), pos_TK, offs_E, "swiglu", torch.randn(3, 4, 6), None) is None

@@ -1,0 +1,80 @@
+"""Where the fused grouped GEMMs (triton_grouped.py) run: on CUDA tensors in eager mode with the Triton kernels
+chosen (choice.eager_triton), for inputs they take, and only where they measured faster than what they replace
+(F.grouped_mm plus today's separate passes), timed once per shape and dtype and cached. Elsewhere (CPU, a compiled
+graph, another activation, LoRA on the projection) the caller runs today's path.
+
+Shape legend: T tokens, D model dim, H hidden width, F the first projection's width, E experts, K top-k, R routed rows.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from . import scatter_rows, swiglu, torch_grouped
+from .choice import eager_triton
+from .grouped import grouped_mm
+
+_FASTER: Dict[tuple, bool] = {}     # (kernel, shapes, dtype, options) -> whether the fused kernel won
+REPEATS = 5
+
+
+def gather_up(x_TD: torch.Tensor, pos_TK: torch.Tensor, offs_E: torch.Tensor, activation, w1_EDF: torch.Tensor,
+              b1_EF: Optional[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(act_RH, saved) of the up projection on x's routed rows (what scatter_rows, grouped_mm and
+    activations.activate give) from triton_grouped.gather_up, which reads the rows by index, where it runs and
+    measured faster; else None. activation: an activations.Activation (a clamped one is not fused) or a name."""
+    name, limit = (activation, None) if isinstance(activation, str) else (activation.name, activation.limit)
+    if eager_triton(x_TD.device) is None or limit is not None:
+        return None
+    from . import triton_grouped     # imports triton: only where its kernels run
+    if not triton_grouped.supports(x_TD, name):
+        return None
+    R = pos_TK.numel()
+    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+
+    def fused():
+        return triton_grouped.gather_up(x_TD, token_R, offs_E, w1_EDF, b1_EF, name)
+
+    def unfused():
+        pre_RF = grouped_mm(scatter_rows(x_TD, pos_TK, None, None, R)[0], w1_EDF, offs_E, b1_EF)
+        if name == "relu":
+            return pre_RF.relu_()
+        if name == "swiglu":
+            return swiglu(pre_RF)
+        gate_RH, up_RH = pre_RF.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate_RH) * up_RH
+
+    key = ("gather_up", tuple(x_TD.shape), tuple(w1_EDF.shape), R, x_TD.dtype, name, b1_EF is not None)
+    return fused() if measured_faster(key, fused, unfused, x_TD.device) else None
+
+
+def measured_faster(key: tuple, fused: Callable[[], object], unfused: Callable[[], object],
+                    device: torch.device) -> bool:
+    """Whether fused() ran faster than unfused() (medians of REPEATS runs after a warm-up run of each), measured at
+    the first call of each key and cached: a training run's shapes repeat, so only its first step pays (and
+    synchronizes)."""
+    if key not in _FASTER:
+        _FASTER[key] = seconds(fused, device) < seconds(unfused, device)
+    return _FASTER[key]
+
+
+def seconds(run: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of run() on device: CUDA events on the current stream, or the host clock (the interpreter)."""
+    run()
+    times = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
