@@ -230,3 +230,32 @@ def test_fp8_probe_rowwise_scaling_round_trips():
     q_ENK, scale_EN = fp8_probe.rowwise(w_ENK, 2)
     assert scale_EN.shape == (3, 16)
     assert float((q_ENK.float() * scale_EN[..., None] - w_ENK).norm() / w_ENK.norm()) < 0.05
+
+
+def test_summary_judges_floor_throughput_peers_and_fp8(tmp_path):
+    """The verdicts the GPU run will print, on made-up results: the layer at 1.05x the gated floor meets 1.10 and
+    its 500 TFLOP/s miss 550; a peer slower than ours is beaten; fp8 GEMMs 1.6x faster bound an all-GEMM layer at
+    1/(1/3 + (2/3)/1.6) = 1.33x, which a layer at its floor reaches, but one at 1.5x its floor (2/3 GEMMs) gains
+    1/(1/3 + (2/3)/1.33) = 1.2x."""
+    import summary
+    ms = {"moe_plugin": 10.5, "moe_plugin_graphed": 10.0, "floor_gated": 9.5, "hf_grouped_mm": 20.0}
+    shape = {"median_ms": ms, "reasons": {"tutel": "skipped (tutel: ModuleNotFoundError)"},
+             "ratio_to_floor_gated": {n: t / 9.5 for n, t in ms.items()},
+             "tflops": {n: 5000 / t for n, t in ms.items()}}
+    (tmp_path / "peers.json").write_text(json.dumps({"peak_tflops": 790.0, "shapes": {"hf": shape}}))
+    (tmp_path / "fp8.json").write_text(json.dumps({"shapes": {"hf": {"gemm_speedup": 1.6,
+                                                                   "layer_speedup_bound": 1 / (1 / 3 + 2 / 3 / 1.6)}}}))
+    table = {row[1]: row for row in summary.rows(tmp_path)}
+    floor = table["hf: best of ours (moe_plugin_graphed) / floor_gated"]
+    assert floor[3].startswith("1.053") and floor[4] == "met"
+    assert table["hf: TFLOP/s of moe_plugin_graphed (peak 790)"][3:] == ("500", "MISSED")
+    assert table["hf: moe_plugin_graphed / hf_grouped_mm"][4] == "met"
+    assert "ModuleNotFoundError" in table["hf: tutel"][3]
+    fp8 = table["hf: fp8/bf16 GEMM speedup (quant. incl.); layer estimate"]   # eager at 10.5/9.5 x its floor:
+    assert "bound 1.33x" in fp8[3] and "this layer ~1.29x" in fp8[3] and fp8[4] == "not plausible"   # 90% GEMMs
+    for ratio, layer, verdict in ((1.0, "1.33", "plausible"), (1.5, "1.20", "not plausible")):
+        shape["ratio_to_floor_gated"]["moe_plugin"] = ratio
+        (tmp_path / "peers.json").write_text(json.dumps({"peak_tflops": 790.0, "shapes": {"hf": shape}}))
+        rows = {row[1]: row for row in summary.rows(tmp_path)}
+        fp8 = rows["hf: fp8/bf16 GEMM speedup (quant. incl.); layer estimate"]
+        assert f"this layer ~{layer}x" in fp8[3] and fp8[4] == verdict
