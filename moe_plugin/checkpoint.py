@@ -22,13 +22,15 @@ import contextlib
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .experts import WEIGHT_NAMES as EXPERT_NAMES   # the stacked experts' tensors
+from .parallel.expert_grads import expert_layers
+
 Offsets = Tuple[int, ...]
 
 
@@ -60,11 +62,6 @@ class ExpertPieces:
             if tuple(o) == tuple(offsets):
                 return t
         raise KeyError(f"no piece at offsets {tuple(offsets)}")
-
-
-def expert_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    from .parallel.expert_grads import expert_layers as layers
-    return layers(model)
 
 
 def expert_pieces(layer: nn.Module, name: str, tensor: torch.Tensor, writing: bool) -> ExpertPieces:

@@ -15,9 +15,8 @@ from . import dispatch, fused_route
 from .config import AUTO, MoEConfig
 from .dispatchers import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from .experts import Experts
+from .guards import check_expert_sharding, check_plain_ddp
 from .module_experts import ModuleExperts
-from .parallel.ddp import check_plain_ddp
-from .parallel.fsdp import check_expert_sharding
 from .parallel.groups import ExpertGroups, build_groups
 from .parallel.tuner import OnceTuner, Tuner
 from .router import Router, autocast_off, autocast_on

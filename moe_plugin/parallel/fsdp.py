@@ -18,8 +18,9 @@ their block's unit as a second parameter group, so a block is still one unit: on
 Without it (older torch) the router and shared expert get units of their own, then the layer one on the
 expert mesh, then the block.
 
-check_expert_sharding (called by MoELayer.forward) catches a plain fully_shard over the wrong ranks;
-fsdp_state_dict.py answers torch's state-dict API (DCP, Accelerate, HF Trainer checkpoints) for such layers.
+moe_plugin/guards.py's check_expert_sharding (called by MoELayer.forward) catches a plain fully_shard over the
+wrong ranks; fsdp_state_dict.py answers torch's state-dict API (DCP, Accelerate, HF Trainer checkpoints) for
+such layers.
 """
 from __future__ import annotations
 
@@ -31,13 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..experts import WEIGHT_NAMES, ExpertWeights
+from ..layer import MoELayer
 from . import fsdp_state_dict
 from .groups import check_ep_size
 
-try:
-    from torch.distributed._composable_state import _module_state_mapping as _STATES   # module -> its FSDP state
-except ImportError:
-    _STATES = None
 try:   # per-parameter meshes in one fully_shard call (pytorch PR 173509; absent from older torch)
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 except ImportError:
@@ -68,7 +66,6 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     world = dist.get_world_size()
     device_type = _device_type(model)
     _plain_swapped_blocks(model)
-    from ..layer import MoELayer
     parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
     for name, layer in model.named_modules():   # before any collective (the default mesh's)
         if isinstance(layer, MoELayer) and layer.is_parallel:
@@ -185,7 +182,6 @@ def _shard(dim: int):
 
 def default_blocks(model: nn.Module) -> List[nn.Module]:
     """The children of every nn.ModuleList in model that holds an MoELayer somewhere below it."""
-    from ..layer import MoELayer
     out = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and any(isinstance(m, MoELayer) for m in module.modules()):
@@ -200,37 +196,3 @@ def _device_type(model: nn.Module) -> str:
     if devices:
         return devices.pop()
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_expert_sharding(layer) -> None:
-    """ValueError if an FSDP2 state shards this expert-parallel layer's experts over ranks that hold other
-    experts (a plain fully_shard on a parent). No collective; it rescans only when the number of composable
-    states (fully_shard calls) has changed since the layer last looked, so a forward costs one len()."""
-    if _STATES is None or len(_STATES) == getattr(layer, "_fsdp_states_seen", -1):
-        return
-    ep_ranks = set(dist.get_process_group_ranks(layer.groups.ep_group))
-    for state in list(_STATES.values()):
-        state = state()
-        for group in _param_groups(state):
-            for fsdp_param in group.fsdp_params:
-                if fsdp_param._module_info.module is not layer.experts:
-                    continue
-                mesh_ranks = set(fsdp_param.mesh_info.mesh.mesh.flatten().tolist())
-                if mesh_ranks & ep_ranks != {dist.get_rank()}:
-                    raise ValueError(
-                        f"an MoELayer with ep_size={layer.config.ep_size} was sharded by fully_shard over ranks "
-                        f"{sorted(mesh_ranks)}, which hold different experts (its ep group is {sorted(ep_ranks)}): "
-                        f"the gathered experts would mix ranks' experts. Shard the model with "
-                        f"moe_plugin.parallel.fully_shard_moe(model) instead (it shards the experts over the "
-                        f"ranks holding the same experts), before any other fully_shard call")
-    layer._fsdp_states_seen = len(_STATES)
-
-
-def _param_groups(state) -> list:
-    if state is None:
-        return []
-    groups = getattr(state, "_fsdp_param_groups", None)   # torch >= 2.13; before, one _fsdp_param_group
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return groups
