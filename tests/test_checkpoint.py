@@ -7,8 +7,8 @@ import torch
 
 from moe_plugin import checkpoint, train
 from moe_plugin.cli import main
-from moe_plugin.data import VOCAB_SIZE
-from moe_plugin.models import TransformerLM
+from moe_plugin.train.data import VOCAB_SIZE
+from moe_plugin.train.models import TransformerLM
 
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=16", "model.ffn_hidden=48",
         "moe.hidden_size=40", "moe.num_experts=3", "moe.top_k=3", "train.batch_size=3", "train.eval_batches=1",

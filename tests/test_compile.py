@@ -75,7 +75,7 @@ def test_cuda_training_step_never_synchronizes(mode):
 
 
 def test_trainer_model_compiles_with_no_graph_break_in_the_moe_layer():
-    from moe_plugin.models import TransformerLM
+    from moe_plugin.train.models import TransformerLM
     from moe_plugin.train import ExperimentConfig, moe_config
 
     torch._dynamo.reset()

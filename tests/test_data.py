@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moe_plugin.data import PATTERN_SYMBOLS, TOPICS, DataConfig, check_config, decode, make_data
+from moe_plugin.train.data import PATTERN_SYMBOLS, TOPICS, DataConfig, check_config, decode, make_data
 
 
 def take(batches, n):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer, aux_loss
-from moe_plugin.models import ModelConfig, TransformerLM
+from moe_plugin.train.models import ModelConfig, TransformerLM
 from moe_testing import make_layer
 
 OPTIONS = [dict(), dict(router="cosine", activation="swiglu", bias=False), dict(router="sigmoid", top_k=3),

@@ -119,8 +119,8 @@ def _fsdp_lora_worker(rank, world, ep, steps=3, lr=0.3):
     import torch.nn.functional as F
 
     from moe_plugin import aux_loss
-    from moe_plugin.models import TransformerLM
-    from moe_plugin.models.transformer import ModelConfig
+    from moe_plugin.train.models import TransformerLM
+    from moe_plugin.train.models.transformer import ModelConfig
     from moe_plugin.parallel import fully_shard_moe
     from moe_plugin.train.checkpoint import full_state_dict, load_full_state_dict
     V, B, S = 40, 3, 6

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer
-from moe_plugin.models import ModelConfig, TransformerLM
+from moe_plugin.train.models import ModelConfig, TransformerLM
 
 from init_checks import assert_normal, assert_uniform
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer, aux_loss
-from moe_plugin.models import ModelConfig, TransformerLM
+from moe_plugin.train.models import ModelConfig, TransformerLM
 
 
 def make_model(capacity_factor=1.0, **overrides):

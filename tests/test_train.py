@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from moe_plugin import aux_loss, checkpoint, train
 from moe_plugin.cli import main
-from moe_plugin.data import VOCAB_SIZE, make_data
-from moe_plugin.models import TransformerLM
+from moe_plugin.train.data import VOCAB_SIZE, make_data
+from moe_plugin.train.models import TransformerLM
 from moe_plugin.parallel.expert_grads import expert_layers
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -132,7 +132,7 @@ def test_two_processes_expert_parallel(tmp_path, fresh_seed):
     assert state["hf.model.layers.0.mlp.moe.experts.w1_EDH"].shape[0] == 8
     plain = transformers.AutoModelForCausalLM.from_pretrained(out / "hf_model")   # every expert, gathered
     assert plain.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
-    from moe_plugin.data import make_data
+    from moe_plugin.train.data import make_data
     from moe_plugin.train.hf_model import build_hf_model
     cfg = train.load_config(str(MIXTRAL_TINY), TINY)
     model = build_hf_model(cfg)

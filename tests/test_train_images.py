@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_plugin import MoELayer, checkpoint, train
-from moe_plugin.data import DataConfig, make_data
-from moe_plugin.data_images import NUM_CLASSES, load_digits, split_by_class
+from moe_plugin.train.data import DataConfig, make_data
+from moe_plugin.train.data.images import NUM_CLASSES, load_digits, split_by_class
 from moe_testing import torchrun_train
 
 ROOT = Path(__file__).resolve().parents[1]

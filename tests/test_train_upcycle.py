@@ -59,7 +59,7 @@ def test_upcycled_run_continues_from_the_dense_run(tmp_path, fresh_seed):
     assert json.loads((tmp_path / "up" / "hf_model" / "config.json").read_text())["model_type"] == "mixtral"
 
     # loss.png draws the dense run before step 0, found from any form of upcycle.checkpoint
-    from moe_plugin import plots
+    from moe_plugin.train import plots
     for start in (tmp_path / "dense", tmp_path / "dense" / "checkpoints" / "step_000016", tmp_path / "dense" / "hf_model"):
         assert plots.run_records(str(start)) == dense_records
     assert plots.run_records(str(tmp_path / "nowhere")) == []

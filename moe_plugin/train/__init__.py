@@ -4,7 +4,7 @@ architecture: an MoE family, a dense LM optionally upcycled, or a Swinv2 image c
 Legend: B batch rows per rank, S sequence length, V vocabulary.
 
 A config has the sections model, moe, data, train, parallel and log, and optionally hf (an HF
-architecture as the model: hf_model.py; with data.task image, hf_image.py on data_images.py) and
+architecture as the model: hf_model.py; with data.task image, hf_image.py on data/images.py) and
 upcycle (dense MLPs made MoE blocks). The defaults in config.py are the
 default experiment (configs/experiments/default.yaml spells them out; a test keeps them equal).
 A run writes to log.out_dir: metrics.jsonl, summary.txt, result.json, loss.png, expert_load.png

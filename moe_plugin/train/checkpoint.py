@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as sharded
-from . import manifest
-from .manifest import verify
-from ..parallel.expert_grads import expert_layers
 from ..lora import whole_lora
+from ..parallel.expert_grads import expert_layers
 from ..parallel.expert_parallel import whole_experts
+from . import manifest
 from .config import ExperimentConfig
+from .manifest import verify
 from .metrics import Window
 from .processes import Processes
 

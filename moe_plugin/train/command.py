@@ -12,9 +12,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .checks import load_config
-from .hf_model import hf_moe_config
 from .config import to_yaml
 from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
+from .hf_model import hf_moe_config
 from .loop import train
 from .processes import torchrun_command
 

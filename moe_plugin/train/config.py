@@ -11,9 +11,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import MoEConfig, field_names
 from ..lora import TARGETS
-from ..data import DataConfig
-from ..data import check_config as check_data_config
-from ..models import ModelConfig
+from .data import DataConfig
+from .data import check_config as check_data_config
+from .models import ModelConfig
 
 MOE_KEYS_SET_ELSEWHERE = {"model_dim": "model.dim", "ep_size": "parallel.ep_size"}
 DEFAULT_MOE = {"hidden_size": 256, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25,

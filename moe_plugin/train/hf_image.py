@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
-from ..data_images import NUM_CHANNELS, NUM_CLASSES
 from ..layer import MoELayer
-from .hf_model import hf_adapter, upcycle_module, load_dense
+from .data.images import NUM_CHANNELS, NUM_CLASSES
+from .hf_model import hf_adapter, load_dense, upcycle_module
 from .hf_model import upcycle_arguments as hf_upcycle_arguments
 
 IMAGE_MODEL_TYPES = ("swinv2",)

@@ -26,13 +26,13 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from ..config import MoEConfig, gate_normalization
-from ..data import VOCAB_SIZE
 from .. import checkpoint as sharded
+from ..config import MoEConfig, gate_normalization
 from ..layer import MoELayer
 from ..lora import add_lora, merge_lora, unmerge_lora
 from .checkpoint import checkpoints, full_state_dict, load_full_state_dict, read_meta, verify
 from .config import DEFAULT_MOE, ParallelConfig
+from .data import VOCAB_SIZE
 
 # moe-section keys whose value describes the routing in the HF model too (the HF config sets them)
 FREE_KEYS = ("capacity_factor", "aux_loss", "aux_loss_coef", "expert_bias_update_rate")

@@ -15,16 +15,17 @@ import torch.nn.functional as F
 
 from ..balancing import update_expert_bias
 from ..layer import aux_loss
-from ..models import TransformerLM
 from ..parallel.expert_grads import expert_parameters
 from ..parallel.groups import check_ep_size
+from . import plots
 from .checkpoint import checkpoint_path, remove_checkpoints, resolve_resume, restore, save
 from .checks import check_config
-from .hf_image import export_image_model
-from .hf_model import export_hf_model
 from .config import ExperimentConfig, to_yaml
 from .faults import NonFiniteStep, Preempted, Signals, any_signal, step_verdict
+from .hf_image import export_image_model
+from .hf_model import export_hf_model
 from .metrics import MetricsLog, Window
+from .models import TransformerLM
 from .parts import build, data_parallel
 from .processes import Processes, gather, start_processes
 
@@ -236,7 +237,6 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     result["topic_routing"] = routing
     result["hf_model"] = cfg.hf is not None
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    from .. import plots
     if cfg.log.plots:
         start = (cfg.lora.checkpoint if cfg.lora is not None else None) or \
             (cfg.upcycle.checkpoint if cfg.upcycle is not None else None)    # the run this one goes on from

@@ -8,8 +8,8 @@ from typing import Callable, List
 import torch
 from torch import nn
 
-from ..data import VOCAB_SIZE, Data, make_data
-from ..models import TransformerLM
+from .data import VOCAB_SIZE, Data, make_data
+from .models import TransformerLM
 from ..parallel.ddp import ddp_moe
 from ..parallel.fsdp import fully_shard_moe
 from .config import ExperimentConfig, TrainConfig, moe_config

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from launch import run_workers
 from moe_plugin import aux_loss, train, update_expert_bias
-from moe_plugin.data import make_data
+from moe_plugin.train.data import make_data
 from moe_plugin.experts import Experts
 from moe_plugin.parallel.expert_grads import expert_layers
 from moe_plugin.parallel.expert_parallel import gathered_experts

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from launch import run_workers
 from moe_plugin import MoEConfig, aux_loss
-from moe_plugin.models import TransformerLM
-from moe_plugin.models.transformer import ModelConfig
+from moe_plugin.train.models import TransformerLM
+from moe_plugin.train.models.transformer import ModelConfig
 from moe_plugin.parallel import fsdp, fully_shard_moe
 
 V, B, S, STEPS, LR = 50, 3, 6, 3, 0.3

@@ -101,8 +101,8 @@ def test_fsdp_checkpoint_resumes_on_another_number_of_processes(tmp_path, fresh_
 def test_fsdp_mode_builds_on_meta_the_weights_of_a_plain_construction(extra, fresh_seed):
     """parallel.fsdp builds the model on the meta device (then to_empty and reset_parameters): every parameter and
     buffer equals the plain construction's from the same seed."""
-    from moe_plugin.data import VOCAB_SIZE
-    from moe_plugin.models import TransformerLM
+    from moe_plugin.train.data import VOCAB_SIZE
+    from moe_plugin.train.models import TransformerLM
     from moe_plugin.train.parts import materialize_from_meta
     cfg = train.load_config(None, [*TINY, *extra])
     torch.manual_seed(fresh_seed)
@@ -134,7 +134,7 @@ def test_fsdp_training_of_an_hf_architecture_exports_a_folder_plain_transformers
     import moe_plugin.integrations.transformers  # noqa: F401  hides an unloadable torchaudio first
     transformers = pytest.importorskip("transformers")
     from moe_plugin import checkpoint
-    from moe_plugin.data import make_data
+    from moe_plugin.train.data import make_data
     from moe_plugin.train.hf_model import build_hf_model
     out = tmp_path / "hf"
     run_workers(_hf_run, 2, str(out), fresh_seed, timeout=300)

@@ -17,6 +17,8 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
+from .batches import Batch, Data
+
 DATASETS = ("digits",)
 NUM_CLASSES = 10
 NUM_CHANNELS = 1
@@ -24,7 +26,6 @@ SOURCE_SIZE = 8
 MAX_ROTATION = math.radians(10)
 MAX_SCALE_CHANGE = 0.1
 MAX_SHIFT = 1 / SOURCE_SIZE   # of the image's width: one pixel of the 8x8 original
-Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 def load_digits() -> Batch:
@@ -95,9 +96,8 @@ class ImageBatches:
 
 
 def make_image_data(cfg, batch_size: int, val_batches: int, rank: int = 0, world_size: int = 1):
-    """A moe_plugin.data.Data of images: train stream, validation batches (at most val_batches of
-    batch_size, the same on every rank), and per digit a few validation images (for routing per class)."""
-    from .data import Data
+    """A Data of images: train stream, validation batches (at most val_batches of batch_size, the same on
+    every rank), and per digit a few validation images (for routing per class)."""
     x_NHW, y_N = load_digits()
     x_NCHW = F.interpolate(x_NHW[:, None], size=(cfg.image_size, cfg.image_size), mode="bilinear",
                            align_corners=False).clamp(0, 1)

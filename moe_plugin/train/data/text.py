@@ -1,5 +1,5 @@
-"""Training data for `moe-plugin train`: bytes as tokens, from a seeded synthetic corpus or a text file
-(data.task: lm); or labelled images (data.task: image, data_images.py).
+"""The language-model data of `moe-plugin train` (data.task: lm): bytes as tokens, from a seeded synthetic corpus
+or a text file.
 
 Legend: B batch rows, S sequence length. A batch is (x_BS, y_BS): y is x shifted by one byte.
 
@@ -8,55 +8,16 @@ load_state_dict() resume it exactly. Rank r of a multi-process run reads its own
 """
 from __future__ import annotations
 
-import os
 import random
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
+
+from .batches import Batch, Data
 
 VOCAB_SIZE = 256
 TOPICS = ("arithmetic", "pattern", "lower_words", "upper_words")
 PATTERN_SYMBOLS = "#$%&*<>@^~|/"
-Batch = Tuple[torch.Tensor, torch.Tensor]
-
-
-TASKS = ("lm", "image")
-IMAGE_KEYS = {"dataset": "digits", "image_size": 32, "augment": True}   # data.task=image only; defaults
-
-
-@dataclass
-class DataConfig:
-    task: str = "lm"             # lm: bytes as tokens (a language model); image: image classification
-    path: Optional[str] = None   # a text file (its bytes are the tokens); null: the synthetic corpus
-    seed: int = 0                # the synthetic corpus: its languages and every stream; images: split, order
-    val_fraction: float = 0.05   # a text file: the share at its end held out; images: of each class
-    dataset: str = IMAGE_KEYS["dataset"]        # images: digits (scikit-learn's 8x8 handwritten digits)
-    image_size: int = IMAGE_KEYS["image_size"]  # images: upsampled to image_size x image_size
-    augment: bool = IMAGE_KEYS["augment"]       # images: random rotation, scale and shift of training images
-
-
-def check_config(cfg: DataConfig) -> None:
-    if cfg.task not in TASKS:
-        raise ValueError(f"data.task={cfg.task!r} is invalid: must be one of {', '.join(map(repr, TASKS))}")
-    if cfg.path is not None and not os.path.isfile(cfg.path):
-        raise ValueError(f"data.path={cfg.path!r} is invalid: no such file")
-    if not 0.0 < cfg.val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction={cfg.val_fraction!r} is invalid: must be between 0 and 1")
-    if cfg.task == "lm":
-        for key, default in IMAGE_KEYS.items():
-            if getattr(cfg, key) != default:
-                raise ValueError(f"data.{key}={getattr(cfg, key)!r} is invalid with data.task='lm': it applies "
-                                 f"to data.task='image' only (leave it out)")
-        return
-    from .data_images import DATASETS
-    if cfg.path is not None:
-        raise ValueError(f"data.path={cfg.path!r} is invalid with data.task='image': the images come from "
-                         f"data.dataset (leave data.path null)")
-    if cfg.dataset not in DATASETS:
-        raise ValueError(f"data.dataset={cfg.dataset!r} is invalid: must be one of {', '.join(map(repr, DATASETS))}")
-    if cfg.image_size < 8:
-        raise ValueError(f"data.image_size={cfg.image_size!r} is invalid: must be >= 8")
 
 
 class SyntheticCorpus:
@@ -142,19 +103,8 @@ class WindowBatches:
         self.generator.set_state(state["generator"])
 
 
-@dataclass
-class Data:
-    train: object                  # .next() -> Batch, .state_dict(), .load_state_dict()
-    val: List[Batch]               # the same fixed batches on every rank
-    topics: Dict[str, torch.Tensor]  # x_BS per topic of the synthetic corpus (empty for a text file); images per class
-
-
-def make_data(cfg: DataConfig, batch_size: int, seq_len: int, val_batches: int,
-              rank: int = 0, world_size: int = 1) -> Data:
-    """The task's data; seq_len applies to data.task='lm' only."""
-    if cfg.task == "image":
-        from .data_images import make_image_data
-        return make_image_data(cfg, batch_size, val_batches, rank, world_size)
+def make_text_data(cfg, batch_size: int, seq_len: int, val_batches: int, rank: int = 0, world_size: int = 1) -> Data:
+    """data.task='lm': the synthetic corpus (data.path null) or the bytes of a text file."""
     if cfg.path is None:
         corpus = SyntheticCorpus(cfg.seed)
         train = SyntheticBatches(corpus, f"{cfg.seed}/train/{rank}", batch_size, seq_len)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MoEConfig
-from ..layer import MoELayer
+from ...config import MoEConfig
+from ...layer import MoELayer
 
 
 @dataclass
