@@ -51,6 +51,8 @@ SHAPES = {
     "tiny_swiglu": dict(tokens=64, model_dim=32, hidden_size=24, num_experts=8, top_k=3, activation="swiglu",
                         bias=False, capacity_factor=0.0),
 }
+CANDIDATES = ("moe_plugin", "moe_plugin_graphed", "moe_plugin_compiled", "moe_plugin_fp32_amp", "floor_gated",
+              "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
 EINSUM_CAPACITY_FACTOR = 1.25
 EINSUM_MAX_TEC = 2.1e9     # elements of one T x E x C mask: the HF shape's 2.0e9 fits an H100, SonicMoE's 6e9 not
 
@@ -71,6 +73,9 @@ def parse_args(argv=None):
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    unknown = [c for c in args.only.split(",") if c and c not in CANDIDATES]
+    if unknown:
+        parser.error(f"unknown candidates {unknown} in --only; known: {', '.join(CANDIDATES)}")
     return args
 
 
@@ -114,6 +119,7 @@ def run_shape(name, shape, device, dtype, args) -> dict:
         "tutel": lambda: tutel_step(config, x_TD, grad_TD),
         "einsum_fairseq": lambda: einsum_step(shape, T, x_TD, grad_TD, device, dtype),
     }
+    assert tuple(builders) == CANDIDATES
     if args.only:
         builders = {c: b for c, b in builders.items() if c in args.only.split(",")}
     rows_E = bench._kept_rows_per_expert(layer, x_TD, nothing)
