@@ -28,9 +28,11 @@ from typing import Callable, Dict, List
 import torch
 
 from . import activations
+from .baselines.deepspeed_moe import build_deepspeed_moe
 from .config import ACTIVATIONS, MoEConfig
 from .grouped_linear import grouped_linear
 from .layer import MoELayer
+from .reference import reference_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 BASELINE = "bare_gemm"
@@ -90,7 +92,6 @@ def run(args: argparse.Namespace) -> dict:
     candidates["floor_gated"] = _floor_step(config, rows_E, activations.of_config(config), gemm_dtype, device)
     candidates["floor_relu"] = _floor_step(config, rows_E, activations.Activation("relu"), gemm_dtype, device)
     if "einsum" not in skip:
-        from .reference import reference_moe
         candidates["einsum"] = _step(layer.parameters(), x_TD, grad_TD, lambda x: reference_moe(layer, x)[0],
                                      autocast)
         with torch.no_grad(), autocast():
@@ -245,7 +246,7 @@ def _floor_step(config: MoEConfig, rows_E: List[int], activation: "activations.A
 def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], float] | str":
     """transformers' MixtralSparseMoeBlock with config._experts_implementation = "grouped_mm"."""
     try:
-        from .integrations.transformers.torchaudio_guard import hide_unloadable_torchaudio
+        from .integrations.transformers.torchaudio_guard import hide_unloadable_torchaudio  # imports transformers
         hide_unloadable_torchaudio()   # fairseq's torchaudio cannot load beside torch 2.13 and breaks HF's imports
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -270,7 +271,6 @@ def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], 
 def _deepspeed_step(config: MoEConfig, x_TD, grad_TD, dtype,
                     context: Callable = contextlib.nullcontext) -> "Callable[[], float] | str":
     try:
-        from .baselines.deepspeed_moe import build_deepspeed_moe
         module = build_deepspeed_moe(config.model_dim, config.hidden_size, config.num_experts, config.top_k,
                                      config.capacity_factor, activation=config.activation, bias=config.bias,
                                      min_capacity=config.min_capacity)

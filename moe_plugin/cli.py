@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from . import __version__, bench, train
+from . import __version__, bench, ops, train
 from .train import convert
 
 
@@ -35,7 +35,6 @@ def info(_: argparse.Namespace) -> int:
     distributions = importlib.metadata.packages_distributions()   # import name -> installed distributions
     for name in OPTIONAL:
         print(f"{name}: {_installed_version(name, distributions)}")
-    from . import ops
     print(f"kernels ({ops.ENV}={os.environ.get(ops.ENV, 'auto')}):")
     for device, active in ops.describe().items():
         print(f"  {device}: {active}")

@@ -12,7 +12,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
-from .ops.choice import device_kind, eager_triton
+from .ops import torch_route
+from .ops.choice import device_kind, eager_triton, triton_modules
+from .ops.launches import LaunchCounter
+from .router import finalize_gates
 
 MAX_EXPERTS = 512
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,10 +40,8 @@ def eligible(layer, routed_TD: torch.Tensor) -> bool:
 def _kernels(device: torch.device):
     """triton_route for CUDA in eager mode, torch_route for CPU in eager mode, else None."""
     if eager_triton(device) is not None:
-        from .ops import triton_route
-        return triton_route
+        return triton_modules()[1]
     if device_kind(device) == "cpu" and not torch.compiler.is_compiling():
-        from .ops import torch_route
         return torch_route
     return None
 
@@ -50,7 +51,6 @@ def _plain_dispatch() -> bool:
     if not torch._C._len_torch_dispatch_stack() and torch._C._functorch.peek_interpreter_stack() is None:
         return True
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    from .ops.launches import LaunchCounter
     return torch._C._functorch.peek_interpreter_stack() is None and \
         all(isinstance(mode, LaunchCounter) for mode in _get_current_dispatch_mode_stack())
 
@@ -111,7 +111,6 @@ class FusedRoute(torch.autograd.Function):
 def reference(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: torch.dtype,
               seq_len: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None):
     """What route computes, on the reference path: Router.forward, dispatch.plan_routes, router.finalize_gates."""
-    from .router import finalize_gates
     cfg = layer.config
     routes = layer.router(routed_TD, seq_len=seq_len, sequence_T=sequence_T)
     priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None

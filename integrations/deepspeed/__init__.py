@@ -28,8 +28,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       f"install it with: pip install 'moe_plugin[deepspeed]'") from error
 
 from moe_plugin import MoELayer, update_expert_bias
-from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _to_native_names, moe_config,
-                                                      swap_moe_layers)  # noqa: F401 (_to_native_names: tests)
+from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _to_native_names, hf_support,
+                                                      moe_config, swap_moe_layers)  # noqa: F401 (_to_native_names: tests)
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, check_ep_size_under_deepspeed, read_moe_section
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
@@ -88,13 +88,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                          "section (DeepSpeed's AutoEP): both replace the model's MoE blocks; keep one (remove "
                          "\"expert_parallel\" or set its \"enabled\": false; its autoep_size is \"moe.ep_size\" here)")
     if "moe_plugin.integrations.transformers" in sys.modules:   # loaded wherever a model holds swapped HF blocks
-        from moe_plugin.integrations.deepspeed.hf import use_deepspeed_blocks
-        use_deepspeed_blocks(model)
+        hf_support().use_deepspeed_blocks(model)
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
     swap_hf = section is not None and not has_moe
     if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
-        from moe_plugin.integrations.deepspeed.hf import check_section_for_model, swap_for_section
-        check_section_for_model(model, section)
+        hf_support().check_section_for_model(model, section)
         has_moe = True
     stage3 = has_moe and zero_stage(ds_config) == 3
     if stage3:
@@ -105,7 +103,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     check_ep_sizes(model, section)
     replaced: Dict[int, List[nn.Parameter]] = {}
     if swap_hf:
-        model, replaced = swap_for_section(model, section)
+        model, replaced = hf_support().swap_for_section(model, section)
     elif section is not None:
         model, replaced = swap_moe_layers(model, section)
     check_expert_parallel_layers(model)

@@ -35,13 +35,11 @@ def enable() -> None:
             return original(*args, **kwargs)
         if not (_has_moe_section(original, args, kwargs) or _holds_moe_plugin_layers(original, args, kwargs)):
             return original(*args, **kwargs)
-        from moe_plugin.integrations.deepspeed import initialize as moe_initialize
-        return moe_initialize(*args, **kwargs)
+        return _adapter().initialize(*args, **kwargs)
 
     setattr(initialize, _ORIGINAL, original)
     deepspeed.initialize = initialize
-    from moe_plugin.integrations.deepspeed.consolidate import patch_zero_to_fp32
-    patch_zero_to_fp32()
+    _adapter().consolidate.patch_zero_to_fp32()
 
 
 def disable() -> None:
@@ -49,8 +47,13 @@ def disable() -> None:
     import deepspeed
     if is_enabled():
         deepspeed.initialize = getattr(deepspeed.initialize, _ORIGINAL)
-        from moe_plugin.integrations.deepspeed.consolidate import unpatch_zero_to_fp32
-        unpatch_zero_to_fp32()
+        _adapter().consolidate.unpatch_zero_to_fp32()
+
+
+def _adapter():
+    """moe_plugin's DeepSpeed adapter (its consolidate module loaded too), imported on use only."""
+    import moe_plugin.integrations.deepspeed.consolidate   # noqa: F401  (this file loads with deepspeed: stdlib only)
+    return sys.modules["moe_plugin.integrations.deepspeed"]
 
 
 def is_enabled() -> bool:
@@ -61,7 +64,7 @@ def is_enabled() -> bool:
 def _holds_moe_plugin_layers(original, args: tuple, kwargs: dict) -> bool:
     """Whether the model of this call was swapped beforehand (swap_moe_blocks, moe_plugin's MoE): DeepSpeed alone
     refuses such a model at ZeRO stage 3 and, at stages 1/2, a client optimizer without DeepSpeed's MoE groups."""
-    from moe_plugin import MoELayer
+    MoELayer = _adapter().MoELayer
     try:
         model = inspect.signature(original).bind(*args, **kwargs).arguments.get("model")
     except TypeError:

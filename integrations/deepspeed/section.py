@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from moe_plugin.parallel.groups import check_ep_size
+
 __all__ = ["SECTION_KEYS", "read_moe_section", "section_key", "check_ep_size_under_deepspeed"]
 
 BACKENDS = ("tutel", "deepspeed")
@@ -93,6 +95,4 @@ def check_ep_size_under_deepspeed(ep_size: int, setting: str) -> None:
     AssertionError. Needs torch.distributed started (deepspeed.init_distributed) when ep_size > 1."""
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
-
-    from moe_plugin.parallel.groups import check_ep_size
     check_ep_size(ep_size, setting, stages=bwc_pipeline_parallel_world_size(groups.mpu))

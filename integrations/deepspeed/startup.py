@@ -39,7 +39,7 @@ def _enable_after(loader):
         uninstall()
         loader.exec_module(module)
         try:
-            from moe_plugin.integrations.deepspeed.hook import enable
+            enable = _hook_enable()
         except Exception as error:
             raise ImportError(f"moe_plugin's DeepSpeed hook could not load moe_plugin.integrations.deepspeed "
                               f"({error}); set MOE_PLUGIN_DEEPSPEED_HOOK=0 to start DeepSpeed without it") from error
@@ -47,11 +47,15 @@ def _enable_after(loader):
     return exec_module
 
 
+def _hook_enable():
+    from moe_plugin.integrations.deepspeed.hook import enable   # this file runs at every interpreter start: stdlib only
+    return enable
+
+
 def install() -> None:
     """Register the finder (once), or enable() now if deepspeed is already imported."""
     if "deepspeed" in sys.modules:
-        from moe_plugin.integrations.deepspeed.hook import enable
-        enable()
+        _hook_enable()()
     elif not any(type(finder).__name__ == DeepSpeedImportHook.__name__ for finder in sys.meta_path):
         sys.meta_path.insert(0, DeepSpeedImportHook())
 

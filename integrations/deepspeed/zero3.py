@@ -26,7 +26,7 @@ from deepspeed.moe.layer import MoE as NativeMoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups, set_z3_leaf_modules
 
-from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group
+from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group, hf_support
 from moe_plugin.parallel.expert_grads import expert_layers
 from moe_plugin.parallel.expert_parallel import whole_experts
 
@@ -66,9 +66,9 @@ def to_zero3(model: nn.Module) -> nn.Module:
 
     Call before deepspeed.initialize, after torch.distributed starts. Plain HFMoEBlocks (swap_moe_blocks') are
     placed as DeepSpeed's blocks are (hf.use_deepspeed_blocks first). Returns model."""
-    from moe_plugin.integrations.deepspeed.hf import DeepSpeedHFMoEBlock, use_deepspeed_blocks
-    from moe_plugin.integrations.transformers.block import HFMoEBlock
-    use_deepspeed_blocks(model)
+    hf = hf_support()
+    DeepSpeedHFMoEBlock, HFMoEBlock = hf.DeepSpeedHFMoEBlock, hf.HFMoEBlock
+    hf.use_deepspeed_blocks(model)
     layers = [m for m in model.modules() if isinstance(m, (DeepSpeedHFMoEBlock, MoE))]
     native = [name for name, m in model.named_modules()
               if isinstance(m, NativeMoE) and not isinstance(m, (DeepSpeedHFMoEBlock, MoE))]

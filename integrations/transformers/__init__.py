@@ -26,7 +26,7 @@ __all__ = ["swap_moe_blocks", "upcycle", "mlp_sites", "export_hf", "hf_state_dic
 
 
 def __getattr__(name):
-    if name == "ExpertBiasUpdate":   # on first use: importing transformers' Trainer machinery takes about a second
-        from .callbacks import ExpertBiasUpdate
+    if name == "ExpertBiasUpdate":
+        from .callbacks import ExpertBiasUpdate   # on first use: transformers' Trainer machinery takes about a second
         return ExpertBiasUpdate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

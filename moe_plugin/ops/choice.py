@@ -30,10 +30,16 @@ def _mode(raw: str) -> str:
     return value
 
 
+def triton_modules() -> Tuple[ModuleType, ModuleType]:
+    """(triton_kernels, triton_route), imported on first use only."""
+    from . import triton_kernels, triton_route   # import triton: slow, and it reads TRITON_INTERPRET once, as it loads
+    return triton_kernels, triton_route
+
+
 @functools.lru_cache(maxsize=None)
 def _triton() -> Tuple[Optional[ModuleType], str]:
     try:
-        from . import triton_kernels
+        triton_kernels, _ = triton_modules()
     except ImportError as error:
         return None, str(error)
     usable, why = triton_kernels.available()
@@ -88,8 +94,7 @@ def _simulated_kernels() -> Tuple[ModuleType, str, str]:
     module, why = _triton()
     if module is None and "CUDA" not in why:
         raise RuntimeError(f"simulated_cuda() needs triton: {why}")
-    from . import triton_kernels
-    return triton_kernels, "triton", "the CUDA path simulated on CPU under the Triton interpreter"
+    return triton_modules()[0], "triton", "the CUDA path simulated on CPU under the Triton interpreter"
 
 
 def device_kind(device: torch.device) -> str:

@@ -21,7 +21,7 @@ import torch
 from torch._library import custom_ops
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .choice import simulated_cuda
+from .choice import simulated_cuda, triton_modules
 
 # aten ops that launch no kernel: views, allocations, metadata
 NO_LAUNCH = frozenset("""
@@ -93,7 +93,7 @@ class _CountedKernel:
 @contextlib.contextmanager
 def count_launches() -> Iterator[LaunchCounter]:
     """Counts, inside the context, what the CUDA code path would launch (see the module's docstring)."""
-    from . import triton_kernels, triton_route
+    triton_kernels, triton_route = triton_modules()
     counter = LaunchCounter()
     kernels = [(module, name, value) for module in (triton_kernels, triton_route) for name, value in vars(module).items()
                if name.startswith("_") and name.endswith("_kernel")]

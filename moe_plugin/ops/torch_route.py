@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 
+from . import route_slots
+from .choice import kernels_for
+
 TINY = torch.finfo(torch.float32).tiny
 NORMALIZE = {"none": 0, "before_drop": 1, "after_drop": 2}
 EPS = torch.finfo(torch.float32).eps
@@ -21,7 +24,6 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
           aux_scale: float, z_scale: float, gate_dtype: torch.dtype):
     """(final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E int32) and what backward needs
     (expert_TK, gate_TK: the gates before dropping, probs_TE, lse_T or None, aux_grad_E)."""
-    from . import route_slots
     if torch.is_autocast_enabled(x_TD.device.type):      # the router runs in fp32, as the reference's
         with torch.autocast(x_TD.device.type, enabled=False):
             return route(x_TD, w_ED, K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype)
@@ -98,6 +100,5 @@ def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[tor
 
 def _native(device: torch.device):
     """The native CPU kernels where they load (route_backward), else None: the torch ops above."""
-    from .choice import kernels_for
     module, name, _ = kernels_for(device)
     return module if name == "native" and hasattr(module, "route_forward") else None
