@@ -113,8 +113,11 @@ def profiled_launches(forward, x) -> dict:
         device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         counts[phase] = len(device_events)
         counts[f"{phase}_memcpy"] = sum("memcpy" in e.name.lower() for e in device_events)
+        counts[f"{phase}_memset"] = sum("memset" in e.name.lower() for e in device_events)
         counts[f"{phase}_names"] = sorted({e.name[:80] for e in device_events})
     counts["total"] = counts["forward"] + counts["backward"]
+    counts["kernels"] = counts["total"] - sum(counts[f"{p}_{kind}"] for p in ("forward", "backward")
+                                              for kind in ("memcpy", "memset"))
     return counts
 
 

@@ -70,8 +70,9 @@ def rows(out: Path) -> list:
             side = ", ".join(f"{v} {by[(case, v)].get('total', by[(case, v)].get('error'))}"
                              for v in ("hf_grouped_mm", "bare_grouped_gemms") if (case, v) in by)
             total = r.get("total")
+            kernels = f" ({r['kernels']} kernels, the rest memsets/memcpys)" if "kernels" in r else ""
             table.append(("33.1", f"launches fwd+bwd (profiler), {case}", f"<= {r.get('budget')}",
-                          f"{total if total is not None else r.get('error')} ({side})",
+                          f"{total if total is not None else r.get('error')}{kernels}; {side}",
                           verdict(total, r.get("budget") or 0)))
         h = lg.get("host")
         table.append(("33.3", "host time, tiny shape on the GPU, ours / HF block", f"<= {HOST_TARGET}",
