@@ -16,7 +16,8 @@ bf16 parameters on the GPU. Candidates, interleaved round by round (moe_plugin/b
   deepspeed             deepspeed.moe.layer.MoE, one process (needs a capacity: no dropless mode)
   tutel                 tutel.moe.moe_layer (ffn, or llama_ffn for SwiGLU; capacity_factor 0 is its dropless)
   einsum_fairseq        the GShard/fairseq-style dense one-hot einsum MoE (moe_plugin/reference.py) at capacity
-                        1.25 (the setting of Tutel's "x over fairseq"), where its T x E x C masks fit
+                        1.25 (the seed's setting, that of Tutel's "x over fairseq"), where its T x E x C masks
+                        fit (the default shape; not the HF or SonicMoE shape: ~80 and ~240 GB)
 A peer that cannot import, build or run the shape gets a row with the reason; the run goes on.
 TFLOP/s: 18*T*K*H*D forward+backward for gated experts, 12*T*K*H*D otherwise (floor_relu counts 12).
 
@@ -54,7 +55,9 @@ SHAPES = {
 CANDIDATES = ("moe_plugin", "moe_plugin_graphed", "moe_plugin_compiled", "moe_plugin_fp32_amp", "floor_gated",
               "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
 EINSUM_CAPACITY_FACTOR = 1.25
-EINSUM_MAX_TEC = 2.1e9     # elements of one T x E x C mask: the HF shape's 2.0e9 fits an H100, SonicMoE's 6e9 not
+# the einsum MoE keeps about K + 4 fp32 T x E x C tensors for backward (moe_plugin/reference.py): 1 GB at the default
+# shape, ~80 GB at the HF shape, ~240 GB at SonicMoE's
+EINSUM_MAX_BYTES = 24e9
 
 
 def parse_args(argv=None):
@@ -209,9 +212,10 @@ def einsum_step(shape, T, x_TD, grad_TD, device, dtype):
     """The dense one-hot einsum MoE at capacity 1.25 (fairseq's and GShard's form), where its masks fit."""
     config = MoEConfig(**{**shape, "capacity_factor": EINSUM_CAPACITY_FACTOR})
     C = -(-config.top_k * EINSUM_CAPACITY_FACTOR * T // config.num_experts)
-    if T * config.num_experts * C > EINSUM_MAX_TEC:
-        return (f"not run: its T x E x C dispatch mask has {T * config.num_experts * C:.2e} elements "
-                f"(cap {EINSUM_MAX_TEC:.1e}): the O(T*E*C) dense dispatch does not fit this shape")
+    need = T * config.num_experts * C * (config.top_k + 4) * 4
+    if need > EINSUM_MAX_BYTES:
+        return (f"not run: its T x E x C masks ({T * config.num_experts * C:.1e} elements) need ~{need / 1e9:.0f} GB "
+                f"for backward (cap {EINSUM_MAX_BYTES / 1e9:.0f}): the O(T*E*C) dense dispatch does not fit this shape")
     layer = MoELayer(config).to(device=device, dtype=dtype)
     return bench._step(layer.parameters(), x_TD, grad_TD, lambda x: reference_moe(layer, x)[0])
 
