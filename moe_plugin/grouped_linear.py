@@ -20,7 +20,7 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI, w_EIO, b_EO, offs_E):
         x_RI = x_RI.contiguous()
-        ctx.save_for_backward(x_RI, w_EIO, offs_E)
+        ctx.save_for_backward(x_RI if ctx.needs_input_grad[1] else None, w_EIO, offs_E)   # x: for w's gradient only
         ctx.bias = b_EO is not None
         return ops.grouped_mm(x_RI, w_EIO, offs_E, b_EO)
 

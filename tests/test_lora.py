@@ -312,3 +312,23 @@ def test_dispatch_ops_give_only_the_scale_its_gradient_when_the_rows_need_none(o
     assert ops_run == [], ops_run
     assert relative_error(only_scale, full) <= 1e-12
     assert bool((only_scale[pos_TK < 0] == 0).all())
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_grouped_linear_saves_its_input_only_for_the_weight_gradient(weight_grad):
+    """A frozen weight's grouped linear keeps no copy of its [R, I] input for backward (only w's gradient reads it);
+    the input's gradient is still exact."""
+    from moe_plugin import ops
+    from moe_plugin.grouped_linear import grouped_linear
+    x = torch.randn(11, D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, D, H, dtype=torch.float64, requires_grad=weight_grad)
+    offs = ops.offsets([4, 0, 7], device=x.device)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = grouped_linear(x, w, offs)
+    assert any(t.shape == x.shape for t in saved) == weight_grad
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    ends = [0, 4, 4, 11]
+    expected = torch.cat([grad_y[ends[e]:ends[e + 1]] @ w[e].t() for e in range(3)])
+    torch.testing.assert_close(x.grad, expected)
