@@ -5,7 +5,7 @@ import torch
 
 from moe_plugin import MoEConfig, MoELayer, aux_loss
 from moe_plugin.reference import reference_moe
-from moe_testing import assert_matches_reference, make_layer
+from helpers.reference import assert_matches_reference, make_layer
 
 MATRIX = [(k, e, cf) for k, e, cf in itertools.product([1, 2, 4], [1, 4, 16], [-1.0, 0.0, 0.5, 1.25]) if k <= e]
 

@@ -12,8 +12,6 @@ What this module tests (moved here from the README):
   - warn-once, the named errors, per-expert seeding, autocast;
   - ep_size 2 on 2 gloo processes against one process, sometimes with a rank that gets no tokens.
 """
-import os
-import sys
 import warnings
 
 import pytest
@@ -24,8 +22,7 @@ from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.module_experts import ModuleExperts
 from moe_plugin.reference import reference_moe
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 
 D = 6
 

@@ -7,7 +7,8 @@ from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.reference import reference_moe
 from moe_plugin.router import Router, balance_loss
 from moe_plugin.shared_expert import SharedExpert
-from moe_testing import HostSyncs, assert_matches_reference, make_layer
+from helpers.host_syncs import HostSyncs
+from helpers.reference import assert_matches_reference, make_layer
 
 
 def with_random_bias(layer, scale=0.05):

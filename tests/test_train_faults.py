@@ -463,8 +463,7 @@ def _nan_on_one_rank(rank, world_size, out, seed):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_every_rank_skips_a_step_that_is_nonfinite_on_one_rank(tmp_path, fresh_seed):
-    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
-    from launch import run_workers
+    from helpers.launch import run_workers
     out = tmp_path / "run"
     result, _ = run_workers(_nan_on_one_rank, 2, out, fresh_seed, timeout=150)
     assert result["skipped_steps"] == 1 and result["world_size"] == 2

@@ -275,7 +275,7 @@ def test_the_dictionary_round_trips_through_state_dict(caplog):
 
 
 def test_timing_marks_add_no_host_synchronization():
-    from moe_testing import HostSyncs
+    from helpers.host_syncs import HostSyncs
     clock = Clock()
     tuner = Tuner(CANDIDATES, SHAPE, clock=clock)
     tuner.choose(counts_with_largest(SMALL), None, torch.float64, measure=True)

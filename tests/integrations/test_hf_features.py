@@ -17,6 +17,8 @@ import torch
 import moe_plugin.integrations.transformers  # noqa: F401  (hides an unloadable torchaudio first)
 from moe_plugin import MoEConfig, MoELayer
 
+from helpers.compare import relative_error
+
 pytest.importorskip("transformers")
 
 DIM, HIDDEN = 24, 20
@@ -177,10 +179,6 @@ CASES = {
 }
 
 
-def relative(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layer_equals_the_hf_block(name):
     block, ours, to_layer = CASES[name]()
@@ -206,14 +204,14 @@ def test_layer_equals_the_hf_block(name):
     y = layer(x_ours)
     (y * upstream).sum().backward()
 
-    assert relative(y, y_hf.detach()) <= 1e-5
-    assert relative(x_ours.grad, x_hf.grad) <= 1e-5
+    assert relative_error(y, y_hf.detach()) <= 1e-5
+    assert relative_error(x_ours.grad, x_hf.grad) <= 1e-5
     hf_grads = to_layer({k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in block.named_parameters()}
                         | {k: b for k, b in block.named_buffers()})
     own = dict(layer.named_parameters())
     for key, grad in hf_grads.items():
         if key in own:
-            assert relative(own[key].grad, grad) <= 1e-5, key
+            assert relative_error(own[key].grad, grad) <= 1e-5, key
     assert set(own) <= set(hf_grads), set(own) - set(hf_grads)
 
 
@@ -250,10 +248,10 @@ def test_router_norm_expert_gate_scale_and_router_input_equal_gemma4s_moe_branch
     y = layer(norm(r_ours), router_input=r_ours)
     (y * upstream).sum().backward()
 
-    assert relative(y, y_hf.detach()) <= 1e-5 and relative(r_ours.grad, r_hf.grad) <= 1e-5
+    assert relative_error(y, y_hf.detach()) <= 1e-5 and relative_error(r_ours.grad, r_hf.grad) <= 1e-5
     own = dict(layer.named_parameters())
     pairs = {"router.weight_ED": router.proj.weight.grad, "router.input_scale_D": router.scale.grad,
              "router.gate_scale_E": router.per_expert_scale.grad,
              "experts.w1_EDH": t(experts.gate_up_proj.grad), "experts.w2_EHD": t(experts.down_proj.grad)}
     for key, grad in pairs.items():
-        assert relative(own[key].grad, grad) <= 1e-5, key
+        assert relative_error(own[key].grad, grad) <= 1e-5, key

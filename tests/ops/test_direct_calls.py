@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_plugin import ops
 from moe_plugin.ops import grouped
-from moe_testing import assert_matches_reference, make_layer
+from helpers.reference import assert_matches_reference, make_layer
 
 OPS = {ops: ("_route_slots_op", "_scatter_rows_op", "_gather_sum_op", "_swiglu_op", "_swiglu_backward_op",
              "_clamped_swiglu_op", "_clamped_swiglu_backward_op"),

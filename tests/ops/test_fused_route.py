@@ -15,6 +15,8 @@ import torch
 
 from moe_plugin import MoEConfig, MoELayer
 
+from helpers.compare import relative_error
+
 try:
     import triton
 except ImportError:
@@ -39,10 +41,6 @@ def test_fused_route_under_interpreter():
                            capture_output=True, text=True, timeout=900)
     assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
     print(child.stdout.splitlines()[-1])
-
-
-def relative(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
 
 
 CASE_IDS = [f"T{c[0]}-E{c[2]}-K{c[3]}-cf{c[4]}" for c in CASES]
@@ -88,7 +86,7 @@ def compare_with_reference(case, dtype, context):
         assert not plan.kept_TK.all() or cf >= 1, "a dropping case that drops nothing"
     assert gate_TK.dtype == gate_ref.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    assert relative(gate_TK, gate_ref) <= tolerance and relative(aux_loss, aux_ref) <= 1e-5
+    assert relative_error(gate_TK, gate_ref) <= tolerance and relative_error(aux_loss, aux_ref) <= 1e-5
 
     grad_gate, grad_aux = torch.randn_like(gate_TK), torch.randn(())
     grads = torch.autograd.grad((gate_TK, aux_loss), (x_TD, weight_ED), (grad_gate, grad_aux))
@@ -96,7 +94,7 @@ def compare_with_reference(case, dtype, context):
     # fp32: the gradient of a structurally-zero term (a lone normalized gate) is rounding noise on both paths
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for grad, grad_ref in zip(grads, grads_ref):
-        assert grad.dtype == grad_ref.dtype and relative(grad, grad_ref) <= tolerance
+        assert grad.dtype == grad_ref.dtype and relative_error(grad, grad_ref) <= tolerance
 
 
 @in_child
@@ -123,7 +121,7 @@ def test_add_bias_rows_equals_the_reference(R, O, counts, dtype):
 def test_layer_on_the_cuda_path_equals_the_cpu_path_with_poisoned_memory(capacity_factor, bias, top_k, monkeypatch):
     """Every Triton output starts as NaN: rows past the kept ones (no longer zeroed) must never be read."""
     from moe_plugin.ops import simulated_cuda, triton_kernels, triton_route
-    from moe_testing import outputs_and_grads
+    from helpers.reference import outputs_and_grads
 
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
@@ -140,9 +138,9 @@ def test_layer_on_the_cuda_path_equals_the_cpu_path_with_poisoned_memory(capacit
     assert stats == layer.stats
     if capacity_factor == 0.5:
         assert stats["dropped_fraction"] > 0
-    assert relative(y, y_ref) <= 1e-5 and relative(aux, aux_ref) <= 1e-5
+    assert relative_error(y, y_ref) <= 1e-5 and relative_error(aux, aux_ref) <= 1e-5
     for name in grads_ref:
-        assert relative(grads[name], grads_ref[name]) <= 1e-4, name
+        assert relative_error(grads[name], grads_ref[name]) <= 1e-4, name
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
@@ -150,7 +148,7 @@ def test_layer_under_activation_checkpointing_equals_without(capacity_factor):
     """Non-reentrant checkpointing allows one unpack of the saved tensors per backward (the fused layer's
     backward once unpacked them twice: CheckpointError)."""
     from torch.utils.checkpoint import checkpoint
-    from moe_testing import outputs_and_grads
+    from helpers.reference import outputs_and_grads
     layer = MoELayer(MoEConfig(model_dim=12, hidden_size=10, num_experts=4, top_k=2, activation="swiglu",
                                capacity_factor=capacity_factor))
     x = torch.randn(29, 12)

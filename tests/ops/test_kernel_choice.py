@@ -11,7 +11,8 @@ import torch
 from moe_plugin import ops
 from moe_plugin.cli import main as cli_main
 from moe_plugin.ops import choice, native, torch_ops
-from moe_testing import fast, make_layer, outputs_and_grads, reference, relative_error
+from helpers.compare import relative_error
+from helpers.reference import fast, make_layer, outputs_and_grads, reference
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 
 from moe_plugin import ops
 from moe_plugin.ops import native, torch_ops
-from moe_testing import random_slots
+from helpers.routes import random_slots
 
 CASES = [  # tokens, top_k, experts, dim, capacity
     (37, 3, 5, 11, 4),       # odd sizes, most choices dropped
