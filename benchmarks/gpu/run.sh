@@ -86,7 +86,7 @@ await_background() {
   grep -q "^$1 rc=0$" "$RESULTS/summary.txt" || failed=1
 }
 
-step environment 10 bash -c "nvidia-smi; $PY -c \"import torch, triton; print('torch', torch.__version__, 'cuda', \
+step environment 15 bash -c "nvidia-smi; $PY -c \"import torch, triton; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__)\""
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "run.sh measures on a GPU: torch sees no CUDA device here, so nothing was run (exit 3)" \
@@ -130,7 +130,7 @@ if wants slow full; then
     --capacity-factor 0 --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384
 fi
 
-step summary 10 "$PY" benchmarks/gpu/summary.py "$RESULTS"
+step summary 5 "$PY" benchmarks/gpu/summary.py "$RESULTS"
 cp "$RESULTS/summary.log" "$RESULTS/summary_table.txt"
 cat "$RESULTS/summary_table.txt"
 exit "$failed"
