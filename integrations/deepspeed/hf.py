@@ -82,6 +82,11 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
             self.register_load_state_dict_pre_hook(_from_deepspeed_names)
             self._deepspeed_names_hooked = True
 
+    def _bind_groups(self) -> None:
+        """MoE.set_deepspeed_parallelism's last step: DeepSpeed's expert and expert-data groups made (the block's
+        layer got its expert-parallel group when swapped; there is no native layer to bind)."""
+        _expert_parallel_group(self.ep_size)
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by the engine: DeepSpeed's expert groups exist and hold the ranks the layer exchanges with."""
         if self.moe.groups.layout.slices > 1:
