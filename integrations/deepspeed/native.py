@@ -163,10 +163,21 @@ def _expert_parallel_group(ep_size: int, tensor_parallel: bool = False):
     if name not in groups._get_expert_parallel_group_dict():
         _ensure_distributed()
         if tensor_parallel and groups.mpu is not None:
+            _check_ep_size_under_tensor_parallelism(ep_size)
             groups._create_expert_data_and_model_parallel(ep_size, mpu=groups.mpu)
         else:
             groups._create_expert_and_data_parallel(ep_size)
     return groups._get_expert_parallel_group(name)
+
+
+def _check_ep_size_under_tensor_parallelism(ep_size: int) -> None:
+    """With expert tensor parallelism DeepSpeed splits the data-parallel processes (the processes / the
+    tensor-parallel size) into expert-parallel groups: a ValueError naming the sizes, before its bare AssertionError."""
+    data = groups.mpu.get_data_parallel_world_size() if hasattr(groups.mpu, "get_data_parallel_world_size") else None
+    if data is not None and data % ep_size:
+        raise ValueError(f"ep_size={ep_size} with enable_expert_tensor_parallelism=True must divide the data-parallel "
+                         f"processes of DeepSpeed's mpu ({data}, with tensor-parallel size "
+                         f"{bwc_tensor_model_parallel_world_size(groups.mpu)}); use an ep_size that divides {data}")
 
 
 class DeepSpeedMoELayer(MoELayer):

@@ -384,6 +384,27 @@ def test_expert_tensor_parallelism_at_ep_size_2_builds_before_the_mpu_and_refuse
         layer(torch.randn(T, D))
 
 
+def test_expert_tensor_parallelism_ep_size_must_divide_the_data_parallel_processes(monkeypatch):
+    """4 processes, tensor-parallel size 4: one data-parallel process, which ep_size 2 cannot split (DeepSpeed:
+    a bare AssertionError "1 is not divisible by 2" inside its groups)."""
+    from deepspeed.utils import groups
+
+    class FourWayTensorParallel:
+        def get_model_parallel_world_size(self):
+            return 4
+
+        def get_data_parallel_world_size(self):
+            return 1
+
+    monkeypatch.setattr(groups, "mpu", FourWayTensorParallel())
+    monkeypatch.setattr(dsi.native, "check_ep_size_under_deepspeed", lambda *args: None)
+    monkeypatch.setattr(dsi.native, "_ensure_distributed", lambda: None)
+    with pytest.raises(ValueError, match=r"ep_size=2 with enable_expert_tensor_parallelism=True must divide the "
+                                         r"data-parallel processes of DeepSpeed's mpu \(1, with tensor-parallel size 4\)"):
+        dsi.MoE(D, nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)), num_experts=E, ep_size=2,
+                use_rts=False, enable_expert_tensor_parallelism=True)
+
+
 def used_token_ep2_worker(rank, world):
     from test_deepspeed_distributed import setup_worker, stable_topk
     setup_worker(rank, world)
