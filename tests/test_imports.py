@@ -61,3 +61,13 @@ def test_importing_moe_plugin_loads_no_host_framework():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == []
+
+
+def test_the_transformers_adapter_imports_no_other_adapter():
+    """It never picks DeepSpeed's block class by itself: the DeepSpeed adapter asks for it (deepspeed/hf.py)."""
+    code = ("import sys, moe_plugin.integrations.transformers\n"
+            "print(' '.join(name for name in sys.modules if name == 'deepspeed' or "
+            "name.startswith(('moe_plugin.integrations.deepspeed', 'moe_plugin.integrations.fairseq_moe'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == []
