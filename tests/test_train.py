@@ -2,7 +2,6 @@
 (data parallel, and expert parallel against one process on the global batch)."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +13,10 @@ from moe_plugin.train.data import VOCAB_SIZE, make_data
 from moe_plugin.train.models import TransformerLM
 from moe_plugin.parallel.expert_grads import expert_layers
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "distributed"))
-from launch import run_workers  # noqa: E402  (tests/distributed/launch.py)
-from moe_testing import torchrun_train  # noqa: E402
+from helpers.launch import run_workers, torchrun_train
+from helpers.train import ROOT, TINY, run
 
 DEFAULT_YAML = ROOT / "configs" / "experiments" / "default.yaml"
-TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
-        "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4", "train.eval_batches=2",
-        "train.warmup_steps=2", "log.progress=false"]
-
-
-def run(tmp_path, *overrides, name="run"):
-    cfg = train.load_config(None, [f"log.out_dir={tmp_path / name}", *overrides])
-    result = train.train(cfg)
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return result, records
 
 
 def test_default_yaml_is_the_builtin_default():

@@ -2,7 +2,8 @@
 import torch
 
 from moe_plugin import checkpoint, train
-from test_train import TINY, run
+
+from helpers.train import ROOT, TINY, run
 
 ROUTING = ["moe.router=sigmoid", "moe.num_experts=8", "moe.top_k=4", "moe.num_groups=4", "moe.topk_groups=2",
            "moe.route_scale=2.0", "moe.shared_hidden_size=24", "moe.expert_bias_update_rate=0.01",
@@ -38,7 +39,6 @@ def test_bad_routing_key_names_the_key():
 
 
 def test_fine_grained_experiment_is_deepseek_style_and_trains(tmp_path):
-    from test_train import ROOT
     path = ROOT / "configs" / "experiments" / "fine_grained.yaml"
     cfg = train.load_config(str(path), [])
     moe = train.moe_config(cfg)

@@ -10,9 +10,10 @@ both ranks' batches; plain DDP caught; plain DDP at ep_size 1 runs).
 import pytest
 import torch
 
-from launch import run_workers
 from moe_plugin.parallel import ddp_moe
-from test_fsdp import B, S, STEPS, V, build, reference_losses, sgd_error, step_loss
+
+from helpers.launch import run_workers
+from helpers.sgd_steps import B, S, STEPS, V, build, reference_losses, sgd_error, step_loss
 
 
 def _ddp_cases(rank, world, seed):

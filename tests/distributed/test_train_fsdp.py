@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import run_workers
 from moe_plugin import train
-from test_checkpoint_reshard import _restore_and_compare, _train_and_save
+
+from helpers.launch import run_workers
+from helpers.reshard import restore_and_compare, train_and_save
 
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=16", "model.ffn_hidden=48",
         "moe.hidden_size=24", "moe.num_experts=4", "train.batch_size=3", "train.eval_batches=1",
@@ -86,9 +87,9 @@ MOVES = {  # FSDP2 with 1 expert per rank on 2 ranks holding it: w1, w2 sharded 
 def test_fsdp_checkpoint_resumes_on_another_number_of_processes(tmp_path, fresh_seed, move):
     (src_world, src), (dst_world, dst) = MOVES[move]
     seed = [f"train.seed={fresh_seed}", f"data.seed={fresh_seed}", *SWIGLU]
-    run_workers(_train_and_save, src_world, [*src, *seed], str(tmp_path), 3, timeout=200)
+    run_workers(train_and_save, src_world, [*src, *seed], str(tmp_path), 3, timeout=200)
     path, reference = tmp_path / "checkpoints" / "step_000003", tmp_path / "reference.pt"
-    results = run_workers(_restore_and_compare, dst_world, [*dst, *seed], str(path), str(reference), timeout=200)
+    results = run_workers(restore_and_compare, dst_world, [*dst, *seed], str(path), str(reference), timeout=200)
     full = torch.load(reference, weights_only=True)
     for rank, result in enumerate(results):
         assert result["errors"] == [] and result["step"] == 3 and result["lr"] == full["lr"], (rank, result)

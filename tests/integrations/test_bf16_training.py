@@ -4,13 +4,11 @@ processes, experts spread over both; native layers and swapped Hugging Face mode
 autocast): losses must stay finite and go down."""
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 
 SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.25,
            "min_capacity": 0}
@@ -64,7 +62,7 @@ def test_deepspeed_bf16_trains_on_the_cpu_accelerator(stage):
 def deepspeed_bf16_hf_worker(rank, world, stage, families):
     """Per family: the first loss of the bf16 engine (ep_size 2) and of HF's own bf16 model on this rank's
     batch, then 12 steps on that batch."""
-    from hf_helpers import build_model, tokens
+    from helpers.hf import build_model, tokens
 
     from moe_plugin.integrations.deepspeed import initialize
     start_deepspeed(rank, world)
@@ -97,7 +95,7 @@ def deepspeed_bf16_hf_worker(rank, world, stage, families):
 def test_deepspeed_bf16_trains_swapped_hf_models_with_experts_split(stage):
     """The configuration most users run: an HF MoE model, DeepSpeed bf16, experts over two ranks."""
     pytest.importorskip("deepspeed")
-    from hf_helpers import needs_transformers
+    from helpers.hf import needs_transformers
     if needs_transformers.args[0]:
         pytest.skip(needs_transformers.kwargs["reason"])
     families = ["mixtral", "deepseek_v3"]
@@ -115,7 +113,7 @@ def test_fairseq_bf16_means_tpu_in_fairseq_0_12():
     """fairseq 0.12's --bf16 implies --tpu (its options.py sets args.tpu, its Trainer then asks torch_xla for
     the device), so fairseq-train --bf16 cannot run on CPU or CUDA without torch_xla. What --bf16 does to
     the model is model.to(torch.bfloat16): test_fairseq_moe_ffn_trains_cast_to_bf16 covers that."""
-    from fairseq_helpers import needs_fairseq
+    from helpers.fairseq import needs_fairseq
     if needs_fairseq.args[0]:
         pytest.skip(needs_fairseq.kwargs["reason"])
     from fairseq import options
@@ -126,7 +124,7 @@ def test_fairseq_bf16_means_tpu_in_fairseq_0_12():
 
 
 def test_fairseq_moe_ffn_trains_cast_to_bf16():
-    from fairseq_helpers import needs_fairseq
+    from helpers.fairseq import needs_fairseq
     if needs_fairseq.args[0]:
         pytest.skip(needs_fairseq.kwargs["reason"])
     from moe_plugin import MoEConfig

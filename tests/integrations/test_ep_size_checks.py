@@ -12,10 +12,9 @@ from torch import nn
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.groups import check_ep_size
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "deepspeed"))
-from hf_helpers import needs_transformers  # noqa: E402
-from launch import run_workers  # noqa: E402
+from helpers.hf import needs_transformers
+from helpers.launch import run_workers
 
 D, H = 8, 12
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -41,7 +40,7 @@ def test_the_check_names_the_setting_the_processes_and_what_is_allowed():
 
 @needs_transformers
 def test_swap_moe_blocks_without_processes_names_its_argument_and_swaps_nothing():
-    from hf_helpers import build_model
+    from helpers.hf import build_model
     from moe_plugin.integrations.transformers import HFMoEBlock, swap_moe_blocks
     model = build_model("mixtral", seed=0)
     with pytest.raises(ValueError, match=r"^swap_moe_blocks: ep_size=2 needs torch.distributed to be initialized"):
@@ -59,7 +58,7 @@ def deepspeed_worker(rank, world):
     from deepspeed.utils import groups, logger
 
     import pipeline_moe
-    from hf_helpers import build_model
+    from helpers.hf import build_model
     from moe_plugin.integrations.deepspeed import MoE, enable, initialize
     from moe_plugin.integrations.deepspeed.hf import swap_for_section
     from moe_plugin.integrations.transformers import HFMoEBlock, swap_moe_blocks

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fairseq_helpers import CPU, TINY_LM, TINY_MT, binarize, fairseq, needs_fairseq, train_losses, user_dir
+from helpers.fairseq import CPU, TINY_LM, TINY_MT, binarize, fairseq, needs_fairseq, train_losses, user_dir
 
 pytestmark = needs_fairseq
 

@@ -5,7 +5,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from fairseq_helpers import needs_fairseq
+from helpers.fairseq import needs_fairseq
 
 pytestmark = needs_fairseq
 

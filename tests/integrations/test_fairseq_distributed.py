@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_helpers import CPU, TINY_LM, binarize, fairseq, needs_fairseq, train_distributed, user_dir
-from launch import run_workers
+from helpers.fairseq import CPU, TINY_LM, binarize, fairseq, needs_fairseq, train_distributed, user_dir
+from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 
 pytestmark = needs_fairseq

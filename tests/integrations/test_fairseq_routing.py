@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from fairseq_helpers import CPU, TINY_LM, binarize, fairseq, needs_fairseq, user_dir
+from helpers.fairseq import CPU, TINY_LM, binarize, fairseq, needs_fairseq, user_dir
 
 pytestmark = needs_fairseq
 

@@ -3,7 +3,7 @@
 Every experts class of transformers that uses HF's experts interface (@use_experts_implementation) is found by
 scanning transformers' modeling files, built from its family's config class at tiny sizes, and run both ways:
 outputs and every gradient (input, routing weights, each parameter) agree. Whole models (logits and every
-gradient) for the families tests/integrations/hf_helpers.py builds, selected both ways HF offers.
+gradient) for the families tests/helpers/hf.py builds, selected both ways HF offers.
 What this module tests (moved here from the README):
 
 - **Every experts class**, found by scanning transformers' modeling files (65 classes; the scan must
@@ -11,7 +11,7 @@ What this module tests (moved here from the README):
   top-3, 13 tokens, one expert with no tokens). Output, input gradient, routing-weight gradient and every
   parameter gradient equal the `grouped_mm` backend's to 1e-5 relative (fp32).
 - **Whole models**, for every table family whose experts use HF's experts interface (tiny models from
-  `hf_helpers`). A folder saved by a `grouped_mm` model is loaded with
+  `helpers.hf`). A folder saved by a `grouped_mm` model is loaded with
   `from_pretrained(..., experts_implementation="moe_plugin")`. Its logits and every gradient equal the
   `grouped_mm` model's. Each gradient is held to 1e-5 relative to the larger of its own largest entry and
   1e-3 of the model's largest gradient. The reason is HY-V4's hyper-connection gradients: they are 1e-4 to
@@ -42,8 +42,8 @@ import re
 import pytest
 import torch
 
-from hf_helpers import (assert_close_rel, family_config, model_class, needs_transformers, tokens,
-                        transformers)
+from helpers.compare import assert_close_rel
+from helpers.hf import family_config, model_class, needs_transformers, tokens, transformers
 
 pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 TOL = 1e-5
@@ -225,11 +225,11 @@ def test_bf16_experts_stay_close_to_grouped_mm(family, name, fresh_seed):
 
 
 def full_model_families():
-    """The families hf_helpers builds as whole tiny models whose experts use HF's experts interface."""
+    """The families helpers.hf builds as whole tiny models whose experts use HF's experts interface."""
     if transformers is None:
         return []
-    import hf_helpers
-    built = {**hf_helpers.SPECIFIC, **getattr(hf_helpers, "MORE", {})}
+    from helpers import hf
+    built = {**hf.SPECIFIC, **getattr(hf, "MORE", {})}
     with_interface = {family for family, _ in MODELING_FILES}
     return sorted(f for f in built if f in with_interface)
 
@@ -243,10 +243,10 @@ def logits_and_grads(model, ids):
 
 def assert_same_model_results(actual, expected):
     """Logits and each gradient within TOL of grouped_mm, relative to the larger of the tensor's own largest entry
-    and hf_helpers.gradient_floor: some families hold parameters whose gradients are 1e-4 to 1e-7 of the rest
+    and helpers.hf.gradient_floor: some families hold parameters whose gradients are 1e-4 to 1e-7 of the rest
     (the hyper-connections of HY-V4, GLM-5-Next and DeepSeek-V4), where fp32 rounding alone moves them by more
     than TOL of themselves (HF's own grouped_mm against fp64 eager: up to 1.4e-5)."""
-    from hf_helpers import gradient_floor
+    from helpers.hf import gradient_floor
     (logits, grads), (hf_logits, hf_grads) = actual, expected
     assert_close_rel(logits, hf_logits, TOL, "logits")
     assert grads.keys() == hf_grads.keys() and hf_grads
@@ -339,7 +339,7 @@ def _hf_ep_worker(rank, world_size, family, folder, seed):
 
 @pytest.mark.slow
 def test_hf_expert_parallelism_on_two_gloo_processes_equals_grouped_mm_and_one_process(fresh_seed, tmp_path):
-    from launch import run_workers
+    from helpers.launch import run_workers
     torch.manual_seed(fresh_seed)
     model = model_class("mixtral")._from_config(family_config("mixtral"))   # 6 experts: 3 per rank
     model.save_pretrained(tmp_path)

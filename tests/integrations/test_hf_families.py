@@ -40,9 +40,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_helpers import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, assert_close_rel, family_config, gradient_floor,
-                        hf_moe, hf_named_grads, model_class, needs_transformers, swapped_copy, tokens, transformers)
-from launch import run_workers
+from helpers.compare import assert_close_rel
+from helpers.hf import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, family_config, gradient_floor, hf_moe, hf_named_grads,
+                        model_class, needs_transformers, swapped_copy, tokens, transformers)
+from helpers.launch import run_workers
 
 pytestmark = [needs_transformers, pytest.mark.timeout(600)]
 TOL = 1e-5

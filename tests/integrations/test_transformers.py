@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from moe_plugin import update_expert_bias
-from hf_helpers import (FAMILIES, assert_close_rel, build_model, family_config, forward_backward,
-                        hf_moe, hf_named_grads, max_rel_err, needs_transformers, swapped_copy, tokens,
-                        transformers)
+from helpers.compare import assert_close_rel, relative_error
+from helpers.hf import (FAMILIES, build_model, family_config, forward_backward, hf_moe, hf_named_grads,
+                        needs_transformers, swapped_copy, tokens, transformers)
 
 pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 TOL = 1e-5
@@ -161,7 +161,7 @@ def test_swapped_bf16_model_stays_bf16_and_close_to_hf(fresh_seed):
     ids = tokens(fresh_seed + 1)
     with torch.no_grad():
         expected, actual = model(ids).logits.float(), swapped(ids).logits.float()
-    assert max_rel_err(actual, expected) < 0.05
+    assert relative_error(actual, expected) < 0.05
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -190,7 +190,7 @@ def test_swapped_model_under_bf16_autocast_is_as_close_to_fp32_as_hf_is(family, 
         diff = torch.cat([(grads[n].double() - g.double()).flatten() for n, g in exact_grads.items()])
         return float(diff.norm() / torch.cat([g.double().flatten() for g in exact_grads.values()]).norm())
 
-    hf_error, ours_error = max_rel_err(hf_logits, exact_logits), max_rel_err(ours_logits, exact_logits)
+    hf_error, ours_error = relative_error(hf_logits, exact_logits), relative_error(ours_logits, exact_logits)
     assert ours_error <= max(2 * hf_error, 0.03), f"logits: ours {ours_error:.3g}, HF {hf_error:.3g}"
     hf_error, ours_error = grad_error(hf_grads), grad_error(ours_grads)
     assert ours_error <= max(2 * hf_error, 0.02), f"gradients: ours {ours_error:.3g}, HF {hf_error:.3g}"

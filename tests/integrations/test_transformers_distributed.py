@@ -5,8 +5,8 @@ import tempfile
 import pytest
 import torch
 
-from hf_helpers import bias_sign_step, needs_transformers, tokens, unbiased_deepseek
-from launch import run_workers
+from helpers.hf import bias_sign_step, needs_transformers, tokens, unbiased_deepseek
+from helpers.launch import run_workers
 
 pytestmark = [needs_transformers, pytest.mark.timeout(600)]
 

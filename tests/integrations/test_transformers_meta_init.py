@@ -18,10 +18,10 @@ import importlib.util
 import pytest
 import torch
 
-from hf_helpers import FAMILIES, assert_close_rel, build_model, family_config, hf_moe, needs_transformers, tokens, \
-    transformers
-from init_checks import assert_normal
-from launch import run_workers
+from helpers.compare import assert_close_rel
+from helpers.hf import FAMILIES, build_model, family_config, hf_moe, needs_transformers, tokens, transformers
+from helpers.init_checks import assert_normal
+from helpers.launch import run_workers
 
 pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 STD = 0.05      # not HF's default 0.02: the blocks must read initializer_range from the config

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from hf_helpers import build_model, needs_transformers, tokens
+from helpers.hf import build_model, needs_transformers, tokens
 
 pytestmark = [needs_transformers, pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                                      reason="only means something with deepspeed installed")]

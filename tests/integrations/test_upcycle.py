@@ -30,7 +30,7 @@ import moe_plugin
 from moe_plugin.integrations.transformers import HFMoEBlock, export_hf, mlp_sites, upcycle
 from moe_plugin.integrations.transformers.upcycle import upcycled_blocks
 from moe_plugin.integrations.transformers.upcycle_export import EXPERTS_FILE, load_upcycled, moe_family_target
-from launch import run_workers  # noqa: E402 (tests/distributed, on the path through conftest.py)
+from helpers.launch import run_workers
 
 transformers = pytest.importorskip("transformers")
 
