@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .ops import fused_gemms
 from .activations import activate, activation_backward, first_width, of_config  # noqa: F401
 from .activations import forward as activation_forward
 from .config import ACTIVATIONS as ACTIVATION_NAMES
@@ -159,15 +160,20 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
         if grad_ha_RQ is not None:
             grad_act_RH.add_(ops.grouped_mm(grad_ha_RQ, down_a.transpose(1, 2), offs_E))
-        if below:   # relu and identity write grad_pre_RH into grad_act_RH: the dot below is the same (zero where act is)
+        one_pass = fused_gemms.activation_backward_scaled(saved_RH, grad_act_RH, activation, gate_R1) \
+            if gated and below else None
+        if one_pass is not None:    # the gate scale and the gate gradient's row sums inside the activation's backward
+            act_RH, grad_pre_RH, grads["gate"] = one_pass
+        elif below:   # relu and identity write grad_pre_RH into grad_act_RH: the dot below is the same (0 where act is)
             act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
         else:
             act_RH = activate(saved_RH, activation)[0]
         if gated:
-            grads["gate"] = ops.row_dot(grad_act_RH, act_RH)
+            if one_pass is None:
+                grads["gate"] = ops.row_dot(grad_act_RH, act_RH)
             if b2_ED is not None:
                 grads["gate"] += ops.grouped_mm(grad_y_RD, b2_ED.unsqueeze(2), offs_E).squeeze(1)
-            for unscaled in (grad_y_RD, grad_pre_RH, grad_ha_RQ):
+            for unscaled in (grad_y_RD, None if one_pass else grad_pre_RH, grad_ha_RQ):
                 if unscaled is not None:
                     unscaled.mul_(gate_R1)
         del grad_act_RH

@@ -85,13 +85,12 @@ class FusedMoE(torch.autograd.Function):
 
 
 def rows_of_choices(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """values_R[pos_TK[t, k]] = values_TK[t, k] for kept choices; 0 on rows no choice names. No host sync."""
-    values_R = values_TK.new_zeros(num_rows + 1)       # dropped choices write the spare last row
-    values_R[pos_TK.masked_fill(pos_TK < 0, num_rows).reshape(-1)] = values_TK.reshape(-1)
-    return values_R[:num_rows]
+    """values_R[pos_TK[t, k]] = values_TK[t, k] for kept choices (the routing's scatter of a column of ones, scaled:
+    two launches, no host sync); the rows no choice names are unspecified (no consumer reads them)."""
+    return ops.scatter_rows(values_TK.new_ones(pos_TK.shape[0], 1), pos_TK, values_TK, None, num_rows)[0].squeeze(1)
 
 
 def choices_of_rows(values_R: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
-    """values_TK[t, k] = values_R[pos_TK[t, k]], 0 for dropped choices. No host sync."""
-    padded_R = torch.cat([values_R, values_R.new_zeros(1)])     # dropped choices read the zero past the rows
-    return padded_R[pos_TK.masked_fill(pos_TK < 0, values_R.shape[0])]
+    """values_TK[t, k] = values_R[pos_TK[t, k]], 0 for dropped choices (gather_sum's dot with a column of ones)."""
+    ones_T1 = values_R.new_ones(pos_TK.shape[0], 1)
+    return ops.gather_sum(values_R.unsqueeze(1), pos_TK, None, ones_T1)[1]

@@ -33,9 +33,9 @@ def gather_up(x_TD: torch.Tensor, pos_TK: torch.Tensor, offs_E: torch.Tensor, ac
     if not triton_grouped.supports(x_TD, name):
         return None
     R = pos_TK.numel()
-    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
 
     def fused():
+        token_R = torch_grouped.tokens_of_rows(pos_TK, R)
         return triton_grouped.gather_up(x_TD, token_R, offs_E, w1_EDF, b1_EF, name)
 
     def unfused():
@@ -78,3 +78,17 @@ def seconds(run: Callable[[], object], device: torch.device) -> float:
             run()
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
+
+
+def activation_backward_scaled(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activation, gate_R1: torch.Tensor
+                               ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(act_RH, gate_R1 * grad of the pre-activation, dot_R = <grad_act_RH[r], act_RH[r]> in fp32): SwiGLU's
+    backward (clamped or gpt-oss's too) with the gate scale and the gate gradient's row sums in one Triton kernel,
+    on eager CUDA; None elsewhere (the caller composes activation_backward, ops.row_dot and a scale)."""
+    name, limit, alpha = (activation, None, None) if isinstance(activation, str) else activation
+    kernels = eager_triton(saved_RH.device)
+    if kernels is None or name not in ("swiglu", "swiglu_oai") or saved_RH.dtype == torch.float64:
+        return None
+    clamp = None if limit is None else (limit, 1.0, 0.0) if name == "swiglu" else (limit, alpha, 1.0)
+    grad_pre_RH2, act_RH, dot_R = kernels.swiglu_backward_scaled(grad_act_RH, saved_RH, gate_R1, clamp)
+    return act_RH, grad_pre_RH2, dot_R

@@ -4,8 +4,9 @@ epilogue. Same results as torch_grouped.py, the reference; on CPU tensors only u
 
 Legend: T tokens, D model dim, N hidden width (H), F the first projection's width (2N gated: [gate | up]),
 E experts, R routed rows (grouped by expert, each expert's block ending at offs_E[e], int32 on the device).
-Each program computes one [BLOCK_M, BLOCK_N] tile of one expert's rows; the tiles are laid out expert after expert
-on the device (tile_end_E), so the grid is sized from R and E alone and nothing is read back on the host.
+Each program computes one [BLOCK_M, BLOCK_N] tile of one expert's rows; the tiles are laid out expert after expert,
+each program reading the layout from offs_E, so the grid is sized from R and E alone and nothing is read back on the
+host.
 Accumulation in fp32; fp32 inputs multiply in IEEE fp32 (no TF32), as torch's default matmul.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import triton_kernels
+from .grouped import tail_unread
 from .torch_grouped import GATHER_UP_ACTIVATIONS
 
 try:
@@ -63,17 +65,16 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
     pre_RF = torch.empty(R, F, dtype=dtype, device=device) if gated else act_RN
     if R == 0 or N == 0:
         return act_RN, pre_RF
-    end = offs_E[-1] if E else torch.zeros((), dtype=torch.int32, device=device)
-    for out in {id(act_RN): act_RN, id(pre_RF): pre_RF}.values():     # the rows past the last expert's: 0
-        triton_kernels.zero_rows_past(out, end)
+    if not tail_unread():     # the rows past the last expert's: 0 (inside the fused layer nothing reads them)
+        end = offs_E[-1] if E else torch.zeros((), dtype=torch.int32, device=device)
+        for out in {id(act_RN): act_RN, id(pre_RF): pre_RF}.values():
+            triton_kernels.zero_rows_past(out, end)
     if E == 0:
         return act_RN, pre_RF
     block_m, block_n, block_k = _blocks()
-    counts_E = torch.diff(offs_E.long(), prepend=offs_E.new_zeros(1).long())
-    tile_end_E = torch.cumsum((counts_E + block_m - 1) // block_m, 0).to(torch.int32)
     grid = (triton.cdiv(R, block_m) + E, triton.cdiv(N, block_n))
     _gather_up_kernel[grid](
-        x_TD.contiguous(), token_R.contiguous(), offs_E.contiguous(), tile_end_E, w1_EDF,
+        x_TD.contiguous(), token_R.contiguous(), offs_E.contiguous(), w1_EDF,
         b1_EF.contiguous() if b1_EF is not None else w1_EDF, pre_RF, act_RN,
         D, N, F, E, w1_EDF.stride(0), w1_EDF.stride(1), w1_EDF.stride(2),
         HAS_BIAS=b1_EF is not None, ACTIVATION=_ACTIVATION_CODES[activation], IEEE=dtype == torch.float32,
@@ -92,16 +93,20 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _gather_up_kernel(x_ptr, token_ptr, offs_ptr, tile_end_ptr, w_ptr, b_ptr, pre_ptr, act_ptr,
+    def _gather_up_kernel(x_ptr, token_ptr, offs_ptr, w_ptr, b_ptr, pre_ptr, act_ptr,
                           D, N, F, E, stride_we, stride_wd, stride_wf, HAS_BIAS: tl.constexpr,
                           ACTIVATION: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
         pid_m = tl.program_id(0)
+        # the tiles expert after expert: each program works out the layout from the offsets (E is small)
         e_E = tl.arange(0, BLOCK_E)
-        tile_end_E = tl.load(tile_end_ptr + e_E, mask=e_E < E, other=2147483647)
+        end_E = tl.load(offs_ptr + e_E, mask=e_E < E, other=0)
+        start_E = tl.load(offs_ptr + e_E - 1, mask=(e_E > 0) & (e_E < E), other=0)
+        tile_end_E = tl.cumsum((end_E - start_E + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_end_E = tl.where(e_E < E, tile_end_E, 2147483647)
         e = tl.sum((tile_end_E <= pid_m).to(tl.int32), 0)        # E: a spare program past the last tile
         if e < E:
-            tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
+            tile_start = tl.sum(tl.where(e_E == e - 1, tile_end_E, 0), 0)
             row_start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
             row_end = tl.load(offs_ptr + e)
             r_M = row_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -193,6 +193,26 @@ def _swiglu(pre_RH2: torch.Tensor, grad_RH: Optional[torch.Tensor], clamp: Optio
     return grad_pre_RH2, act_RH
 
 
+def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R1: torch.Tensor,
+                           clamp: Optional[Tuple[float, float, float]] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale_R1 * grad of pre [R, 2H], the activations [R, H], dot_R = <grad_RH[r], act[r]> in fp32) in one pass
+    (one program per row): SwiGLU's backward with each row's gate scale and its gate gradient (the fused layer's
+    lean backward, experts.mlp_backward). clamp: (limit, alpha, beta) as clamped_swiglu_backward, or None."""
+    _require_triton()
+    R, H = pre_RH2.shape[0], pre_RH2.shape[1] // 2
+    pre_RH2 = pre_RH2.contiguous()
+    act_RH = _empty((R, H), pre_RH2.dtype, pre_RH2.device)
+    grad_pre_RH2 = _empty((R, 2 * H), pre_RH2.dtype, pre_RH2.device)
+    dot_R = _empty((R,), torch.float64 if pre_RH2.dtype == torch.float64 else torch.float32, pre_RH2.device)
+    if R:
+        limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
+        _swiglu_scaled_kernel[(R,)](pre_RH2, grad_RH.contiguous(), scale_R1.contiguous(), act_RH, grad_pre_RH2, dot_R,
+                                    H, limit, alpha, beta, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2),
+                                    BLOCK=min(triton.next_power_of_2(max(H, 1)), _ELEMENTWISE))
+    return grad_pre_RH2, act_RH, dot_R
+
+
 def _or(x: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
     """A missing optional input is passed as a stand-in pointer that the kernel never reads."""
     return stand_in if x is None else x.contiguous()
@@ -354,3 +374,36 @@ if triton is not None:
             out_dtype = grad_pre_ptr.dtype.element_ty
             tl.store(grad_pre_ptr + r * 2 * H + h_H, grad_gate_H.to(out_dtype), mask=mask_H)
             tl.store(grad_pre_ptr + r * 2 * H + H + h_H, grad_up_H.to(out_dtype), mask=mask_H)
+
+    @triton.jit
+    def _swiglu_scaled_kernel(pre_ptr, grad_ptr, scale_ptr, act_ptr, grad_pre_ptr, dot_ptr, H, limit, alpha, beta,
+                              CLAMPED: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        scale = tl.load(scale_ptr + r).to(ACC)
+        dot = tl.zeros([BLOCK], ACC)
+        for begin in range(0, H, BLOCK):
+            h_H = begin + tl.arange(0, BLOCK)
+            mask_H = h_H < H
+            gate_H = tl.load(pre_ptr + r * 2 * H + h_H, mask=mask_H, other=0).to(ACC)
+            up_H = tl.load(pre_ptr + r * 2 * H + H + h_H, mask=mask_H, other=0).to(ACC)
+            if CLAMPED:
+                g_H = tl.minimum(gate_H, limit)
+                u_H = tl.minimum(tl.maximum(up_H, -limit), limit)
+            else:
+                g_H = gate_H
+                u_H = up_H
+            sig_H = 1 / (1 + tl.exp(-(alpha * g_H)))
+            glu_H = g_H * sig_H
+            act_H = (u_H + beta) * glu_H
+            tl.store(act_ptr + r * H + h_H, act_H.to(act_ptr.dtype.element_ty), mask=mask_H)
+            grad_H = tl.load(grad_ptr + r * H + h_H, mask=mask_H, other=0).to(ACC)
+            dot += grad_H * act_H       # the activations as stored would round them: the exact product
+            grad_gate_H = scale * grad_H * (u_H + beta) * (sig_H + alpha * glu_H * (1 - sig_H))
+            grad_up_H = scale * grad_H * glu_H
+            if CLAMPED:
+                grad_gate_H = tl.where(gate_H <= limit, grad_gate_H, 0)
+                grad_up_H = tl.where((up_H >= -limit) & (up_H <= limit), grad_up_H, 0)
+            out_dtype = grad_pre_ptr.dtype.element_ty
+            tl.store(grad_pre_ptr + r * 2 * H + h_H, grad_gate_H.to(out_dtype), mask=mask_H)
+            tl.store(grad_pre_ptr + r * 2 * H + H + h_H, grad_up_H.to(out_dtype), mask=mask_H)
+        tl.store(dot_ptr + r, tl.sum(dot, 0).to(dot_ptr.dtype.element_ty))
