@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer, aux_loss
-from moe_testing import outputs_and_grads, relative_error
+from helpers.compare import relative_error
+from helpers.reference import outputs_and_grads
 
 CAPACITY_MODES = {"fixed": 1.25, "fixed_dropping": 0.5, "dropless": 0.0, "capped": -0.5}
 # the DeepSeek-style routing: sigmoid, groups, balancing bias, route scale, seq loss, gated shared expert

@@ -91,7 +91,7 @@ ALL_ACTIVATIONS = ["relu", "gelu", "silu", "swiglu", "identity", "geglu", "geglu
 
 
 def lean_layer(activation, bias, case, dtype):
-    from moe_testing import make_layer
+    from helpers.reference import make_layer
     T, options = LEAN_CASES[case]
     options = dict(dict(model_dim=11, hidden_size=13), **options)
     if activation == "swiglu_oai":
@@ -105,7 +105,7 @@ def lean_layer(activation, bias, case, dtype):
 @pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
 def test_lean_backward_matches_reference_fp64(activation, bias, case):
     """Output, input, router (through the gate gradient) and every expert weight's gradient, to 1e-12."""
-    from moe_testing import assert_matches_reference
+    from helpers.reference import assert_matches_reference
     layer, x = lean_layer(activation, bias, case, torch.float64)
     assert_matches_reference(layer, x, 1e-12)
 
@@ -117,7 +117,7 @@ def test_lean_backward_matches_reference_bf16(activation, bias, case):
     """The layer in bf16 against the reference in fp64 on the same (bf16) values: outputs per token and each
     gradient in norm within bf16's rounding (the router runs in fp32 either way, so the routes agree)."""
     import copy
-    from moe_testing import outputs_and_grads, fast, reference
+    from helpers.reference import outputs_and_grads, fast, reference
     layer, x = lean_layer(activation, bias, case, torch.bfloat16)
     exact = copy.deepcopy(layer).double()
     y, _, grads = outputs_and_grads(fast(layer), layer, x)

@@ -7,7 +7,7 @@ from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer, aux_loss
 from moe_plugin.train.models import ModelConfig, TransformerLM
-from moe_testing import make_layer
+from helpers.reference import make_layer
 
 OPTIONS = [dict(), dict(router="cosine", activation="swiglu", bias=False), dict(router="sigmoid", top_k=3),
            dict(router="sigmoid", num_groups=2, topk_groups=1, expert_bias_update_rate=1e-3, shared_hidden_size=16,

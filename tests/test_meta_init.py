@@ -8,7 +8,7 @@ import torch
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.train.models import ModelConfig, TransformerLM
 
-from init_checks import assert_normal, assert_uniform
+from helpers.init_checks import assert_normal, assert_uniform
 
 CONFIGS = [
     dict(),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_plugin import MoELayer, checkpoint, train
-from moe_testing import torchrun_train
+from helpers.launch import torchrun_train
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from moe_plugin import MoELayer, checkpoint, train
 from moe_plugin.train.data import DataConfig, make_data
 from moe_plugin.train.data.images import NUM_CLASSES, load_digits, split_by_class
-from moe_testing import torchrun_train
+from helpers.launch import torchrun_train
 
 ROOT = Path(__file__).resolve().parents[1]
 SWINV2_MOE = ROOT / "configs" / "experiments" / "swinv2_moe.yaml"

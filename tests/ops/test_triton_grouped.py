@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_plugin.ops import torch_grouped, torch_ops
-from moe_testing import random_slots
+from helpers.routes import random_slots
 
 try:
     import triton
