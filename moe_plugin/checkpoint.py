@@ -1,10 +1,10 @@
 """Expert-sharded checkpoints with torch.distributed.checkpoint (DCP): no gather, any layout on load.
 
-Legend: E experts, D model dim, H expert hidden dim, A = 2 for a gated activation (swiglu, geglu, ...: w1
-holds [gate | up]) else 1,
-S hidden slices per expert (ep_size > num_experts).
+Shape legend: moe_plugin/shapes.py (here E experts, D model dim, H expert hidden dim, F = 2H for a gated
+activation (swiglu, geglu, ...: w1 holds [gate | up]) else H; `slices` hidden slices per expert when
+ep_size > num_experts).
 
-The expert tensors of every expert-parallel MoELayer (experts.w1_EDH [E, D, A*H], b1_EH [E, A*H],
+The expert tensors of every expert-parallel MoELayer (experts.w1_EDH [E, D, F], b1_EH [E, F],
 w2_EHD [E, H, D], b2_ED [E, D]) are described to DCP as this rank's pieces of the logical full
 tensors: a rank holding whole experts has one piece, a rank holding hidden slice s of a gated
 expert has two (its gate and up columns), and only slice 0 writes the expert's b2 (the other slices
@@ -32,6 +32,7 @@ from .experts import WEIGHT_NAMES as EXPERT_NAMES   # the stacked experts' tenso
 from .parallel.expert_grads import expert_layers
 
 Offsets = Tuple[int, ...]
+W2, B2 = EXPERT_NAMES[2:]     # the second projection: its weight sliced along H, its bias whole (slice 0 writes it)
 
 
 class ExpertPieces:
@@ -72,22 +73,22 @@ def expert_pieces(layer: nn.Module, name: str, tensor: torch.Tensor, writing: bo
     full = list(tensor.shape)               # a DTensor's shape is the rank's whole stack
     tensor, at = _local_shard(tensor)
     layout = layer.groups.layout
-    E, S, s, first = layout.num_experts, layout.slices, layout.slice_index, layout.first_expert
+    E, slices, s, first = layout.num_experts, layout.slices, layout.slice_index, layout.first_expert
     lead = (first + at[0],) + tuple(at[1:-1])       # offsets in the expert dim and the middle dims
-    if S == 1:
+    if slices == 1:
         return _pieces([E] + full[1:], [((first + at[0],) + tuple(at[1:]), tensor)])
     h = layout.local_hidden   # E_local is 1 here
-    if name == "w2_EHD":
-        return _pieces([E, h * S] + full[2:], [((first + at[0], s * h + at[1], at[2]), tensor)])
-    if name == "b2_ED":
+    if name == W2:
+        return _pieces([E, h * slices] + full[2:], [((first + at[0], s * h + at[1], at[2]), tensor)])
+    if name == B2:
         return _pieces([E] + full[1:], [] if writing and s else [((first + at[0], at[1]), tensor)])
-    halves = full[-1] // h                        # w1 and b1: A halves of h columns each
+    halves = full[-1] // h                        # w1 and b1: F / H halves of h columns each
     start, end, pieces = at[-1], at[-1] + tensor.shape[-1], []   # the columns of the stack held here
     for a in range(halves):
         lo, hi = max(start, a * h), min(end, (a + 1) * h)
         if lo < hi:
-            pieces.append((lead + (a * h * S + s * h + lo - a * h,), tensor[..., lo - start:hi - start]))
-    return _pieces([E] + full[1:-1] + [halves * h * S], pieces)
+            pieces.append((lead + (a * h * slices + s * h + lo - a * h,), tensor[..., lo - start:hi - start]))
+    return _pieces([E] + full[1:-1] + [halves * h * slices], pieces)
 
 
 def _pieces(size, pieces) -> ExpertPieces:

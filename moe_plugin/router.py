@@ -1,8 +1,8 @@
 """Router: scores, group-limited top-k choice with the balancing bias, gate normalization and scale,
 load-balancing and z losses.
 
-Legend: T tokens, D model dim, E experts, K top-k, G expert groups, M experts per group,
-N sequences, S tokens per sequence.
+Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, G expert groups, M experts per
+group, N sequences, S tokens per sequence, X the choices of a sequence counted for the balance loss).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ overlap degree d (chosen per step by the layer's tuner, parallel/tuner.py, or fi
 
 r = 0: every rank gathers all experts' weights and computes its own tokens (the local dispatcher's path, no
 token exchange). r >= 1: rows go by all-to-all to the ranks computing their expert (each of the r hidden
-slices of it, partial outputs summed on return); weights are first gathered over the G = slices / r ranks
+slices of it, partial outputs summed on return); weights are first gathered over the V = slices / r ranks
 whose slices make one compute slice (parallel/expert_parallel.py). The rows are cut into d chunks: chunk c + 1
 is in flight while chunk c is computed, and chunk c's results travel back while chunk c + 1 is computed.
 
@@ -16,7 +16,7 @@ With 2DH each exchange has two steps; chunk c + 2 starts its first step while ch
 and chunk c is computed, so both steps overlap expert compute.
 
 Shape legend: moe_plugin/shapes.py (here W ranks, counts_WE[w, e] the kept rows rank w routes to expert e,
-G ranks gathered per compute slice).
+V ranks gathered per compute slice).
 """
 from __future__ import annotations
 
@@ -170,26 +170,26 @@ def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
     if slices == 1:      # dst owns experts [dst * E_local, (dst + 1) * E_local): rows go in expert order
         counts_WW = size_WE.view(W, W, layout.local_experts).sum(2)
         seg_start, seg_size = row_start_E + offset_WE[me], size_WE[me]
-    else:                # expert e's rows go to replica (src % G) of each of its r compute slices
-        G = layout.gather_size(r_)
+    else:                # expert e's rows go to replica (src % V) of each of its r compute slices
+        V = layout.gather_size(r_)
         counts_WW = torch.zeros(W, W, dtype=torch.long)
-        replica_W1 = (torch.arange(W) % G)[:, None]
+        replica_W1 = (torch.arange(W) % V)[:, None]
         for m in range(r_):
-            counts_WW.scatter_add_(1, torch.arange(E) * slices + m * G + replica_W1, size_WE)
+            counts_WW.scatter_add_(1, torch.arange(E) * slices + m * V + replica_W1, size_WE)
         seg_start = (row_start_E + offset_WE[me]).repeat_interleave(r_)     # (expert, m) = destination order
         seg_size = size_WE[me].repeat_interleave(r_)
     send_index = ranges(seg_start, seg_size)
 
     mine = slice(layout.first_expert, layout.first_expert + layout.local_experts)
-    arriving_WX = size_WE[:, mine] if layout.slices == 1 else counts_WW[:, me:me + 1]   # [src, local expert]
+    arriving_WE = size_WE[:, mine] if layout.slices == 1 else counts_WW[:, me:me + 1]   # [src, local expert]
     group_by_expert = ungroup = None
     if layout.local_experts > 1:
-        group_by_expert = segment_permutation(arriving_WX)
+        group_by_expert = segment_permutation(arriving_WE)
         ungroup = torch.empty_like(group_by_expert)
         ungroup[group_by_expert] = torch.arange(group_by_expert.numel())
     return _ChunkExchange(send_index=send_index, send_counts=counts_WW[me].tolist(),
                           recv_counts=counts_WW[:, me].tolist(), counts_WW=counts_WW,
-                          rows_per_local_expert=arriving_WX.sum(0).tolist(),
+                          rows_per_local_expert=arriving_WE.sum(0).tolist(),
                           group_by_expert=group_by_expert, ungroup=ungroup,
                           sends_all_in_order=(d == 1 and layout.slices == 1))
 

@@ -1,8 +1,8 @@
 """Differentiable collectives for expert parallelism: variable-size all-to-all (flat and
 2D-hierarchical, blocking or started/waited for overlap) and an all-gather whose backward sums.
 
-Legend: W ranks in the group, L ranks per node, N = W / L nodes, D row width,
-C[src, dst] rows that rank src sends to rank dst.
+Shape legend: moe_plugin/shapes.py (here W ranks in the group, L ranks per node, U = W / L nodes, D row width,
+counts_WW[src, dst] the rows rank src sends to rank dst, Z segments, V the ranks of a gather).
 """
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ import torch
 import torch.distributed as dist
 
 
-def ranges(start_S: torch.Tensor, size_S: torch.Tensor) -> torch.Tensor:
+def ranges(start_Z: torch.Tensor, size_Z: torch.Tensor) -> torch.Tensor:
     """cat(arange(start, start + size) for each segment), without a Python loop."""
-    segment_R = torch.repeat_interleave(torch.arange(size_S.numel()), size_S)
-    first_R = (size_S.cumsum(0) - size_S)[segment_R]
-    return start_S[segment_R] + torch.arange(segment_R.numel()) - first_R
+    segment_R = torch.repeat_interleave(torch.arange(size_Z.numel()), size_Z)
+    first_R = (size_Z.cumsum(0) - size_Z)[segment_R]
+    return start_Z[segment_R] + torch.arange(segment_R.numel()) - first_R
 
 
-def segment_permutation(sizes_AB: torch.Tensor) -> torch.Tensor:
-    """Rows laid out as segments in a-major order; the index that lists them in b-major order."""
-    flat_sizes = sizes_AB.reshape(-1)
-    starts_AB = (flat_sizes.cumsum(0) - flat_sizes).view(sizes_AB.shape)
-    return ranges(starts_AB.t().reshape(-1), sizes_AB.t().reshape(-1))
+def segment_permutation(sizes: torch.Tensor) -> torch.Tensor:
+    """Rows laid out as segments of sizes [a, b] in a-major order; the index that lists them in b-major order."""
+    flat_sizes = sizes.reshape(-1)
+    starts = (flat_sizes.cumsum(0) - flat_sizes).view(sizes.shape)
+    return ranges(starts.t().reshape(-1), sizes.t().reshape(-1))
 
 
 class _Exchange:
@@ -102,22 +102,22 @@ class Pending2DH:
     def __init__(self, input_RD: torch.Tensor, counts_WW: torch.Tensor, rank: int, node_size: int,
                  intra_group, inter_group):
         W, L = counts_WW.shape[0], node_size
-        N = W // L
+        U = W // L
         node, local = divmod(rank, L)
-        counts_NLNL = counts_WW.view(N, L, N, L)
+        counts_ULUL = counts_WW.view(U, L, U, L)
         # step 1: my rows, (dst node, dst local) order -> (dst local, dst node), sent to local peers
-        mine_NL = counts_NLNL[node, local]                                   # [dst node, dst local]
-        step1_in = input_RD.index_select(0, segment_permutation(mine_NL))
-        self.arriving_LN = counts_NLNL[node, :, :, local]                    # [src local, dst node]
-        self.step1 = PendingAllToAll(step1_in, mine_NL.sum(0).tolist(), self.arriving_LN.sum(1).tolist(),
+        mine_UL = counts_ULUL[node, local]                                   # [dst node, dst local]
+        step1_in = input_RD.index_select(0, segment_permutation(mine_UL))
+        self.arriving_LU = counts_ULUL[node, :, :, local]                    # [src local, dst node]
+        self.step1 = PendingAllToAll(step1_in, mine_UL.sum(0).tolist(), self.arriving_LU.sum(1).tolist(),
                                      intra_group)
-        self.step2_recv = counts_NLNL[:, :, node, local].sum(1).tolist()     # per src node
+        self.step2_recv = counts_ULUL[:, :, node, local].sum(1).tolist()     # per src node
         self.inter_group, self.step2 = inter_group, None
 
     def progress(self) -> None:
         if self.step2 is None:   # step 2: (src local, dst node) -> (dst node, src local), across nodes
-            step2_in = self.step1.wait().index_select(0, segment_permutation(self.arriving_LN))
-            self.step2 = PendingAllToAll(step2_in, self.arriving_LN.sum(0).tolist(), self.step2_recv,
+            step2_in = self.step1.wait().index_select(0, segment_permutation(self.arriving_LU))
+            self.step2 = PendingAllToAll(step2_in, self.arriving_LU.sum(0).tolist(), self.step2_recv,
                                          self.inter_group)
 
     def wait(self) -> torch.Tensor:
@@ -131,7 +131,7 @@ def all_to_all_2dh(input_RD: torch.Tensor, counts_WW: torch.Tensor, rank: int, n
 
 
 class _GatherSum(torch.autograd.Function):
-    """forward: all-gather into [G, *shape]; backward: sum the gradients over the group, keep mine."""
+    """forward: all-gather into [V, *shape]; backward: sum the gradients over the group, keep mine."""
 
     @staticmethod
     def forward(ctx, tensor, group):
@@ -142,10 +142,10 @@ class _GatherSum(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_G):
-        grad_G = grad_G.contiguous()
-        dist.all_reduce(grad_G, group=ctx.group)
-        return grad_G[dist.get_rank(ctx.group)].clone(), None
+    def backward(ctx, grad_V):
+        grad_V = grad_V.contiguous()
+        dist.all_reduce(grad_V, group=ctx.group)
+        return grad_V[dist.get_rank(ctx.group)].clone(), None
 
 
 def gather_sum(tensor: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:

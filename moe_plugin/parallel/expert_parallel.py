@@ -3,9 +3,9 @@
 for checkpoints and exports).
 
 r = 0: every rank gathers all experts' weights. r >= 1: a compute slice of an expert is the concatenated hidden
-slices of the G = slices / r ranks of its gather group (slices: hidden slices per expert).
+slices of the V = slices / r ranks of its gather group (slices: hidden slices per expert).
 
-Shape legend: moe_plugin/shapes.py (here G ranks gathered per compute slice).
+Shape legend: moe_plugin/shapes.py (here V ranks gathered per compute slice).
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ def gathered_experts(experts, groups: ExpertGroups, r: int) -> ExpertWeights:
     if r == layout.slices:
         return ExpertWeights(experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED if use_b2 else None,
                              experts.activation, lora_factors(experts))
-    G = dist.get_world_size(group)
-    experts_in = max(1, G // layout.slices) if layout.slices > 1 else G * layout.local_experts
-    slices_in = G // experts_in if layout.slices > 1 else 1
+    V = dist.get_world_size(group)
+    experts_in = max(1, V // layout.slices) if layout.slices > 1 else V * layout.local_experts
+    slices_in = V // experts_in if layout.slices > 1 else 1
     gated = as_activation(experts.activation).gated
 
     def join(tensor, hidden_dim):
-        """[G, E_local, ...] gathered -> [experts_in, ...] with the hidden slices concatenated."""
+        """[V, E_local, ...] gathered -> [experts_in, ...] with the hidden slices concatenated."""
         if tensor is None:
             return None
         gathered = gather_sum(tensor, group)

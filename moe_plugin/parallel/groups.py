@@ -1,10 +1,11 @@
 """Who holds which experts, and the process groups the exchanges run on.
 
-Legend: W ranks in the expert-parallel (ep) group, E experts, S = W / E slices per expert when
-E < W, G ranks that gather their slices into one compute slice, r the parallel degree.
+Shape legend: moe_plugin/shapes.py (here W ranks in the expert-parallel (ep) group, E experts, slices = W / E
+hidden slices per expert when E < W, V ranks that gather their slices into one compute slice, r the parallel
+degree).
 
 Parameters never move: with E >= W a rank owns E / W whole experts; with E < W it owns hidden
-slice (rank % S) of expert rank // S. A degree r only changes what is gathered for one call.
+slice (rank % slices) of expert rank // slices. A degree r only changes what is gathered for one call.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ class ExpertLayout:
         return self.ep_rank % self.slices
 
     def degrees(self) -> List[int]:
-        """The parallel degrees r this layout can run: 0 (gathered) and the divisors of S."""
+        """The parallel degrees r this layout can run: 0 (gathered) and the divisors of slices."""
         return [0] + _divisors(self.slices)
 
     def check_degree(self, r: int) -> None:
@@ -97,16 +98,16 @@ class ExpertLayout:
                              f"ep_size={self.ep_size}; possible: {self.degrees()}")
 
     def gather_size(self, r: int) -> int:
-        """G: ranks whose slices make one compute slice under degree r >= 1."""
+        """V: ranks whose slices make one compute slice under degree r >= 1."""
         return self.slices // r
 
     def destinations(self, expert: int, source_rank: int, r: int) -> List[int]:
         """Ranks that compute (a slice of) `expert` for tokens from source_rank under degree r >= 1."""
         if self.slices == 1:
             return [expert // self.local_experts]
-        G = self.gather_size(r)
-        replica = source_rank % G
-        return [expert * self.slices + m * G + replica for m in range(r)]
+        V = self.gather_size(r)
+        replica = source_rank % V
+        return [expert * self.slices + m * V + replica for m in range(r)]
 
     def computes_first_slice(self, r: int) -> bool:
         return self.slices == 1 or self.slice_index // self.gather_size(r) == 0
@@ -120,7 +121,7 @@ class ExpertGroups:
     node_size: int
     intra_node_group: Optional[object] = None
     inter_node_group: Optional[object] = None
-    gather_groups: Dict[int, object] = field(default_factory=dict)   # degree r -> group of G ranks
+    gather_groups: Dict[int, object] = field(default_factory=dict)   # degree r -> group of V ranks
     expert_data_group: Optional[object] = None                         # same experts across ep groups
 
 
@@ -187,9 +188,9 @@ def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Op
         if r == 0:
             groups.gather_groups[0] = ep_group
             continue
-        G = layout.gather_size(r)
-        for members in _sub_blocks(all_ep_blocks, lambda i, G=G: i // G, ep_size):
-            group = dist.new_group(members) if G > 1 else None
+        V = layout.gather_size(r)
+        for members in _sub_blocks(all_ep_blocks, lambda i, V=V: i // V, ep_size):
+            group = dist.new_group(members) if V > 1 else None
             if dist.get_rank() in members:
                 groups.gather_groups[r] = group
     return groups
