@@ -148,6 +148,8 @@ def router_handle_name(family: str) -> Optional[str]:
     """The block attribute HF keeps its router under ("gate" for HF's gate.weight), when the family's router weight
     is one level down the block; None otherwise (no handle: PEFT then finds no router there)."""
     from .families import FAMILIES   # families -> families_special -> block -> this file
+    if family not in FAMILIES:   # an upcycled dense MLP (upcycle.py): no HF router to name
+        return None
     names = [w.hf[0] for w in FAMILIES[family].weights if w.layer == "router.weight_ED" and len(w.hf) == 1]
     if len(names) != 1:
         return None
