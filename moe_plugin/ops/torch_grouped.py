@@ -53,3 +53,24 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
     else:
         raise ValueError(f"gather_up: activation {activation!r} is not fused; allowed: {GATHER_UP_ACTIVATIONS}")
     return act_RN.to(x_TD.dtype), pre_RF.to(x_TD.dtype)
+
+
+def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tensor, pre_RH2: torch.Tensor,
+                 scale_R1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale * grad of the pre-activation [R, 2H], the activations [R, H], dot_R [R]) of the down projection's
+    dgrad grad_act = grad_RD W2[e]^T followed by SwiGLU's backward: dot_R = <grad_act[r], act[r]> is the gate
+    gradient of row r when grad_RD is its unscaled output gradient (experts.mlp_backward). Rows past the last
+    offset: 0. Computed in fp32 or wider; dot_R stays wide, the rest is rounded to grad's dtype."""
+    wide = torch.promote_types(grad_RD.dtype, torch.float32)
+    grad_act_RH = grouped_mm_loop(grad_RD.to(wide), w2_EHD.to(wide).transpose(1, 2), offs_E)
+    H = grad_act_RH.shape[1]
+    gate_RH, up_RH = pre_RH2.to(wide)[:, :H], pre_RH2.to(wide)[:, H:]
+    silu_RH = torch.nn.functional.silu(gate_RH)
+    act_RH = silu_RH * up_RH
+    sig_RH = torch.sigmoid(gate_RH)
+    grad_gate_RH = grad_act_RH * up_RH * (sig_RH + gate_RH * sig_RH * (1 - sig_RH))
+    grad_pre_RH2 = torch.cat([grad_gate_RH, grad_act_RH * silu_RH], dim=1) * scale_R1.to(wide)
+    kept_R1 = (torch.arange(grad_RD.shape[0], device=grad_RD.device) < offs_E[-1]).unsqueeze(1) if offs_E.numel() \
+        else torch.zeros(grad_RD.shape[0], 1, dtype=torch.bool, device=grad_RD.device)
+    act_RH, grad_pre_RH2 = act_RH * kept_R1, grad_pre_RH2 * kept_R1
+    return grad_pre_RH2.to(grad_RD.dtype), act_RH.to(grad_RD.dtype), (grad_act_RH * act_RH).sum(1)

@@ -1,6 +1,7 @@
 """Grouped GEMMs with their neighbours fused in, in Triton, for CUDA tensors (issue 34 item 3): the up projection
 that reads x's routed rows by index (no gathered copy of x) and applies the bias and the activation in its
-epilogue. Same results as torch_grouped.py, the reference; on CPU tensors only under TRITON_INTERPRET=1.
+epilogue (gather_up); the down projection's dgrad with SwiGLU's backward, the gate scale and the gate gradient in
+its epilogue (dgrad_swiglu). Same results as torch_grouped.py, the reference; on CPU tensors only under TRITON_INTERPRET=1.
 
 Legend: T tokens, D model dim, N hidden width (H), F the first projection's width (2N gated: [gate | up]),
 E experts, R routed rows (grouped by expert, each expert's block ending at offs_E[e], int32 on the device).
@@ -82,7 +83,88 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
     return act_RN, pre_RF
 
 
+def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tensor, pre_RH2: torch.Tensor,
+                 scale_R1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See torch_grouped.dgrad_swiglu: the down projection's dgrad with SwiGLU's backward, the gate scale and the
+    gate gradient's row sums (atomically added over the hidden tiles, in fp32) in its epilogue."""
+    if triton is None:
+        raise ImportError(f"moe_plugin.ops.triton_grouped: {_MISSING}")
+    R, D = grad_RD.shape
+    E, H, _ = w2_EHD.shape
+    device, dtype = grad_RD.device, grad_RD.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dgrad_swiglu: {dtype} not fused; dtypes {DTYPES}")
+    grad_pre_RH2 = torch.zeros(R, 2 * H, dtype=dtype, device=device)
+    act_RH = torch.zeros(R, H, dtype=dtype, device=device)
+    dot_R = torch.zeros(R, dtype=torch.float32, device=device)
+    if R == 0 or H == 0 or E == 0:
+        return grad_pre_RH2, act_RH, dot_R
+    block_m, block_n, block_k = _blocks()
+    grid = (triton.cdiv(R, block_m) + E, triton.cdiv(H, block_n))
+    _dgrad_swiglu_kernel[grid](
+        grad_RD.contiguous(), offs_E.contiguous(), w2_EHD, pre_RH2.contiguous(), scale_R1.contiguous(),
+        grad_pre_RH2, act_RH, dot_R, D, H, E, w2_EHD.stride(0), w2_EHD.stride(1), w2_EHD.stride(2),
+        IEEE=dtype == torch.float32, INTERPRETED=_interpreted(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_E=triton.next_power_of_2(E))
+    return grad_pre_RH2, act_RH, dot_R
+
+
 if triton is not None:
+
+    @triton.jit
+    def _expert_tile(offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(expert, first row of this program's tile, that expert's end row): the tiles laid out expert after
+        expert from the offsets; expert E for a spare program past the last tile."""
+        pid_m = tl.program_id(0)
+        e_E = tl.arange(0, BLOCK_E)
+        end_E = tl.load(offs_ptr + e_E, mask=e_E < E, other=0)
+        start_E = tl.load(offs_ptr + e_E - 1, mask=(e_E > 0) & (e_E < E), other=0)
+        tile_end_E = tl.cumsum((end_E - start_E + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_end_E = tl.where(e_E < E, tile_end_E, 2147483647)
+        e = tl.sum((tile_end_E <= pid_m).to(tl.int32), 0)
+        tile_start = tl.sum(tl.where(e_E == e - 1, tile_end_E, 0), 0)
+        row_start = tl.sum(tl.where(e_E == e, start_E, 0), 0) + (pid_m - tile_start) * BLOCK_M
+        row_end = tl.sum(tl.where(e_E == e, end_E, 0), 0)
+        return e, row_start, row_end
+
+    @triton.jit
+    def _dgrad_swiglu_kernel(grad_ptr, offs_ptr, w_ptr, pre_ptr, scale_ptr, grad_pre_ptr, act_ptr, dot_ptr, D, H, E,
+                             stride_we, stride_wh, stride_wd, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_E: tl.constexpr):
+        e, row_start, row_end = _expert_tile(offs_ptr, E, BLOCK_M, BLOCK_E)
+        if e < E:
+            r_M = row_start + tl.arange(0, BLOCK_M)
+            mask_M = r_M < row_end
+            rows_M = r_M.to(tl.int64)
+            n_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_N = n_N < H
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            acc_MN = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k in range(0, D, BLOCK_K):
+                k_K = k + tl.arange(0, BLOCK_K)
+                mask_K = k_K < D
+                g_MK = tl.load(grad_ptr + rows_M[:, None] * D + k_K[None, :], mask=mask_M[:, None] & mask_K[None, :],
+                               other=0)
+                w_KN = tl.load(w_e + n_N[None, :] * stride_wh + k_K[:, None] * stride_wd,
+                               mask=mask_K[:, None] & mask_N[None, :], other=0)    # W2[e]^T
+                acc_MN = _dot(g_MK, w_KN, acc_MN, IEEE, INTERPRETED)
+            mask_MN = mask_M[:, None] & mask_N[None, :]
+            gate_MN = tl.load(pre_ptr + rows_M[:, None] * 2 * H + n_N[None, :], mask=mask_MN, other=0).to(tl.float32)
+            up_MN = tl.load(pre_ptr + rows_M[:, None] * 2 * H + H + n_N[None, :], mask=mask_MN,
+                            other=0).to(tl.float32)
+            scale_M = tl.load(scale_ptr + rows_M, mask=mask_M, other=0).to(tl.float32)
+            sig_MN = 1 / (1 + tl.exp(-gate_MN))
+            silu_MN = gate_MN * sig_MN
+            act_MN = silu_MN * up_MN
+            grad_gate_MN = acc_MN * up_MN * (sig_MN + gate_MN * sig_MN * (1 - sig_MN)) * scale_M[:, None]
+            grad_up_MN = acc_MN * silu_MN * scale_M[:, None]
+            out_dtype = act_ptr.dtype.element_ty
+            tl.store(act_ptr + rows_M[:, None] * H + n_N[None, :], act_MN.to(out_dtype), mask=mask_MN)
+            tl.store(grad_pre_ptr + rows_M[:, None] * 2 * H + n_N[None, :], grad_gate_MN.to(out_dtype), mask=mask_MN)
+            tl.store(grad_pre_ptr + rows_M[:, None] * 2 * H + H + n_N[None, :], grad_up_MN.to(out_dtype),
+                     mask=mask_MN)
+            tl.atomic_add(dot_ptr + rows_M, tl.sum(tl.where(mask_MN, acc_MN * act_MN, 0), 1), mask=mask_M)
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -97,19 +179,9 @@ if triton is not None:
                           D, N, F, E, stride_we, stride_wd, stride_wf, HAS_BIAS: tl.constexpr,
                           ACTIVATION: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-        pid_m = tl.program_id(0)
-        # the tiles expert after expert: each program works out the layout from the offsets (E is small)
-        e_E = tl.arange(0, BLOCK_E)
-        end_E = tl.load(offs_ptr + e_E, mask=e_E < E, other=0)
-        start_E = tl.load(offs_ptr + e_E - 1, mask=(e_E > 0) & (e_E < E), other=0)
-        tile_end_E = tl.cumsum((end_E - start_E + BLOCK_M - 1) // BLOCK_M, 0)
-        tile_end_E = tl.where(e_E < E, tile_end_E, 2147483647)
-        e = tl.sum((tile_end_E <= pid_m).to(tl.int32), 0)        # E: a spare program past the last tile
+        e, row_start, row_end = _expert_tile(offs_ptr, E, BLOCK_M, BLOCK_E)
         if e < E:
-            tile_start = tl.sum(tl.where(e_E == e - 1, tile_end_E, 0), 0)
-            row_start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-            row_end = tl.load(offs_ptr + e)
-            r_M = row_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
+            r_M = row_start + tl.arange(0, BLOCK_M)
             mask_M = r_M < row_end
             token_M = tl.load(token_ptr + r_M, mask=mask_M, other=0).to(tl.int64)
             n_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

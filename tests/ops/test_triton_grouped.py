@@ -153,3 +153,51 @@ def test_cpu_runs_todays_path():
     from moe_plugin.ops import fused_gemms
     pos_TK, R, offs_E = routed(5, 3, 2, 5, "cpu")
     assert fused_gemms.gather_up(torch.randn(5, 4), pos_TK, offs_E, "swiglu", torch.randn(3, 4, 6), None) is None
+
+
+@pytest.mark.parametrize("case", sorted(ROUTINGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dgrad_swiglu(device, case, dtype):
+    """The down projection's dgrad with SwiGLU's backward, the gate scale and the gate gradient's row sums in its
+    epilogue, against the reference in fp64 on the same values; rows past the last expert's 0."""
+    from moe_plugin.ops import triton_grouped
+    T, E, K, capacity, D, H = ROUTINGS[case]
+    pos_TK, R, offs_E = routed(T, E, K, capacity, device)
+    R += 3
+    grad_RD = torch.randn(R, D, device=device).to(dtype)
+    w2_EHD = (torch.randn(E, H, D, device=device) / H ** 0.5).to(dtype)
+    pre_RH2 = torch.randn(R, 2 * H, device=device).to(dtype)
+    scale_R1 = torch.rand(R, 1, device=device).to(dtype)
+    got = triton_grouped.dgrad_swiglu(grad_RD, offs_E, w2_EHD, pre_RH2, scale_R1)
+    wide = torch.float64
+    expected = torch_grouped.dgrad_swiglu(grad_RD.to(wide), offs_E, w2_EHD.to(wide), pre_RH2.to(wide),
+                                          scale_R1.to(wide))
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2 * torch.finfo(dtype).eps, 1e-2)
+    for name, a, b in zip(("grad_pre", "act"), got[:2], expected[:2]):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a.to(wide), b, rtol=rtol, atol=atol, msg=name)
+    assert got[2].dtype == torch.float32
+    torch.testing.assert_close(got[2].to(wide), expected[2], rtol=1e-4, atol=1e-4)
+    kept = int(offs_E[-1]) if E else 0
+    assert torch.all(got[0][kept:] == 0) and torch.all(got[1][kept:] == 0) and torch.all(got[2][kept:] == 0)
+
+
+def test_dgrad_swiglu_reference_is_the_lean_backward():
+    """The reference's pieces against autograd on the expert output: grad_pre is the (gate-scaled) gradient of the
+    pre-activation, and dot_R the gradient of <grad, y> with respect to each row's gate."""
+    pos_TK, R, offs_E = routed(13, 4, 2, 13, "cpu")
+    H, D = 5, 6
+    pre_RH2 = torch.randn(R, 2 * H, dtype=torch.float64, requires_grad=True)
+    w2_EHD = torch.randn(4, H, D, dtype=torch.float64)
+    grad_RD = torch.randn(R, D, dtype=torch.float64)
+    scale_R = torch.rand(R, dtype=torch.float64, requires_grad=True)
+    act_RH = torch.nn.functional.silu(pre_RH2[:, :H]) * pre_RH2[:, H:]
+    ends = offs_E.tolist()
+    blocks = [act_RH[start:end] @ w2_EHD[e] for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))]
+    y_RD = torch.cat(blocks + [act_RH.new_zeros(R - ends[-1], D)]) * scale_R[:, None]
+    grad_pre, grad_scale = torch.autograd.grad((y_RD * grad_RD).sum(), [pre_RH2, scale_R])
+    got_pre, got_act, got_dot = torch_grouped.dgrad_swiglu(grad_RD, offs_E, w2_EHD, pre_RH2.detach(),
+                                                           scale_R.detach()[:, None])
+    torch.testing.assert_close(got_pre, grad_pre)
+    torch.testing.assert_close(got_act, act_RH.detach())
+    torch.testing.assert_close(got_dot, grad_scale)
