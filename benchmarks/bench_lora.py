@@ -12,22 +12,27 @@ Cases:
   train     a small Mixtral (2 layers), r 16 on every expert and attention projection: forward, backward, Adam step
 Step time: medians of calls interleaved round robin (wall and this process's CPU time). Peak memory: each variant
 in a fresh process, the peak resident memory (VmHWM) of its steps above the resident memory once the model and
-its inputs are built (tracemalloc cannot see tensors: torch allocates outside Python's allocator). Ratios are
-ours / PEFT (< 1: ours better).
+its inputs are built (tracemalloc cannot see tensors: torch allocates outside Python's allocator), and the peak
+tensor bytes of one step (LiveTensors: the storages its ops create, alive at once; free of the allocator's and the
+C library's caching, which blur resident memory by +-10 %). Ratios are ours / PEFT (< 1: ours better).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_lora.py --threads 1
 """
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hf import BLOCK_SHAPES, Holder, block_config, hf_block  # noqa: E402  (imports the backend too)
@@ -167,14 +172,48 @@ def rss_kib(field):
     raise RuntimeError(field)
 
 
+class LiveTensors(TorchDispatchMode):
+    """The bytes of tensor storage that ops run inside it created and that are still alive, and their peak: what
+    the autograd graph, the activations and the gradients hold, free of the allocator's and the C library's
+    caching (which blur resident memory); temporaries inside one kernel are not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+        gc.collect()
+        self.before = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())   # the model, its inputs
+                       for t in gc.get_objects() if isinstance(t, torch.Tensor) and not t.is_meta}
+
+    def _free(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if storage.nbytes() and key not in self.seen and key not in self.before:
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
 def memory_of(case, variant, args):
-    """Peak resident memory of warmup + 2 steps above the built model's, in MB (this process only)."""
+    """Peak memory of warmup + 2 steps, in MB (this process only): (resident memory above the built model's,
+    peak tensor bytes of the last step above those alive before it (LiveTensors))."""
     model, step, _, _ = build(case, variant, args)
     base = rss_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    for _ in range(args.warmup + 2):
+    for _ in range(args.warmup + 1):
         step()
-    return (rss_kib("VmHWM") - base) / 1024
+    with LiveTensors() as tensors:
+        step()
+    return (rss_kib("VmHWM") - base) / 1024, tensors.peak / 2**20
 
 
 def bench(case, args):
@@ -197,14 +236,17 @@ def bench(case, args):
                    str(args.batch), "--length", str(args.length), "--warmup", str(args.warmup)]
         if args.threads:
             command += ["--threads", str(args.threads)]
-        memory[v] = float(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-1])
+        memory[v] = [float(mb) for mb in subprocess.run(command, check=True, capture_output=True,
+                                                         text=True).stdout.split()[-2:]]
     medians = {clock: {v: statistics.median(t) for v, t in by.items()} for clock, by in times.items()}
     return {"case": case, "max_rel_diff": max(diffs.values()),
             "trainable": {v: built[v][3] for v in VARIANTS},
             **{f"{clock}_ms": {v: round(s * 1e3, 1) for v, s in m.items()} for clock, m in medians.items()},
             **{f"{clock}_ratio": {v: round(m[v] / m["peft"], 3) for v in VARIANTS[1:]} for clock, m in medians.items()},
-            "peak_mb": {v: round(mb, 1) for v, mb in memory.items()},
-            "peak_ratio": {v: round(memory[v] / memory["peft"], 3) for v in VARIANTS[1:]}}
+            "peak_mb": {v: round(mb[0], 1) for v, mb in memory.items()},
+            "peak_ratio": {v: round(memory[v][0] / memory["peft"][0], 3) for v in VARIANTS[1:]},
+            "tensor_peak_mb": {v: round(mb[1], 1) for v, mb in memory.items()},
+            "tensor_peak_ratio": {v: round(memory[v][1] / memory["peft"][1], 3) for v in VARIANTS[1:]}}
 
 
 def main(argv=None):
@@ -212,7 +254,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_of:
-        print(memory_of(*args.memory_of, args))
+        print(*memory_of(*args.memory_of, args))
         return
     cases = ("block", "train") if args.case == "all" else (args.case,)
     results = [bench(case, args) for case in cases]
@@ -222,7 +264,8 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, LoRA r {RANK}, alpha {ALPHA}")
     for r in results:
         print(f"{r['case']}: max rel diff {r['max_rel_diff']:.2g}; trainable {r['trainable']}")
-        for key in ("wall_ms", "cpu_ms", "wall_ratio", "cpu_ratio", "peak_mb", "peak_ratio"):
+        for key in ("wall_ms", "cpu_ms", "wall_ratio", "cpu_ratio", "peak_mb", "peak_ratio", "tensor_peak_mb",
+                    "tensor_peak_ratio"):
             print(f"  {key:10s} {r[key]}")
 
 
