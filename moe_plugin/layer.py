@@ -147,8 +147,6 @@ class MoELayer(nn.Module):
         """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share (of the LoRA
         adapter's factors too: add_lora first)."""
         local = self.experts.local_share(state)
-        from .lora import local_lora_share          # lora.py imports this module
-        local.update(local_lora_share(self, state))
         if isinstance(self.tuner, Tuner) and "tuner._extra_state" not in state:
             local["tuner._extra_state"] = self.tuner.get_extra_state()
         self.load_state_dict(local)

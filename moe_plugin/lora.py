@@ -15,7 +15,7 @@ Q LoRA rank.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,20 +131,6 @@ def add_lora(model: nn.Module, rank: int, alpha: Optional[float] = None, targets
                 param.requires_grad_(False)
         adapters.append(experts.lora)
     return adapters
-
-
-def local_lora_share(layer: MoELayer, state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The adapter entries ("experts.lora.<factor>") of a layer state dict holding every expert (ep_size 1), cut to
-    this rank's experts (MoELayer.load_full_state_dict)."""
-    keys = [k for k in state if k.startswith("experts.lora.")]
-    if not keys:
-        return {}
-    if getattr(layer.experts, "lora", None) is None:
-        raise ValueError(f"the state dict holds a LoRA adapter ({keys[0]}, ...), but this layer has none: call "
-                         f"add_lora on the model (same rank and targets) before loading it")
-    layout = layer.groups.layout
-    first, count = layout.first_expert, layout.local_experts
-    return {k: state[k][first:first + count] for k in keys}
 
 
 def whole_lora(layer: MoELayer) -> Dict[str, torch.Tensor]:
