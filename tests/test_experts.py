@@ -114,24 +114,28 @@ def test_lean_backward_matches_reference_fp64(activation, bias, case):
 @pytest.mark.parametrize("activation, bias", [("swiglu", False), ("relu", True), ("geglu", True),
                                               ("swiglu_oai", False), ("silu", True)])
 def test_lean_backward_matches_reference_bf16(activation, bias, case):
-    """The layer in bf16 against the reference in fp64 on the same (bf16) values: outputs per token and each
-    gradient in norm within bf16's rounding (the router runs in fp32 either way, so the routes agree)."""
+    """The layer in bf16 against the reference in fp64 on the same (bf16) values: outputs per token, and each
+    gradient in norm no further off than the einsum reference run in bf16 itself is (twice its error, plus 1e-2:
+    at these tiny sizes bf16's rounding alone reaches a few percent; the router runs in fp32 either way, so the
+    routes agree)."""
     import copy
-    from helpers.reference import outputs_and_grads, fast, reference
+    from moe_testing import outputs_and_grads, fast, reference
     layer, x = lean_layer(activation, bias, case, torch.bfloat16)
     exact = copy.deepcopy(layer).double()
     y, _, grads = outputs_and_grads(fast(layer), layer, x)
+    _, _, grads_bf16_ref = outputs_and_grads(reference(layer), layer, x)
     y_ref, _, grads_ref = outputs_and_grads(reference(exact), exact, x.double())
     assert y.dtype == torch.bfloat16
     per_token = (y.double() - y_ref).norm(dim=1) / y_ref.norm(dim=1).clamp(min=1e-6)
     assert float(per_token.max()) <= 3e-2
     assert set(grads) == set(grads_ref)
+
+    def error(got, want):
+        return float((got.double() - want).norm() / want.norm().clamp(min=1e-30))
     for name, want in grads_ref.items():
-        got = grads[name]
-        assert got.dtype == torch.bfloat16, name
-        error = float((got.double() - want).norm() / want.norm().clamp(min=1e-30))
-        # relu's mask flips where bf16 rounds a pre-activation across 0 (see test_mixed_precision)
-        assert error <= (0.1 if activation == "relu" else 4e-2), f"grad {name}: {error:.3g}"
+        assert grads[name].dtype == torch.bfloat16, name
+        got, baseline = error(grads[name], want), error(grads_bf16_ref[name], want)
+        assert got <= 2 * baseline + 1e-2, f"grad {name}: {got:.3g} (the bf16 reference: {baseline:.3g})"
 
 
 @pytest.mark.parametrize("activation", ["relu", "swiglu", "gelu"])

@@ -131,8 +131,8 @@ def fused_layer_step(activation, bias):
 @pytest.mark.parametrize("fused_wins", [True, False], ids=["fused_faster", "unfused_faster"])
 @pytest.mark.parametrize("activation, bias", [("swiglu", False), ("relu", True), ("geglu", True)])
 def test_layer_takes_gather_up_only_where_measured_faster(monkeypatch, fused_wins, activation, bias):
-    """Timed once per shape (then cached), the fused kernel runs only when it won; the layer's outputs and
-    gradients equal today's CPU path either way."""
+    """Timed once per shape (then cached), the fused kernels (gather_up; dgrad_swiglu for SwiGLU) run only when they
+    won; the layer's outputs and gradients (the gate's among them) equal today's CPU path either way."""
     from moe_plugin.ops import choice, fused_gemms, triton_grouped
     expected = fused_layer_step(activation, bias)      # CPU: today's path
     timed, calls = [], []
@@ -146,7 +146,10 @@ def test_layer_takes_gather_up_only_where_measured_faster(monkeypatch, fused_win
             got = fused_layer_step(activation, bias)
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert len(timed) == 2 and len(calls) == (2 if fused_wins else 0)
+    kernels = 2 if activation == "swiglu" else 1     # gather_up; dgrad_swiglu in backward for plain SwiGLU
+    assert len(timed) == 2 * kernels and len(calls) == (2 if fused_wins else 0)
+    assert set(key[0] for key in fused_gemms._FASTER) == {"gather_up", "dgrad_swiglu"}.intersection(
+        ["gather_up"] + ["dgrad_swiglu"] * (kernels == 2))
 
 
 def test_cpu_runs_todays_path():
