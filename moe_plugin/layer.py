@@ -190,8 +190,8 @@ class MoELayer(nn.Module):
         x_TD = x_TD.to(dtype)
         if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
             x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
-        dispatcher = self.__dict__.get("_dispatcher")
-        if dispatcher is None or dispatcher.groups is not self.groups or dispatcher.tuner is not self.tuner:
+        dispatcher = self._dispatcher
+        if dispatcher.groups is not self.groups or dispatcher.tuner is not self.tuner:
             dispatcher = self._dispatcher = self.make_dispatcher()   # a host bound the groups after __init__
         with _autocast_off(x.device.type):   # the expert path runs in dtype already
             # the shared expert runs while the first all-to-all is in flight
