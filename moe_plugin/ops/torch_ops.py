@@ -1,7 +1,8 @@
 """The routing kernels in plain torch: the reference every native and GPU kernel is tested against,
 and the path taken when no native kernel is available.
 
-Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept choices, grouped by expert).
+Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, R routed rows (kept choices,
+grouped by expert), A the T*K choices, choice-major).
 pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped; every
 kept row is the position of exactly one kept choice. R may exceed the kept rows (the layer sizes
 its rows statically, T*K): the rows no choice names come last, and their contents are unspecified.
@@ -27,15 +28,15 @@ def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_st
     expert_A = expert_TK.index_select(0, order_T).t().reshape(-1)
     token_A = order_T.repeat(K)
     choice_A = torch.arange(K, device=device).repeat_interleave(T)
-    expert_S, sorted_A = torch.sort(expert_A, stable=True)
+    expert_sorted_A, sorted_A = torch.sort(expert_A, stable=True)     # slot_A, kept_A, row_A: in this order
     load_E = torch.bincount(expert_A, minlength=row_start_E.shape[0])
-    slot_S = torch.arange(expert_S.shape[0], device=device) - (load_E.cumsum(0) - load_E)[expert_S]
-    kept_S = slot_S < capacity
-    row_S = torch.where(kept_S, row_start_E[expert_S] + slot_S, -1)
+    slot_A = torch.arange(expert_sorted_A.shape[0], device=device) - (load_E.cumsum(0) - load_E)[expert_sorted_A]
+    kept_A = slot_A < capacity
+    row_A = torch.where(kept_A, row_start_E[expert_sorted_A] + slot_A, -1)
     pos_TK = torch.empty(T, K, dtype=torch.long, device=device)
-    pos_TK[token_A[sorted_A], choice_A[sorted_A]] = row_S
+    pos_TK[token_A[sorted_A], choice_A[sorted_A]] = row_A
     token_R = torch.empty(num_rows, dtype=torch.long, device=device)
-    token_R[row_S[kept_S]] = token_A[sorted_A[kept_S]]
+    token_R[row_A[kept_A]] = token_A[sorted_A[kept_A]]
     return pos_TK, token_R
 
 
@@ -111,13 +112,13 @@ def combine_rows(y_RD: torch.Tensor, weight_TK: torch.Tensor, pos_TK: torch.Tens
         return y_TD
     # choices after the first go through a small reused scratch: no second [T, D] buffer
     chunk = _chunk_rows(y_RD)
-    scratch_CD = y_RD.new_empty(chunk, y_RD.shape[1])
+    scratch_TD = y_RD.new_empty(chunk, y_RD.shape[1])
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        rows_CD = scratch_CD[:end - start]
+        rows_TD = scratch_TD[:end - start]
         for k in range(1, K):
-            torch.index_select(y_RD, 0, safe_pos_TK[start:end, k], out=rows_CD)
-            y_TD[start:end].addcmul_(rows_CD, weight_TK[start:end, k:k + 1])
+            torch.index_select(y_RD, 0, safe_pos_TK[start:end, k], out=rows_TD)
+            y_TD[start:end].addcmul_(rows_TD, weight_TK[start:end, k:k + 1])
     return y_TD
 
 
@@ -127,11 +128,11 @@ def row_dot(a_RD: torch.Tensor, b_RD: torch.Tensor, dtype: Optional[torch.dtype]
     dtype = a_RD.dtype if dtype is None else dtype
     dot_R = a_RD.new_empty(a_RD.shape[0], dtype=dtype)
     chunk = _chunk_rows(a_RD)
-    scratch_CD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1], dtype=dtype)
+    scratch_RD = a_RD.new_empty(min(chunk, a_RD.shape[0]), a_RD.shape[1], dtype=dtype)
     for start in range(0, a_RD.shape[0], chunk):
         end = min(start + chunk, a_RD.shape[0])
-        product_CD = scratch_CD[:end - start].copy_(a_RD[start:end]).mul_(b_RD[start:end])
-        torch.sum(product_CD, dim=1, out=dot_R[start:end])
+        product_RD = scratch_RD[:end - start].copy_(a_RD[start:end]).mul_(b_RD[start:end])
+        torch.sum(product_RD, dim=1, out=dot_R[start:end])
     return dot_R
 
 

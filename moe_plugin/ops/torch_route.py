@@ -4,7 +4,7 @@ of small steps: forward, the logits' GEMM, then about twenty torch ops (below; s
 torch's own softmax and topk, so the choices are the reference's bit for bit; backward, one native call
 (csrc/routing_cpu.cpp route_backward) where the native kernels load, else torch ops.
 
-Legend: T tokens, E experts, K top-k.
+Shape legend: moe_plugin/shapes.py (here T tokens, E experts, K top-k).
 """
 from __future__ import annotations
 
