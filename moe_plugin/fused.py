@@ -81,7 +81,7 @@ class FusedMoE(torch.autograd.Function):
             lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], needs, tuple(lora), xa_RQ, ha_RQ,
             gate_R1, b2_ED if ctx.bias2 else None)
         grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
-        grad_gate_TK = choices_of_rows(grad_gate_R, pos_TK).to(gate_TK.dtype) if gate_grad else None
+        grad_gate_TK = choices_of_rows(grad_gate_R.to(gate_TK.dtype), pos_TK) if gate_grad else None
         return (grad_x_TD, grad_gate_TK, None, None, None, *weight_grads)
 
 
