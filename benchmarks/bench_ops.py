@@ -137,8 +137,9 @@ def main() -> int:
 
 
 def fused_gemms_main(args, dtype: torch.dtype) -> int:
-    """The fused grouped GEMMs against what they replace, on CUDA (CUDA events, median of --rounds), per activation:
-    gather_up (x's rows read by index, bias and activation in the epilogue) vs scatter_rows + grouped_mm + activation."""
+    """The fused grouped GEMMs against what they replace, on CUDA (CUDA events, median of --rounds): gather_up (x's
+    rows read by index, bias and activation in the epilogue) vs scatter_rows + grouped_mm + activation, per
+    activation; dgrad_swiglu vs grouped_mm + the one-pass scaled SwiGLU backward."""
     from moe_plugin.ops import fused_gemms, torch_grouped, triton_grouped
     if not torch.cuda.is_available():
         raise SystemExit("--fused-gemms times CUDA kernels: no CUDA device here (the CPU runs today's path)")
@@ -166,6 +167,20 @@ def fused_gemms_main(args, dtype: torch.dtype) -> int:
         unfused_ms = 1e3 * fused_gemms.seconds(unfused, device)
         rows.append(dict(kernel="gather_up", activation=activation, fused_ms=fused_ms, unfused_ms=unfused_ms,
                          fused_over_unfused=fused_ms / unfused_ms))
+    grad_RD = torch.randn(R, D, dtype=dtype, device=device)
+    w2_EHD = (torch.randn(E, H, D, device=device) / H ** 0.5).to(dtype)
+    pre_RH2 = torch.randn(R, 2 * H, dtype=dtype, device=device)
+    gate_R1 = torch.rand(R, 1, dtype=dtype, device=device)
+
+    def fused_dgrad():
+        return triton_grouped.dgrad_swiglu(grad_RD, offs_E, w2_EHD, pre_RH2, gate_R1)
+
+    def unfused_dgrad():
+        grad_act_RH = ops.grouped_mm(grad_RD, w2_EHD.transpose(1, 2), offs_E)
+        return fused_gemms.activation_backward_scaled(pre_RH2, grad_act_RH, "swiglu", gate_R1)
+    fused_ms, unfused_ms = (1e3 * fused_gemms.seconds(run, device) for run in (fused_dgrad, unfused_dgrad))
+    rows.append(dict(kernel="dgrad_swiglu", activation="swiglu", fused_ms=fused_ms, unfused_ms=unfused_ms,
+                     fused_over_unfused=fused_ms / unfused_ms))
     result = dict(tokens=T, model_dim=D, hidden_size=H, num_experts=E, top_k=K, dtype=args.dtype,
                   device=torch.cuda.get_device_name(), rounds=args.rounds, fused_gemms=rows)
     if args.json:
