@@ -14,6 +14,7 @@ a supported HF family is swapped with the section's settings, anything else is a
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
@@ -125,7 +126,11 @@ def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefi
     hide_from_expert_files(state, prefix, EXPERTS_PREFIX)
     if prefix:
         # PEFT's LoRA on the HF-named experts, in a model's state dict (PEFT's and HF's saves, DeepSpeed's model
-        # file): PEFT's names, which PEFT's save selects and DeepSpeed's engine leaves out of its model file
+        # file): PEFT's names, which PEFT's save selects and DeepSpeed's engine leaves out of its model file. With
+        # expert parallelism every expert's factors, gathered (all ranks take it, as FSDP's full state dict), except
+        # for the engine's model file, which only data-parallel rank 0 takes and which drops them
+        if block.moe.is_parallel and peft and not _in_engine_model_file():
+            peft = {key: _peft_gathered(key, value, block) for key, value in peft.items()}
         state.update(peft)
         return
     # the block's own state dict, which DeepSpeed's engine files per expert: one slice per local expert
@@ -150,6 +155,55 @@ def _peft_per_expert(key: str, value: torch.Tensor, experts: int) -> List[torch.
     return list(value.reshape(value.shape[0], -1, experts).unbind(2))
 
 
+def _peft_kind(key: str, value: torch.Tensor, experts: int) -> str:
+    kind = key.split(".")[-3] if key.endswith(".weight") else None
+    if kind not in ("lora_A", "lora_B") or value.dim() != 2 or value.shape[kind == "lora_B"] % experts:
+        raise ValueError(f"the expert-parallel swapped block cannot gather or share out {key!r} (shape "
+                         f"{tuple(value.shape)}) of PEFT's adapter on the experts: only LoRA's lora_A / lora_B "
+                         f"factors of {experts} experts are held per expert")
+    return kind
+
+
+def _in_engine_model_file() -> bool:
+    """Whether DeepSpeed's engine asks for the model's state dict (module_state_dict: its model file, taken on
+    data-parallel rank 0 only, with every key holding "expert" left out)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "module_state_dict" and \
+                frame.f_globals.get("__name__", "").startswith("deepspeed."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _peft_gathered(key: str, value_local: torch.Tensor, block: DeepSpeedHFMoEBlock) -> torch.Tensor:
+    """PEFT's factor of this rank's experts (lora_A [Q*L, I] expert-major, lora_B [O, Q*L] expert-minor) -> every
+    expert's ([Q*E, I], [O, Q*E]: HF's layout, what PEFT on the unswapped model holds), all-gathered over the
+    block's expert-parallel group (rank r holds experts r*L .. r*L+L-1). Every rank of the group must take it."""
+    L = block.num_local_experts
+    kind = _peft_kind(key, value_local, L)
+    group = block.moe.groups.ep_group
+    value_local = value_local.detach().contiguous()
+    pieces = [torch.empty_like(value_local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, value_local, group=group)
+    if kind == "lora_A":
+        return torch.cat(pieces, 0)
+    O = value_local.shape[0]
+    return torch.cat([piece.reshape(O, -1, L) for piece in pieces], 2).reshape(O, -1)
+
+
+def _peft_local_share(key: str, value: torch.Tensor, block: DeepSpeedHFMoEBlock, local: torch.Tensor) -> torch.Tensor:
+    """The inverse of _peft_gathered on this rank: its experts' share of every expert's factor."""
+    E, L = block.num_experts, block.num_local_experts
+    kind = _peft_kind(key, value, E)
+    first = block.moe.groups.layout.first_expert
+    if kind == "lora_A":
+        share = value.reshape(E, -1, value.shape[1])[first:first + L]
+    else:
+        share = value.reshape(value.shape[0], -1, E)[:, :, first:first + L]
+    return share.reshape(local.shape)
+
+
 def _peft_stacked(key: str, pieces: List[torch.Tensor]) -> torch.Tensor:
     """The inverse of _peft_per_expert."""
     if key.split(".")[-3] == "lora_A":
@@ -170,6 +224,20 @@ def _from_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], pre
         keys = [f"{prefix}{EXPERTS_PREFIX}{i}.{PEFT_PART}{rest}" for i in range(block.num_local_experts)]
         if all(key in state for key in keys):
             state[f"{prefix}experts.{rest}"] = _peft_stacked(rest, [state.pop(key) for key in keys])
+    if prefix and block.moe.is_parallel:   # every expert's PEFT factors (a gathered state dict): this rank's share
+        for key in [k for k in state if k.startswith(f"{prefix}experts.")]:
+            local = _local_tensor(block, key[len(prefix):])
+            value = state[key]
+            if local is not None and torch.is_tensor(value) and value.dim() == 2 and value.shape != local.shape \
+                    and value.numel() == local.numel() * block.ep_size:
+                state[key] = _peft_local_share(key, value, block, local)
+
+
+def _local_tensor(block: nn.Module, name: str):
+    try:
+        return block.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def check_section_for_model(model: nn.Module, section: Mapping[str, Any]) -> MoEConfig:

@@ -1,12 +1,13 @@
 """Run under torchrun by test_peft_trainer.py: the README's LoRA recipe (a tiny Mixtral swapped, PEFT's LoRA on the
 experts by HF's names and on attention, transformers.Trainer under DeepSpeed ZeRO-2, CPU and gloo).
 
-    torchrun --nproc_per_node 2 hf_trainer_lora_worker.py OUT_DIR STEPS
+    torchrun --nproc_per_node 2 hf_trainer_lora_worker.py OUT_DIR STEPS [EP_SIZE]
 
 Writes batch<rank>.pt (the first batch this rank trained on), adapters<rank>_step1.pt and adapters<rank>.pt (the
 trainable parameters after the first step and at the end), adapter/ (trainer.save_model's PEFT folder), checkpoint/
 (DeepSpeed's engine checkpoint) and result<rank>.json (losses, trainable names, whether load_checkpoint restored the
-adapters after they were zeroed, the checkpoint's files).
+adapters after they were zeroed, the checkpoint's files). With EP_SIZE 2 (the experts split over the 2 ranks) it also
+writes logits<rank>.pt: the trained model's logits on batch<rank>.pt.
 """
 import json
 import os
@@ -26,12 +27,12 @@ def lora_config():
                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
-def peft_model(swap: bool):
+def peft_model(swap: bool, ep_size: int = 1):
     """The tiny Mixtral with fixed LoRA draws; swapped (through our layer) or HF's own."""
     import peft
     model = build_model()
     if swap:
-        model = hf_moe.swap_moe_blocks(model)
+        model = hf_moe.swap_moe_blocks(model, ep_size=ep_size)
     torch.manual_seed(3)
     return peft.get_peft_model(model, lora_config())
 
@@ -40,7 +41,7 @@ def trainable(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def main(out_dir, steps):
+def main(out_dir, steps, ep_size=1):
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -51,7 +52,8 @@ def main(out_dir, steps):
                              per_device_train_batch_size=4, max_steps=steps, learning_rate=LR,
                              lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                              report_to=[], seed=0)
-    model = peft_model(swap=True)
+    assert args.device is not None and dist.is_initialized()   # DeepSpeed's process group, made by the arguments
+    model = peft_model(swap=True, ep_size=ep_size)
     rank = dist.get_rank()
     batches = []
     model.base_model.model.register_forward_pre_hook(
@@ -69,6 +71,10 @@ def main(out_dir, steps):
     final = trainable(model)
     torch.save(final, os.path.join(out_dir, f"adapters{rank}.pt"))
     trainer.save_model(os.path.join(out_dir, "adapter"))
+    if ep_size > 1:
+        model.eval()
+        with torch.no_grad():
+            torch.save(model(input_ids=batches[0]).logits, os.path.join(out_dir, f"logits{rank}.pt"))
 
     # DeepSpeed's own checkpoint (experts' adapters in its per-expert files) brings the adapters back
     trainer.deepspeed.save_checkpoint(os.path.join(out_dir, "checkpoint"), tag="t")
@@ -84,4 +90,4 @@ def main(out_dir, steps):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *[int(a) for a in sys.argv[3:]])

@@ -64,3 +64,38 @@ def test_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path
         for name, value in final[0].items():
             mine[name].copy_(value)
         torch.testing.assert_close(plain(batch).logits, trained(batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tmp_path):
+    """With the experts split over 2 ranks (ep_size 2, 3 of 6 per rank), trainer.save_model's adapter holds every
+    expert's factors in HF's layout (gathered on every rank), not rank 0's: plain PEFT on HF's own model loads it
+    and computes each rank's logits of the trained 2-process model. DeepSpeed's own checkpoint still writes one
+    file per expert and brings each rank's adapters back."""
+    import subprocess
+
+    import hf_trainer_lora_worker as worker
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               worker.__file__, str(tmp_path), "3", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=500,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert result["restored"], "DeepSpeed's load_checkpoint did not bring the adapters back"
+        assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(6)} \
+            <= set(result["files"]), result["files"]
+    local = [torch.load(tmp_path / f"adapters{rank}.pt") for rank in (0, 1)]
+    expert_A = [n for n in local[0] if ".mlp.experts." in n and ".lora_A." in n]
+    assert expert_A and all(not torch.equal(local[0][n], local[1][n]) for n in expert_A)   # each rank its experts
+
+    plain = peft.PeftModel.from_pretrained(worker.build_model(), tmp_path / "adapter")
+    loaded = {n: p for n, p in plain.named_parameters() if "lora_" in n}
+    assert set(loaded) == set(local[0]), sorted(set(local[0]) ^ set(loaded))
+    for name in expert_A:   # rank r's experts are experts 3r .. 3r+2: HF's lora_A is expert-major [Q*E, I]
+        assert torch.equal(loaded[name], torch.cat([local[0][name], local[1][name]]))
+    plain.eval()
+    with torch.no_grad():
+        for rank in (0, 1):
+            batch = torch.load(tmp_path / f"batch{rank}.pt")
+            torch.testing.assert_close(plain(batch).logits, torch.load(tmp_path / f"logits{rank}.pt"),
+                                       rtol=1e-5, atol=1e-5)
