@@ -459,7 +459,7 @@ def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: st
     if layer.config.expert_bias_update_rate == 0:
         state.pop(prefix + "router.expert_bias_E", None)
     hide_from_expert_files(state, prefix, "experts.")
-    if isinstance(layer.experts, ModuleExperts):   # experts.local.<i>.<name> -> experts.deepspeed_experts.<i>.<name>
+    if not layer.experts.stacked:   # experts.local.<i>.<name> -> experts.deepspeed_experts.<i>.<name>
         _rename_prefix(state, prefix + "experts.local.", prefix + "experts.deepspeed_experts.")
         return
     stacked = {name: state.pop(prefix + "experts." + name) for name in EXPERT_NAMES
@@ -491,7 +491,7 @@ def _from_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: 
     unhide_from_expert_files(state, prefix)
     if prefix + "gate.wg.weight" in state:
         state[prefix + "router.weight_ED"] = state.pop(prefix + "gate.wg.weight")
-    if isinstance(layer.experts, ModuleExperts):
+    if not layer.experts.stacked:
         _rename_prefix(state, prefix + "experts.deepspeed_experts.", prefix + "experts.local.")
         return
     native = _native_expert_names(layer)
