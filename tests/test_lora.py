@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.experts import GroupedMLP
 from moe_plugin.lora import add_lora, merge_lora, remove_lora, unmerge_lora
-from moe_testing import fast, make_layer, reference, relative_error
+from helpers.compare import relative_error
+from helpers.reference import fast, make_layer, reference
 
 D, H, E = 12, 20, 4
 BASE = ("experts.w1_EDH", "experts.b1_EH", "experts.w2_EHD", "experts.b2_ED")

@@ -31,10 +31,10 @@ pytest.importorskip("deepspeed")
 import deepspeed.moe.sharded_moe as sharded_moe  # noqa: E402
 import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
 from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 from moe_plugin.experts import Experts  # noqa: E402
 from moe_plugin.module_experts import ModuleExperts  # noqa: E402
-from test_deepspeed_distributed import TorchWithStableTopk, native_named_grads as named_grads  # noqa: E402
+from helpers.deepspeed import TorchWithStableTopk, native_named_grads as named_grads  # noqa: E402
 
 D, H, E = 8, 12, 4
 TOLERANCE = 1e-5   # fp32: DeepSpeed's gate computes in fp32

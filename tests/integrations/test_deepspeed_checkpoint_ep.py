@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
-from launch import run_workers  # noqa: E402  (tests/distributed, on the path by conftest.py)
+from helpers.launch import run_workers
 
 SECTION = {"backend": "tutel", "num_experts": 4, "top_k": 2, "capacity_factor": 1.25, "min_capacity": 0}
 

@@ -8,23 +8,12 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.deepspeed import batches, native_named_grads, setup_worker, stable_topk, train  # noqa: E402
+from helpers.launch import run_workers  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SECTION = {"num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.25, "min_capacity": 0}
 TOLERANCE = 1e-5   # fp32; DeepSpeed's gate always computes in fp32
-
-
-def setup_worker(rank, world):
-    """The environment DeepSpeed's engine asks for, quiet logs, and DeepSpeed's comm on the gloo group."""
-    import logging
-
-    import deepspeed
-    from deepspeed.utils import logger
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def build_engine(backend, stage, seed, lr=1e-2, batch=8):
@@ -37,23 +26,6 @@ def build_engine(backend, stage, seed, lr=1e-2, batch=8):
     torch.manual_seed(seed)
     engine, _, _, _ = dsi.initialize(model=MoETransformerLM(section, seed=seed), config=config)
     return engine
-
-
-def train(engine, batches):
-    from moe_plugin.integrations.deepspeed.model import lm_loss
-    losses = []
-    for tokens in batches:
-        loss = lm_loss(engine, tokens)
-        engine.backward(loss + 0.01 * engine.module.l_aux())
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def batches(seed, count, batch=8):
-    from moe_plugin.integrations.deepspeed.model import synthetic_batch
-    generator = torch.Generator().manual_seed(seed)
-    return [synthetic_batch(generator, batch, 32, 64) for _ in range(count)]
 
 
 def train_worker(rank, world, stage):
@@ -78,38 +50,6 @@ def test_training_with_zero_stages(stage):
             assert (value != params1[name]).any(), f"{name}: ranks hold different experts"
         else:
             assert (value == params1[name]).all(), f"{name}: shared weights must stay identical across ranks"
-
-
-class TorchWithStableTopk:
-    """torch, with a topk that breaks ties by position (for deepspeed.moe.sharded_moe)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def topk(x, k, dim=-1, largest=True, sorted=True):
-        values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
-        return values.narrow(dim, 0, int(k)), indices.narrow(dim, 0, int(k))
-
-
-def stable_topk():
-    """Break ties in DeepSpeed's top-1 capacity selection by position.
-
-    top1gating keeps `capacity` of an expert's tokens by torch.topk over a 0/1 mask, whose order among
-    ties torch leaves unspecified; by position is one of DeepSpeed's allowed outcomes and is ours.
-    """
-    import deepspeed.moe.sharded_moe as sharded_moe
-    sharded_moe.torch = TorchWithStableTopk()
-
-
-def native_named_grads(layer):
-    """Parameter gradients under the native layer's names (ours go through the layer's own renaming)."""
-    import moe_plugin.integrations.deepspeed as dsi
-    if not isinstance(layer, dsi.MoE):
-        return {name: p.grad for name, p in layer.named_parameters()}
-    grads = {name: p.grad for name, p in layer.deepspeed_moe.named_parameters()}
-    dsi._to_native_names(layer.deepspeed_moe, grads, "", None)
-    return {f"deepspeed_moe.{name}": grad for name, grad in grads.items()}
 
 
 def equivalence_worker(rank, world, cases):

@@ -12,7 +12,7 @@ from torch import nn
 pytest.importorskip("deepspeed")
 import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
 from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 from moe_plugin.experts import Experts  # noqa: E402
 from moe_plugin.module_experts import ModuleExperts  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_the_module_may_be_fp64():
 
 
 def ep2_worker(rank, world, names):
-    from test_deepspeed_distributed import setup_worker
+    from helpers.deepspeed import setup_worker
     setup_worker(rank, world)
     worst = {}
     for i, name in enumerate(names):
@@ -128,7 +128,7 @@ def test_every_expert_starts_as_the_module_at_ep_size_2():
 
 def zero_init_worker(rank, world):
     import deepspeed
-    from test_deepspeed_distributed import setup_worker
+    from helpers.deepspeed import setup_worker
     setup_worker(rank, world)
     torch.manual_seed(3)   # the same module on both ranks
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}

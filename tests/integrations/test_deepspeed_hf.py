@@ -19,11 +19,9 @@ import torch
 from torch import nn
 
 pytest.importorskip("deepspeed")
-from hf_helpers import (FAMILIES, bias_sign_step, build_model, needs_transformers, save_and_resume,  # noqa: E402
+from helpers.hf import (FAMILIES, bias_sign_step, build_model, needs_transformers, save_and_resume,  # noqa: E402
                         tokens, unbiased_deepseek)
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers  # noqa: E402
 
 pytestmark = needs_transformers
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,

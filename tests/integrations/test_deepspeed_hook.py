@@ -27,8 +27,7 @@ import torch
 from moe_plugin import MoELayer
 
 pytest.importorskip("deepspeed")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REINSTALL = "moe_plugin_deepspeed_hook.pth is not installed: run `pip install -e .` (or `pip install .`) again"
@@ -170,7 +169,7 @@ def plain_script_worker(rank, world, path):
 
     from moe_plugin.integrations.deepspeed import MoE, hook, initialize
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM, synthetic_batch
-    from test_deepspeed_distributed import train
+    from helpers.deepspeed import train
     enabled_at_start = hook.is_enabled()   # by the .pth: nothing in this process called enable()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     logger.setLevel(logging.ERROR)

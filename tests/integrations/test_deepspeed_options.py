@@ -12,8 +12,8 @@ pytest.importorskip("deepspeed")
 import deepspeed.moe.sharded_moe as sharded_moe  # noqa: E402
 import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
 from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
-from launch import run_workers  # noqa: E402
-from test_deepspeed_distributed import TorchWithStableTopk, native_named_grads  # noqa: E402
+from helpers.launch import run_workers
+from helpers.deepspeed import TorchWithStableTopk, native_named_grads  # noqa: E402
 
 D, H, E, T = 8, 12, 4, 30
 TOLERANCE = 1e-5   # fp32; DeepSpeed's gate computes in fp32
@@ -256,7 +256,7 @@ def sliced_state(full, layer, tp_rank, tp):
 def tensor_parallel_worker(rank, world):
     import deepspeed
     from deepspeed.utils import groups
-    from test_deepspeed_distributed import setup_worker
+    from helpers.deepspeed import setup_worker
     setup_worker(rank, world)
     tp = 2
     tp_rank, dp_rank = rank % tp, rank // tp
@@ -406,7 +406,7 @@ def test_expert_tensor_parallelism_ep_size_must_divide_the_data_parallel_process
 
 
 def used_token_ep2_worker(rank, world):
-    from test_deepspeed_distributed import setup_worker, stable_topk
+    from helpers.deepspeed import setup_worker, stable_topk
     setup_worker(rank, world)
     stable_topk()
     worst = {}
@@ -463,7 +463,7 @@ def zero_reads_worker(rank, world):
     (its views of the stacked parameters), one step from the same weights."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
-    from test_deepspeed_distributed import setup_worker, stable_topk
+    from helpers.deepspeed import setup_worker, stable_topk
     setup_worker(rank, world)
     stable_topk()
 

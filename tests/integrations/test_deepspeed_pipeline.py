@@ -18,9 +18,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "distributed"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "deepspeed"))
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 
 SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "drop_tokens": False}
 MICRO, ACCUMULATION, STEPS, LR = 4, 2, 4, 1e-2

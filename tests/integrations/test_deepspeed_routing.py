@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
-from launch import run_workers  # noqa: E402
+from helpers.launch import run_workers
 
 EXTRAS = {"expert_bias_update_rate": 0.01, "num_groups": 2, "topk_groups": 1, "route_scale": 2.0, "aux_loss": "seq"}
 
@@ -34,7 +34,7 @@ def test_extras_reach_the_config():
 
 
 def accumulation_worker(rank, world, accumulation, micro_batches):
-    from test_deepspeed_distributed import batches, setup_worker
+    from helpers.deepspeed import batches, setup_worker
 
     import moe_plugin.integrations.deepspeed as dsi
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
@@ -75,7 +75,7 @@ def test_bias_updates_once_per_step_from_every_micro_batch(accumulation):
 
 
 def checkpoint_worker(rank, world, directory):
-    from test_deepspeed_distributed import batches, setup_worker
+    from helpers.deepspeed import batches, setup_worker
 
     import moe_plugin.integrations.deepspeed as dsi
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss

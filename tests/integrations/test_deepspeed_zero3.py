@@ -56,10 +56,9 @@ import torch
 from torch import nn
 
 pytest.importorskip("deepspeed")
-from hf_helpers import build_model, needs_transformers, save_and_resume, tokens  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.compare import relative_error
+from helpers.hf import build_model, needs_transformers, save_and_resume, tokens
+from helpers.launch import run_workers
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5   # fp32, relative
@@ -85,10 +84,6 @@ def setup_worker(rank, world):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")
-
-
-def relative(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def hf_worker(rank, world, steps):
@@ -151,13 +146,13 @@ def test_hf_blocks_under_zero3_equal_hf_own_blocks_and_one_process():
     swap_moe_blocks by hand does the same)."""
     for report in run_workers(hf_worker, 2, 3, timeout=600):
         for name in ("hf", "swapped", "section"):
-            assert all(relative(a, b) < TOLERANCE for a, b in zip(report[name], report["one process"])), report
-        assert all(relative(a, b) < TOLERANCE for a, b in zip(report["capacity zero3"], report["capacity zero1"])), \
-            report
+            assert all(relative_error(a, b) < TOLERANCE for a, b in zip(report[name], report["one process"])), report
+        assert all(relative_error(a, b) < TOLERANCE
+                   for a, b in zip(report["capacity zero3"], report["capacity zero1"])), report
         assert report["capacity zero3"] != report["section"], report   # the capacity dropped tokens
         assert report["zero.Init hf"] != report["hf"], report   # HF draws other weights under zero.Init
         for name in ("zero.Init section ep 2", "zero.Init swapped"):
-            assert all(relative(a, b) < TOLERANCE for a, b in zip(report[name], report["zero.Init hf"])), report
+            assert all(relative_error(a, b) < TOLERANCE for a, b in zip(report[name], report["zero.Init hf"])), report
 
 
 class Routed(nn.Module):
@@ -243,7 +238,7 @@ def test_native_layer_with_disjoint_and_empty_experts_equals_zero1(world, cases)
         for case, losses in report.items():
             assert losses["class"] == "Zero3MoE" and losses["counts"] == [9 if e == rank else 0 for e in range(4)], \
                 (case, losses)
-            assert all(relative(a, b) < TOLERANCE for a, b in zip(losses[3], losses[1])), (case, losses)
+            assert all(relative_error(a, b) < TOLERANCE for a, b in zip(losses[3], losses[1])), (case, losses)
             if "zero.Init" in losses:   # built under deepspeed.zero.Init: the same training
                 assert losses["zero.Init"] == losses[3], (case, losses)
         assert len(errors) == 2, errors
@@ -313,7 +308,7 @@ def test_expert_parallel_under_zero3_on_four_ranks(tmp_path):
     reports = run_workers(expert_parallel_worker, 4, 3, str(tmp_path), timeout=600)
     for report in reports:
         assert report["experts placed"] and report["dense placed"], report
-        assert all(relative(a, b) < TOLERANCE for a, b in zip(report[3], report[1])), report
+        assert all(relative_error(a, b) < TOLERANCE for a, b in zip(report[3], report[1])), report
         assert report["grad error"] < 1e-5, report
     section = {"backend": "tutel", "num_experts": 4, "ep_size": 1, "top_k": 2, "drop_tokens": False}
     one_process = dsi.swap_moe_layers(MoETransformerLM(section, seed=1, seq_len=16), section)[0]
@@ -441,7 +436,7 @@ def test_hf_trainer_under_zero3_equals_hf_own_blocks_and_save_model_loads(tmp_pa
         assert ours["blocks"] == ["HFMoEBlock"] == ours_ep2["blocks"] and hf["blocks"] == [], (ours, hf)
         for swapped in (ours, ours_ep2):
             assert len(swapped["losses"]) == 6, swapped
-            assert all(relative(a, b) < TOLERANCE for a, b in zip(swapped["losses"], hf["losses"])), (swapped, hf)
+            assert all(relative_error(a, b) < TOLERANCE for a, b in zip(swapped["losses"], hf["losses"])), (swapped, hf)
     probe = torch.stack([row["input_ids"] for row in hf_trainer_worker.dataset(4)])
     with torch.no_grad():
         logits = {mode: MixtralForCausalLM.from_pretrained(tmp_path / mode / "final")(input_ids=probe).logits

@@ -4,16 +4,13 @@ batches and its adapters, and the frozen base does not move. Everything but the 
 input requires grad (DeepSpeed's leaf-module gradient hook then fired before the layer's backward: zero3.py)."""
 import copy
 import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("deepspeed")
-from hf_helpers import build_model, needs_transformers, tokens  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
-from launch import run_workers  # noqa: E402
+from helpers.hf import build_model, needs_transformers, tokens
+from helpers.launch import run_workers
 
 pytestmark = [pytest.mark.slow, needs_transformers]
 STEPS, LR = 3, 0.5

@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from hf_helpers import build_model, needs_transformers, tokens
+from helpers.compare import relative_error
+from helpers.hf import build_model, needs_transformers, tokens
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 from peft.tuners.lora import layer as peft_layer  # noqa: E402
@@ -51,10 +52,6 @@ def loss_and_adapter_grads(model, ids):
     return loss.detach(), grads
 
 
-def relative(actual, expected):
-    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_backend_reads_peft_factors_with_peft_loss_and_gradients(family, monkeypatch, fresh_seed):
     model = build_model(family, seed=fresh_seed % 1000, experts_implementation="grouped_mm")
@@ -75,10 +72,10 @@ def test_backend_reads_peft_factors_with_peft_loss_and_gradients(family, monkeyp
     our_loss, our_grads = loss_and_adapter_grads(ours, ids)
     assert merged.count == 0, "the backend formed PEFT's merged weight"
 
-    assert relative(our_loss, loss) <= TOL
+    assert relative_error(our_loss, loss) <= TOL
     assert set(our_grads) == set(grads)
     assert all("lora_" in n for n in grads), "a base weight trains"
-    errors = {n: relative(our_grads[n], grads[n]) for n in grads}
+    errors = {n: relative_error(our_grads[n], grads[n]) for n in grads}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"{worst} off by {errors[worst]:.3g}"
     assert all(grads[n].abs().max() > 0 for n in expert_adapters)
@@ -138,14 +135,14 @@ def test_swapped_layer_lora_with_peft_factors_equals_peft(family, fresh_seed):
     ids = tokens(fresh_seed)
     loss, grads = loss_and_adapter_grads(theirs, ids)
     our_loss, _ = loss_and_adapter_grads(ours, ids)
-    assert relative(our_loss, loss) <= TOL
+    assert relative_error(our_loss, loss) <= TOL
     for name, block in blocks.items():
         lora = block.moe.experts.lora
         for param, wrapper in peft_wrappers(theirs, name).items():
             a, b = (getattr(lora, n).grad for n in PAIRS[param])
             grad_A, grad_B = to_peft(a, b)
-            assert relative(grad_A, wrapper.lora_A["default"].weight.grad) <= TOL, (name, param, "A")
-            assert relative(grad_B, wrapper.lora_B["default"].weight.grad) <= TOL, (name, param, "B")
+            assert relative_error(grad_A, wrapper.lora_A["default"].weight.grad) <= TOL, (name, param, "A")
+            assert relative_error(grad_B, wrapper.lora_B["default"].weight.grad) <= TOL, (name, param, "B")
     assert set(grads) == {n for n, _ in theirs.named_parameters() if "lora_" in n}
 
 
@@ -166,9 +163,9 @@ def test_backend_with_peft_lora_on_the_router_too_equals_peft(family, router, fr
     (loss, grads), (our_loss, our_grads) = (loss_and_adapter_grads(side, ids) for side in sides)
     routers = [n for n in grads if router.rpartition(".")[0] + ".lora_" in n]
     assert routers and all(grads[n].abs().max() > 0 for n in routers)
-    assert relative(our_loss, loss) <= TOL
+    assert relative_error(our_loss, loss) <= TOL
     assert set(our_grads) == set(grads)
-    assert max(relative(our_grads[n], grads[n]) for n in grads) <= TOL
+    assert max(relative_error(our_grads[n], grads[n]) for n in grads) <= TOL
 
 
 def test_reading_the_experts_weight_on_the_backend_still_gives_peft_merged_weight(fresh_seed):

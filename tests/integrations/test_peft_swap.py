@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from hf_helpers import build_model, needs_transformers, tokens
+from helpers.compare import relative_error
+from helpers.hf import build_model, needs_transformers, tokens
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 import moe_plugin.integrations.transformers as hf_moe  # noqa: E402
@@ -32,18 +33,14 @@ def loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad for n, p in trainable(model).items()}
 
 
-def relative(actual, expected):
-    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
-
-
 def assert_same_training(ours, theirs, ids):
     assert set(trainable(ours)) == set(trainable(theirs))
     assert any(".mlp.experts." in n for n in trainable(ours)), "PEFT targeted no expert"
     assert all("lora_" in n for n in trainable(ours)), "a base weight trains"
     loss, grads = loss_and_grads(theirs, ids)
     our_loss, our_grads = loss_and_grads(ours, ids)
-    assert relative(our_loss, loss) <= TOL
-    errors = {n: relative(our_grads[n], grads[n]) for n in grads}
+    assert relative_error(our_loss, loss) <= TOL
+    errors = {n: relative_error(our_grads[n], grads[n]) for n in grads}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"{worst} off by {errors[worst]:.3g}"
 
