@@ -14,6 +14,7 @@ a supported HF family is swapped with the section's settings, anything else is a
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import sys
 from typing import Any, Dict, List, Mapping, Tuple
 
@@ -56,7 +57,8 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
     engine.save_checkpoint writes DeepSpeed's per-expert files; the engine takes every other key holding
     "expert" for an expert tensor, so those (the expert bias) are written with "Expert" instead. PEFT's LoRA on
     the HF-named experts keeps PEFT's keys (experts.lora_A...) in a model's state dict, where PEFT's adapter save
-    finds them and the engine leaves them out of its model file; the block's own state dict (what the engine
+    finds them and the engine leaves them out of its model file (at ep_size > 1 every expert's factors, gathered
+    over the expert-parallel group: every rank must take that state dict); the block's own state dict (what the engine
     files per expert) holds each local expert's slice of them as `<that prefix><i>.peft.<PEFT's key>`. Loading
     undoes all of it. block.moe.state_dict() keeps the layer's own names.
     """
@@ -130,6 +132,7 @@ def _to_deepspeed_names(block: DeepSpeedHFMoEBlock, state: Dict[str, Any], prefi
         # expert parallelism every expert's factors, gathered (all ranks take it, as FSDP's full state dict), except
         # for the engine's model file, which only data-parallel rank 0 takes and which drops them
         if block.moe.is_parallel and peft and not _in_engine_model_file():
+            _every_rank_takes_it(block)
             peft = {key: _peft_gathered(key, value, block) for key, value in peft.items()}
         state.update(peft)
         return
@@ -174,6 +177,26 @@ def _in_engine_model_file() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+GATHER_WAIT_S = 300.0   # how long a rank's state dict waits on a gloo group for the other ranks to take theirs
+
+
+def _every_rank_takes_it(block: DeepSpeedHFMoEBlock) -> None:
+    """On a gloo expert-parallel group, a clear error instead of a hang when some rank does not take the model's
+    state dict (PEFT's save_pretrained called on rank 0 only). Other backends have no timed barrier: there such a
+    call waits until the process group's own timeout."""
+    group = block.moe.groups.ep_group
+    if dist.get_backend(group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=GATHER_WAIT_S))
+    except RuntimeError as error:
+        raise ValueError(f"moe_plugin: with ep_size={block.ep_size} a model's state dict gathers every expert's PEFT "
+                         f"LoRA factors over the expert-parallel group, so every rank of it must take the state dict "
+                         f"at once (trainer.save_model and accelerate's get_state_dict do); call PEFT's "
+                         f"save_pretrained(path, is_main_process=rank == 0) on every rank, not on rank 0 only. "
+                         f"Not every rank came within {GATHER_WAIT_S:g} s: {error}") from error
 
 
 def _peft_gathered(key: str, value_local: torch.Tensor, block: DeepSpeedHFMoEBlock) -> torch.Tensor:

@@ -7,7 +7,8 @@ Writes batch<rank>.pt (the first batch this rank trained on), adapters<rank>_ste
 trainable parameters after the first step and at the end), adapter/ (trainer.save_model's PEFT folder), checkpoint/
 (DeepSpeed's engine checkpoint) and result<rank>.json (losses, trainable names, whether load_checkpoint restored the
 adapters after they were zeroed, the checkpoint's files). With EP_SIZE 2 (the experts split over the 2 ranks) it also
-writes logits<rank>.pt: the trained model's logits on batch<rank>.pt.
+writes logits<rank>.pt (the trained model's logits on batch<rank>.pt) and, in result<rank>.json, whether
+PEFT's set_peft_model_state_dict of the saved adapter brought this rank's adapters back.
 """
 import json
 import os
@@ -75,6 +76,7 @@ def main(out_dir, steps, ep_size=1):
         model.eval()
         with torch.no_grad():
             torch.save(model(input_ids=batches[0]).logits, os.path.join(out_dir, f"logits{rank}.pt"))
+        reloaded = load_saved_adapter(model, os.path.join(out_dir, "adapter"), final)
 
     # DeepSpeed's own checkpoint (experts' adapters in its per-expert files) brings the adapters back
     trainer.deepspeed.save_checkpoint(os.path.join(out_dir, "checkpoint"), tag="t")
@@ -86,7 +88,23 @@ def main(out_dir, steps, ep_size=1):
     restored = all(torch.equal(p, final[n]) for n, p in trainable(model).items())
     files = sorted(os.listdir(os.path.join(out_dir, "checkpoint", "t")))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as out:
-        json.dump({"losses": losses, "trainable": sorted(final), "restored": restored, "files": files}, out)
+        json.dump({"losses": losses, "trainable": sorted(final), "restored": restored, "files": files,
+                   "reloaded": reloaded if ep_size > 1 else None}, out)
+
+
+def load_saved_adapter(model, folder, final):
+    """Whether PEFT's set_peft_model_state_dict of the saved adapter (every expert's factors) brings back this
+    rank's trained adapters after they were zeroed."""
+    import peft
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    dist.barrier()    # rank 0 wrote the folder
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.zero_()
+    peft.set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+    return all(torch.equal(p, final[n]) for n, p in trainable(model).items())
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tm
     """With the experts split over 2 ranks (ep_size 2, 3 of 6 per rank), trainer.save_model's adapter holds every
     expert's factors in HF's layout (gathered on every rank), not rank 0's: plain PEFT on HF's own model loads it
     and computes each rank's logits of the trained 2-process model. DeepSpeed's own checkpoint still writes one
-    file per expert and brings each rank's adapters back."""
+    file per expert and brings each rank's adapters back; PEFT's load of the saved adapter onto the 2-process model gives
+each rank its own experts' share."""
     import subprocess
 
     import hf_trainer_lora_worker as worker
@@ -84,6 +85,7 @@ def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tm
         assert result["restored"], "DeepSpeed's load_checkpoint did not bring the adapters back"
         assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(6)} \
             <= set(result["files"]), result["files"]
+        assert result["reloaded"], "PEFT's load of the saved adapter did not give each rank its experts' adapters"
     local = [torch.load(tmp_path / f"adapters{rank}.pt") for rank in (0, 1)]
     expert_A = [n for n in local[0] if ".mlp.experts." in n and ".lora_A." in n]
     assert expert_A and all(not torch.equal(local[0][n], local[1][n]) for n in expert_A)   # each rank its experts
@@ -99,3 +101,28 @@ def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tm
             batch = torch.load(tmp_path / f"batch{rank}.pt")
             torch.testing.assert_close(plain(batch).logits, torch.load(tmp_path / f"logits{rank}.pt"),
                                        rtol=1e-5, atol=1e-5)
+
+
+def _state_dict_on_rank_0_only(rank, world_size):
+    import hf_trainer_lora_worker as worker
+    from moe_plugin.integrations.deepspeed import hf as deepspeed_hf
+    deepspeed_hf.GATHER_WAIT_S = 5.0
+    model = deepspeed_hf.use_deepspeed_blocks(worker.peft_model(swap=True, ep_size=world_size))
+    name = "base_model.model.model.layers.0.mlp.experts.lora_A.default.weight"
+    local_rows = model.get_parameter(name).shape[0]
+    full_rows = model.state_dict()[name].shape[0]     # every rank: every expert's factor
+    if rank == 0:
+        with pytest.raises(ValueError, match="every rank") as error:
+            model.state_dict()
+        return local_rows, full_rows, str(error.value)
+    return local_rows, full_rows, None
+
+
+def test_state_dict_at_ep_size_2_on_one_rank_only_is_a_clear_error():
+    """The gathered state dict needs every rank: taken on rank 0 only (PEFT's save_pretrained without
+    is_main_process on every rank), it fails with an error saying so instead of hanging."""
+    from helpers.launch import run_workers
+    reports = run_workers(_state_dict_on_rank_0_only, 2, timeout=200)
+    for local_rows, full_rows, _ in reports:
+        assert (local_rows, full_rows) == (4 * 3, 4 * 6)
+    assert "is_main_process" in reports[0][2]
