@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO, load_script
+
 DOCS = REPO / "docs"
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```(python|bash)\n(.*?)^```", re.M | re.S)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -33,12 +34,7 @@ def runnable_blocks():
 
 
 def _hooks():
-    sys.path.insert(0, str(DOCS))
-    try:
-        import hooks
-    finally:
-        sys.path.remove(str(DOCS))
-    return hooks
+    return load_script("docs/hooks.py")
 
 
 @pytest.fixture(scope="module")

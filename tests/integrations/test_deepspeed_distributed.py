@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("deepspeed")
 from helpers.deepspeed import batches, native_named_grads, setup_worker, stable_topk, train  # noqa: E402
 from helpers.launch import run_workers  # noqa: E402
+from helpers.paths import REPO  # noqa: E402
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SECTION = {"num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.25, "min_capacity": 0}
 TOLERANCE = 1e-5   # fp32; DeepSpeed's gate always computes in fp32
 

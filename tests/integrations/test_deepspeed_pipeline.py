@@ -11,15 +11,13 @@ micro-batches (rtol 1e-5, aux loss included; without the aux term they differ). 
 parallelism with ZeRO-2/3 itself.
 """
 import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("deepspeed")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "deepspeed"))
-from helpers.launch import run_workers
+from helpers.launch import run_workers  # noqa: E402
+from helpers.paths import load_script  # noqa: E402
 
 SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "drop_tokens": False}
 MICRO, ACCUMULATION, STEPS, LR = 4, 2, 4, 1e-2
@@ -35,7 +33,7 @@ def pipeline_worker(rank, world):
     import deepspeed
     from deepspeed.utils import groups, logger
 
-    import pipeline_moe as example
+    example = load_script("examples/deepspeed/pipeline_moe.py")
     from moe_plugin.integrations.deepspeed import MoE, initialize
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     logger.setLevel(logging.ERROR)
@@ -59,7 +57,7 @@ def pipeline_worker(rank, world):
 def one_process(batches_by_dp, aux_coef):
     """The same layers in an nn.Sequential (ep_size 1, moe_plugin's layer), torch Adam on every data-parallel
     rank's micro-batches: the mean of their losses (cross entropy + aux_coef x the balance losses), step by step."""
-    import pipeline_moe as example
+    example = load_script("examples/deepspeed/pipeline_moe.py")
     from moe_plugin.integrations.deepspeed import swap_moe_layers
     torch.manual_seed(0)
     section = {k: v for k, v in SECTION.items() if k != "ep_size"}
@@ -86,7 +84,7 @@ def test_a_pipeline_with_moe_stages_equals_the_layers_without_pipelining():
     """2 stages x 2 data-parallel ranks, ep_size 2 inside each stage, ZeRO-1, 2 micro-batches per step: every rank
     reports the one-process losses of the same layers on both data-parallel ranks' micro-batches, aux loss
     included (without it the losses differ); each stage's experts are exchanged and reduced inside the stage."""
-    import pipeline_moe as example
+    example = load_script("examples/deepspeed/pipeline_moe.py")
     results = run_workers(pipeline_worker, 4, timeout=600)
     for result in results:
         stage_ranks = [2 * result["stage"], 2 * result["stage"] + 1]

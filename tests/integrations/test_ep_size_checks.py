@@ -3,7 +3,6 @@ value and the number of processes, before DeepSpeed's groups fail with a bare `A
 by 4` (issue 31, item 2): moe_plugin's DeepSpeed initialize, the hooked deepspeed.initialize, the MoE class, the
 HF block swap under a "moe" section, swap_moe_blocks and fully_shard_moe. The sizes that divide still build."""
 import os
-import sys
 
 import pytest
 import torch
@@ -12,9 +11,9 @@ from torch import nn
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.groups import check_ep_size
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "deepspeed"))
 from helpers.hf import needs_transformers
 from helpers.launch import run_workers
+from helpers.paths import load_script
 
 D, H = 8, 12
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -57,7 +56,7 @@ def deepspeed_worker(rank, world):
     from deepspeed.moe.layer import MoE as NativeMoE
     from deepspeed.utils import groups, logger
 
-    import pipeline_moe
+    pipeline_moe = load_script("examples/deepspeed/pipeline_moe.py")
     from helpers.hf import build_model
     from moe_plugin.integrations.deepspeed import MoE, enable, initialize
     from moe_plugin.integrations.deepspeed.hf import swap_for_section
