@@ -13,7 +13,7 @@ from torch import nn
 
 from . import dispatch, fused_route
 from .config import AUTO, MoEConfig
-from .dispatchers import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from .dispatchers import Dispatcher
 from .experts import Experts
 from .guards import check_expert_sharding, check_plain_ddp
 from .module_experts import ModuleExperts
@@ -68,6 +68,7 @@ class MoELayer(nn.Module):
         # forward's loads and kept rows per expert, and its aux loss's value. Plain attributes, not buffers: DDP
         # must not broadcast them and state dicts do not hold them.
         self._stats_2E = torch.zeros(2, config.num_experts, dtype=torch.long, device=self.router.weight_ED.device)
+        self._stats_rows = tuple(self._stats_2E)      # its two rows, as views made once (not per forward)
         self._aux_value = torch.zeros((), device=self.router.weight_ED.device)
         self._parallel_stats: dict = {}
 
@@ -85,6 +86,7 @@ class MoELayer(nn.Module):
         device = self.router.weight_ED.device
         if self._stats_2E.device != device:
             self._stats_2E = torch.zeros_like(self._stats_2E, device=device)
+            self._stats_rows = tuple(self._stats_2E)
             self._aux_value = torch.zeros((), device=device)
             self._routing = None
         return self
@@ -138,10 +140,8 @@ class MoELayer(nn.Module):
 
     def make_dispatcher(self) -> Dispatcher:
         """The layer's dispatcher for its groups and tuner: all-to-all over its expert-parallel group, or every
-        expert here. A new dispatcher (one file under dispatchers/) is chosen here."""
-        if self.is_parallel:
-            return AllToAllDispatcher(self.groups, self.tuner, self.config.a2a)
-        return LocalDispatcher(self.groups, self.tuner)
+        expert here: the one of highest priority that applies (dispatchers/base.py)."""
+        return Dispatcher.for_layer(self)
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict of the layer holding all experts (ep_size 1): this rank keeps its share (of the LoRA
@@ -186,7 +186,7 @@ class MoELayer(nn.Module):
                                                                x.shape[-2] if x.dim() >= 3 else None, sequence_T)
 
         # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
-        shared = _SharedOutput(self.shared_expert, x_TD)
+        shared = None if self.shared_expert is None else _SharedOutput(self.shared_expert, x_TD)
         x_TD = x_TD.to(dtype)
         if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
             x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
@@ -196,18 +196,20 @@ class MoELayer(nn.Module):
         with _autocast_off(x.device.type):   # the expert path runs in dtype already
             # the shared expert runs while the first all-to-all is in flight
             y_TD = dispatcher(x_TD, gate_TK, plan, self.experts, shared, parallel, overlap_degree, self.training)
-        y_TD = shared.add_to(y_TD)
+        if shared is not None:
+            y_TD = shared.add_to(y_TD)
 
-        self.aux_loss = aux_loss
-        stats_2E = self._stats_2E
-        if stats_2E.device != plan.load_E.device:     # moved by hand (not .to()): follow the input
-            stats_2E = self._stats_2E = torch.zeros_like(stats_2E, device=plan.load_E.device)
+        state = self.__dict__     # plain attributes (no parameter, buffer or module): nn.Module's __setattr__ skipped
+        state["aux_loss"] = aux_loss
+        if self._stats_2E.device != plan.load_E.device:     # moved by hand (not .to()): follow the input
+            self._stats_2E = torch.zeros_like(self._stats_2E, device=plan.load_E.device)
+            self._stats_rows = tuple(self._stats_2E)
             self._aux_value = torch.zeros((), device=plan.load_E.device)
-        stats_2E[0].copy_(plan.load_E)
-        stats_2E[1].copy_(plan.kept_E)
+        load_E, kept_E = self._stats_rows
+        load_E.copy_(plan.load_E)
+        kept_E.copy_(plan.kept_E)
         self._aux_value.copy_(aux_loss.detach())
-        self._routing = (stats_2E[0], stats_2E[1], plan.capacity_factor, plan.fixed,
-                         x_TD.shape[0], cfg.top_k)
+        state["_routing"] = (load_E, kept_E, plan.capacity_factor, plan.fixed, x_TD.shape[0], cfg.top_k)
         if self.is_parallel:
             self._parallel_stats = dispatcher.stats()
         return y_TD.view(x.shape[:-1] + (cfg.model_dim,))

@@ -61,6 +61,16 @@ class AllToAllDispatcher(Dispatcher):
     """Expert parallel over groups.ep_group. tuner: a Tuner (the degrees follow each step's counts) or a
     OnceTuner (tuned once, or fixed); a2a: the configured exchange ("flat", "2dh" or "auto")."""
 
+    priority = 10
+
+    @classmethod
+    def applies(cls, layer) -> bool:
+        return layer.is_parallel
+
+    @classmethod
+    def build(cls, layer) -> "AllToAllDispatcher":
+        return cls(layer.groups, layer.tuner, layer.config.a2a)
+
     def __init__(self, groups: ExpertGroups, tuner, a2a: str):
         super().__init__(groups, tuner)
         self.a2a = a2a
