@@ -3,8 +3,9 @@ autograd inside backward, so torch.compile traces it). SwiGLU, clamped or not, a
 the one-pass native kernels where they load (ops.swiglu, ops.clamped_swiglu); the others are torch
 compositions.
 
-Legend: R rows, H hidden width. A gated activation takes pre_RH2 [R, 2H] = [gate | up] and gives [R, H];
-the others map [R, H] to [R, H]. L the clamp limit, a swiglu_oai's alpha.
+Shape legend: moe_plugin/shapes.py (here R rows, H hidden width). A gated activation takes pre_RH2 [R, 2H] =
+[gate | up] and gives [R, H]; the others map [R, H] to [R, H]. An Activation also holds its clamp limit and a
+swiglu_oai's alpha.
 """
 from __future__ import annotations
 

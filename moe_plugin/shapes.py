@@ -31,5 +31,7 @@ Expert parallelism
     P  ranks holding the same experts (the expert-data group, FSDP2)
     Z  segments of rows (all_to_all.ranges)
 
-Not letters: r the parallel degree, d the overlap degree, and an expert's hidden slices (ExpertLayout.slices).
+Not letters: r the parallel degree, d the overlap degree, an expert's hidden slices (ExpertLayout.slices),
+and world_size the ranks of the whole world (W is one expert-parallel group's). Inside the Triton kernels
+(ops/triton_*.py) M, N and K are a GEMM tile's rows, columns and reduction dim, Triton's convention.
 """

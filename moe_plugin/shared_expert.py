@@ -1,8 +1,8 @@
 """The shared expert: one dense FFN applied to every token beside the routed experts (DeepSeek's
 shared experts, Qwen2-MoE's gated shared expert).
 
-Legend: T tokens, D model dim, H shared hidden width. With a gated activation w1_DH holds 2H columns:
-[gate | up]. The activation is the routed experts' (with its limit unless config.clamp_shared is False).
+Shape legend: moe_plugin/shapes.py (here H is the shared expert's hidden width). With a gated activation w1_DH
+holds 2H columns: [gate | up]. The activation is the routed experts' (with its limit unless config.clamp_shared is False).
 """
 from __future__ import annotations
 

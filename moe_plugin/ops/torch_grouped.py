@@ -1,8 +1,9 @@
 """The fused grouped-GEMM kernels' torch references (triton_grouped.py is tested against them): the up projection
 reading the routed rows of x by index, with its bias and activation.
 
-Legend: T tokens, D model dim, N hidden width (H), F the first projection's width (2N for gated activations:
-[gate | up]), E experts, R routed rows (grouped by expert; rows past the last offset belong to no expert).
+Shape legend: moe_plugin/shapes.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
+for gated activations, [gate | up]; E experts, R routed rows grouped by expert, rows past the last offset
+belonging to no expert); RH2 is [R, 2H].
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def tokens_of_rows(pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w1_EDF: torch.Tensor,
               b1_EF: Optional[torch.Tensor], activation: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(act_RN, saved): act(x_TD[token_R] W1[e] + b1[e]) for each expert's rows, and what the activation's backward
+    """(act_RH, saved): act(x_TD[token_R] W1[e] + b1[e]) for each expert's rows, and what the activation's backward
     keeps (activations.activate: relu its output, the others the pre-activation [R, F]); rows past the last
     offset are 0. Computed in fp32 or wider, rounded once to x's dtype."""
     wide = torch.promote_types(x_TD.dtype, torch.float32)
@@ -42,17 +43,17 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
             pre_RF[start:end] += b1_EF[e].to(wide)
             start = end
     if activation == "relu":
-        act_RN = torch.relu(pre_RF).to(x_TD.dtype)
-        return act_RN, act_RN
-    N = pre_RF.shape[1] // 2
-    gate_RN, up_RN = pre_RF[:, :N], pre_RF[:, N:]
+        act_RH = torch.relu(pre_RF).to(x_TD.dtype)
+        return act_RH, act_RH
+    H = pre_RF.shape[1] // 2
+    gate_RH, up_RH = pre_RF[:, :H], pre_RF[:, H:]
     if activation == "swiglu":
-        act_RN = torch.nn.functional.silu(gate_RN) * up_RN
+        act_RH = torch.nn.functional.silu(gate_RH) * up_RH
     elif activation == "geglu":
-        act_RN = torch.nn.functional.gelu(gate_RN) * up_RN
+        act_RH = torch.nn.functional.gelu(gate_RH) * up_RH
     else:
         raise ValueError(f"gather_up: activation {activation!r} is not fused; allowed: {GATHER_UP_ACTIVATIONS}")
-    return act_RN.to(x_TD.dtype), pre_RF.to(x_TD.dtype)
+    return act_RH.to(x_TD.dtype), pre_RF.to(x_TD.dtype)
 
 
 def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tensor, pre_RH2: torch.Tensor,

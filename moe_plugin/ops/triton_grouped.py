@@ -3,8 +3,10 @@ that reads x's routed rows by index (no gathered copy of x) and applies the bias
 epilogue (gather_up); the down projection's dgrad with SwiGLU's backward, the gate scale and the gate gradient in
 its epilogue (dgrad_swiglu). Same results as torch_grouped.py, the reference; on CPU tensors only under TRITON_INTERPRET=1.
 
-Legend: T tokens, D model dim, N hidden width (H), F the first projection's width (2N gated: [gate | up]),
-E experts, R routed rows (grouped by expert, each expert's block ending at offs_E[e], int32 on the device).
+Shape legend: moe_plugin/shapes.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
+gated, [gate | up]; E experts, R routed rows grouped by expert, each expert's block ending at offs_E[e], int32
+on the device); RH2 is [R, 2H]. Inside the kernels, M, N and K are a GEMM tile's rows, columns and reduction
+dim (BLOCK_M, BLOCK_N, BLOCK_K; _MN a tile), not the layer's letters.
 Each program computes one [BLOCK_M, BLOCK_N] tile of one expert's rows; the tiles are laid out expert after expert,
 each program reading the layout from offs_E, so the grid is sized from R and E alone and nothing is read back on the
 host.
@@ -50,7 +52,7 @@ def supports(x_TD: torch.Tensor, activation: str) -> bool:
 
 def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w1_EDF: torch.Tensor,
               b1_EF: Optional[torch.Tensor], activation: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """See torch_grouped.gather_up: (act_RN, saved), rows past the last offset 0."""
+    """See torch_grouped.gather_up: (act_RH, saved), rows past the last offset 0."""
     if triton is None:
         raise ImportError(f"moe_plugin.ops.triton_grouped: {_MISSING}")
     if not supports(x_TD, activation):
@@ -60,27 +62,27 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
     E, _, F = w1_EDF.shape
     R = token_R.shape[0]
     gated = activation != "relu"
-    N = F // 2 if gated else F
+    H = F // 2 if gated else F
     device, dtype = x_TD.device, x_TD.dtype
-    act_RN = torch.empty(R, N, dtype=dtype, device=device)
-    pre_RF = torch.empty(R, F, dtype=dtype, device=device) if gated else act_RN
-    if R == 0 or N == 0:
-        return act_RN, pre_RF
+    act_RH = torch.empty(R, H, dtype=dtype, device=device)
+    pre_RF = torch.empty(R, F, dtype=dtype, device=device) if gated else act_RH
+    if R == 0 or H == 0:
+        return act_RH, pre_RF
     if not tail_unread():     # the rows past the last expert's: 0 (inside the fused layer nothing reads them)
         end = offs_E[-1] if E else torch.zeros((), dtype=torch.int32, device=device)
-        for out in {id(act_RN): act_RN, id(pre_RF): pre_RF}.values():
+        for out in {id(act_RH): act_RH, id(pre_RF): pre_RF}.values():
             triton_kernels.zero_rows_past(out, end)
     if E == 0:
-        return act_RN, pre_RF
+        return act_RH, pre_RF
     block_m, block_n, block_k = _blocks()
-    grid = (triton.cdiv(R, block_m) + E, triton.cdiv(N, block_n))
+    grid = (triton.cdiv(R, block_m) + E, triton.cdiv(H, block_n))
     _gather_up_kernel[grid](
         x_TD.contiguous(), token_R.contiguous(), offs_E.contiguous(), w1_EDF,
-        b1_EF.contiguous() if b1_EF is not None else w1_EDF, pre_RF, act_RN,
-        D, N, F, E, w1_EDF.stride(0), w1_EDF.stride(1), w1_EDF.stride(2),
+        b1_EF.contiguous() if b1_EF is not None else w1_EDF, pre_RF, act_RH,
+        D, H, F, E, w1_EDF.stride(0), w1_EDF.stride(1), w1_EDF.stride(2),
         HAS_BIAS=b1_EF is not None, ACTIVATION=_ACTIVATION_CODES[activation], IEEE=dtype == torch.float32,
         INTERPRETED=_interpreted(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E))
-    return act_RN, pre_RF
+    return act_RH, pre_RF
 
 
 def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tensor, pre_RH2: torch.Tensor,
@@ -176,7 +178,7 @@ if triton is not None:
 
     @triton.jit
     def _gather_up_kernel(x_ptr, token_ptr, offs_ptr, w_ptr, b_ptr, pre_ptr, act_ptr,
-                          D, N, F, E, stride_we, stride_wd, stride_wf, HAS_BIAS: tl.constexpr,
+                          D, H, F, E, stride_we, stride_wd, stride_wf, HAS_BIAS: tl.constexpr,
                           ACTIVATION: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
         e, row_start, row_end = _expert_tile(offs_ptr, E, BLOCK_M, BLOCK_E)
@@ -185,7 +187,7 @@ if triton is not None:
             mask_M = r_M < row_end
             token_M = tl.load(token_ptr + r_M, mask=mask_M, other=0).to(tl.int64)
             n_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_N = n_N < N
+            mask_N = n_N < H
             gated = ACTIVATION != 0
             w_e = w_ptr + e.to(tl.int64) * stride_we
             acc_MN = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -199,12 +201,12 @@ if triton is not None:
                 mask_KN = mask_K[:, None] & mask_N[None, :]
                 acc_MN = _dot(x_MK, tl.load(w_KN + n_N[None, :] * stride_wf, mask=mask_KN, other=0), acc_MN, IEEE, INTERPRETED)
                 if gated:
-                    up_MN = _dot(x_MK, tl.load(w_KN + (N + n_N)[None, :] * stride_wf, mask=mask_KN, other=0), up_MN,
+                    up_MN = _dot(x_MK, tl.load(w_KN + (H + n_N)[None, :] * stride_wf, mask=mask_KN, other=0), up_MN,
                                  IEEE, INTERPRETED)
             if HAS_BIAS:
                 acc_MN += tl.load(b_ptr + e * F + n_N, mask=mask_N, other=0).to(tl.float32)[None, :]
                 if gated:
-                    up_MN += tl.load(b_ptr + e * F + N + n_N, mask=mask_N, other=0).to(tl.float32)[None, :]
+                    up_MN += tl.load(b_ptr + e * F + H + n_N, mask=mask_N, other=0).to(tl.float32)[None, :]
             mask_MN = mask_M[:, None] & mask_N[None, :]
             rows_M = r_M.to(tl.int64)
             out_dtype = act_ptr.dtype.element_ty
@@ -212,9 +214,9 @@ if triton is not None:
                 act_MN = tl.maximum(acc_MN, 0)
             else:
                 tl.store(pre_ptr + rows_M[:, None] * F + n_N[None, :], acc_MN.to(out_dtype), mask=mask_MN)
-                tl.store(pre_ptr + rows_M[:, None] * F + N + n_N[None, :], up_MN.to(out_dtype), mask=mask_MN)
+                tl.store(pre_ptr + rows_M[:, None] * F + H + n_N[None, :], up_MN.to(out_dtype), mask=mask_MN)
                 if ACTIVATION == 1:     # swiglu
                     act_MN = acc_MN / (1 + tl.exp(-acc_MN)) * up_MN
                 else:                   # geglu (exact gelu)
                     act_MN = 0.5 * acc_MN * (1 + tl.erf(acc_MN * 0.7071067811865476)) * up_MN
-            tl.store(act_ptr + rows_M[:, None] * N + n_N[None, :], act_MN.to(out_dtype), mask=mask_MN)
+            tl.store(act_ptr + rows_M[:, None] * H + n_N[None, :], act_MN.to(out_dtype), mask=mask_MN)

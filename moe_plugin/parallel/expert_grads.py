@@ -1,12 +1,14 @@
 """Expert gradients under data parallelism, for a host that all-reduces the other gradients itself.
 
-Each of the W ranks of the world computes a loss over its own tokens, and the host averages the
+Each of the world_size ranks of the world computes a loss over its own tokens, and the host averages the
 shared gradients over the world. An expert's gradient must stay out of that all-reduce (each rank
 holds different experts): it comes back through the all-to-all already summed over the tokens of
 the expert's whole ep group, and the ranks holding the same experts in the other ep groups (the
-layer's expert-data group, when W > ep_size) hold the rest. A hook on each expert parameter sums
-its gradient over that group and divides by W, so it ends as a shared gradient does: the sum over
-every rank's gradient of its own loss, divided by W.
+layer's expert-data group, when world_size > ep_size) hold the rest. A hook on each expert parameter sums
+its gradient over that group and divides by world_size, so it ends as a shared gradient does: the sum over
+every rank's gradient of its own loss, divided by world_size.
+
+Shape legend: moe_plugin/shapes.py (world_size counts the world's ranks; W is one expert-parallel group's).
 """
 from __future__ import annotations
 

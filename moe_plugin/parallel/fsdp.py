@@ -1,18 +1,19 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) for models holding MoE layers, with or without expert parallelism.
 
-Legend: W ranks in the world, P = W / ep_size ranks holding the same experts (the layer's expert-data
-group), E_local experts per rank.
+Shape legend: moe_plugin/shapes.py (here P the ranks holding the same experts, world_size / ep_size of them:
+the layer's expert-data group; E_local experts per rank). world_size counts the world's ranks (W is one
+expert-parallel group's).
 
 A layer at ep_size 1 holds ordinary dense replicas: it is sharded with its block, exactly as the block's own
 feed-forward would be (one FSDP unit per block, as a plain fully_shard per block gives). At ep_size > 1 each rank
 of an ep group holds other experts, so its expert tensors are not replicas of the other ranks' and must not be
 sharded over the world (plain fully_shard would gather a mix of experts). fully_shard_moe shards such a layer
 
-    router, shared expert      over the dense mesh (all W ranks), like every other dense parameter
+    router, shared expert      over the dense mesh (all world_size ranks), like every other dense parameter
     experts                    over the P ranks holding the same experts
 
-and divides the experts' reduce-scattered gradient by W, not P: each rank's loss is its own mean, and an
-expert's gradient must end as DDP mode leaves it (parallel/expert_grads.py), the sum over its holders / W.
+and divides the experts' reduce-scattered gradient by world_size, not P: each rank's loss is its own mean, and an
+expert's gradient must end as DDP mode leaves it (parallel/expert_grads.py), the sum over its holders / world_size.
 With torch's per-parameter mesh (shard_placement_fn returning a ShardPlacementResult) the experts stay in
 their block's unit as a second parameter group, so a block is still one unit: one all-gather per mesh.
 Without it (older torch) the router and shared expert get units of their own, then the layer one on the
@@ -142,11 +143,11 @@ def _shard_layers_apart(layers, meshes, mesh, world: int, options, mp_policy) ->
 
 def _expert_divide(world: float, ranks: int, mp_policy, layer):
     """(divide factor, force a sum) that make a reduce-scatter over the P holders divide the experts'
-    gradient sum by W.
+    gradient sum by world_size.
 
     gloo has no PREMUL_SUM, so there it sums and then divides. With P = 1, torch (2.13) divides twice
     whenever it divides after the (skipped) reduction: with that forced sum, and for reduce dtypes other
-    than fp32 and bf16; then the factor is sqrt(W)."""
+    than fp32 and bf16; then the factor is sqrt(world_size)."""
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or getattr(mp_policy, "param_dtype", None) or \
         next(layer.experts.parameters()).dtype
     if ranks > 1:
