@@ -173,7 +173,9 @@ class MoELayer(nn.Module):
             check_expert_sharding(self)
             check_plain_ddp(self)
         x_TD = x.reshape(-1, cfg.model_dim)
-        dtype = self._compute_dtype(x)
+        device_type = x.device.type
+        autocast = autocast_on(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else self._compute_dtype(x, False)
 
         if router_input is not None and router_input.shape != x.shape:
             raise ValueError(f"MoELayer: router_input must have x's shape {tuple(x.shape)}, "
@@ -193,7 +195,8 @@ class MoELayer(nn.Module):
         dispatcher = self._dispatcher
         if dispatcher.groups is not self.groups or dispatcher.tuner is not self.tuner:
             dispatcher = self._dispatcher = self.make_dispatcher()   # a host bound the groups after __init__
-        with _autocast_off(x.device.type):   # the expert path runs in dtype already
+        # the expert path runs in dtype already (entering a disabled autocast where none is on costs host time)
+        with autocast_off(device_type) if autocast else _NO_CONTEXT:
             # the shared expert runs while the first all-to-all is in flight
             y_TD = dispatcher(x_TD, gate_TK, plan, self.experts, shared, parallel, overlap_degree, self.training)
         if shared is not None:
@@ -214,9 +217,10 @@ class MoELayer(nn.Module):
             self._parallel_stats = dispatcher.stats()
         return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
 
-    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
-        """The autocast dtype under autocast; else the input's, which must be the parameters'."""
-        if autocast_on(x.device.type):
+    def _compute_dtype(self, x: torch.Tensor, autocast: Optional[bool] = None) -> torch.dtype:
+        """The autocast dtype under autocast (autocast: whether it is on, if known); else the input's, which must be
+        the parameters'."""
+        if autocast_on(x.device.type) if autocast is None else autocast:
             return torch.get_autocast_dtype(x.device.type)
         param_dtype = self.experts.parameter_dtype(self.router.weight_ED.dtype)
         if x.dtype != param_dtype:
@@ -231,9 +235,7 @@ class MoELayer(nn.Module):
                 f"activation={cfg.activation}")
 
 
-def _autocast_off(device_type: str):
-    """autocast_off where autocast is on (entering a disabled autocast costs host time in every call)."""
-    return autocast_off(device_type) if autocast_on(device_type) else contextlib.nullcontext()
+_NO_CONTEXT = contextlib.nullcontext()     # stateless: one for every call
 
 
 class _SharedOutput:

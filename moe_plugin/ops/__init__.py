@@ -13,7 +13,6 @@ loads and says once, as a warning, why it fell back; native fails loudly when it
 """
 from __future__ import annotations
 
-import contextlib
 import re
 from types import ModuleType
 from typing import Optional, Tuple
@@ -42,15 +41,32 @@ from .choice import (ENV, MODES, describe, device_kind, direct, eager_triton, ke
                      resolved, simulated_cuda)
 from .grouped import (grouped_mm, grouped_mm_loop, grouped_sum, offsets, tail_rows_unread,  # noqa: F401,E402
                       tail_unread, zero_rows_past)
+from . import choice as _choice, grouped as _grouped  # noqa: E402
 
 
-@contextlib.contextmanager
-def fused_call(*tensors: Optional[torch.Tensor]):
+def fused_call(*tensors: Optional[torch.Tensor]) -> "_FusedCall":
     """Inside one forward or backward of the fused layer: the rows past the kept ones stay unzeroed
     (tail_rows_unread), the kernel set is looked up once and the direct-call test answered once, for its inputs
     (tensors: the first one's device)."""
-    with tail_rows_unread(), resolved(tensors[0].device, direct(*tensors)):
-        yield
+    return _FusedCall(tensors[0].device, direct(*tensors))
+
+
+class _FusedCall:
+    """tail_rows_unread() and resolved(device, direct_calls) in one plain context manager (two generator-based
+    ones cost the fused layer's every forward and backward a dozen Python calls)."""
+    __slots__ = ("device", "direct_calls", "before")
+
+    def __init__(self, device: torch.device, direct_calls: bool):
+        self.device, self.direct_calls = device, direct_calls
+
+    def __enter__(self) -> None:
+        choice_now = (self.device.type, kernels_for(self.device))   # may raise: before any state is set
+        self.before = (tail_unread(), getattr(_choice._CALL, "choice", None), getattr(_choice._CALL, "direct", None))
+        _grouped._TAIL.unread = True
+        _choice._CALL.choice, _choice._CALL.direct = choice_now, self.direct_calls
+
+    def __exit__(self, *exc) -> None:
+        _grouped._TAIL.unread, _choice._CALL.choice, _choice._CALL.direct = self.before
 
 
 def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
