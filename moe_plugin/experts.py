@@ -50,6 +50,7 @@ class ExpertWeights(NamedTuple):
 
 
 WEIGHT_NAMES = ExpertWeights._fields[:4]     # ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
+BIAS_NAMES = WEIGHT_NAMES[1::2]              # ("b1_EH", "b2_ED")
 
 
 def short_name(name: str) -> str:

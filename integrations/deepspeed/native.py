@@ -36,7 +36,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_mode
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.experts import ACTIVATIONS as ACTIVATION_FUNCTIONS
 from moe_plugin.experts import WEIGHT_NAMES as EXPERT_NAMES
-from moe_plugin.experts import Experts
+from moe_plugin.experts import Experts, short_name
 from moe_plugin.module_experts import ModuleExperts
 from moe_plugin.parallel.groups import ExpertGroups, ExpertLayout, build_groups
 from moe_plugin.integrations.deepspeed.section import (SECTION_TO_ARGUMENT, _is_int, check_ep_size_under_deepspeed,
@@ -137,8 +137,8 @@ def copy_expert_weights(experts: Experts, expert: nn.Module, linear_names: Tuple
         if first.bias is not None:
             whole.update(b1=first.bias, b2=second.bias)
         shard = Experts.take_slice(whole, experts.slices, experts.slice_index)
-        for name, key in (("w1_EDH", "w1"), ("b1_EH", "b1"), ("w2_EHD", "w2"), ("b2_ED", "b2")):
-            param = getattr(experts, name)
+        for name in EXPERT_NAMES:
+            param, key = getattr(experts, name), short_name(name)
             if param is None:
                 continue
             if tuple(param.shape[1:]) != tuple(shard[key].shape):
@@ -353,7 +353,7 @@ class _ExpertPath:
         if any(n.startswith(key + ".") for n in (first, second)):
             return _ExpertPath(experts, index, key + ".")
         raise AttributeError(f"expert {index} has no Linear {key!r}; its Linears are {first!r} and {second!r} "
-                             f"(stacked in deepspeed_moe.experts.w1_EDH / w2_EHD)")
+                             f"(stacked in deepspeed_moe.experts.{EXPERT_NAMES[0]} / {EXPERT_NAMES[2]})")
 
     __getitem__ = _child
 
@@ -377,8 +377,8 @@ class _ExpertPath:
         return state
 
 
-_READ_ONLY = ("deepspeed_experts is a read-only view of the stacked expert weights (deepspeed_moe.experts.w1_EDH "
-              "[E_local, D, H], b1_EH, w2_EHD [E_local, H, D], b2_ED): change those parameters instead")
+_READ_ONLY = ("deepspeed_experts is a read-only view of the stacked expert weights (deepspeed_moe.experts.{} "
+              "[E_local, D, H], {}, {} [E_local, H, D], {}): change those parameters instead").format(*EXPERT_NAMES)
 
 
 class _LinearView:
@@ -388,7 +388,7 @@ class _LinearView:
     data-parallel group, as for any parameter); DeepSpeed's setters refuse the view (AttributeError)."""
 
     def __init__(self, experts, index: int, first: bool):
-        names = ("w1_EDH", "b1_EH") if first else ("w2_EHD", "b2_ED")
+        names = EXPERT_NAMES[:2] if first else EXPERT_NAMES[2:]
         weight, bias = (getattr(experts, n) for n in names)
         object.__setattr__(self, "weight", _view(weight, index))
         object.__setattr__(self, "bias", None if bias is None else _view(bias, index))
@@ -443,8 +443,7 @@ class NativeModuleExperts(ModuleExperts):
 def _native_expert_names(layer: DeepSpeedMoELayer) -> Dict[str, str]:
     """Stacked expert tensor -> its name inside one native expert (Linear weights are [out, in])."""
     first, second = layer.linear_names
-    return {"w1_EDH": f"{first}.weight", "b1_EH": f"{first}.bias", "w2_EHD": f"{second}.weight",
-            "b2_ED": f"{second}.bias"}
+    return dict(zip(EXPERT_NAMES, (f"{first}.weight", f"{first}.bias", f"{second}.weight", f"{second}.bias")))
 
 
 def _to_native_names(layer: DeepSpeedMoELayer, state: Dict[str, Any], prefix: str, local_metadata) -> None:

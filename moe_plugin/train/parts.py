@@ -10,6 +10,7 @@ from torch import nn
 
 from .data import VOCAB_SIZE, Data, make_data
 from .models import TransformerLM
+from ..experts import BIAS_NAMES
 from ..parallel.ddp import ddp_moe
 from ..parallel.fsdp import fully_shard_moe
 from .config import ExperimentConfig, TrainConfig, moe_config
@@ -39,7 +40,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     """Weight decay on the weight matrices only: not on norms, biases, the experts' stacked
     biases ([E, H], [E, D]: 2-D, but biases), nor Swinv2's attention temperatures (logit_scale, [heads, 1, 1])."""
     def is_matrix(name: str, param: torch.nn.Parameter) -> bool:
-        return param.dim() >= 2 and not name.endswith(("b1_EH", "b2_ED", "logit_scale"))
+        return param.dim() >= 2 and not name.endswith(BIAS_NAMES + ("logit_scale",))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # frozen (lora): no optimizer state
     return [{"params": [p for n, p in named if is_matrix(n, p)], "weight_decay": weight_decay},
             {"params": [p for n, p in named if not is_matrix(n, p)], "weight_decay": 0.0}]
