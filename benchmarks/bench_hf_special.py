@@ -1,5 +1,6 @@
-"""Hugging Face MoE blocks that need the layer's newer features (gpt_oss: swiglu_oai + biases; llama4: gating the
-expert input; nemotron_h: relu2) against the same blocks swapped onto moe_plugin's layer, in one run.
+"""Hugging Face MoE blocks that need the layer's less common features (gpt_oss: swiglu_oai + biases; llama4:
+gating the expert input; nemotron_h: relu2; families_special.py) against the same blocks swapped onto
+moe_plugin's layer, in one run.
 
 Each block alone, forward + backward on T tokens, fp32: HF's "grouped_mm" experts (transformers' default where
 the experts class takes an implementation: gpt_oss, nemotron_h), HF's "eager" experts, and ours (the HF block
@@ -19,8 +20,8 @@ an attention and an MoE layer, 32 experts of 128, top-4, shared MLP 256.
 Runs alternate between the variants (round robin) so that load on the machine hits them alike; the median
 of each is reported with ours / HF grouped_mm (< 1: ours is faster).
 
-    python benchmarks/bench_hf_featured.py --threads 1 --repeats 10
-    python benchmarks/bench_hf_featured.py --threads 1 --repeats 6 --case train
+    python benchmarks/bench_hf_special.py --threads 1 --repeats 10
+    python benchmarks/bench_hf_special.py --threads 1 --repeats 6 --case train
 """
 import argparse
 import os
