@@ -8,13 +8,10 @@ transformer_moe, transformer_iwslt_de_en_moe). Criterions: moe_cross_entropy,
 moe_label_smoothed_cross_entropy. See README.md in this folder.
 """
 import argparse
-import os
 
 import torch
 
 from . import criterions, models  # noqa: F401  (registers with fairseq, once: see registration.py)
-
-USER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # fairseq-fixed 0.12.3.1 reads checkpoints with torch.load's default, weights_only=True since torch 2.6,
 # and its checkpoints hold one non-tensor class, argparse.Namespace: allow that plain class.

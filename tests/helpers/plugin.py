@@ -25,6 +25,9 @@ LAUNCH_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), "multiprocessi
 # ~/.cache/torch_extensions rebuild each other's ops, and a build killed half-way leaves a lock on which every
 # later build of that op waits forever (seen: all DeepSpeed tests hung). Spawned workers inherit it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+# the scripts the tests start (torchrun'd workers in helpers/workers, commands) import helpers as the tests do:
+# tests/ on their path too, as pytest.ini's pythonpath puts it on this process's
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(autouse=True)

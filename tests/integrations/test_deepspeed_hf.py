@@ -227,7 +227,7 @@ def test_hf_trainer_resumes_from_its_deepspeed_checkpoint():
     ends on the same parameters, experts and Adam state included, as the run that never stopped."""
     import subprocess
 
-    import hf_trainer_resume_worker as worker
+    from helpers.workers import hf_trainer_resume_worker as worker
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    worker.__file__, out]
@@ -373,7 +373,7 @@ def test_hf_trainer_with_deepspeed_under_torchrun(stage, ep_size, tmp_path):
     with ep_size 1, plain transformers loads trainer.save_model's folder as the trained model."""
     import subprocess
 
-    import hf_trainer_worker as worker
+    from helpers.workers import hf_trainer_worker as worker
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                worker.__file__, str(tmp_path), str(stage), str(ep_size), "24"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400,

@@ -228,7 +228,7 @@ def test_hf_trainer_and_accelerate_apply_the_section_of_the_json_they_are_given(
     on an unswapped Mixtral: the blocks are swapped (ep_size 2: each rank holds other experts), DeepSpeed runs them
     as MoE layers, and the losses equal one process training HF's own model on both ranks' batches."""
     require_installed_hook()
-    import hook_worker as worker
+    from helpers.workers import hook_worker as worker
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": worker.BATCH, "gradient_accumulation_steps": 1,
                                 "gradient_clipping": 0.0, **HOST_CONFIGS[host],

@@ -420,8 +420,8 @@ def test_hf_trainer_under_zero3_equals_hf_own_blocks_and_save_model_loads(tmp_pa
     of HF's own blocks under the same Trainer config, and save_model's folder
     (stage3_gather_16bit_weights_on_model_save; at ep_size 2 every expert gathered) loads with plain
     from_pretrained as HF's."""
-    import hf_trainer_worker
-    import hf_trainer_zero3_worker as worker
+    from helpers.workers import hf_trainer_worker
+    from helpers.workers import hf_trainer_zero3_worker as worker
     from transformers import MixtralForCausalLM
     results = {}
     modes = ("ours", "ours_ep2", "hf")

@@ -1,5 +1,5 @@
 """transformers.Trainer fine-tuning a tiny swapped Mixtral with PEFT's LoRA on the experts (by HF's names) and on
-attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/integrations/hf_trainer_lora_worker.py)."""
+attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/helpers/workers/hf_trainer_lora_worker.py)."""
 import json
 import os
 import sys
@@ -22,7 +22,7 @@ def test_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path
     model computes; DeepSpeed's own checkpoint (per-expert files) brings the adapters back."""
     import subprocess
 
-    import hf_trainer_lora_worker as worker
+    from helpers.workers import hf_trainer_lora_worker as worker
     steps = 16
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                worker.__file__, str(tmp_path), str(steps)]
@@ -74,7 +74,7 @@ def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tm
 each rank its own experts' share."""
     import subprocess
 
-    import hf_trainer_lora_worker as worker
+    from helpers.workers import hf_trainer_lora_worker as worker
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                worker.__file__, str(tmp_path), "3", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=500,
@@ -104,7 +104,7 @@ each rank its own experts' share."""
 
 
 def _state_dict_on_rank_0_only(rank, world_size):
-    import hf_trainer_lora_worker as worker
+    from helpers.workers import hf_trainer_lora_worker as worker
     from moe_plugin.integrations.deepspeed import hf as deepspeed_hf
     deepspeed_hf.GATHER_WAIT_S = 5.0
     model = deepspeed_hf.use_deepspeed_blocks(worker.peft_model(swap=True, ep_size=world_size))

@@ -1,5 +1,5 @@
 """TRL's SFTTrainer fine-tuning a tiny swapped Mixtral with PEFT's LoRA on the experts (by HF's names) and on
-attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/integrations/trl_sft_lora_worker.py)."""
+attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/helpers/workers/trl_sft_lora_worker.py)."""
 import json
 import os
 import sys
@@ -24,8 +24,8 @@ def test_sft_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_
     computes."""
     import subprocess
 
-    import hf_trainer_lora_worker as lora_worker
-    import trl_sft_lora_worker as worker
+    from helpers.workers import hf_trainer_lora_worker as lora_worker
+    from helpers.workers import trl_sft_lora_worker as worker
     steps = 12
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                worker.__file__, str(tmp_path), str(steps)]

@@ -1,7 +1,7 @@
 """A swapped HF model sharded with fully_shard_moe trains under transformers.Trainer with Accelerate's FSDP2
 (fsdp_version 2) on 2 gloo processes, at ep_size 1 and 2, with the losses of HF's own blocks sharded by
-Accelerate's FSDP2 in the same run setup (hf_fsdp_worker.py); export_hf of the sharded model gives a folder plain
-from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
+Accelerate's FSDP2 in the same run setup (tests/helpers/workers/hf_fsdp_worker.py); export_hf of the sharded model
+gives a folder plain from_pretrained loads as the trained model, and so does trainer.save_model's (Accelerate's FSDP2 full state dict)
 for HF's own blocks and the swapped model at ep_size 1 and 2; at ep_size 2 Trainer's checkpoints (Accelerate's
 sharded state dicts of model and AdamW, through DCP) resume exactly, and FULL_STATE_DICT checkpoints, which torch's
 broadcast load cannot resume, are refused at their first save.
@@ -19,11 +19,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from helpers.paths import REPO, TESTS
+
+WORKER = TESTS / "helpers" / "workers" / "hf_fsdp_worker.py"
 
 
 SAVE_MODEL_EPS = (0, 1, 2)   # trainer.save_model checked for these (0: HF's own blocks)
@@ -32,8 +33,8 @@ SAVE_MODEL_EPS = (0, 1, 2)   # trainer.save_model checked for these (0: HF's own
 def launch(out, ep_size, steps=4):
     save_model = int(ep_size in SAVE_MODEL_EPS)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "hf_fsdp_worker.py"), str(out), str(ep_size), str(steps), str(save_model)]
-    env = {**os.environ, "PYTHONPATH": f"{HERE.parent.parent}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
+               str(WORKER), str(out), str(ep_size), str(steps), str(save_model)]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-6000:]
     return [json.loads((out / f"result{rank}.json").read_text()) for rank in range(2)]

@@ -17,7 +17,7 @@ import sys
 import torch
 
 import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
-from hf_trainer_worker import build_model, dataset
+from helpers.workers.hf_trainer_worker import build_model, dataset
 
 
 def on_fsdp(trainer):

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
-from hf_trainer_worker import build_model, dataset
+from helpers.workers.hf_trainer_worker import build_model, dataset
 
 
 def trainer(out_dir, resume):

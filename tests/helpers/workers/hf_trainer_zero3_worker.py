@@ -12,7 +12,7 @@ import os
 import sys
 
 import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
-from hf_trainer_worker import build_model, dataset
+from helpers.workers.hf_trainer_worker import build_model, dataset
 
 
 def main(out_dir, mode, steps):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 # moe_plugin.integrations.transformers hides it (DESIGN.md). It enables nothing: see "adapter_before".
 import moe_plugin.integrations.transformers  # noqa: F401
 
-from hf_trainer_worker import build_model, dataset  # noqa: E402
+from helpers.workers.hf_trainer_worker import build_model, dataset  # noqa: E402
 
 LR, BATCH = 0.01, 4
 

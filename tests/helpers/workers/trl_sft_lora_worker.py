@@ -14,8 +14,8 @@ import sys
 import torch
 
 import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
-from hf_trainer_lora_worker import LR, lora_config, trainable
-from hf_trainer_worker import VOCAB, build_model, dataset
+from helpers.workers.hf_trainer_lora_worker import LR, lora_config, trainable
+from helpers.workers.hf_trainer_worker import VOCAB, build_model, dataset
 
 
 def tokenizer():
