@@ -119,7 +119,7 @@ def test_lean_backward_matches_reference_bf16(activation, bias, case):
     at these tiny sizes bf16's rounding alone reaches a few percent; the router runs in fp32 either way, so the
     routes agree)."""
     import copy
-    from moe_testing import outputs_and_grads, fast, reference
+    from helpers.reference import outputs_and_grads, fast, reference
     layer, x = lean_layer(activation, bias, case, torch.bfloat16)
     exact = copy.deepcopy(layer).double()
     y, _, grads = outputs_and_grads(fast(layer), layer, x)

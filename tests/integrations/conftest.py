@@ -1,14 +1,10 @@
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)                                   # fairseq_helpers
-sys.path.insert(0, os.path.join(HERE, "..", "distributed"))  # launch.run_workers
 
 
 @pytest.fixture(scope="session", autouse=True)

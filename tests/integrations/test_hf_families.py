@@ -2,7 +2,7 @@
 under the same tiny config: logits, loss, router logits, aux loss and every gradient; the state-dict, HF-name
 and export_hf round trips; a capacity override's drops; ep_size 2 on 2 gloo processes (one spawn for all).
 
-A family's tiny config: hf_helpers.SPECIFIC / MORE (D 40, 2-3 layers, 6 experts, or 8 in 4 groups, top-3,
+A family's tiny config: helpers.hf.SPECIFIC / MORE (D 40, 2-3 layers, 6 experts, or 8 in 4 groups, top-3,
 SiLU), or COMPOSITE below for the families HF builds only inside a composite model.
 What this module tests (moved here from the README):
 
@@ -169,7 +169,7 @@ def largest_grad(model) -> float:
 
 
 def assert_grad_close(actual, expected, scale, what):
-    """TOL relative to the gradient itself, or to hf_helpers.gradient_floor where that is larger."""
+    """TOL relative to the gradient itself, or to helpers.hf.gradient_floor where that is larger."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     floor = gradient_floor(what.rpartition(" ")[2], scale)
     err = float((actual.double() - expected.double()).abs().max()) / max(float(expected.abs().max()), floor)

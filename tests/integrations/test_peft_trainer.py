@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hf_helpers import needs_transformers
+from helpers.hf import needs_transformers
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
