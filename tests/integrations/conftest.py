@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 
-
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_comm_op_built():
     """DeepSpeed builds its CPU shm comm op (JIT) in every process that starts its comm. Built here once, in a
