@@ -62,7 +62,7 @@ def cast_weights(experts, dtype: torch.dtype) -> ExpertWeights:
     """The experts' weights (and LoRA factors) in dtype, differentiably (gradients return in the parameters' dtype)."""
     lora = lora_factors(experts)
     weights = [getattr(experts, name) for name in WEIGHT_NAMES]
-    if weights[0].dtype == dtype and all(f is None or f.dtype == dtype for f in lora):
+    if weights[0].dtype == dtype and (lora is NO_LORA or all(f is None or f.dtype == dtype for f in lora)):
         return ExpertWeights(*weights, experts.activation, lora)
     weights = [None if w is None else _Cast.apply(w, dtype) for w in weights]
     lora = tuple(None if f is None else f if f.dtype == dtype else _Cast.apply(f, dtype) for f in lora)
@@ -195,7 +195,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         grads["down_a"] = weight_grad(act_RH, grad_ha_RQ, offs_E, down_a) if needs.down_a else None
     del act_RH, grad_ha_RQ
     if not below:
-        return tuple(grads[name] for name in BACKWARD_GRADS)
+        return tuple(grads.values())     # in BACKWARD_GRADS' order (dict.fromkeys above)
     x_RD = routed_inputs() if needs.w1 or (needs.up_a and up_a is not None) else None
     if needs.w1:
         grads["w1"] = weight_grad(x_RD, grad_pre_RH, offs_E, w1_EDH)
@@ -213,7 +213,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         if grad_xa_RQ is not None:
             grad_x_RD.add_(ops.grouped_mm(grad_xa_RQ, up_a.transpose(1, 2), offs_E))
         grads["x"] = grad_x_RD
-    return tuple(grads[name] for name in BACKWARD_GRADS)
+    return tuple(grads.values())
 
 
 class GroupedMLP(torch.autograd.Function):

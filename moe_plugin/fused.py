@@ -21,6 +21,29 @@ from .experts import Needs, mlp_backward, mlp_forward
 from .ops import fused_gemms
 
 
+def fused_moe(*args) -> torch.Tensor:
+    """FusedMoE.apply(*args); where no autograd graph is recorded (no_grad, inference_mode: generation) and no
+    compiler or functorch transform must see the function, its forward itself: apply's host work buys nothing."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
+        return FusedMoE.apply(*args)
+    return FusedMoE.forward(NoGraph(), *args)
+
+
+class NoGraph:
+    """The ctx an autograd function's forward gets where it runs outside Function.apply (no graph recorded):
+    takes what forward stores and keeps no tensor."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
 class FusedMoE(torch.autograd.Function):
     """With LoRA factors (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD; B times its scale; a pair may be None) their
     low-rank terms run on the routed rows too (experts.mlp_forward). Backward computes only the gradients
@@ -32,7 +55,7 @@ class FusedMoE(torch.autograd.Function):
         if torch.compiler.is_compiling():    # the ops run later, in the compiled graph: they zero as usual
             return FusedMoE._forward(ctx, *args)
         # rows past the kept ones: every consumer here skips them, none is zeroed; the kernels looked up once
-        with ops.fused_call(*(arg for arg in args if isinstance(arg, torch.Tensor))):
+        with ops.fused_call(*args[:4], *args[5:]):     # every argument but the activation (args[4]): tensors or None
             return FusedMoE._forward(ctx, *args)
 
     @staticmethod

@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
+from .fused import NoGraph
 from .ops import torch_route
 from .ops.choice import device_kind, eager_triton, triton_modules
 from .ops.launches import LaunchCounter
@@ -65,7 +66,10 @@ def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: to
     counted = {"gshard": T, "switch": T * K, "none": 0}[cfg.aux_loss]
     aux_scale = cfg.aux_loss_coef * E / (T * counted) if counted else 0.0
     spec = (K, cfg.normalize_gate, cfg.route_scale, cap, cfg.aux_loss, aux_scale, cfg.z_loss_coef / T, gate_dtype)
-    final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = FusedRoute.apply(routed_TD, layer.router.weight_ED, spec)
+    # no graph recorded (eligible() has ruled out compiling and functorch): forward itself, without apply's host work
+    args = routed_TD, layer.router.weight_ED, spec
+    outputs = FusedRoute.apply(*args) if torch.is_grad_enabled() else FusedRoute.forward(NoGraph(), *args)
+    final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = outputs
     return final_TK, aux, dispatch.Plan(pos_TK, kept_TK, load_E, kept_E, offs_E, cap, capacity_factor, fixed)
 
 

@@ -169,7 +169,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects input [..., model_dim={cfg.model_dim}], got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"MoELayer expects a floating-point input, got {x.dtype}")
-        if self.is_parallel:
+        parallel_layer = self.is_parallel
+        if parallel_layer:
             check_expert_sharding(self)
             check_plain_ddp(self)
         x_TD = x.reshape(-1, cfg.model_dim)
@@ -213,7 +214,7 @@ class MoELayer(nn.Module):
         kept_E.copy_(plan.kept_E)
         self._aux_value.copy_(aux_loss.detach())
         state["_routing"] = (load_E, kept_E, plan.capacity_factor, plan.fixed, x_TD.shape[0], cfg.top_k)
-        if self.is_parallel:
+        if parallel_layer:
             self._parallel_stats = dispatcher.stats()
         return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
 

@@ -12,7 +12,7 @@ import torch
 
 from .. import dispatch
 from ..experts import ExpertWeights
-from ..fused import FusedMoE
+from ..fused import fused_moe
 from .base import Dispatcher
 
 
@@ -23,8 +23,8 @@ def local_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, ex
     weights = experts.weights(x_TD.dtype) if weights is None else weights
     if weights is None:
         return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
-    return FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
-                          weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
+    return fused_moe(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
+                     weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
 
 
 class LocalDispatcher(Dispatcher):
@@ -39,5 +39,5 @@ class LocalDispatcher(Dispatcher):
         weights = experts.weights(x_TD.dtype)     # local_moe's body, inline: one Python call less per forward
         if weights is None:
             return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
-        return FusedMoE.apply(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
-                              weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
+        return fused_moe(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
+                         weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
