@@ -11,7 +11,6 @@ parameters), the gloo preset ranking the measured settings in their measured ord
 """
 import importlib.util
 import json
-import pathlib
 import random
 import sys
 
@@ -19,7 +18,9 @@ import pytest
 
 from moe_plugin.parallel import cost_model as cm
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "a2a_cost_model.py"
+from helpers.paths import REPO
+
+_PATH = REPO / "benchmarks" / "a2a_cost_model.py"
 _spec = importlib.util.spec_from_file_location("a2a_cost_model", _PATH)
 drv = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = drv

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
+ROOT = REPO
 MOST_FUNCTION_LEVEL_IMPORTS = 10
 HOSTS = ("transformers", "deepspeed", "fairseq", "omegaconf")
 

@@ -1,14 +1,15 @@
 """The torch minimum: setup.py states the one moe_plugin checks at import, and the check refuses older torch."""
 import ast
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe_plugin import ops
 
-SETUP = Path(__file__).resolve().parents[1] / "setup.py"
+from helpers.paths import REPO
+
+SETUP = REPO / "setup.py"
 
 
 def install_requires():

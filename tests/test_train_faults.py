@@ -34,7 +34,9 @@ from moe_plugin import checkpoint, train
 from moe_plugin.cli import main
 from moe_plugin.train import loop
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO
+
+ROOT = REPO
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4", "train.eval_batches=2",
         "train.warmup_steps=2", "log.progress=false", "log.plots=false", "log.every=1", "train.eval_every=5",

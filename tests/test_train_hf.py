@@ -1,14 +1,14 @@
 """`moe-plugin train` on a Hugging Face MoE architecture (configs/experiments/mixtral_tiny.yaml)."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe_plugin import MoELayer, checkpoint, train
 from helpers.launch import torchrun_train
+from helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"
 try:
     import moe_plugin.integrations.transformers as hf_moe  # hides an unloadable torchaudio first

@@ -20,7 +20,6 @@ with messages naming the key; `--print-config`. Slow-marked: `torchrun` 2 proces
 checkpoint holds every expert and gives the run's validation loss in one process).
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +29,9 @@ from moe_plugin import MoELayer, checkpoint, train
 from moe_plugin.train.data import DataConfig, make_data
 from moe_plugin.train.data.images import NUM_CLASSES, load_digits, split_by_class
 from helpers.launch import torchrun_train
+from helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 SWINV2_MOE = ROOT / "configs" / "experiments" / "swinv2_moe.yaml"
 try:
     import moe_plugin.integrations.transformers as hf_moe  # hides an unloadable torchaudio first

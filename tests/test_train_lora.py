@@ -2,14 +2,15 @@
 on its experts from its checkpoint (everything else frozen); and a dense Llama run upcycled then fine-tuned with
 LoRA. Reference: the run the LoRA run starts from (its last validation loss, its weights)."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe_plugin import checkpoint, train
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
+ROOT = REPO
 MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"
 DENSE = ROOT / "configs" / "experiments" / "llama_dense_tiny.yaml"
 UPCYCLED = ROOT / "configs" / "experiments" / "llama_upcycled.yaml"

@@ -9,13 +9,14 @@ loss close to the dense run's last, 8 experts per layer, a Mixtral `hf_model/`),
 a dense model, a missing dense run).
 """
 import json
-from pathlib import Path
 
 import pytest
 
 from moe_plugin import checkpoint, train
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
+ROOT = REPO
 DENSE = ROOT / "configs" / "experiments" / "llama_dense_tiny.yaml"
 UPCYCLED = ROOT / "configs" / "experiments" / "llama_upcycled.yaml"
 try:

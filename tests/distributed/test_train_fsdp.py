@@ -12,7 +12,6 @@ restored tensor bit-exact after resuming on another number of processes; meta bu
 """
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch
 from moe_plugin import train
 
 from helpers.launch import run_workers
+from helpers.paths import REPO
 from helpers.reshard import restore_and_compare, train_and_save
 
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=16", "model.ffn_hidden=48",
@@ -120,7 +120,7 @@ def _hf_run(rank, world, out, seed):
     from moe_plugin.train.command import main   # noqa: F401  (the command's imports, as torchrun runs it)
     import moe_plugin.integrations.transformers  # noqa: F401  hides an unloadable torchaudio first
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    root = Path(__file__).resolve().parents[2]
+    root = REPO
     train.train(train.load_config(str(root / "configs" / "experiments" / "mixtral_tiny.yaml"), [*HF_TINY,
                 f"log.out_dir={out}", f"train.seed={seed}", "parallel.ep_size=2", "parallel.fsdp=true"]))
 
@@ -140,7 +140,7 @@ def test_fsdp_training_of_an_hf_architecture_exports_a_folder_plain_transformers
     out = tmp_path / "hf"
     run_workers(_hf_run, 2, str(out), fresh_seed, timeout=300)
     result = json.loads((out / "result.json").read_text())
-    root = Path(__file__).resolve().parents[2]
+    root = REPO
     cfg = train.load_config(str(root / "configs" / "experiments" / "mixtral_tiny.yaml"), HF_TINY)
     model = build_hf_model(cfg)   # one process, every expert: the checkpoint's model
     model.load_state_dict(checkpoint.nest(checkpoint.full_state(out / "checkpoints" / "step_000004"))["model"])

@@ -9,6 +9,8 @@ from deepspeed.moe.layer import MoE as NativeMoE  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from moe_plugin.integrations.deepspeed.model import MoETransformerLM  # noqa: E402
 
+from helpers.paths import REPO
+
 D, H, E = 8, 16, 4
 
 
@@ -207,7 +209,7 @@ def test_zero_stage_3_options_and_bad_sections_fail_before_anything_starts():
 def test_shipped_configs_are_valid(name):
     import json
     import os
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepspeed", name)
+    path = os.path.join(REPO, "configs", "deepspeed", name)
     with open(path) as file:
         section = dsi.read_moe_section(json.load(file))
     assert section["backend"] == ("deepspeed" if "native" in name else "tutel")

@@ -29,7 +29,6 @@ from moe_plugin import MoELayer
 pytest.importorskip("deepspeed")
 from helpers.launch import run_workers
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 REINSTALL = "moe_plugin_deepspeed_hook.pth is not installed: run `pip install -e .` (or `pip install .`) again"
 PROBE = """
 import importlib.util, json, sys

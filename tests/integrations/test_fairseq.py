@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from helpers.fairseq import CPU, TINY_LM, TINY_MT, binarize, fairseq, needs_fairseq, train_losses, user_dir
+from helpers.paths import REPO
 
 pytestmark = needs_fairseq
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UPDATES = 30
 
 

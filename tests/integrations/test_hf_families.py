@@ -44,11 +44,12 @@ from helpers.compare import assert_close_rel
 from helpers.hf import (COMMON, GROUPED, MORE, SPECIFIC, VOCAB, family_config, gradient_floor, hf_moe, hf_named_grads,
                         model_class, needs_transformers, swapped_copy, tokens, transformers)
 from helpers.launch import run_workers
+from helpers.paths import REPO
 
 pytestmark = [needs_transformers, pytest.mark.timeout(600)]
 TOL = 1e-5
 ALL = sorted(hf_moe.FAMILIES) if hf_moe is not None else []
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = REPO / "README.md"
 MARKERS = ("<!-- families:start -->\n", "<!-- families:end -->")
 
 # Families HF builds inside composite models: (the text config's class, its fields, the model's config class,
