@@ -1,5 +1,6 @@
 """The tests' pytest plugin (loaded by tests/conftest.py): a fresh seed per test, the spawns marker set on every
 test that starts processes, and a guard that fails a test starting one without it."""
+import importlib.util
 import inspect
 import multiprocessing.process
 import os
@@ -7,6 +8,7 @@ import random
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +39,20 @@ def fresh_seed(request):
     torch.manual_seed(seed)
     print(f"{request.node.nodeid}: MOE_TEST_SEED={seed}")
     return seed
+
+
+@pytest.fixture(scope="session")
+def deepspeed_comm_op_built():
+    """DeepSpeed builds its CPU shm comm op (JIT) in every process that starts its comm. Built here once, in a
+    process of its own that no test's timeout stops, so a worker killed by a timeout never dies in the build.
+    The integration folders' conftest.py files ask for it before their tests."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+    from moe_plugin.ops.native import _clear_stale_lock
+    _clear_stale_lock(Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock")
+    subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                   check=True, timeout=1200, capture_output=True)
 
 
 def _names(code: types.CodeType) -> set:
