@@ -109,7 +109,13 @@ class MoELayer(nn.Module):
         """copy.deepcopy and pickling: the last forward's aux loss travels without its graph."""
         state = dict(self.__dict__)
         state["aux_loss"] = self.aux_loss.detach()
+        state.pop("_stats_rows", None)      # views of _stats_2E: plain pickle would copy them apart; remade on load
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "_stats_2E" in state:
+            self._stats_rows = tuple(self._stats_2E)
 
     @property
     def is_parallel(self) -> bool:

@@ -64,3 +64,22 @@ def test_reduce_overhead_compile_reads_stats_and_aux_after_repeated_calls():
     for x_TD, (stats, aux) in zip(inputs, seen):
         load, kept, aux_ref = expected(layer, x_TD)
         assert stats["tokens_per_expert"] == load and aux == pytest.approx(aux_ref, rel=1e-5)
+
+
+def test_stats_persist_in_copies_and_in_layers_pickled_before_the_row_views():
+    """The stats rows are views of the persistent buffer made once: after a deep copy and a pickle (which alone
+    would copy views apart) they are views of the copy's own buffer; a layer pickled before they existed gets them."""
+    import copy
+    import pickle
+    layer = MoELayer(MoEConfig(model_dim=16, hidden_size=24, num_experts=5, top_k=2, capacity_factor=0.0))
+    old_state = layer.__getstate__()
+    assert "_stats_rows" not in old_state     # as in a layer pickled before the rows existed
+    old = MoELayer.__new__(MoELayer)
+    old.__setstate__(old_state)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer)), old):
+        x_TD = torch.randn(int(torch.randint(3, 30, ())), 16)
+        clone(x_TD)
+        load, kept, aux = expected(clone, x_TD)
+        assert clone.stats["tokens_per_expert"] == load and clone._stats_2E[1].tolist() == kept
+        assert clone.aux_loss_value.item() == pytest.approx(aux, rel=1e-5)
+    assert layer.stats == {}      # the original ran no forward: the copies wrote only their own buffers
