@@ -57,8 +57,8 @@ CUDA_TESTS=(
   tests/ops/test_triton_grouped.py
   tests/ops/test_grouped_mm.py
   tests/ops/test_kernel_choice.py
-  tests/test_mixed_precision.py
-  tests/test_compile.py
+  tests/core/test_mixed_precision.py
+  tests/core/test_compile.py
 )
 
 step() {   # step NAME SECONDS COMMAND...

@@ -1,6 +1,6 @@
 """`moe-plugin train`'s parts run a few steps and save (the whole state gathered as the reference), then restore
 in another layout and compare every tensor with this rank's share of the reference: shared by the resharding
-tests of tests/distributed."""
+tests of tests/train."""
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -7,7 +7,7 @@ computes with the same weights, and HF-named weights load into it.
 What this module tests (moved here from the README):
 
 Tested for every family, swapped inside and after the meta context, both block classes
-  (tests/integrations/test_transformers_meta_init.py): every tensor finite, the bias exactly 0, each weight
+  (tests/integrations/transformers/test_transformers_meta_init.py): every tensor finite, the bias exactly 0, each weight
   with mean 0 and the configured std and normal tails; buffers equal a normally built swapped model's; given
   its weights, exactly its logits; an unswapped model's HF-named state dict loads and gives HF's logits
   (1e-5); with `ep_size=2` on 2 processes each rank holds exactly its share of a one-process model's experts.

@@ -4,7 +4,7 @@ with the losses of the same layers without pipelining (one process), the aux los
 
 What this module tests (moved here from the README):
 
-Tested (tests/integrations/test_deepspeed_pipeline.py): 4 gloo ranks = 2 stages x 2 data-parallel ranks,
+Tested (tests/integrations/deepspeed/test_deepspeed_pipeline.py): 4 gloo ranks = 2 stages x 2 data-parallel ranks,
 ep_size 2 in each stage, ZeRO-1, 2 micro-batches per step, dropless top-2 of 4 experts: every rank reports the
 losses of the same layers in an `nn.Sequential` trained in one process on both data-parallel ranks'
 micro-batches (rtol 1e-5, aux loss included; without the aux term they differ). DeepSpeed refuses pipeline

@@ -9,7 +9,7 @@ The tests set `"stage3_param_persistence_threshold": 0` so that every parameter 
 DeepSpeed keeps parameters under 1e5 elements whole on every rank, and none of the tiny test models' parameters
 would be split.
 
-Tested (tests/integrations/test_deepspeed_zero3.py, gloo):
+Tested (tests/integrations/deepspeed/test_deepspeed_zero3.py, gloo):
 - Tiny Mixtral on 2 ranks (dropless). These give the same per-step losses as HF's own blocks under plain
   `deepspeed.initialize` with the same ZeRO-3 config, and as one process doing SGD on both ranks' batches:
   - blocks swapped with `swap_moe_blocks` (ZeRO-3 through `initialize`);

@@ -3,7 +3,7 @@ upcycle and its dense twin, metrics, plots, checkpoints and exact resume, config
 
 What this module tests (moved here from the README):
 
-Tested (tests/test_train_images.py: about 40 s, plus about 30 s for the slow-marked torchrun test, on this
+Tested (tests/train/test_train_images.py: about 40 s, plus about 30 s for the slow-marked torchrun test, on this
 machine when it was less loaded; up to 2.5× that under load): the split (per class, disjoint, complete), augmentation and the
 exactly resumable image stream; a tiny SwinV2-MoE run learns and writes every output, its checkpoint's model
 gives the run's last validation loss and accuracy, the evaluation's mean over images (a smaller last batch)

@@ -4,7 +4,7 @@ general path; DeepSpeed's own native layer with the same weights on the same inp
 
 What this module tests (moved here from the README):
 
-- `tests/integrations/test_deepspeed_any_expert.py` uses DeepSpeed's own native layer, with the same
+- `tests/integrations/deepspeed/test_deepspeed_any_expert.py` uses DeepSpeed's own native layer, with the same
   weights on the same inputs, as the reference. It compares outputs, l_aux, exp_counts and the gradients
   of input, gate and every expert parameter, under the native names.
 - It covers 8 expert kinds (ReLU MLP, SiLU MLP without bias, Linear -> Linear, a custom GELU MLP class,

@@ -7,7 +7,7 @@ of the final checkpoint, each rank's data position and torch RNG state, and ever
 
 What this module tests (moved here from the README):
 
-Tested (tests/test_train_faults.py; the slow-marked ones on 2 gloo processes at ep_size 2): torchrun
+Tested (tests/train/test_train_faults.py; the slow-marked ones on 2 gloo processes at ep_size 2): torchrun
 `--max-restarts 4` while a watcher SIGKILLs a random rank at a random step, one in the middle of a
 checkpoint write and one at a random step again: the run ends with every model and optimizer tensor,
 data position, torch RNG state and metrics record of an uninterrupted run, bit for bit (3 faults, 3

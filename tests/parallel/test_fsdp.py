@@ -5,7 +5,7 @@ ranks' losses (what DDP and FSDP compute). A wrong expert gradient scale, or exp
 ranks that hold different experts, changes the losses after the first step by far more than fp32 noise.
 What this module tests (moved here from the README):
 
-What is tested (gloo, CPU): `tests/distributed/test_fsdp.py` (2 and 4 processes; ep_size 1, 2, and 4 with
+What is tested (gloo, CPU): `tests/parallel/test_fsdp.py` (2 and 4 processes; ep_size 1, 2, and 4 with
 hidden-sliced experts; activation checkpointing; bf16 parameters with fp32 reduction; each rank routing no
 token to 4 of 8 experts; fp64 losses over 3 SGD steps equal one process training on all ranks' batches; the
 FSDP units are exactly the blocks and the root; the separate-unit path of older torch, at ep 2 and sliced ep 4;

@@ -2,7 +2,7 @@
 gpt-oss's variant, a router bias, sqrt(softplus) scores, groups scored by their best expert, gating on
 the expert input) against the einsum reference, in fp64 and fp32, on the native and the torch kernels;
 their backward against autograd; compile, bf16 and hidden slices. The HF blocks they serve are checked
-in tests/integrations/test_hf_features.py."""
+in tests/integrations/transformers/test_hf_features.py."""
 import pickle
 
 import pytest

@@ -3,7 +3,7 @@ before it starts one (numactl missing, no GPU, no launcher to pass the mode to),
 
 What this module tests (moved here from the README):
 
-Tested (tests/test_numa_binding.py): the exact torchrun command for every mode, torchrun's exit status returned,
+Tested (tests/train/test_numa_binding.py): the exact torchrun command for every mode, torchrun's exit status returned,
 each error above with nothing launched, and one real launch of `moe-plugin train --nproc-per-node 2` (two gloo
 processes train and write result.json with world_size 2; ~16 s). Not tested here: an actual binding. This
 machine has one NUMA node with 2 CPUs, no GPU and no numactl (the Debian package 2.0.16-1 installs from the

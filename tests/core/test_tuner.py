@@ -3,7 +3,7 @@ the same gathered counts and the same gathered times, as route_counts' all-gathe
 
 What this module tests (moved here from the README):
 
-- `tests/test_tuner.py` simulates ranks on a mocked clock (single process, about 5 s). It checks:
+- `tests/core/test_tuner.py` simulates ranks on a mocked clock (single process, about 5 s). It checks:
   - different load buckets get their own best setting, and every rank agrees, even when one rank's
     times differ (max over ranks);
   - a slow warm-up call and an outlier trial do not change the winner;

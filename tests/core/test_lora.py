@@ -6,12 +6,12 @@ einsum reference (which adds x A B s to x W itself); merge and unmerge fold the 
 
 What this module tests (moved here from the README):
 
-Tested: `tests/test_lora.py` (backward op counts with frozen experts, router and input; LoRA against the einsum
+Tested: `tests/core/test_lora.py` (backward op counts with frozen experts, router and input; LoRA against the einsum
 reference for dropless, dropping, k = 3, odd sizes, empty experts and no tokens; merge/unmerge; bf16 autocast;
-fullgraph compile), `tests/test_lora_parallel.py` (2 gloo processes against one), `tests/integrations/test_peft.py`
+fullgraph compile), `tests/parallel/test_lora_parallel.py` (2 gloo processes against one), `tests/integrations/transformers/test_peft.py`
 (mixtral, qwen3_moe, gpt_oss, deepseek_v3: the backend's loss and every adapter gradient equal PEFT on HF's
 grouped_mm to 1e-5 in fp32; swapped models with `add_lora` given PEFT's factors likewise),
-`tests/integrations/test_peft_swap.py` (both orders of swap and `get_peft_model`, adapters across, merge).
+`tests/integrations/transformers/test_peft_swap.py` (both orders of swap and `get_peft_model`, adapters across, merge).
 """
 import pytest
 import torch

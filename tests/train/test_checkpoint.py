@@ -1,5 +1,5 @@
 """Checkpoints of `moe-plugin train` on one process: `moe-plugin checkpoint inspect|convert`, a failed
-save, and the errors for checkpoints that cannot resume. Other layouts: tests/distributed/test_checkpoint_reshard.py."""
+save, and the errors for checkpoints that cannot resume. Other layouts: tests/train/test_checkpoint_reshard.py."""
 import json
 
 import pytest

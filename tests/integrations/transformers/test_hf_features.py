@@ -1,7 +1,7 @@
 """Each new MoEConfig feature against the Hugging Face block it serves (transformers 5.23, tiny random
 configs): the block's output, its input gradient and every weight gradient agree in fp32 (1e-5 relative)
 with an MoELayer configured by hand and loaded by hand (not through the family table, which
-tests/integrations/test_hf_families.py checks on whole models).
+tests/integrations/transformers/test_hf_families.py checks on whole models).
 
   geglu / geglu_tanh   Mixtral with hidden_act gelu / gelu_pytorch_tanh (HF's model testers use gelu)
   swiglu_oai, router_bias, expert biases               gpt_oss (gate/up interleaved in [E, D, 2H])

@@ -6,7 +6,7 @@ every restored tensor must equal this rank's share of the saving run's whole sta
 reference is gathered by the saving run, as in test_checkpoint_reshard.py).
 What this module tests (moved here from the README):
 
-`tests/distributed/test_train_fsdp.py` (train: per-step losses and val loss equal DDP's on 2 and 4
+`tests/train/test_train_fsdp.py` (train: per-step losses and val loss equal DDP's on 2 and 4
 processes at ep_size 1 and 2; resume FSDP2 <-> DDP with another ep_size continues the other run; every
 restored tensor bit-exact after resuming on another number of processes; meta build = plain build);
 """

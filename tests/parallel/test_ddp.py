@@ -4,7 +4,7 @@ every rank's batch, and plain DDP around an expert-parallel layer caught at its 
 What this module tests (moved here from the README):
 
 Tested in
-`tests/distributed/test_ddp.py` (2 processes, ep_size 2: fp64 losses over 3 SGD steps equal one process on
+`tests/parallel/test_ddp.py` (2 processes, ep_size 2: fp64 losses over 3 SGD steps equal one process on
 both ranks' batches; plain DDP caught; plain DDP at ep_size 1 runs).
 """
 import pytest

@@ -8,7 +8,7 @@ broadcast load cannot resume, are refused at their first save.
 
 What this module tests (moved here from the README):
 
-`tests/integrations/test_transformers_fsdp.py` (Trainer + Accelerate FSDP2, 2 processes, ep 1 and 2:
+`tests/integrations/transformers/test_transformers_fsdp.py` (Trainer + Accelerate FSDP2, 2 processes, ep 1 and 2:
 losses = HF's own blocks under Accelerate's FSDP2; Accelerate's FSDP2 full state dict equals the gathered
 trained tensors at ep 1; `export_hf`'s folder loads as the trained model; `trainer.save_model`'s folder loads as
 the trained model for HF's own blocks and for the swapped model at ep_size 1 and 2; at ep 2 a Trainer run with

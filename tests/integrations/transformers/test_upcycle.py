@@ -4,7 +4,7 @@ References: the dense HF model itself (step 0 of an exact upcycling computes wha
 gradients), a one-process run (expert parallelism), plain from_pretrained of the exported folder.
 What this module tests (moved here from the README):
 
-Tested (tests/integrations/test_upcycle.py): step 0 equals the dense model in outputs and gradients for
+Tested (tests/integrations/transformers/test_upcycle.py): step 0 equals the dense model in outputs and gradients for
 llama (with and without biases, and with gated exact and tanh GELU as Gemma's MLP), qwen2, mistral, vit and
 swinv2 (fp64, some layers upcycled, top-3 of 5);
 the Swin numbering and the pair replacement; noise statistics, the reinitialised units, fraction 1.0, the

@@ -7,7 +7,7 @@
 
 What this module tests (moved here from the README):
 
-- `tests/distributed/test_adaptive_tuner.py` runs one spawn of 4 gloo processes with 2 "nodes",
+- `tests/parallel/test_adaptive_tuner.py` runs one spawn of 4 gloo processes with 2 "nodes",
   fp64 (about 35 s). It checks:
   - over a drifting load, every step's output and gradients equal the single-process layer,
     whatever setting the tuner picked, and all ranks pick the same settings;

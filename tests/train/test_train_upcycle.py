@@ -3,7 +3,7 @@ its checkpoint upcycled into 8 experts and trained on (llama_upcycled.yaml). Ref
 
 What this module tests (moved here from the README):
 
-Tested (tests/test_train_upcycle.py): a tiny dense run then the upcycled run from its checkpoint and from its `hf_model/` (step-0 validation loss equal to the dense run's last, the first train
+Tested (tests/train/test_train_upcycle.py): a tiny dense run then the upcycled run from its checkpoint and from its `hf_model/` (step-0 validation loss equal to the dense run's last, the first train
 loss close to the dense run's last, 8 experts per layer, a Mixtral `hf_model/`), and the config errors
 (a moe key the MLP fixes, top_k > num_experts, a layer out of range, upcycling an MoE family, moe keys for
 a dense model, a missing dense run).

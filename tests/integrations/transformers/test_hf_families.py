@@ -6,7 +6,7 @@ A family's tiny config: helpers.hf.SPECIFIC / MORE (D 40, 2-3 layers, 6 experts,
 SiLU), or COMPOSITE below for the families HF builds only inside a composite model.
 What this module tests (moved here from the README):
 
-- Tested: one parametrized harness (tests/integrations/test_hf_families.py) runs every entry of the
+- Tested: one parametrized harness (tests/integrations/transformers/test_hf_families.py) runs every entry of the
   table on a tiny random config built from the family's own HF config class (D 40, 2-3 layers, 6
   experts, or 8 in 4 groups with 2 chosen, top-3, batches of 2 x 13 tokens), fp32, against the
   unswapped HF model: logits, loss, router logits, aux loss and every gradient agree to 1e-5 relative
@@ -20,8 +20,8 @@ What this module tests (moved here from the README):
   (ranks with 13 and 7 tokens a row) equals one process for every family, in one spawn, and exports
   every expert. Config variants that change a mapping (LFM2-MoE without its bias, ERNIE-4.5 and
   Cohere2-MoE without a shared expert, DBRX unnormalized) run too. Each new layer feature is also
-  tested against the HF block it serves and against the einsum reference (tests/test_expert_features.py,
-  tests/integrations/test_hf_features.py). For the five first families (tests/integrations/
+  tested against the HF block it serves and against the einsum reference (tests/core/test_expert_features.py,
+  tests/integrations/transformers/test_hf_features.py). For the five first families (tests/integrations/
   test_transformers*.py): under bf16 autocast
   (fp32 parameters, as GPU training runs) the swapped model's logits and gradients are as close to the
   fp32 result as HF's own model under the same autocast, and DeepSpeed's `"bf16": {"enabled": true}`

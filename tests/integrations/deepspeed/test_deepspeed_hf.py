@@ -3,7 +3,7 @@ ep_size 2 equals one process on the global batch and trains; checkpoints through
 
 What this module tests (moved here from the README):
 
-- Tested (`tests/integrations/test_deepspeed_hf.py`, torchrun with 2 gloo processes, tiny Mixtral):
+- Tested (`tests/integrations/deepspeed/test_deepspeed_hf.py`, torchrun with 2 gloo processes, tiny Mixtral):
   ZeRO-1 with ep_size 2 and ZeRO-2 with ep_size 1; the engine runs the blocks as MoE, the first step
   equals one process's step on both ranks' batches (every parameter, experts gathered), the loss falls,
   non-expert weights stay identical across ranks (and experts too with ep_size 1).

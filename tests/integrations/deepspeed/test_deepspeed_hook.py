@@ -4,7 +4,7 @@ get the section applied (or our error); MOE_PLUGIN_DEEPSPEED_HOOK=0 turns it off
 
 What this module tests (moved here from the README):
 
-Tested (tests/integrations/test_deepspeed_hook.py): the installed `.pth` registers the finder without importing
+Tested (tests/integrations/deepspeed/test_deepspeed_hook.py): the installed `.pth` registers the finder without importing
 torch or moe_plugin, `import deepspeed` enables the hook, the off switch leaves nothing registered; `enable()`
 twice wraps once; routing by every way DeepSpeed reads a config; bad sections give our errors through plain
 `deepspeed.initialize`; on 2 gloo ranks a plain `--deepspeed_config` script of native MoE layers (ep_size 2,

@@ -3,7 +3,7 @@ plain per-token loop; expert parallelism on 2 gloo processes against one process
 
 What this module tests (moved here from the README):
 
-- `tests/test_module_experts.py` (fp64). Four kinds of module (Linear with and without bias, a LayerNorm
+- `tests/core/test_module_experts.py` (fp64). Four kinds of module (Linear with and without bias, a LayerNorm
   MLP, a custom residual module with a constant buffer), k = 1 and 3, with drops and dropless. Each is
   checked against the einsum reference: outputs, aux loss and every gradient.
 - The same file also has:

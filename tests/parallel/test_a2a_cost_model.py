@@ -4,7 +4,7 @@
 Legend: S bytes per rank, W ranks, L ranks per node, N nodes; times in seconds unless named _ms.
 What this module tests (moved here from the README):
 
-Tested (tests/test_a2a_cost_model.py, no timings): hand-computed exchanges and layers, the paper's trends (2DH
+Tested (tests/parallel/test_a2a_cost_model.py, no timings): hand-computed exchanges and layers, the paper's trends (2DH
 faster at 1 MiB from 64 GPUs; flat faster at 32 and 256 MiB on small clusters, 2DH at scale; >= 4.25x at
 128 MiB on 2,048 GPUs), the fits (the preset equals its own fit; the least-squares fit recovers known
 parameters), the gloo preset ranking the measured settings in their measured order, and the drift projection.
