@@ -102,8 +102,16 @@ def test_bench_help_shows_defaults_and_cost(capsys):
     assert "minutes on a 2-core CPU" in text
 
 
+@pytest.fixture
+def process_group_closed_after():
+    """The DeepSpeed baseline starts a one-process group in this process; later tests in it expect none."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-def test_deepspeed_baseline_runs_forward_and_backward():
+def test_deepspeed_baseline_runs_forward_and_backward(process_group_closed_after):
     config = MoEConfig(model_dim=16, hidden_size=32, num_experts=4, top_k=2, capacity_factor=1.25)
     x_TD = torch.randn(21, 16)
     step = _deepspeed_step(config, x_TD, torch.randn_like(x_TD), torch.float32)
