@@ -124,7 +124,7 @@ def test_load_full_state_dict_carries_shared_expert_gate_and_bias():
 
 
 def shared_expert_while_in_flight(rank, world, overlaps):
-    import moe_plugin.parallel.expert_parallel as ep
+    import moe_plugin.dispatchers.all_to_all as ep
     events = []
 
     class LoggedAllToAll(ep.PendingAllToAll):
