@@ -30,16 +30,16 @@ def _mode(raw: str) -> str:
     return value
 
 
-def triton_modules() -> Tuple[ModuleType, ModuleType]:
-    """(triton_kernels, triton_route), imported on first use only."""
-    from . import triton_kernels, triton_route   # import triton: slow, and it reads TRITON_INTERPRET once, as it loads
-    return triton_kernels, triton_route
+def triton_modules() -> Tuple[ModuleType, ModuleType, ModuleType]:
+    """(triton_kernels, triton_route, triton_grouped), imported on first use only."""
+    from . import triton_grouped, triton_kernels, triton_route   # import triton: slow; it reads TRITON_INTERPRET once
+    return triton_kernels, triton_route, triton_grouped
 
 
 @functools.lru_cache(maxsize=None)
 def _triton() -> Tuple[Optional[ModuleType], str]:
     try:
-        triton_kernels, _ = triton_modules()
+        triton_kernels = triton_modules()[0]
     except ImportError as error:
         return None, str(error)
     usable, why = triton_kernels.available()

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from . import scatter_rows, swiglu, torch_grouped
-from .choice import eager_triton
+from .choice import eager_triton, triton_modules
 from .grouped import grouped_mm
 
 _FASTER: Dict[tuple, bool] = {}     # (kernel, shapes, dtype, options) -> whether the fused kernel won
@@ -29,7 +29,7 @@ def gather_up(x_TD: torch.Tensor, pos_TK: torch.Tensor, offs_E: torch.Tensor, ac
     name, limit = (activation, None) if isinstance(activation, str) else (activation.name, activation.limit)
     if eager_triton(x_TD.device) is None or limit is not None:
         return None
-    from . import triton_grouped     # imports triton: only where its kernels run
+    triton_grouped = triton_modules()[2]
     if not triton_grouped.supports(x_TD, name):
         return None
     R = pos_TK.numel()
@@ -102,7 +102,7 @@ def dgrad_activation(grad_y_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torc
     name, limit = (activation, None) if isinstance(activation, str) else (activation.name, activation.limit)
     if eager_triton(saved_RH.device) is None or name != "swiglu" or limit is not None:
         return None
-    from . import triton_grouped     # imports triton: only where its kernels run
+    triton_grouped = triton_modules()[2]
     if grad_y_RD.dtype not in triton_grouped.DTYPES:
         return None
 

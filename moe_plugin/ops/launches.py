@@ -93,7 +93,7 @@ class _CountedKernel:
 @contextlib.contextmanager
 def count_launches() -> Iterator[LaunchCounter]:
     """Counts, inside the context, what the CUDA code path would launch (see the module's docstring)."""
-    triton_kernels, triton_route = triton_modules()
+    triton_kernels, triton_route, _ = triton_modules()
     counter = LaunchCounter()
     kernels = [(module, name, value) for module in (triton_kernels, triton_route) for name, value in vars(module).items()
                if name.startswith("_") and name.endswith("_kernel")]

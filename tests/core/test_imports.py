@@ -8,7 +8,7 @@ from pathlib import Path
 from helpers.paths import REPO
 
 ROOT = REPO
-MOST_FUNCTION_LEVEL_IMPORTS = 10
+MOST_FUNCTION_LEVEL_IMPORTS = 9   # issue 32: under 10
 HOSTS = ("transformers", "deepspeed", "fairseq", "omegaconf")
 
 
