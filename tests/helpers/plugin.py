@@ -30,6 +30,10 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 # the scripts the tests start (torchrun'd workers in helpers/workers, commands) import helpers as the tests do:
 # tests/ on their path too, as pytest.ini's pythonpath puts it on this process's
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+# one thread per process unless asked otherwise: the multi-process tests share 2 cores, where torch's default of
+# one thread per core in every process collapses (a step up to 6x slower); spawned workers inherit it
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
