@@ -68,14 +68,20 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120.0):
     return [results[rank] for rank in range(world_size)]
 
 
+def torchrun(*arguments, cwd=None, env=None, timeout=500) -> None:
+    """`torchrun --standalone --nproc_per_node 2 *arguments`, one thread per process (env adds to this process's
+    environment); fails the test, showing the output's tail, unless it exits 0."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *arguments]
+    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def torchrun_train(out: Path, *arguments, timeout=200):
     """`moe-plugin train *arguments` under torchrun on 2 processes writing to out (which must not be the
     working folder): (result.json, the metrics.jsonl records)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "moe_plugin.cli", "train", *arguments, f"log.out_dir={out}"]
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun("-m", "moe_plugin.cli", "train", *arguments, f"log.out_dir={out}", cwd=out.parent,
+             env={"PYTHONPATH": str(root)}, timeout=timeout)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return json.loads((out / "result.json").read_text()), records

@@ -1,13 +1,12 @@
 """transformers.Trainer fine-tuning a tiny swapped Mixtral with PEFT's LoRA on the experts (by HF's names) and on
 attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/helpers/workers/hf_trainer_lora_worker.py)."""
 import json
-import os
-import sys
 
 import pytest
 import torch
 
 from helpers.hf import needs_transformers
+from helpers.launch import torchrun
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
@@ -20,15 +19,9 @@ def test_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path
     falls; both ranks hold the same adapters. trainer.save_model's adapter folder holds every adapter (the experts'
     under DeepSpeed's MoE blocks included) and loads with plain PEFT on HF's own model, computing what the trained
     model computes; DeepSpeed's own checkpoint (per-expert files) brings the adapters back."""
-    import subprocess
-
     from helpers.workers import hf_trainer_lora_worker as worker
     steps = 16
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               worker.__file__, str(tmp_path), str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=500,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    torchrun(worker.__file__, str(tmp_path), str(steps))
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
         assert any(".mlp.experts." in n for n in result["trainable"]) and all("lora_" in n for n in result["trainable"])
@@ -72,14 +65,8 @@ def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tm
     and computes each rank's logits of the trained 2-process model. DeepSpeed's own checkpoint still writes one
     file per expert and brings each rank's adapters back; PEFT's load of the saved adapter onto the 2-process model gives
 each rank its own experts' share."""
-    import subprocess
-
     from helpers.workers import hf_trainer_lora_worker as worker
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               worker.__file__, str(tmp_path), "3", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=500,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    torchrun(worker.__file__, str(tmp_path), "3", "2")
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
         assert result["restored"], "DeepSpeed's load_checkpoint did not bring the adapters back"

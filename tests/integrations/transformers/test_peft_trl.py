@@ -1,13 +1,12 @@
 """TRL's SFTTrainer fine-tuning a tiny swapped Mixtral with PEFT's LoRA on the experts (by HF's names) and on
 attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/helpers/workers/trl_sft_lora_worker.py)."""
 import json
-import os
-import sys
 
 import pytest
 import torch
 
 from helpers.hf import needs_transformers
+from helpers.launch import torchrun
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 pytest.importorskip("trl", reason="trl is not installed (pip install -e .[lora])")
@@ -22,16 +21,10 @@ def test_sft_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_
     MoE models for, through the swapped block's router-logits tap) included; the loss falls; both ranks hold the same
     adapters; the saved adapter folder loads with plain PEFT on HF's own model and computes what the trained one
     computes."""
-    import subprocess
-
     from helpers.workers import hf_trainer_lora_worker as lora_worker
     from helpers.workers import trl_sft_lora_worker as worker
     steps = 12
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               worker.__file__, str(tmp_path), str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=500,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    torchrun(worker.__file__, str(tmp_path), str(steps))
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
         assert any(".mlp.experts." in n for n in result["trainable"]) and all("lora_" in n for n in result["trainable"])
