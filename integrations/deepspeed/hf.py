@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoEConfig
+from moe_plugin.experts import WEIGHT_NAMES
 from moe_plugin.integrations.deepspeed.section import check_ep_size_under_deepspeed
 from moe_plugin.integrations.deepspeed.native import (MoE, NativeMoE, _expert_parallel_group, hide_from_expert_files,
                                                       unhide_from_expert_files)
@@ -36,7 +37,8 @@ __all__ = ["DeepSpeedHFMoEBlock", "use_deepspeed_blocks", "check_section_for_mod
 FIXED_BY_MODEL = ("num_experts", "top_k", "router", "num_groups", "topk_groups", "route_scale")
 CAPACITY_KEYS = ("capacity_factor", "eval_capacity_factor", "drop_tokens")
 # the stacked expert tensors of the layer -> their name in one expert's entry of DeepSpeed's per-expert files
-PER_EXPERT = {"w1_EDH": "w1_DH", "b1_EH": "b1_H", "w2_EHD": "w2_HD", "b2_ED": "b2_D"}
+# (one expert's slice drops the E: "w1_EDH" -> "w1_DH")
+PER_EXPERT = {name: name.replace("_E", "_", 1) for name in WEIGHT_NAMES}
 EXPERTS_PREFIX = "deepspeed_moe.experts.deepspeed_experts."   # DeepSpeed files every key holding this per expert
 
 
