@@ -14,7 +14,7 @@ from torch import nn
 
 from . import ops
 from .ops import fused_gemms
-from .activations import activate, activation_backward, first_width, of_config  # noqa: F401
+from .activations import activate, activation_backward, activation_backward_, first_width, of_config  # noqa: F401
 from .activations import forward as activation_forward
 from .config import ACTIVATIONS as ACTIVATION_NAMES
 from .config import MoEConfig
@@ -145,7 +145,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
     """(grad_x_RD, grad_w1, grad_b1, grad_w2, grad_b2, grad_up_a, grad_up_b, grad_down_a, grad_down_b, grad_gate_R)
     of mlp_forward (BACKWARD_GRADS), None for each gradient needs does not ask for (its GEMMs are not run).
     routed_inputs() gives x_RD; it is called once the activations are freed, so a caller may gather the rows again
-    only then.
+    only then. A fused_gemms.RoutedRows there lets the first weight gradient read the rows from x by index instead.
 
     With gate_R1 ([R, 1], the gate each row's output is scaled by; b2_ED the second bias, if any): grad_y_RD is the
     rows' gradient before the gate scales it (scaled here, in place), and grad_gate_R [R] is <grad_y_RD[r], expert
@@ -171,8 +171,9 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
                 one_pass = fused_gemms.activation_backward_scaled(saved_RH, grad_act_RH, activation, gate_R1)
         if one_pass is not None:    # the gate scale and the gate gradient's row sums inside the activation's backward
             act_RH, grad_pre_RH, grads["gate"] = one_pass
-        elif below:   # relu and identity write grad_pre_RH into grad_act_RH: the dot below is the same (0 where act is)
-            act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
+        elif below:   # relu and identity write grad_pre_RH into grad_act_RH (the dot below is the same: 0 where act
+            # is); SwiGLU writes it over the dead saved_RH where it can, act_RH over grad_act_RH unless the dot reads it
+            act_RH, grad_pre_RH = activation_backward_(saved_RH, grad_act_RH, activation, keep_grad_act=gated)
         else:
             act_RH = activate(saved_RH, activation)[0]
         if gated:
@@ -196,10 +197,16 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
     del act_RH, grad_ha_RQ
     if not below:
         return tuple(grads.values())     # in BACKWARD_GRADS' order (dict.fromkeys above)
-    x_RD = routed_inputs() if needs.w1 or (needs.up_a and up_a is not None) else None
-    if needs.w1:
+    lora_x = needs.up_a and up_a is not None      # the up adapter's gradient needs the gathered rows anyway
+    # the first weight gradient (and the bias's) reading x's rows by index, where that kernel runs and measured faster
+    read = fused_gemms.weight_grad_gathered(routed_inputs, grad_pre_RH, offs_E, w1_EDH, bias1 and needs.b1) \
+        if needs.w1 and not lora_x and isinstance(routed_inputs, fused_gemms.RoutedRows) else None
+    if read is not None:
+        grads["w1"], grads["b1"] = read
+    x_RD = routed_inputs() if (needs.w1 and read is None) or lora_x else None
+    if needs.w1 and read is None:
         grads["w1"] = weight_grad(x_RD, grad_pre_RH, offs_E, w1_EDH)
-    if bias1 and needs.b1:
+    if bias1 and needs.b1 and read is None:
         grads["b1"] = ops.grouped_sum(grad_pre_RH, offs_E)
     grad_xa_RQ = None
     if up_a is not None:

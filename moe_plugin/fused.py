@@ -5,8 +5,8 @@ grouped GEMMs, and one gather_sum kernel weights the expert outputs and adds the
 Backward keeps no [R, D] tensor from forward: only the activations' input (the pre-activation, or
 relu's output); the gate gradient <grad_y, expert output> comes from the down projection's dgrad and
 the activations (experts.mlp_backward), and the routed inputs are gathered again for the first
-weight gradient. Shapes are static (R = T*K, offsets on
-the device): no host synchronization, so torch.compile captures it whole. Matches
+weight gradient (or read from x by index where that kernel measured faster: ops/fused_gemms.py).
+Shapes are static (R = T*K, offsets on the device): no host synchronization, so torch.compile captures it whole. Matches
 dispatch.encode -> GroupedMLP -> dispatch.decode.
 
 Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
@@ -101,7 +101,7 @@ class FusedMoE(torch.autograd.Function):
         gate_R1 = rows_of_choices(gate_TK, pos_TK, R).unsqueeze(1) if gate_grad else None
         grad_x_RD, *weight_grads, grad_gate_R = mlp_backward(
             grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
-            lambda: ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], needs, tuple(lora), xa_RQ, ha_RQ,
+            fused_gemms.RoutedRows(x_TD, pos_TK, R), needs, tuple(lora), xa_RQ, ha_RQ,
             gate_R1, b2_ED if ctx.bias2 else None)
         grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
         grad_gate_TK = choices_of_rows(grad_gate_R.to(gate_TK.dtype), pos_TK) if gate_grad else None

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import scatter_rows, swiglu, torch_grouped
 from .choice import eager_triton, triton_modules
-from .grouped import grouped_mm
+from .grouped import grouped_mm, grouped_sum
 
 _FASTER: Dict[tuple, bool] = {}     # (kernel, shapes, dtype, options) -> whether the fused kernel won
 REPEATS = 5
@@ -48,6 +48,44 @@ def gather_up(x_TD: torch.Tensor, pos_TK: torch.Tensor, offs_E: torch.Tensor, ac
         return torch.nn.functional.gelu(gate_RH) * up_RH
 
     key = ("gather_up", tuple(x_TD.shape), tuple(w1_EDF.shape), R, x_TD.dtype, name, b1_EF is not None)
+    return fused() if measured_faster(key, fused, unfused, x_TD.device) else None
+
+
+class RoutedRows(NamedTuple):
+    """x's routed rows as the fused layer's backward knows them: called, the gathered [R, D] rows (scatter_rows);
+    weight_grad_gathered reads them from x_TD by index instead."""
+    x_TD: torch.Tensor
+    pos_TK: torch.Tensor
+    num_rows: int
+
+    def __call__(self) -> torch.Tensor:
+        return scatter_rows(self.x_TD, self.pos_TK, None, None, self.num_rows)[0]
+
+
+def weight_grad_gathered(rows: RoutedRows, grad_RF: torch.Tensor, offs_E: torch.Tensor, w1_EDF: torch.Tensor,
+                         bias: bool) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """(grad_w1_EDF laid out as w1_EDF is, grad_b1_EF or None) of the first projection from
+    triton_grouped.wgrad_gather, which reads x's routed rows by index (no [R, D] gather) and sums the bias gradient in
+    the same pass, where it runs (eager CUDA, x and grad in one of its dtypes) and measured faster than the gather,
+    experts.weight_grad and ops.grouped_sum; else None."""
+    x_TD, pos_TK, R = rows
+    if eager_triton(x_TD.device) is None:
+        return None
+    triton_grouped = triton_modules()[2]
+    if grad_RF.dtype not in triton_grouped.DTYPES or x_TD.dtype != grad_RF.dtype:
+        return None
+    transposed = w1_EDF.stride(1) == 1 and w1_EDF.stride(2) != 1
+
+    def fused():
+        return triton_grouped.wgrad_gather(x_TD, torch_grouped.tokens_of_rows(pos_TK, R), offs_E, grad_RF, w1_EDF,
+                                           bias)
+
+    def unfused():     # experts.weight_grad on the gathered rows
+        grad_w1_EDF = grouped_mm(grad_RF.t(), rows(), offs_E).transpose(1, 2) if transposed else \
+            grouped_mm(rows().t(), grad_RF, offs_E)
+        return grad_w1_EDF, grouped_sum(grad_RF, offs_E) if bias else None
+
+    key = ("wgrad_gather", tuple(x_TD.shape), tuple(w1_EDF.shape), R, x_TD.dtype, bias, transposed)
     return fused() if measured_faster(key, fused, unfused, x_TD.device) else None
 
 

@@ -1,5 +1,6 @@
 """The fused grouped-GEMM kernels' torch references (triton_grouped.py is tested against them): the up projection
-reading the routed rows of x by index, with its bias and activation.
+reading the routed rows of x by index, with its bias and activation; the down projection's dgrad with SwiGLU's
+backward; the first projection's weight gradient reading x's rows by index, with the bias gradient.
 
 Shape legend: moe_plugin/shapes.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
 for gated activations, [gate | up]; E experts, R routed rows grouped by expert, rows past the last offset
@@ -75,3 +76,24 @@ def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tens
         else torch.zeros(grad_RD.shape[0], 1, dtype=torch.bool, device=grad_RD.device)
     act_RH, grad_pre_RH2 = act_RH * kept_R1, grad_pre_RH2 * kept_R1
     return grad_pre_RH2.to(grad_RD.dtype), act_RH.to(grad_RD.dtype), (grad_act_RH * act_RH).sum(1)
+
+
+def wgrad_gather(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, grad_RF: torch.Tensor,
+                 bias: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(grad_w1_EDF, grad_b1_EF or None): the first projection's weight gradient x_TD[token_R][rows of e]^T
+    grad_RF[rows of e] for each expert e (0 for an empty one) and, with bias, the column sums of each expert's rows
+    of grad_RF; rows past the last offset are not read. Computed in fp32 or wider, rounded to grad's dtype."""
+    wide = torch.promote_types(grad_RF.dtype, torch.float32)
+    if x_TD.shape[0] == 0:     # no tokens: every expert is empty
+        x_RD = x_TD.new_zeros(token_R.shape[0], x_TD.shape[1], dtype=wide)
+    else:
+        x_RD = x_TD.to(wide).index_select(0, token_R.long())
+    wide_RF = grad_RF.to(wide)
+    grad_w_EDF = grouped_mm_loop(x_RD.t(), wide_RF, offs_E)
+    if not bias:
+        return grad_w_EDF.to(grad_RF.dtype), None
+    grad_b_EF, start = wide_RF.new_zeros(offs_E.shape[0], grad_RF.shape[1]), 0
+    for e, end in enumerate(offs_E.tolist()):
+        grad_b_EF[e] = wide_RF[start:end].sum(0)
+        start = end
+    return grad_w_EDF.to(grad_RF.dtype), grad_b_EF.to(grad_RF.dtype)

@@ -1,15 +1,18 @@
 """Grouped GEMMs with their neighbours fused in, in Triton, for CUDA tensors (issue 34 item 3): the up projection
 that reads x's routed rows by index (no gathered copy of x) and applies the bias and the activation in its
 epilogue (gather_up); the down projection's dgrad with SwiGLU's backward, the gate scale and the gate gradient in
-its epilogue (dgrad_swiglu). Same results as torch_grouped.py, the reference; on CPU tensors only under TRITON_INTERPRET=1.
+its epilogue (dgrad_swiglu); the first projection's weight gradient reading x's routed rows by index, with the bias
+gradient in the same pass (wgrad_gather). Same results as torch_grouped.py, the reference; on CPU tensors only under
+TRITON_INTERPRET=1.
 
 Shape legend: moe_plugin/shapes.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
 gated, [gate | up]; E experts, R routed rows grouped by expert, each expert's block ending at offs_E[e], int32
 on the device); RH2 is [R, 2H]. Inside the kernels, M, N and K are a GEMM tile's rows, columns and reduction
 dim (BLOCK_M, BLOCK_N, BLOCK_K; _MN a tile), not the layer's letters.
-Each program computes one [BLOCK_M, BLOCK_N] tile of one expert's rows; the tiles are laid out expert after expert,
-each program reading the layout from offs_E, so the grid is sized from R and E alone and nothing is read back on the
-host.
+Each program of gather_up and dgrad_swiglu computes one [BLOCK_M, BLOCK_N] tile of one expert's rows; the tiles
+are laid out expert after expert, each program reading the layout from offs_E, so the grid is sized from R and E
+alone and nothing is read back on the host. Each program of wgrad_gather computes one [BLOCK_M, BLOCK_N] tile of
+one expert's [D, F] gradient, its loop running over that expert's rows (none for an empty expert: its tile is 0).
 Accumulation in fp32; fp32 inputs multiply in IEEE fp32 (no TF32), as torch's default matmul.
 """
 from __future__ import annotations
@@ -111,7 +114,85 @@ def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tens
     return grad_pre_RH2, act_RH, dot_R
 
 
+def wgrad_gather(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, grad_RF: torch.Tensor,
+                 w1_EDF: torch.Tensor, bias: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """See torch_grouped.wgrad_gather: (grad_w1_EDF, grad_b1_EF or None) in grad's dtype, the weight gradient laid out
+    in memory as w1_EDF is (experts.weight_grad's rule: a transposed view of [E, F, D] weights gets a transposed
+    view too)."""
+    if triton is None:
+        raise ImportError(f"moe_plugin.ops.triton_grouped: {_MISSING}")
+    T, D = x_TD.shape
+    E, _, F = w1_EDF.shape
+    device, dtype = grad_RF.device, grad_RF.dtype
+    if dtype not in DTYPES or x_TD.dtype != dtype:
+        raise ValueError(f"wgrad_gather: x {x_TD.dtype} and grad {dtype} not fused; both one of {DTYPES}")
+    if w1_EDF.stride(1) == 1 and w1_EDF.stride(2) != 1:
+        grad_w_EDF = torch.empty(E, F, D, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        grad_w_EDF = torch.empty(E, D, F, dtype=dtype, device=device)
+    grad_b_EF = torch.empty(E, F, dtype=dtype, device=device) if bias else None
+    if E == 0 or D == 0 or F == 0:
+        return grad_w_EDF, grad_b_EF
+    if T == 0:   # no tokens, so no routed rows: every expert is empty
+        grad_w_EDF.zero_()
+        return grad_w_EDF, None if grad_b_EF is None else grad_b_EF.zero_()
+    args = (x_TD.contiguous(), token_R.contiguous(), offs_E.contiguous(), grad_RF.contiguous(), grad_w_EDF,
+            grad_b_EF if bias else grad_w_EDF, D, F, grad_w_EDF.stride(0), grad_w_EDF.stride(1), grad_w_EDF.stride(2))
+    flags = dict(HAS_BIAS=bias, IEEE=dtype == torch.float32, INTERPRETED=_interpreted())
+    if _interpreted():
+        block_m, block_n, block_k = _blocks()
+        grid = (triton.cdiv(D, block_m) * triton.cdiv(F, block_n), E)
+        _wgrad_gather_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    else:
+        _wgrad_gather_tuned[lambda meta: (triton.cdiv(D, meta["BLOCK_M"]) * triton.cdiv(F, meta["BLOCK_N"]), E)](
+            *args, **flags)
+    return grad_w_EDF, grad_b_EF
+
+
+# wgrad_gather's tiles on the GPU, picked per (D, F, dtype) by Triton's autotuner at the first call (not measured on a
+# GPU yet: the candidates are the usual ones for a bf16 GEMM on Hopper)
+_WGRAD_CONFIGS = [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4),
+                  (128, 128, 64, 8, 3)]
+
+
 if triton is not None:
+
+    @triton.jit
+    def _wgrad_gather_kernel(x_ptr, token_ptr, offs_ptr, grad_ptr, out_ptr, bias_ptr, D, F, stride_oe, stride_od,
+                             stride_of, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(1)
+        tiles_n = tl.cdiv(F, BLOCK_N)
+        pid_m = tl.program_id(0) // tiles_n
+        d_M = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        f_N = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_M = d_M < D
+        mask_N = f_N < F
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(offs_ptr + e)
+        acc_MN = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        sum_N = tl.zeros([BLOCK_N], tl.float32)
+        for r in range(start, end, BLOCK_K):
+            r_K = r + tl.arange(0, BLOCK_K)
+            mask_K = r_K < end
+            token_K = tl.load(token_ptr + r_K, mask=mask_K, other=0).to(tl.int64)
+            x_KM = tl.load(x_ptr + token_K[:, None] * D + d_M[None, :], mask=mask_K[:, None] & mask_M[None, :],
+                           other=0)
+            g_KN = tl.load(grad_ptr + r_K.to(tl.int64)[:, None] * F + f_N[None, :],
+                           mask=mask_K[:, None] & mask_N[None, :], other=0)
+            acc_MN = _dot(tl.trans(x_KM), g_KN, acc_MN, IEEE, INTERPRETED)
+            if HAS_BIAS:
+                sum_N += tl.sum(g_KN.to(tl.float32), 0)
+        out_dtype = out_ptr.dtype.element_ty
+        out_MN = out_ptr + e.to(tl.int64) * stride_oe + d_M[:, None] * stride_od + f_N[None, :] * stride_of
+        tl.store(out_MN, acc_MN.to(out_dtype), mask=mask_M[:, None] & mask_N[None, :])
+        if HAS_BIAS:
+            if pid_m == 0:
+                tl.store(bias_ptr + e.to(tl.int64) * F + f_N, sum_N.to(out_dtype), mask=mask_N)
+
+    _wgrad_gather_tuned = triton.autotune(
+        [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), num_warps=w, num_stages=s)
+         for m, n, k, w, s in _WGRAD_CONFIGS], key=["D", "F", "IEEE"])(_wgrad_gather_kernel)
 
     @triton.jit
     def _expert_tile(offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):

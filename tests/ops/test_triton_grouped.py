@@ -109,8 +109,9 @@ def test_gather_up_reference_matches_the_unfused_path():
 
 # ---- the choice: the fused layer takes gather_up on the CUDA path only where it measured faster ----------------
 
-def fused_layer_step(activation, bias):
-    """Output and gradients (x, gate, weights) of FusedMoE on a small routing with dropped choices."""
+def fused_layer_step(activation, bias, dtype=torch.float32, hf_layout=False, frozen_w1=False):
+    """Output and gradients (x, gate, weights) of FusedMoE on a small routing with dropped choices. hf_layout: w1 a
+    transposed view of [E, F, D] weights (Hugging Face's experts); frozen_w1: w1 needs no gradient."""
     from moe_plugin import MoEConfig
     from moe_plugin.experts import Experts
     from moe_plugin.fused import FusedMoE
@@ -119,12 +120,18 @@ def fused_layer_step(activation, bias):
     experts = Experts(MoEConfig(model_dim=D, hidden_size=H, num_experts=E, top_k=K, activation=activation,
                                 bias=bias))
     pos_TK, R, offs_E = routed(T, E, K, capacity, "cpu")
-    x_TD = torch.randn(T, D, requires_grad=True)
-    gate_TK = torch.rand(T, K, requires_grad=True)
-    y_TD = FusedMoE.apply(x_TD, gate_TK, pos_TK, offs_E, experts.activation, experts.w1_EDH, experts.b1_EH,
-                          experts.w2_EHD, experts.b2_ED)
-    params = [x_TD, gate_TK] + list(experts.parameters())
-    return [y_TD] + list(torch.autograd.grad(y_TD.square().sum(), params))
+    x_TD = torch.randn(T, D).to(dtype).requires_grad_()
+    gate_TK = torch.rand(T, K).to(dtype).requires_grad_()
+    weights = [None if w is None else w.detach().to(dtype) for w in (experts.w1_EDH, experts.b1_EH, experts.w2_EHD,
+                                                                        experts.b2_ED)]
+    if hf_layout:
+        weights[0] = weights[0].transpose(1, 2).contiguous().transpose(1, 2)
+    for w in weights:
+        if w is not None:
+            w.requires_grad_(w is not weights[0] or not frozen_w1)
+    y_TD = FusedMoE.apply(x_TD, gate_TK, pos_TK, offs_E, experts.activation, *weights)
+    params = [x_TD, gate_TK] + [w for w in weights if w is not None and w.requires_grad]
+    return [y_TD] + list(torch.autograd.grad(y_TD.float().square().sum(), params))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CUDA path simulated on CPU needs the interpreter run")
@@ -146,10 +153,10 @@ def test_layer_takes_gather_up_only_where_measured_faster(monkeypatch, fused_win
             got = fused_layer_step(activation, bias)
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    kernels = 2 if activation == "swiglu" else 1     # gather_up; dgrad_swiglu in backward for plain SwiGLU
-    assert len(timed) == 2 * kernels and len(calls) == (2 if fused_wins else 0)
-    assert set(key[0] for key in fused_gemms._FASTER) == {"gather_up", "dgrad_swiglu"}.intersection(
-        ["gather_up"] + ["dgrad_swiglu"] * (kernels == 2))
+    # gather_up; in backward dgrad_swiglu for plain SwiGLU, and wgrad_gather
+    chosen = {"gather_up", "wgrad_gather"} | ({"dgrad_swiglu"} if activation == "swiglu" else set())
+    assert len(timed) == 2 * len(chosen) and len(calls) == (2 if fused_wins else 0)
+    assert set(key[0] for key in fused_gemms._FASTER) == chosen
 
 
 def test_cpu_runs_todays_path():
@@ -204,3 +211,97 @@ def test_dgrad_swiglu_reference_is_the_lean_backward():
     torch.testing.assert_close(got_pre, grad_pre)
     torch.testing.assert_close(got_act, act_RH.detach())
     torch.testing.assert_close(got_dot, grad_scale)
+
+
+# ---- wgrad_gather: the first projection's weight gradient reading x's routed rows by index ------------------------
+
+@pytest.mark.parametrize("case", sorted(ROUTINGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias, hf_layout", [(True, False), (False, False), (True, True)],
+                         ids=["bias", "no_bias", "hf_layout_bias"])
+def test_wgrad_gather(device, case, dtype, bias, hf_layout):
+    """[E, D, F] weight gradient and [E, F] bias gradient against the reference in fp64 on the same values (bf16:
+    within its rounding of the fp32 accumulator); empty experts give 0; the gradient is laid out as the weight is;
+    the rows past the last expert's (random here) are not read."""
+    from moe_plugin.ops import triton_grouped
+    T, E, K, capacity, D, F = ROUTINGS[case]
+    pos_TK, R, offs_E = routed(T, E, K, capacity, device)
+    R += 3
+    x_TD = torch.randn(T, D, device=device).to(dtype)
+    grad_RF = torch.randn(R, F, device=device).to(dtype)
+    w1_EDF = torch.randn(E, F, D, device=device).to(dtype).transpose(1, 2) if hf_layout else \
+        torch.randn(E, D, F, device=device).to(dtype)
+    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+    grad_w_EDF, grad_b_EF = triton_grouped.wgrad_gather(x_TD, token_R, offs_E, grad_RF, w1_EDF, bias)
+    wide = torch.float64
+    expected_w, expected_b = torch_grouped.wgrad_gather(x_TD.to(wide), token_R, offs_E, grad_RF.to(wide), bias)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2 * torch.finfo(dtype).eps, 1e-2)
+    assert grad_w_EDF.dtype == dtype and grad_w_EDF.shape == (E, D, F) and grad_w_EDF.stride() == w1_EDF.stride()
+    torch.testing.assert_close(grad_w_EDF.to(wide), expected_w, rtol=rtol, atol=atol)
+    if bias:
+        assert grad_b_EF.dtype == dtype and grad_b_EF.shape == (E, F)
+        torch.testing.assert_close(grad_b_EF.to(wide), expected_b, rtol=rtol, atol=atol)
+    else:
+        assert grad_b_EF is None
+    ends = offs_E.tolist()
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end == start:
+            assert torch.all(grad_w_EDF[e] == 0) and (not bias or torch.all(grad_b_EF[e] == 0))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU's tiles are checked on CPU, under the interpreter")
+def test_wgrad_gather_gpu_tiles(monkeypatch):
+    """Each tile size the GPU's autotuner may pick (several tiles per dim, several row steps, ragged ends) gives the
+    reference's gradients."""
+    from moe_plugin.ops import triton_grouped
+    pos_TK, R, offs_E = routed(50, 3, 2, 50, "cpu")
+    D, F = 150, 131
+    x_TD, grad_RF = torch.randn(50, D), torch.randn(R, F)
+    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+    expected_w, expected_b = torch_grouped.wgrad_gather(x_TD.double(), token_R, offs_E, grad_RF.double(), True)
+    for block_m, block_n, block_k, _, _ in triton_grouped._WGRAD_CONFIGS:
+        monkeypatch.setattr(triton_grouped, "_blocks", lambda: (block_m, block_n, block_k))
+        got_w, got_b = triton_grouped.wgrad_gather(x_TD, token_R, offs_E, grad_RF, torch.empty(3, D, F), True)
+        torch.testing.assert_close(got_w.double(), expected_w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_b.double(), expected_b, rtol=1e-5, atol=1e-5)
+
+
+def test_wgrad_gather_reference_is_the_weight_gradient():
+    """The reference against autograd of the gathered rows' per-expert GEMM with bias, in fp64."""
+    pos_TK, R, offs_E = routed(15, 5, 3, 6, "cpu")
+    D, F = 6, 9
+    x_TD = torch.randn(15, D, dtype=torch.float64)
+    w_EDF = torch.randn(5, D, F, dtype=torch.float64, requires_grad=True)
+    b_EF = torch.randn(5, F, dtype=torch.float64, requires_grad=True)
+    grad_RF = torch.randn(R, F, dtype=torch.float64)
+    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+    ends = offs_E.tolist()
+    y_RF = torch.cat([x_TD[token_R[start:end].long()] @ w_EDF[e] + b_EF[e]
+                      for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+    grad_w, grad_b = torch.autograd.grad((y_RF * grad_RF[:ends[-1]]).sum(), [w_EDF, b_EF])
+    got_w, got_b = torch_grouped.wgrad_gather(x_TD, token_R, offs_E, grad_RF, True)
+    torch.testing.assert_close(got_w, grad_w)
+    torch.testing.assert_close(got_b, grad_b)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CUDA path simulated on CPU needs the interpreter run")
+@pytest.mark.parametrize("activation, bias, dtype, hf_layout, frozen_w1", [
+    ("swiglu", False, torch.float32, False, False), ("relu", True, torch.float32, True, False),
+    ("geglu", True, torch.bfloat16, False, False), ("relu", True, torch.float32, False, True)],
+    ids=["swiglu_fp32", "relu_bias_hf_layout", "geglu_bias_bf16", "frozen_w1"])
+def test_layer_backward_with_wgrad_gather_forced_on(monkeypatch, activation, bias, dtype, hf_layout, frozen_w1):
+    """The fused layer's backward with wgrad_gather forced on (the other fused kernels off) gives today's outputs
+    and gradients; it runs once per step where w1 needs a gradient, never where w1 is frozen."""
+    from moe_plugin.ops import choice, fused_gemms, triton_grouped
+    expected = fused_layer_step(activation, bias, dtype, hf_layout, frozen_w1)      # CPU: today's path
+    calls = []
+    monkeypatch.setattr(fused_gemms, "measured_faster", lambda key, *args: key[0] == "wgrad_gather")
+    real = triton_grouped.wgrad_gather
+    monkeypatch.setattr(triton_grouped, "wgrad_gather", lambda *args: calls.append(args) or real(*args))
+    with choice.simulated_cuda():
+        got = fused_layer_step(activation, bias, dtype, hf_layout, frozen_w1)
+    assert len(calls) == (0 if frozen_w1 else 1)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **tolerance)
