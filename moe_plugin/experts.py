@@ -14,7 +14,7 @@ from torch import nn
 
 from . import ops
 from .ops import fused_gemms
-from .activations import activate, activation_backward, activation_backward_, first_width, of_config  # noqa: F401
+from .activations import activate, activation_backward, first_width, of_config  # noqa: F401
 from .activations import forward as activation_forward
 from .config import ACTIVATIONS as ACTIVATION_NAMES
 from .config import MoEConfig
@@ -171,9 +171,8 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
                 one_pass = fused_gemms.activation_backward_scaled(saved_RH, grad_act_RH, activation, gate_R1)
         if one_pass is not None:    # the gate scale and the gate gradient's row sums inside the activation's backward
             act_RH, grad_pre_RH, grads["gate"] = one_pass
-        elif below:   # relu and identity write grad_pre_RH into grad_act_RH (the dot below is the same: 0 where act
-            # is); SwiGLU writes it over the dead saved_RH where it can, act_RH over grad_act_RH unless the dot reads it
-            act_RH, grad_pre_RH = activation_backward_(saved_RH, grad_act_RH, activation, keep_grad_act=gated)
+        elif below:   # relu and identity write grad_pre_RH into grad_act_RH: the dot below is the same (0 where act is)
+            act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
         else:
             act_RH = activate(saved_RH, activation)[0]
         if gated:

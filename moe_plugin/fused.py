@@ -6,8 +6,8 @@ Backward keeps no [R, D] tensor from forward: only the activations' input (the p
 relu's output); the gate gradient <grad_y, expert output> comes from the down projection's dgrad and
 the activations (experts.mlp_backward), and the routed inputs are gathered again for the first
 weight gradient (or read from x by index where that kernel measured faster: ops/fused_gemms.py).
-Shapes are static (R = T*K, offsets on the device): no host synchronization, so torch.compile captures it whole. Matches
-dispatch.encode -> GroupedMLP -> dispatch.decode.
+Shapes are static (R = T*K, offsets on the device): no host synchronization, so torch.compile
+captures it whole. Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
 
 Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
 rows, Q LoRA rank).
