@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.paths import load_script
 from moe_plugin import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +22,6 @@ SCRIPT = GPU / "run.sh"
 FAST_SET_LIMIT_S = 360
 OTHER_SET_LIMIT_S = 420    # --slow-only, --tests: each a later device call of at most 10 minutes
 MODES = ("fast", "slow", "tests")
-sys.path.insert(0, str(GPU))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def script_lines():
@@ -116,7 +115,7 @@ def _step_args(name):
 
 
 def test_each_scripts_flags_are_accepted():
-    import bench_peers
+    bench_peers = load_script("benchmarks/bench_peers.py")
     for name in ("peers", "peers_compiled"):
         args = bench_peers.parse_args(_step_args(name))
         assert args.device == "cuda" and set(args.shapes.split(",")) <= set(bench_peers.SHAPES)
@@ -173,7 +172,7 @@ def test_peers_smoke_prints_each_peers_row_or_reason(smoke):
 
 
 def test_summary_turns_partial_results_into_one_table(tmp_path, smoke):
-    import summary
+    summary = load_script("benchmarks/gpu/summary.py")
     (tmp_path / "peers.json").write_text(json.dumps(smoke[1]))
     (tmp_path / "summary.txt").write_text("install rc=0\nlaunches_graphs rc=124\n")
     launches = [dict(case="dropless_bf16", variant="ours", budget=30, total=29),
@@ -219,7 +218,7 @@ def test_run_script_stops_without_a_gpu(tmp_path):
 def test_fp8_probe_rowwise_scaling_round_trips():
     """The probe's quantization (its timed work besides the GEMM): each row's largest magnitude maps to e4m3's
     448, and scale x e4m3 gives the row back within e4m3's rounding."""
-    import fp8_probe
+    fp8_probe = load_script("benchmarks/gpu/fp8_probe.py")
     x_RK = torch.randn(37, 48) * torch.rand(37, 1) * 100
     q_RK, scale_R = fp8_probe.rowwise(x_RK, 1)
     assert q_RK.dtype == torch.float8_e4m3fn and scale_R.shape == (37,)
@@ -237,7 +236,7 @@ def test_summary_judges_floor_throughput_peers_and_fp8(tmp_path):
     its 500 TFLOP/s miss 550; a peer slower than ours is beaten; fp8 GEMMs 1.6x faster bound an all-GEMM layer at
     1/(1/3 + (2/3)/1.6) = 1.33x, which a layer at its floor reaches, but one at 1.5x its floor (2/3 GEMMs) gains
     1/(1/3 + (2/3)/1.33) = 1.2x."""
-    import summary
+    summary = load_script("benchmarks/gpu/summary.py")
     ms = {"moe_plugin": 10.5, "moe_plugin_graphed": 10.0, "floor_gated": 9.5, "hf_grouped_mm": 20.0}
     shape = {"median_ms": ms, "reasons": {"tutel": "skipped (tutel: ModuleNotFoundError)"},
              "ratio_to_floor_gated": {n: t / 9.5 for n, t in ms.items()},
