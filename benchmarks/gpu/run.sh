@@ -17,9 +17,10 @@
 # extension built here); launches_graphs (profiler launch counts against the budgets, host time, CUDA-graph
 # replays against eager); fp8_probe; fsdp_mixtral_gpu (FSDP2, swapped vs HF's own); peers (bench_peers.py at
 # the default, HF and SonicMoE shapes: ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style
-# einsum). The slow benchmarks: fsdp_fine_gpu, torch.compile(mode="reduce-overhead") against eager,
-# torch.compile'd ours at the HF and SonicMoE shapes, a profiler table at the HF shape. The tests: install (pip,
-# offline), every CUDA test file, the Triton kernels compiled.
+# einsum). The slow benchmarks: the fused grouped GEMMs against today's passes (fused_kernels.py), fsdp_fine_gpu,
+# torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at the HF and SonicMoE shapes, a
+# profiler table at the HF shape. The tests: install (pip, offline), every CUDA test file, the Triton kernels
+# compiled.
 # tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
 # limits sum to at most 360 s with the background step inside the foreground steps before its wait, and the
 # other sets' to at most 420 s.
@@ -123,6 +124,8 @@ if wants tests full; then
 fi
 
 if wants slow full; then
+  # the fused grouped GEMMs (gather_up, dgrad_swiglu, wgrad_gather) against what each replaces, at the three shapes
+  step fused_kernels 50 "$PY" benchmarks/gpu/fused_kernels.py --rounds 7 --json "$RESULTS/fused_kernels.json"
   step fsdp_fine_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model fine_gpu --steps 10
   step graphs_compiled 90 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"

@@ -3,7 +3,7 @@
     python benchmarks/gpu/summary.py OUT_DIR
 
 Reads what run.sh's steps left in OUT_DIR (launches_graphs.json, graphs_compiled.json, peers.json,
-peers_compiled.json, fp8.json, fsdp_*.log, summary.txt);
+peers_compiled.json, fp8.json, fused_kernels.json, fsdp_*.log, summary.txt);
 a step that did not run or failed gives its rows as "not measured" with the step's exit code.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 FLOOR_TARGET, TFLOPS_TARGET, AMP_TARGET, FSDP_TARGET, HOST_TARGET, FP8_TARGET = 1.10, 550.0, 1.25, 0.90, 0.80, 1.3
+FUSED_DIFFERENCE = 2e-2     # bf16: a few roundings of the largest magnitude
 PEERS = ("hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
 
 
@@ -150,6 +151,26 @@ def rows(out: Path) -> list:
                           f"this layer ~{layer:.2f}x" if layer else f"GEMMs {p['gemm_speedup']:.2f}x, bound "
                           f"{p['layer_speedup_bound']:.2f}x",
                           ("plausible" if (layer or p["layer_speedup_bound"]) >= FP8_TARGET else "not plausible")))
+    table += fused_kernel_rows(load(out, "fused_kernels.json"), missing("fused_kernels"))
+    return table
+
+
+def fused_kernel_rows(fused, missing: str) -> list:
+    """34.3: each fused grouped GEMM's time against what it replaces (the layer takes it where < 1) and its result
+    against the unfused one's (bf16: within FUSED_DIFFERENCE of the largest magnitude)."""
+    if fused is None:
+        return [("34.3", "fused grouped GEMMs vs today's passes", "", missing, "open")]
+    table = []
+    for name, shape in fused["shapes"].items():
+        for k in shape["kernels"]:
+            measure = f"{name}: {k['kernel']} fused / unfused"
+            if "error" in k:
+                table.append(("34.3", measure, "< 1 (taken)", k["error"], "MISSED"))
+                continue
+            right = k["difference"] <= FUSED_DIFFERENCE
+            table.append(("34.3", measure, "< 1 (taken)", f"{k['ratio']:.3f} ({k['fused_ms']:.3f} vs "
+                          f"{k['unfused_ms']:.3f} ms); result differs by {k['difference']:.1e}",
+                          ("taken" if k["ratio"] < 1 else "not taken") if right else "WRONG RESULT"))
     return table
 
 
