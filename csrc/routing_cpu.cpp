@@ -705,4 +705,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_backward", &route_backward, "the logits' gradient of route_forward");
   m.def("has_blas_sgemm", [] { return blas_sgemm() != nullptr; }, "whether fp32 grouped GEMMs call BLAS directly");
   m.def("grouped_mm", &grouped_mm, "torch's CPU grouped GEMM into a pooled output (see moe_plugin/ops/grouped.py)");
+  m.def("swiglu_backward_", &swiglu::swiglu_backward_, "swiglu_backward in place (swiglu_cpu.h)");
+  m.def("clamped_swiglu_backward_", &swiglu::clamped_swiglu_backward_, "clamped_swiglu_backward in place");
 }

@@ -12,12 +12,22 @@
 //   backward: grad_gate = grad * (u + beta) * (s + alpha * g * s * (1 - s)) where gate <= L, else 0
 //             grad_up   = grad * g * s                                       where -L <= up <= L, else 0
 // (a clamp passes the gradient at its bounds, as torch.clamp).
+//
+// In place (backward_inplace, swiglu_backward_ / clamped_swiglu_backward_ in Python): the backward writing grad_pre
+// over pre and act over a given [R, H] buffer, which may be grad_act itself (each element is read before it is
+// written): the expert FFN's backward then needs no new [R, 2H] or [R, H] buffer once pre is dead.
 #pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace swiglu {
@@ -221,6 +231,131 @@ void backward_rows_clamped(const T* pre, const T* grad_act, T* act, T* grad_pre,
       from_float(grad_pre_f.data(), grad_pre + r * 2 * H, 2 * H);
     }
   }
+}
+
+// In place, one element at a time (no __restrict__: act may be grad_act; every element is read before it is written):
+// gate becomes grad_gate, up grad_up, act the activations; the clamped form when c is given.
+SWIGLU_CLONES
+void backward_row_inplace(float* gate, float* up, const float* grad_act, float* act, int64_t H) {
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) {
+    const float g = gate[j], u = up[j], grad = grad_act[j];
+    const float s = 1.0f / (1.0f + exp_neg(g));
+    const float silu = g * s;
+    gate[j] = grad * u * (s + silu * (1.0f - s));
+    up[j] = grad * silu;
+    act[j] = silu * u;
+  }
+}
+
+SWIGLU_CLONES
+void backward_row_inplace_clamped(float* gate, float* up, const float* grad_act, float* act, int64_t H, Clamp c) {
+  const float L = static_cast<float>(c.limit), alpha = static_cast<float>(c.alpha), beta = static_cast<float>(c.beta);
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) {
+    const float gate_in = gate[j], up_in = up[j], grad = grad_act[j];
+    const float g = gate_in < L ? gate_in : L;
+    const float u = up_in < -L ? -L : (up_in > L ? L : up_in);
+    const float s = 1.0f / (1.0f + exp_neg(alpha * g)), glu = g * s;
+    gate[j] = gate_in <= L ? grad * (u + beta) * (s + alpha * glu * (1.0f - s)) : 0.0f;
+    up[j] = (up_in >= -L && up_in <= L) ? grad * glu : 0.0f;
+    act[j] = (u + beta) * glu;
+  }
+}
+
+inline void backward_row_inplace(double* gate, double* up, const double* grad_act, double* act, int64_t H) {
+  for (int64_t j = 0; j < H; ++j) {
+    const double g = gate[j], u = up[j], grad = grad_act[j];
+    const double s = 1.0 / (1.0 + std::exp(-g)), silu = g * s;
+    gate[j] = grad * u * (s + silu * (1.0 - s));
+    up[j] = grad * silu;
+    act[j] = silu * u;
+  }
+}
+
+inline void backward_row_inplace_clamped(double* gate, double* up, const double* grad_act, double* act, int64_t H,
+                                         Clamp c) {
+  const double L = c.limit;
+  for (int64_t j = 0; j < H; ++j) {
+    const double gate_in = gate[j], up_in = up[j], grad = grad_act[j];
+    const double g = std::min(gate_in, L), u = std::min(std::max(up_in, -L), L);
+    const double s = 1.0 / (1.0 + std::exp(-c.alpha * g)), glu = g * s;
+    gate[j] = gate_in <= L ? grad * (u + c.beta) * (s + c.alpha * glu * (1.0 - s)) : 0.0;
+    up[j] = (up_in >= -L && up_in <= L) ? grad * glu : 0.0;
+    act[j] = (u + c.beta) * glu;
+  }
+}
+
+// rows [begin, end) in place: pre [R, 2H] -> grad_pre, act [R, H] (may be grad_act) -> the activations
+template <typename T>
+void backward_rows_inplace(T* pre, const T* grad_act, T* act, int64_t H, int64_t begin, int64_t end,
+                           std::optional<Clamp> c) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    for (int64_t r = begin; r < end; ++r) {
+      T *gate = pre + r * 2 * H, *up = gate + H;
+      if (c) backward_row_inplace_clamped(gate, up, grad_act + r * H, act + r * H, H, *c);
+      else backward_row_inplace(gate, up, grad_act + r * H, act + r * H, H);
+    }
+  } else {
+    if (c) c->limit = static_cast<float>(static_cast<T>(c->limit));   // the limit in the rows' dtype (torch.clamp)
+    std::vector<float> pre_f(2 * H), grad_f(H);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(pre + r * 2 * H, pre_f.data(), 2 * H);
+      to_float(grad_act + r * H, grad_f.data(), H);
+      if (c) backward_row_inplace_clamped(pre_f.data(), pre_f.data() + H, grad_f.data(), grad_f.data(), H, *c);
+      else backward_row_inplace(pre_f.data(), pre_f.data() + H, grad_f.data(), grad_f.data(), H);
+      from_float(pre_f.data(), pre + r * 2 * H, 2 * H);
+      from_float(grad_f.data(), act + r * H, H);
+    }
+  }
+}
+
+// Whether the bytes of a and b overlap.
+inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const char *a0 = static_cast<const char*>(a.data_ptr()), *b0 = static_cast<const char*>(b.data_ptr());
+  return a.numel() && b.numel() && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// The backward in place: grad_act [R, H] and pre [R, 2H] in; pre becomes grad_pre and act [R, H] the activations
+// (act may be grad_act itself, or must not overlap it); every tensor contiguous, one dtype. Bumps the version of
+// what it writes (autograd then refuses a saved pre it overwrote).
+inline void backward_inplace(const at::Tensor& grad_act, const at::Tensor& pre, const at::Tensor& act,
+                             std::optional<Clamp> c) {
+  TORCH_CHECK(pre.dim() == 2 && pre.size(1) % 2 == 0, "pre must be [rows, 2 * hidden], got ", pre.sizes());
+  const int64_t R = pre.size(0), H = pre.size(1) / 2;
+  for (const auto* t : {&grad_act, &act}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == R && t->size(1) == H, t == &act ? "act" : "grad_act",
+                " must have shape [", R, ", ", H, "], got ", t->sizes());
+  }
+  for (const auto* t : {&pre, &grad_act, &act}) {
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == pre.scalar_type(),
+                "pre, grad_act and act must be contiguous CPU tensors of one dtype, got ", pre.scalar_type(), " ",
+                grad_act.scalar_type(), " ", act.scalar_type());
+  }
+  TORCH_CHECK(!overlaps(pre, grad_act) && !overlaps(pre, act), "pre must not overlap grad_act or act");
+  TORCH_CHECK(act.data_ptr() == grad_act.data_ptr() || !overlaps(act, grad_act),
+              "act must be grad_act itself or not overlap it");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pre.scalar_type(), "swiglu_backward_", [&] {
+    scalar_t* pre_p = pre.data_ptr<scalar_t>();
+    const scalar_t* grad_act_p = grad_act.data_ptr<scalar_t>();
+    scalar_t* act_p = act.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 3 * H * pre.element_size()));
+    at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+      backward_rows_inplace(pre_p, grad_act_p, act_p, H, begin, end, c);
+    });
+  });
+  pre.unsafeGetTensorImpl()->bump_version();
+  act.unsafeGetTensorImpl()->bump_version();
+}
+
+// The Python module's swiglu_backward_(grad_act, pre, act) and clamped_swiglu_backward_(..., limit, alpha, beta).
+inline void swiglu_backward_(const at::Tensor& grad_act, const at::Tensor& pre, const at::Tensor& act) {
+  backward_inplace(grad_act, pre, act, std::nullopt);
+}
+
+inline void clamped_swiglu_backward_(const at::Tensor& grad_act, const at::Tensor& pre, const at::Tensor& act,
+                                     double limit, double alpha, double beta) {
+  backward_inplace(grad_act, pre, act, Clamp{limit, alpha, beta});
 }
 
 }  // namespace swiglu

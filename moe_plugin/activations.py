@@ -1,7 +1,7 @@
 """The expert FFN's activations: forward, and backward from what forward kept, written out op by op (no
 autograd inside backward, so torch.compile traces it). SwiGLU, clamped or not, and gpt-oss's variant run
 the one-pass native kernels where they load (ops.swiglu, ops.clamped_swiglu); the others are torch
-compositions.
+compositions. activation_backward_ is the backward writing over its dead inputs where it can (no new memory).
 
 Shape legend: moe_plugin/shapes.py (here R rows, H hidden width). A gated activation takes pre_RH2 [R, 2H] =
 [gate | up] and gives [R, H]; the others map [R, H] to [R, H]. An Activation also holds its clamp limit and a
@@ -115,3 +115,41 @@ def activation_backward(saved: torch.Tensor, grad_act: torch.Tensor, activation:
     gelu = F.gelu(gate, approximate=_GELU_APPROXIMATE[name])
     grad_gate = torch.ops.aten.gelu_backward(grad_act * up, gate, approximate=_GELU_APPROXIMATE[name])
     return gelu * up, torch.cat([grad_gate, grad_act * gelu], dim=-1)
+
+
+def activation_backward_(saved: torch.Tensor, grad_act: torch.Tensor, activation: Union[str, Activation],
+                         keep_grad_act: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """activation_backward, writing over its inputs where it can: SwiGLU (clamped or not) on the native CPU kernels,
+    in eager mode, inside a backward pass that frees its graph (no retain_graph or create_graph: nothing reads the
+    saved pre-activation again), writes the pre-activation's gradient over saved and the activations over grad_act
+    (into new memory when keep_grad_act). That saves an [R, 2H] and an [R, H] buffer at the expert FFN's peak.
+    Elsewhere, or for another activation, activation_backward (relu already writes into grad_act)."""
+    act = as_activation(activation)
+    kernel = _in_place_kernel(saved, grad_act, act)
+    if kernel is None:
+        return activation_backward(saved, grad_act, act)
+    act_RH = ops.new_empty(grad_act, *grad_act.shape) if keep_grad_act else grad_act
+    if act.limit is None and act.name == "swiglu":
+        kernel.swiglu_backward_(grad_act, saved, act_RH)
+    else:
+        kernel.clamped_swiglu_backward_(grad_act, saved, act_RH, *_clamp(act))
+    return act_RH, saved
+
+
+def _in_place_kernel(saved: torch.Tensor, grad_act: torch.Tensor, act: Activation):
+    """The native kernel module when activation_backward_ may write in place, else None."""
+    if torch.compiler.is_compiling() or act.name not in ("swiglu", "swiglu_oai") or saved.device.type != "cpu":
+        return None    # a compiled graph: the compiler plans its buffers itself
+    if type(saved) is not torch.Tensor or type(grad_act) is not torch.Tensor or saved.dtype != grad_act.dtype \
+            or not (saved.is_contiguous() and grad_act.is_contiguous()) or not _graph_freed() \
+            or torch._C._functorch.peek_interpreter_stack() is not None:
+        return None
+    module, name, _ = ops.kernels_for(saved.device)
+    return module if name == "native" and hasattr(module, "swiglu_backward_") else None
+
+
+def _graph_freed() -> bool:
+    """Whether the backward pass running now frees the graph's saved tensors after each node (False outside a
+    backward pass, with retain_graph or create_graph, and where torch cannot say)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is not None and not keep_graph()

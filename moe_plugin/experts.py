@@ -14,7 +14,7 @@ from torch import nn
 
 from . import ops
 from .ops import fused_gemms
-from .activations import activate, activation_backward, first_width, of_config  # noqa: F401
+from .activations import activate, activation_backward, activation_backward_, first_width, of_config  # noqa: F401
 from .activations import forward as activation_forward
 from .config import ACTIVATIONS as ACTIVATION_NAMES
 from .config import MoEConfig
@@ -127,14 +127,31 @@ def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_
         pre_RH = ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH)
         if up_a is not None:
             xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
-            pre_RH.add_(ops.grouped_mm(xa_RQ, up_b, offs_E))     # in place: no second [R, F] buffer
+            add_low_rank(pre_RH, xa_RQ, up_b, offs_E)
         act_RH, saved_RH = activate(pre_RH, activation)
         del pre_RH
     y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
     if down_a is not None:
         ha_RQ = ops.grouped_mm(act_RH, down_a, offs_E)
-        y_RD.add_(ops.grouped_mm(ha_RQ, down_b, offs_E))
+        add_low_rank(y_RD, ha_RQ, down_b, offs_E)
     return y_RD, saved_RH, xa_RQ, ha_RQ
+
+
+LOW_RANK_CHUNK_BYTES = 8 << 20
+
+
+def add_low_rank(out_RO: torch.Tensor, a_RQ: torch.Tensor, b_EQO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """out_RO += a_RQ b_EQO[e] on each expert's rows, in place, the product made in blocks of rows of at most
+    LOW_RANK_CHUNK_BYTES (a multiple of 16 rows: aligned starts for CUDA's grouped GEMM): no second [R, O] buffer
+    beside out_RO at the layer's memory peak."""
+    R = out_RO.shape[0]
+    rows = max(16, LOW_RANK_CHUNK_BYTES // max(1, out_RO.shape[1] * out_RO.element_size()) // 16 * 16)
+    if R <= rows:
+        return out_RO.add_(ops.grouped_mm(a_RQ, b_EQO, offs_E))
+    for start in range(0, R, rows):
+        end = min(start + rows, R)    # the block's own offsets: rows of other experts' blocks fall outside [0, end)
+        out_RO[start:end].add_(ops.grouped_mm(a_RQ[start:end], b_EQO, (offs_E - start).clamp_(0, end - start)))
+    return out_RO
 
 
 BACKWARD_GRADS = Needs._fields + ("gate",)
@@ -166,13 +183,14 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         if one_pass is None:
             grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
             if grad_ha_RQ is not None:
-                grad_act_RH.add_(ops.grouped_mm(grad_ha_RQ, down_a.transpose(1, 2), offs_E))
+                add_low_rank(grad_act_RH, grad_ha_RQ, down_a.transpose(1, 2), offs_E)
             if gated and below:
                 one_pass = fused_gemms.activation_backward_scaled(saved_RH, grad_act_RH, activation, gate_R1)
         if one_pass is not None:    # the gate scale and the gate gradient's row sums inside the activation's backward
             act_RH, grad_pre_RH, grads["gate"] = one_pass
-        elif below:   # relu and identity write grad_pre_RH into grad_act_RH: the dot below is the same (0 where act is)
-            act_RH, grad_pre_RH = activation_backward(saved_RH, grad_act_RH, activation)
+        elif below:   # relu and identity write grad_pre_RH into grad_act_RH (the dot below is the same: 0 where act
+            # is); SwiGLU writes it over the dead saved_RH where it can, act_RH over grad_act_RH unless the dot reads it
+            act_RH, grad_pre_RH = activation_backward_(saved_RH, grad_act_RH, activation, keep_grad_act=gated)
         else:
             act_RH = activate(saved_RH, activation)[0]
         if gated:

@@ -170,3 +170,18 @@ def clamped_swiglu_backward(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, limit:
     grad_gate_RH = torch.where(gate_RH <= limit, grad_RH * (u_RH + beta) * (sig_RH + alpha * glu_RH * (1 - sig_RH)), zero)
     grad_up_RH = torch.where((up_RH >= -limit) & (up_RH <= limit), grad_RH * glu_RH, zero)
     return torch.cat([grad_gate_RH, grad_up_RH], dim=-1), (u_RH + beta) * glu_RH
+
+
+def swiglu_backward_(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, act_RH: torch.Tensor) -> None:
+    """swiglu_backward in place: pre_RH2 becomes the gradient of pre, act_RH (which may be grad_RH) the activations."""
+    grad_pre_RH2, out_RH = swiglu_backward(grad_RH, pre_RH2)
+    pre_RH2.copy_(grad_pre_RH2)
+    act_RH.copy_(out_RH)
+
+
+def clamped_swiglu_backward_(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, act_RH: torch.Tensor, limit: float,
+                             alpha: float, beta: float) -> None:
+    """clamped_swiglu_backward in place, as swiglu_backward_."""
+    grad_pre_RH2, out_RH = clamped_swiglu_backward(grad_RH, pre_RH2, limit, alpha, beta)
+    pre_RH2.copy_(grad_pre_RH2)
+    act_RH.copy_(out_RH)

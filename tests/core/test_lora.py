@@ -250,6 +250,49 @@ def test_lora_adapters_train():
     assert losses[-1] < losses[0]
 
 
+
+class Buffers(TorchDispatchMode):
+    """The shapes of the tensors the ops run inside it create in new memory (not views, nor what in-place ops write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]  # noqa
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        self.shapes += [tuple(t.shape) for t in tensors(out) if t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+@pytest.mark.parametrize("activation, router", [("swiglu", False), ("swiglu", True), ("clamped", False)])
+def test_lora_backward_writes_over_its_dead_buffers(monkeypatch, activation, router):
+    """Frozen experts with LoRA (fp32, native kernels): backward writes the pre-activation's gradient over the saved
+    pre-activation and the activations over their gradient (kept when the gate's gradient reads it: a trainable
+    router), and the low-rank terms are added in blocks of rows: no [R, 2H] buffer at all, results unchanged (the
+    einsum reference)."""
+    from moe_plugin import experts, ops
+    if ops.kernels_for(torch.device("cpu"))[1] != "native":
+        pytest.skip("the native CPU kernels are not in use here: " + ops.kernels_for(torch.device("cpu"))[2])
+    monkeypatch.setattr(experts, "LOW_RANK_CHUNK_BYTES", 16 * 2 * H * 4)     # 16 rows a block: 3 blocks of 46 rows
+    limit = dict(activation_limit=0.6) if activation == "clamped" else {}
+    layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu", capacity_factor=0.0, num_experts=6,
+                                top_k=2, **limit)
+    freeze(layer, BASE + (() if router else ("router.weight_ED",)))
+    x = torch.randn(23, D)
+    with torch.no_grad():      # two experts get no rows
+        layer.router.weight_ED[4:] = -50.0
+    y = layer(x)
+    R = 23 * 2
+    with Buffers() as created:
+        (y * torch.randn_like(y)).sum().backward()
+    assert created.shapes.count((R, 2 * H)) == 0
+    # the activations' gradient; with a trainable router also the activations and row_dot's scratch (all rows here)
+    assert created.shapes.count((R, H)) == (3 if router else 1)
+    layer.zero_grad()
+    assert_reference(layer, x, 1e-5)
+
 # ---- errors --------------------------------------------------------------------------------------------------
 
 def test_errors_name_what_was_wrong():
