@@ -34,6 +34,7 @@ from moe_plugin import checkpoint, train
 from moe_plugin.cli import main
 from moe_plugin.train import loop
 
+from helpers.hf import needs_transformers
 from helpers.paths import REPO
 
 ROOT = REPO
@@ -534,9 +535,8 @@ def test_ranks_killed_at_random_steps_and_mid_save_change_nothing(tmp_path, fres
     assert result["param_sha256_per_rank"] == clean["param_sha256_per_rank"]
 
 
+@needs_transformers
 def test_upcycling_takes_the_newest_whole_dense_checkpoint(tmp_path, fresh_seed):
-    pytest.importorskip("moe_plugin.integrations.transformers")   # first: it hides an unloadable torchaudio
-    pytest.importorskip("transformers")
     configs = ROOT / "configs" / "experiments"
     hf = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
           "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "log.progress=false", "log.plots=false",

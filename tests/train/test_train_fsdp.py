@@ -18,6 +18,7 @@ import torch
 
 from moe_plugin import train
 
+from helpers.hf import needs_transformers, transformers
 from helpers.launch import run_workers
 from helpers.paths import REPO
 from helpers.reshard import restore_and_compare, train_and_save
@@ -131,9 +132,8 @@ HF_TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_hea
 
 
 @pytest.mark.slow
+@needs_transformers
 def test_fsdp_training_of_an_hf_architecture_exports_a_folder_plain_transformers_loads(tmp_path, fresh_seed):
-    import moe_plugin.integrations.transformers  # noqa: F401  hides an unloadable torchaudio first
-    transformers = pytest.importorskip("transformers")
     from moe_plugin import checkpoint
     from moe_plugin.train.data import make_data
     from moe_plugin.train.hf_model import build_hf_model

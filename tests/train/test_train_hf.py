@@ -5,20 +5,13 @@ import pytest
 import torch
 
 from moe_plugin import MoELayer, checkpoint, train
+from helpers.hf import hf_moe, needs_transformers, transformers
 from helpers.launch import torchrun_train
 from helpers.paths import REPO
 
 ROOT = REPO
 MIXTRAL_TINY = ROOT / "configs" / "experiments" / "mixtral_tiny.yaml"
-try:
-    import moe_plugin.integrations.transformers as hf_moe  # hides an unloadable torchaudio first
-    import transformers
-except ImportError as error:  # pragma: no cover - depends on the environment
-    hf_moe = transformers = None
-    SKIP = f"transformers is not installed: {error}"
-else:
-    SKIP = ""
-pytestmark = [pytest.mark.skipif(hf_moe is None, reason=SKIP), pytest.mark.timeout(300)]
+pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 
 TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
         "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.warmup_steps=2",

@@ -19,6 +19,7 @@ with messages naming the key; `--print-config`. Slow-marked: `torchrun` 2 proces
 `parallel.ep_size=2` (each process holds its own experts, the load counts both processes' images, the
 checkpoint holds every expert and gives the run's validation loss in one process).
 """
+import importlib.util
 import json
 
 import pytest
@@ -28,21 +29,15 @@ import torch.nn.functional as F
 from moe_plugin import MoELayer, checkpoint, train
 from moe_plugin.train.data import DataConfig, make_data
 from moe_plugin.train.data.images import NUM_CLASSES, load_digits, split_by_class
+from helpers.hf import hf_moe, needs_transformers, transformers
 from helpers.launch import torchrun_train
 from helpers.paths import REPO
 
 ROOT = REPO
 SWINV2_MOE = ROOT / "configs" / "experiments" / "swinv2_moe.yaml"
-try:
-    import moe_plugin.integrations.transformers as hf_moe  # hides an unloadable torchaudio first
-    import sklearn  # noqa: F401
-    import transformers
-except ImportError as error:  # pragma: no cover - depends on the environment
-    hf_moe = transformers = None
-    SKIP = f"transformers or scikit-learn is not installed: {error}"
-else:
-    SKIP = ""
-pytestmark = [pytest.mark.skipif(hf_moe is None, reason=SKIP), pytest.mark.timeout(300)]
+needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                                   reason="scikit-learn is not installed (pip install -e .[images])")
+pytestmark = [needs_transformers, needs_sklearn, pytest.mark.timeout(300)]
 
 # 16x16 images, 2x2 patches: 64, 16, 4 and 1 tokens per image in the 4 stages of 2 blocks (sites 0-7);
 # MoE in blocks 5 (stage 3) and 7 (stage 4)

@@ -14,19 +14,13 @@ import pytest
 
 from moe_plugin import checkpoint, train
 
+from helpers.hf import needs_transformers
 from helpers.paths import REPO
 
 ROOT = REPO
 DENSE = ROOT / "configs" / "experiments" / "llama_dense_tiny.yaml"
 UPCYCLED = ROOT / "configs" / "experiments" / "llama_upcycled.yaml"
-try:
-    import moe_plugin.integrations.transformers  # noqa: F401 (hides an unloadable torchaudio first)
-    import transformers  # noqa: F401
-except ImportError as error:  # pragma: no cover - depends on the environment
-    SKIP = f"transformers is not installed: {error}"
-else:
-    SKIP = ""
-pytestmark = [pytest.mark.skipif(bool(SKIP), reason=SKIP), pytest.mark.timeout(300)]
+pytestmark = [needs_transformers, pytest.mark.timeout(300)]
 
 TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=2", "hf.num_key_value_heads=1",
         "model.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "log.every=2", "log.progress=false",

@@ -18,8 +18,9 @@ import moe_plugin.integrations.transformers  # noqa: F401  (hides an unloadable 
 from moe_plugin import MoEConfig, MoELayer
 
 from helpers.compare import relative_error
+from helpers.hf import needs_transformers
 
-pytest.importorskip("transformers")
+pytestmark = needs_transformers
 
 DIM, HIDDEN = 24, 20
 

@@ -30,9 +30,10 @@ import moe_plugin
 from moe_plugin.integrations.transformers import HFMoEBlock, export_hf, mlp_sites, upcycle
 from moe_plugin.integrations.transformers.upcycle import upcycled_blocks
 from moe_plugin.integrations.transformers.upcycle_export import EXPERTS_FILE, load_upcycled, moe_family_target
+from helpers.hf import needs_transformers, transformers
 from helpers.launch import run_workers
 
-transformers = pytest.importorskip("transformers")
+pytestmark = needs_transformers
 
 DECODER = dict(vocab_size=61, hidden_size=24, intermediate_size=36, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
