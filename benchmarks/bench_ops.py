@@ -1,7 +1,8 @@
 """Per-op time of the native routing kernels against the torch path, with each op's memory floor.
 
     python benchmarks/bench_ops.py --threads 2
-    python benchmarks/bench_ops.py --fused-gemms --json     # on a GPU: the fused grouped GEMMs against today's passes
+
+(The fused grouped GEMMs against today's passes, on a GPU: benchmarks/gpu/fused_kernels.py.)
 
 The floor of an op is the bytes it must read and write divided by the bandwidth of one large
 tensor copy measured in the same run. Each round runs every candidate once (interleaved); the
@@ -49,16 +50,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--fused-gemms", action="store_true",
-                        help="on CUDA: time the fused up projection (ops/triton_grouped.gather_up) against scatter_rows + "
-                             "grouped_mm + the activation, at --tokens/--model-dim/--hidden-size/--num-experts/--top-k")
-    parser.add_argument("--hidden-size", type=int, default=1408)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[args.dtype]
-    if args.fused_gemms:
-        return fused_gemms_main(args, dtype)
     kernels, why = native.load()
     if kernels is None:
         raise SystemExit(f"native kernels unavailable: {why}")
@@ -133,64 +128,6 @@ def main() -> int:
     for row in rows:
         print(f"{row['op']:<40} {row['mbytes']:>9.1f} {row['floor_ms']:>9.2f} {row['native_ms']:>10.2f} "
               f"{row['torch_ms']:>9.2f} {row['speedup']:>13.2f} {row['native_x_floor']:>13.2f}")
-    return 0
-
-
-def fused_gemms_main(args, dtype: torch.dtype) -> int:
-    """The fused grouped GEMMs against what they replace, on CUDA (CUDA events, median of --rounds): gather_up (x's
-    rows read by index, bias and activation in the epilogue) vs scatter_rows + grouped_mm + activation, per
-    activation; dgrad_swiglu vs grouped_mm + the one-pass scaled SwiGLU backward."""
-    from moe_plugin.ops import fused_gemms, torch_grouped, triton_grouped
-    if not torch.cuda.is_available():
-        raise SystemExit("--fused-gemms times CUDA kernels: no CUDA device here (the CPU runs today's path)")
-    device = torch.device("cuda")
-    T, D, H, E, K = args.tokens, args.model_dim, args.hidden_size, args.num_experts, args.top_k
-    torch.manual_seed(0)
-    plan = plan_routes(torch.rand(T, E).argsort(dim=1)[:, :K], E, 0.0, 0)
-    pos_TK, offs_E, R = plan.pos_TK.to(device), plan.offs_E.to(device), plan.num_rows
-    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
-    x_TD = torch.randn(T, D, dtype=dtype, device=device)
-    rows = []
-    fused_gemms.REPEATS = args.rounds
-    for activation in torch_grouped.GATHER_UP_ACTIVATIONS:
-        F = H if activation == "relu" else 2 * H
-        w1_EDF = (torch.randn(E, D, F, device=device) / D ** 0.5).to(dtype)
-
-        def fused():
-            return triton_grouped.gather_up(x_TD, token_R, offs_E, w1_EDF, None, activation)
-
-        def unfused():
-            pre_RF = ops.grouped_mm(ops.scatter_rows(x_TD, pos_TK, None, None, R)[0], w1_EDF, offs_E)
-            return pre_RF.relu_() if activation == "relu" else ops.swiglu(pre_RF) if activation == "swiglu" else \
-                torch.nn.functional.gelu(pre_RF[:, :H]) * pre_RF[:, H:]
-        fused_ms = 1e3 * fused_gemms.seconds(fused, device)
-        unfused_ms = 1e3 * fused_gemms.seconds(unfused, device)
-        rows.append(dict(kernel="gather_up", activation=activation, fused_ms=fused_ms, unfused_ms=unfused_ms,
-                         fused_over_unfused=fused_ms / unfused_ms))
-    grad_RD = torch.randn(R, D, dtype=dtype, device=device)
-    w2_EHD = (torch.randn(E, H, D, device=device) / H ** 0.5).to(dtype)
-    pre_RH2 = torch.randn(R, 2 * H, dtype=dtype, device=device)
-    gate_R1 = torch.rand(R, 1, dtype=dtype, device=device)
-
-    def fused_dgrad():
-        return triton_grouped.dgrad_swiglu(grad_RD, offs_E, w2_EHD, pre_RH2, gate_R1)
-
-    def unfused_dgrad():
-        grad_act_RH = ops.grouped_mm(grad_RD, w2_EHD.transpose(1, 2), offs_E)
-        return fused_gemms.activation_backward_scaled(pre_RH2, grad_act_RH, "swiglu", gate_R1)
-    fused_ms, unfused_ms = (1e3 * fused_gemms.seconds(run, device) for run in (fused_dgrad, unfused_dgrad))
-    rows.append(dict(kernel="dgrad_swiglu", activation="swiglu", fused_ms=fused_ms, unfused_ms=unfused_ms,
-                     fused_over_unfused=fused_ms / unfused_ms))
-    result = dict(tokens=T, model_dim=D, hidden_size=H, num_experts=E, top_k=K, dtype=args.dtype,
-                  device=torch.cuda.get_device_name(), rounds=args.rounds, fused_gemms=rows)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"fused grouped GEMMs on {result['device']}, {args.dtype}, T={T} D={D} H={H} E={E} k={K} (R={R}), "
-          f"median of {args.rounds}")
-    for row in rows:
-        print(f"{row['kernel']:<10} {row['activation']:<7} fused {row['fused_ms']:8.3f} ms  unfused "
-              f"{row['unfused_ms']:8.3f} ms  fused/unfused {row['fused_over_unfused']:.3f}")
     return 0
 
 
