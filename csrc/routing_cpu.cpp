@@ -375,10 +375,10 @@ SgemmFn blas_sgemm() {
   return fn;
 }
 
-// A row-major matrix [rows, cols] as column-major BLAS sees its transpose: the op to apply to the stored matrix
-// and its leading dimension; false when neither dimension has unit stride (or a stride is out of int range).
-bool blas_transposed(const Tensor& m, int64_t rows, int64_t cols, char& op, int& ld) {
-  const int64_t s0 = m.stride(0), s1 = m.stride(1);
+// A row-major matrix [rows, cols] with strides (s0, s1) as column-major BLAS sees its transpose: the op to apply to
+// the stored matrix and its leading dimension; false when neither dimension has unit stride (or a stride is out of
+// int range).
+bool blas_transposed(int64_t s0, int64_t s1, int64_t rows, int64_t cols, char& op, int& ld) {
   if (s0 >= std::numeric_limits<int>::max() || s1 >= std::numeric_limits<int>::max()) return false;
   if (s1 == 1 && s0 >= std::max<int64_t>(cols, 1)) {
     op = 'N', ld = static_cast<int>(s0);
@@ -391,17 +391,27 @@ bool blas_transposed(const Tensor& m, int64_t rows, int64_t cols, char& op, int&
   return false;
 }
 
-// c [m, n] (row stride ldc) = a [m, k] @ b [k, n], row-major: column-major c^T = b^T @ a^T.
-bool row_major_sgemm(SgemmFn sgemm, const Tensor& a, const Tensor& b, float* c, int64_t m, int64_t n, int64_t k,
-                     int64_t ldc) {
+// One operand of a group's GEMM: its first element and its row and column strides.
+struct Operand {
+  const float* data;
+  int64_t s0, s1;
+};
+
+// c [m, n] (row stride ldc) = a [m, k] @ b [k, n], row-major: column-major c^T = b^T @ a^T. No tensor is made per
+// call (a view per group costs more host time than a small group's GEMM).
+bool row_major_sgemm(SgemmFn sgemm, Operand a, Operand b, float* c, int64_t m, int64_t n, int64_t k, int64_t ldc) {
   char op_a, op_b;
   int ld_a, ld_b;
-  if (!blas_transposed(a, m, k, op_a, ld_a) || !blas_transposed(b, k, n, op_b, ld_b)) return false;
+  if (!blas_transposed(a.s0, a.s1, m, k, op_a, ld_a) || !blas_transposed(b.s0, b.s1, k, n, op_b, ld_b)) return false;
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k), LDC = static_cast<int>(ldc);
   const float one = 1.0f, zero = 0.0f;
-  sgemm(&op_b, &op_a, &M, &N, &K, &one, b.const_data_ptr<float>(), &ld_b, a.const_data_ptr<float>(), &ld_a, &zero, c,
-        &LDC);
+  sgemm(&op_b, &op_a, &M, &N, &K, &one, b.data, &ld_b, a.data, &ld_a, &zero, c, &LDC);
   return true;
+}
+
+// Group e's end row, from int32 or int64 offsets.
+int64_t group_end(const Tensor& offs_E, int64_t e) {
+  return offs_E.scalar_type() == at::kInt ? offs_E.const_data_ptr<int32_t>()[e] : offs_E.const_data_ptr<int64_t>()[e];
 }
 
 // The grouped GEMM with one BLAS call per non-empty group: fp32, operands BLAS takes as they are, sizes in int
@@ -416,20 +426,26 @@ bool grouped_sgemm(const Tensor& a, const Tensor& b, const Tensor& offs_E, Tenso
   }
   char op;
   int ld;
-  if (!blas_transposed(a, a.size(0), a.size(1), op, ld) ||
-      !(rows_form ? blas_transposed(b[0], b.size(1), b.size(2), op, ld) : blas_transposed(b, b.size(0), b.size(1), op, ld))) {
+  if (!blas_transposed(a.stride(0), a.stride(1), a.size(0), a.size(1), op, ld) ||
+      !(rows_form ? blas_transposed(b.stride(1), b.stride(2), b.size(1), b.size(2), op, ld)
+                  : blas_transposed(b.stride(0), b.stride(1), b.size(0), b.size(1), op, ld))) {
     return false;
   }
-  const Tensor offs = offs_E.to(at::kLong).contiguous();
-  const int64_t* end = offs.const_data_ptr<int64_t>();
+  const Tensor offs = offs_E.scalar_type() == at::kInt || offs_E.scalar_type() == at::kLong
+      ? offs_E.contiguous() : offs_E.to(at::kLong).contiguous();
+  const float* a_ptr = a.const_data_ptr<float>();
+  const float* b_ptr = b.const_data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  for (int64_t e = 0, start = 0; e < offs.size(0); start = end[e], ++e) {
-    const int64_t rows = end[e] - start;
+  for (int64_t e = 0, start = 0, end = 0; e < offs.size(0); start = end, ++e) {
+    end = group_end(offs, e);
+    const int64_t rows = end - start;
     if (rows <= 0) continue;
     const bool ok = rows_form   // out[start:end] = a[start:end] @ b[e]; else out[e] = a[:, start:end] @ b[start:end]
-        ? row_major_sgemm(sgemm, a.narrow(0, start, rows), b[e], out_ptr + start * out.stride(0), rows, b.size(2),
-                          a.size(1), out.stride(0))
-        : row_major_sgemm(sgemm, a.narrow(1, start, rows), b.narrow(0, start, rows), out_ptr + e * out.stride(0),
+        ? row_major_sgemm(sgemm, {a_ptr + start * a.stride(0), a.stride(0), a.stride(1)},
+                          {b_ptr + e * b.stride(0), b.stride(1), b.stride(2)}, out_ptr + start * out.stride(0), rows,
+                          b.size(2), a.size(1), out.stride(0))
+        : row_major_sgemm(sgemm, {a_ptr + start * a.stride(1), a.stride(0), a.stride(1)},
+                          {b_ptr + start * b.stride(0), b.stride(0), b.stride(1)}, out_ptr + e * out.stride(0),
                           a.size(0), b.size(1), rows, out.stride(1));
     TORCH_INTERNAL_ASSERT(ok, "grouped_sgemm: an operand BLAS cannot take");
   }
