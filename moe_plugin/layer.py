@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import dispatch, fused_route
+from . import dispatch, fused_layer, fused_route
 from .config import AUTO, MoEConfig
 from .dispatchers import Dispatcher
 from .experts import Experts
@@ -180,14 +180,43 @@ class MoELayer(nn.Module):
             check_expert_sharding(self)
             check_plain_ddp(self)
         x_TD = x.reshape(-1, cfg.model_dim)
-        device_type = x.device.type
-        autocast = autocast_on(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if autocast else self._compute_dtype(x, False)
+        autocast = autocast_on(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else self._compute_dtype(x, False)
 
         if router_input is not None and router_input.shape != x.shape:
             raise ValueError(f"MoELayer: router_input must have x's shape {tuple(x.shape)}, "
                              f"got {tuple(router_input.shape)}")
         routed_TD = x_TD if router_input is None else router_input.reshape(-1, cfg.model_dim)
+        native = None if autocast or parallel_layer else fused_layer.kernels(x_TD)
+        weights = None if native is None else self.experts.weights(dtype)
+        if weights is not None and fused_layer.eligible(self, x_TD, routed_TD, weights):   # CPU: one autograd node
+            y_TD, aux_loss, plan = fused_layer.moe(self, x_TD, None if router_input is None else routed_TD, weights,
+                                                   self.capacity_factor(), native)
+            if self.shared_expert is not None:
+                y_TD = y_TD + self.shared_expert(x_TD).to(y_TD.dtype)
+        else:
+            y_TD, aux_loss, plan = self._route_and_dispatch(x, x_TD, routed_TD, dtype, autocast, parallel,
+                                                            overlap_degree, sequence_T)
+
+        state = self.__dict__     # plain attributes (no parameter, buffer or module): nn.Module's __setattr__ skipped
+        state["aux_loss"] = aux_loss
+        if self._stats_2E.device != plan.load_E.device:     # moved by hand (not .to()): follow the input
+            self._stats_2E = torch.zeros_like(self._stats_2E, device=plan.load_E.device)
+            self._stats_rows = tuple(self._stats_2E)
+            self._aux_value = torch.zeros((), device=plan.load_E.device)
+        load_E, kept_E = self._stats_rows
+        load_E.copy_(plan.load_E)
+        kept_E.copy_(plan.kept_E)
+        self._aux_value.copy_(aux_loss.detach())
+        state["_routing"] = (load_E, kept_E, plan.capacity_factor, plan.fixed, x_TD.shape[0], cfg.top_k)
+        if parallel_layer:
+            self._parallel_stats = self._dispatcher.stats()
+        return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
+
+    def _route_and_dispatch(self, x, x_TD, routed_TD, dtype, autocast, parallel, overlap_degree, sequence_T):
+        """(y_TD, aux loss, plan): the router (fused_route, or the reference), then the dispatcher."""
+        cfg = self.config
+        device_type = x.device.type
         if fused_route.eligible(self, routed_TD):     # eager CUDA and CPU: one autograd node
             gate_TK, aux_loss, plan = fused_route.route(self, routed_TD, self.capacity_factor(), dtype)
         else:
@@ -208,21 +237,7 @@ class MoELayer(nn.Module):
             y_TD = dispatcher(x_TD, gate_TK, plan, self.experts, shared, parallel, overlap_degree, self.training)
         if shared is not None:
             y_TD = shared.add_to(y_TD)
-
-        state = self.__dict__     # plain attributes (no parameter, buffer or module): nn.Module's __setattr__ skipped
-        state["aux_loss"] = aux_loss
-        if self._stats_2E.device != plan.load_E.device:     # moved by hand (not .to()): follow the input
-            self._stats_2E = torch.zeros_like(self._stats_2E, device=plan.load_E.device)
-            self._stats_rows = tuple(self._stats_2E)
-            self._aux_value = torch.zeros((), device=plan.load_E.device)
-        load_E, kept_E = self._stats_rows
-        load_E.copy_(plan.load_E)
-        kept_E.copy_(plan.kept_E)
-        self._aux_value.copy_(aux_loss.detach())
-        state["_routing"] = (load_E, kept_E, plan.capacity_factor, plan.fixed, x_TD.shape[0], cfg.top_k)
-        if parallel_layer:
-            self._parallel_stats = dispatcher.stats()
-        return y_TD.view(x.shape[:-1] + (cfg.model_dim,))
+        return y_TD, aux_loss, plan
 
     def _compute_dtype(self, x: torch.Tensor, autocast: Optional[bool] = None) -> torch.dtype:
         """The autocast dtype under autocast (autocast: whether it is on, if known); else the input's, which must be

@@ -23,7 +23,8 @@ EPS = torch.finfo(torch.float32).eps
 def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale: float, cap: int, aux_kind: str,
           aux_scale: float, z_scale: float, gate_dtype: torch.dtype):
     """(final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E int32) and what backward needs
-    (expert_TK, gate_TK: the gates before dropping, probs_TE, lse_T or None, aux_grad_E)."""
+    (expert_TK, gate_TK: the gates before dropping, probs_TE, lse_T or None, aux_grad_E or None for no balance
+    loss)."""
     if torch.is_autocast_enabled(x_TD.device.type):      # the router runs in fp32, as the reference's
         with torch.autocast(x_TD.device.type, enabled=False):
             return route(x_TD, w_ED, K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype)
@@ -44,9 +45,12 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
     pos_TK = route_slots(expert_TK, None, offs_E - kept_E, cap, T * K)[0]
     kept_TK = pos_TK >= 0
 
-    aux_grad_E = torch.zeros(E) if aux_kind == "none" else \
-        (load_E if aux_kind == "switch" else torch.bincount(expert_TK[:, 0], minlength=E)).to(torch.float32).mul_(aux_scale)
-    aux = torch.dot(probs_TE.sum(0), aux_grad_E)
+    if aux_kind == "none":      # a constant 0 (its gradient reaches nothing): no balance-loss ops
+        aux_grad_E, aux = None, probs_TE.new_zeros(())
+    else:
+        counts_E = load_E if aux_kind == "switch" else torch.bincount(expert_TK[:, 0], minlength=E)
+        aux_grad_E = counts_E.to(torch.float32).mul_(aux_scale)
+        aux = torch.dot(probs_TE.sum(0), aux_grad_E)
     lse_T = None
     if z_scale:
         lse_T = torch.logsumexp(logits_TE, -1)
@@ -65,6 +69,8 @@ def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[tor
                    pos_TK, probs_TE, lse_T, aux_grad_E, normalize: str, scale: float, z_scale: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """grad_logits_TE (fp32; out_dtype is the Triton kernels' and unused here): see triton_route.route_backward."""
+    if aux_grad_E is None:      # no balance loss (aux "none"): its factors are 0
+        aux_grad_E = probs_TE.new_zeros(probs_TE.shape[1])
     native = _native(probs_TE.device)
     if native is not None:
         return native.route_backward(grad_final_TK, grad_aux, expert_TK, gate_TK, pos_TK, probs_TE,
