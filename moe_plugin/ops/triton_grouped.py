@@ -131,7 +131,7 @@ def wgrad_gather(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor
     else:
         grad_w_EDF = torch.empty(E, D, F, dtype=dtype, device=device)
     grad_b_EF = torch.empty(E, F, dtype=dtype, device=device) if bias else None
-    if E == 0 or D == 0 or F == 0:
+    if E == 0 or F == 0:
         return grad_w_EDF, grad_b_EF
     if T == 0:   # no tokens, so no routed rows: every expert is empty
         grad_w_EDF.zero_()
@@ -141,11 +141,11 @@ def wgrad_gather(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor
     flags = dict(HAS_BIAS=bias, IEEE=dtype == torch.float32, INTERPRETED=_interpreted())
     if _interpreted():
         block_m, block_n, block_k = _blocks()
-        grid = (triton.cdiv(D, block_m) * triton.cdiv(F, block_n), E)
+        grid = (max(1, triton.cdiv(D, block_m)) * triton.cdiv(F, block_n), E)     # D = 0: the bias gradient still
         _wgrad_gather_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     else:
-        _wgrad_gather_tuned[lambda meta: (triton.cdiv(D, meta["BLOCK_M"]) * triton.cdiv(F, meta["BLOCK_N"]), E)](
-            *args, **flags)
+        _wgrad_gather_tuned[lambda meta: (max(1, triton.cdiv(D, meta["BLOCK_M"])) * triton.cdiv(F, meta["BLOCK_N"]),
+                                          E)](*args, **flags)
     return grad_w_EDF, grad_b_EF
 
 

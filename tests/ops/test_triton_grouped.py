@@ -249,6 +249,19 @@ def test_wgrad_gather(device, case, dtype, bias, hf_layout):
             assert torch.all(grad_w_EDF[e] == 0) and (not bias or torch.all(grad_b_EF[e] == 0))
 
 
+def test_wgrad_gather_zero_model_dim(device):
+    """D = 0: an empty weight gradient, and still the bias gradient's column sums."""
+    from moe_plugin.ops import triton_grouped
+    pos_TK, R, offs_E = routed(9, 4, 2, 9, device)
+    x_TD, grad_RF = torch.randn(9, 0, device=device), torch.randn(R, 5, device=device)
+    token_R = torch_grouped.tokens_of_rows(pos_TK, R)
+    grad_w_EDF, grad_b_EF = triton_grouped.wgrad_gather(x_TD, token_R, offs_E, grad_RF,
+                                                        torch.empty(4, 0, 5, device=device), True)
+    assert grad_w_EDF.shape == (4, 0, 5)
+    expected_b = torch_grouped.wgrad_gather(x_TD.double(), token_R, offs_E, grad_RF.double(), True)[1]
+    torch.testing.assert_close(grad_b_EF.double(), expected_b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the GPU's tiles are checked on CPU, under the interpreter")
 def test_wgrad_gather_gpu_tiles(monkeypatch):
     """Each tile size the GPU's autotuner may pick (several tiles per dim, several row steps, ragged ends) gives the
