@@ -263,7 +263,7 @@ def test_wgrad_gather_zero_model_dim(device):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU's tiles are checked on CPU, under the interpreter")
-def test_wgrad_gather_gpu_tiles(monkeypatch):
+def test_wgrad_gather_gpu_tiles(device, monkeypatch):
     """Each tile size the GPU's autotuner may pick (several tiles per dim, several row steps, ragged ends) gives the
     reference's gradients."""
     from moe_plugin.ops import triton_grouped
@@ -302,7 +302,8 @@ def test_wgrad_gather_reference_is_the_weight_gradient():
     ("swiglu", False, torch.float32, False, False), ("relu", True, torch.float32, True, False),
     ("geglu", True, torch.bfloat16, False, False), ("relu", True, torch.float32, False, True)],
     ids=["swiglu_fp32", "relu_bias_hf_layout", "geglu_bias_bf16", "frozen_w1"])
-def test_layer_backward_with_wgrad_gather_forced_on(monkeypatch, activation, bias, dtype, hf_layout, frozen_w1):
+def test_layer_backward_with_wgrad_gather_forced_on(device, monkeypatch, activation, bias, dtype, hf_layout,
+                                                    frozen_w1):
     """The fused layer's backward with wgrad_gather forced on (the other fused kernels off) gives today's outputs
     and gradients; it runs once per step where w1 needs a gradient, never where w1 is frozen."""
     from moe_plugin.ops import choice, fused_gemms, triton_grouped
