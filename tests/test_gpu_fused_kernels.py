@@ -1,25 +1,21 @@
 """benchmarks/gpu/fused_kernels.py, run.sh's timing of the fused grouped GEMMs against today's passes: its step's
 flags parse, it says it needs a GPU, its CPU smoke run (the Triton interpreter) times every kernel and finds the
 fused results equal to the unfused ones, and the summary turns its results (or their absence) into rows."""
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO as ROOT, load_script
+
 GPU = ROOT / "benchmarks" / "gpu"
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"gpu_{name}", GPU / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/gpu/{name}.py")
 
 
 def test_run_script_step_flags_parse():
