@@ -474,61 +474,44 @@ Tensor grouped_mm(const Tensor& a, const Tensor& b, const Tensor& offs_E) {
   return out;
 }
 
-// The fused routing's CPU form (moe_plugin/ops/torch_route.py, the same in torch ops), fp32, from the router's
-// logits [T, E]: softmax, top-k (best first, ties to the lower expert), gates (normalized before dropping when
-// normalize == 1), loads, slots in visiting order (choice-major, tokens in order) below cap, the final gates
-// (zeroed where dropped, renormalized when normalize == 2, times scale), the balance loss (aux_kind 1 counts
-// first choices, 2 all) times aux_scale plus z_scale * the sum of lse^2. Returns (final_TK, aux, pos_TK, kept_TK,
-// load_E, kept_E, offs_E int32, expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E).
-std::vector<Tensor> route_forward(const Tensor& logits_in, int64_t K, int64_t normalize, int64_t cap, int64_t aux_kind,
-                                  double aux_scale, double z_scale, double scale) {
-  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat, "route_forward takes fp32 logits [T, E]");
-  const Tensor logits = logits_in.contiguous();
-  const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(K >= 1 && K <= E, "route_forward: top_k must be between 1 and the number of experts");
-  auto f32 = logits.options(), i64 = logits.options().dtype(at::kLong);
-  Tensor probs = at::empty({T, E}, f32), lse = at::empty({T}, f32), gate = at::empty({T, K}, f32);
-  Tensor expert = at::empty({T, K}, i64), pos = at::empty({T, K}, i64), final_gate = at::empty({T, K}, f32);
-  Tensor kept_tk = at::empty({T, K}, logits.options().dtype(at::kBool));
-  Tensor load = at::zeros({E}, i64), kept = at::empty({E}, i64), offs = at::empty({E}, logits.options().dtype(at::kInt));
+// The fused routing's CPU plan (moe_plugin/ops/torch_route.py: the same as its torch ops), fp32, from torch's own
+// softmax probabilities [T, E] and top-k (gate_TK, expert_TK: best first), so the choices are the reference's bit for
+// bit: the gates normalized before dropping when normalize == 1, loads, slots in visiting order (choice-major, tokens
+// in order) below cap, the final gates (zeroed where dropped, renormalized when normalize == 2, times scale), and
+// the balance loss (aux_kind 1 counts first choices, 2 all, 0 none) times aux_scale. Returns (final_TK, aux, pos_TK,
+// kept_TK, load_E, kept_E, offs_E int32, gate_TK normalized, aux_grad_E).
+std::vector<Tensor> route_plan(const Tensor& probs_in, const Tensor& gate_in, const Tensor& expert_in, int64_t normalize,
+                               int64_t cap, int64_t aux_kind, double aux_scale, double scale) {
+  TORCH_CHECK(probs_in.dim() == 2 && probs_in.scalar_type() == at::kFloat && gate_in.scalar_type() == at::kFloat &&
+              expert_in.scalar_type() == at::kLong && gate_in.sizes() == expert_in.sizes() &&
+              gate_in.size(0) == probs_in.size(0), "route_plan takes fp32 probs [T, E], fp32 gates and int64 experts [T, K]");
+  const Tensor probs = probs_in.contiguous(), expert = expert_in.contiguous();
+  const int64_t T = probs.size(0), E = probs.size(1), K = expert.size(1);
+  auto f32 = probs.options(), i64 = probs.options().dtype(at::kLong);
+  Tensor gate = gate_in.contiguous().clone(), pos = at::empty({T, K}, i64), final_gate = at::empty({T, K}, f32);
+  Tensor kept_tk = at::empty({T, K}, probs.options().dtype(at::kBool));
+  Tensor load = at::zeros({E}, i64), kept = at::empty({E}, i64), offs = at::empty({E}, probs.options().dtype(at::kInt));
   Tensor aux_grad = at::empty({E}, f32), aux = at::empty({}, f32);
-  const float* l = logits.const_data_ptr<float>();
-  float *p = probs.data_ptr<float>(), *g = gate.data_ptr<float>(), *z = lse.data_ptr<float>();
-  int64_t *ex = expert.data_ptr<int64_t>(), *ld = load.data_ptr<int64_t>();
+  const float* p = probs.const_data_ptr<float>();
+  const int64_t* ex = expert.const_data_ptr<int64_t>();
+  float* g = gate.data_ptr<float>();
+  int64_t* ld = load.data_ptr<int64_t>();
   std::vector<int64_t> counted(E, 0);
-  std::vector<double> psum(E, 0.0);
-  double zsum = 0.0;
   for (int64_t t = 0; t < T; ++t) {
-    const float* lt = l + t * E;
-    float* pt = p + t * E;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t e = 0; e < E; ++e) top = std::max(top, lt[e]);
-    float sum = 0.0f;
-    for (int64_t e = 0; e < E; ++e) sum += (pt[e] = std::exp(lt[e] - top));
-    const float inv = 1.0f / sum;
-    for (int64_t e = 0; e < E; ++e) psum[e] += (pt[e] *= inv);
-    z[t] = top + std::log(sum);
-    zsum += static_cast<double>(z[t]) * z[t];
     float chosen_sum = 0.0f;
-    for (int64_t k = 0; k < K; ++k) {   // K passes over E: K is small
-      int64_t best = -1;
-      for (int64_t e = 0; e < E; ++e) {
-        bool taken = false;
-        for (int64_t j = 0; j < k; ++j) taken |= ex[t * K + j] == e;
-        if (!taken && (best < 0 || pt[e] > pt[best])) best = e;
-      }
-      ex[t * K + k] = best;
-      g[t * K + k] = pt[best];
-      chosen_sum += pt[best];
-      ++ld[best];
-      if (aux_kind == 2 || (aux_kind == 1 && k == 0)) ++counted[best];
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ex[t * K + k];
+      TORCH_CHECK(e >= 0 && e < E, "route_plan: an expert index outside [0, ", E, ")");
+      chosen_sum += g[t * K + k];
+      ++ld[e];
+      if (aux_kind == 2 || (aux_kind == 1 && k == 0)) ++counted[e];
     }
     if (normalize == 1) {
       const float denom = std::max(chosen_sum, std::numeric_limits<float>::min());
       for (int64_t k = 0; k < K; ++k) g[t * K + k] /= denom;
     }
   }
-  int64_t *kp = kept.data_ptr<int64_t>();
+  int64_t* kp = kept.data_ptr<int64_t>();
   int32_t* of = offs.data_ptr<int32_t>();
   std::vector<int64_t> start(E), taken(E, 0);
   for (int64_t e = 0, end = 0; e < E; ++e) {
@@ -551,20 +534,25 @@ std::vector<Tensor> route_forward(const Tensor& logits_in, int64_t K, int64_t no
     float kept_sum = 0.0f;
     for (int64_t k = 0; k < K; ++k) kept_sum += (fg[t * K + k] = kt[t * K + k] ? g[t * K + k] : 0.0f);
     const float denom = normalize == 2 ? std::max(kept_sum, std::numeric_limits<float>::epsilon()) : 1.0f;
-    for (int64_t k = 0; k < K; ++k) fg[t * K + k] = normalize == 2 ? fg[t * K + k] / denom * static_cast<float>(scale)
-                                                                    : fg[t * K + k] * static_cast<float>(scale);
+    for (int64_t k = 0; k < K; ++k) {
+      if (normalize == 2) fg[t * K + k] /= denom;
+      if (scale != 1.0) fg[t * K + k] *= static_cast<float>(scale);
+    }
   }
   float* ag = aux_grad.data_ptr<float>();
   double loss = 0.0;
   for (int64_t e = 0; e < E; ++e) {
     ag[e] = static_cast<float>(counted[e] * aux_scale);
-    loss += psum[e] * ag[e];
+    if (aux_kind == 0 || counted[e] == 0) continue;
+    double psum = 0.0;
+    for (int64_t t = 0; t < T; ++t) psum += p[t * E + e];
+    loss += psum * ag[e];
   }
-  aux.fill_(loss + z_scale * zsum);
-  return {final_gate, aux, pos, kept_tk, load, kept, offs, expert, gate, probs, lse, aux_grad};
+  aux.fill_(loss);
+  return {final_gate, aux, pos, kept_tk, load, kept, offs, gate, aux_grad};
 }
 
-// The logits' gradient [T, E] (fp32) of route_forward from its final gates' gradient and its loss's (either may
+// The logits' gradient [T, E] (fp32) of the fused routing (torch_route.route) from its final gates' gradient and its loss's (either may
 // be undefined: 0): see triton_route.py's backward kernel.
 Tensor route_backward(const std::optional<Tensor>& grad_final_in, const std::optional<Tensor>& grad_aux_in,
                       const Tensor& expert_in, const Tensor& gate_in, const Tensor& pos_in, const Tensor& probs_in,
@@ -717,8 +705,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clamped_swiglu_forward", &clamped_swiglu_forward,
         "(clamp(up, -L, L) + beta) * g * sigmoid(alpha g), g = min(gate, L), of rows [gate | up], in one pass");
   m.def("clamped_swiglu_backward", &clamped_swiglu_backward, "(grad_pre, act) of the clamped form, in one pass");
-  m.def("route_forward", &route_forward, "the fused routing's CPU form from fp32 logits (see moe_plugin/ops/torch_route.py)");
-  m.def("route_backward", &route_backward, "the logits' gradient of route_forward");
+  m.def("route_plan", &route_plan, "the fused routing's CPU plan from torch's softmax and top-k (see moe_plugin/ops/torch_route.py)");
+  m.def("route_backward", &route_backward, "the logits' gradient of the fused routing (see moe_plugin/ops/torch_route.py)");
   m.def("has_blas_sgemm", [] { return blas_sgemm() != nullptr; }, "whether fp32 grouped GEMMs call BLAS directly");
   m.def("grouped_mm", &grouped_mm, "torch's CPU grouped GEMM into a pooled output (see moe_plugin/ops/grouped.py)");
   m.def("swiglu_backward_", &swiglu::swiglu_backward_, "swiglu_backward in place (swiglu_cpu.h)");

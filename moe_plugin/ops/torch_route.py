@@ -1,8 +1,9 @@
 """The fused routing (moe_plugin/fused_route.py) for CPU tensors: the same results as the four Triton kernels of
 triton_route.py, as one autograd node (the router, plan_routes and finalize_gates take ~25), for the host time
-of small steps: forward, the logits' GEMM, then about twenty torch ops (below; slots from ops.route_slots) with
-torch's own softmax and topk, so the choices are the reference's bit for bit; backward, one native call
-(csrc/routing_cpu.cpp route_backward) where the native kernels load, else torch ops.
+of small steps: forward, the logits' GEMM and torch's own softmax and topk (so the choices are the reference's bit
+for bit), then one native call (csrc/routing_cpu.cpp route_plan: gates, loads, slots, balance loss) where the native
+kernels load, else about fifteen torch ops (below; slots from ops.route_slots); backward, one native call
+(route_backward) where the native kernels load, else torch ops.
 
 Shape legend: moe_plugin/shapes.py (here T tokens, E experts, K top-k).
 """
@@ -17,6 +18,7 @@ from .choice import kernels_for
 
 TINY = torch.finfo(torch.float32).tiny
 NORMALIZE = {"none": 0, "before_drop": 1, "after_drop": 2}
+AUX_KINDS = {"none": 0, "gshard": 1, "switch": 2}
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -32,10 +34,20 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
     if x_TD.dtype != torch.float32:
         x_TD, w_ED = x_TD.to(torch.float32), w_ED.to(torch.float32)
     logits_TE = torch.mm(x_TD, w_ED.t())
-    # torch's own softmax and topk, as the reference router and HF's blocks: the native route_forward's softmax
-    # rounds differently, which flips near-tied choices (a swapped Qwen3-Omni talker's logits moved by 6e-4)
+    # torch's own softmax and topk, as the reference router and HF's blocks (a softmax of our own rounds differently,
+    # which flips near-tied choices: a swapped Qwen3-Omni talker's logits moved by 6e-4); the rest in one native call
     probs_TE = torch.softmax(logits_TE, -1)
     gate_TK, expert_TK = probs_TE.topk(K, -1)
+    native = _native(probs_TE.device)
+    if native is not None:
+        final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E, gate_TK, aux_grad_E = native.route_plan(
+            probs_TE, gate_TK, expert_TK, NORMALIZE[normalize], cap, AUX_KINDS[aux_kind], aux_scale, scale)
+        lse_T = None
+        if z_scale:
+            lse_T = torch.logsumexp(logits_TE, -1)
+            aux = aux + z_scale * lse_T.square().sum()
+        outputs = (final_TK.to(gate_dtype), aux, pos_TK, kept_TK, load_E, kept_E, offs_E)
+        return outputs, (expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E)
     if normalize == "before_drop":
         gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True).clamp_(min=TINY)
     load_E = torch.bincount(expert_TK.view(-1), minlength=E)
@@ -107,4 +119,4 @@ def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[tor
 def _native(device: torch.device):
     """The native CPU kernels where they load (route_backward), else None: the torch ops above."""
     module, name, _ = kernels_for(device)
-    return module if name == "native" and hasattr(module, "route_forward") else None
+    return module if name == "native" and hasattr(module, "route_plan") else None
