@@ -59,7 +59,7 @@ def test_fused_route_equals_router_plan_and_gates(case, dtype):
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_cpu_fused_route_equals_router_plan_and_gates(case, dtype, autocast, kernels, monkeypatch):
-    """The CPU form (ops/torch_route.py), in this process: the native route_forward / route_backward (auto, where
+    """The CPU form (ops/torch_route.py), in this process: the native route_plan / route_backward (auto, where
     they build) and the torch ops (MOE_PLUGIN_KERNELS=torch)."""
     from moe_plugin.ops import torch_route
     monkeypatch.setenv("MOE_PLUGIN_KERNELS", kernels)
