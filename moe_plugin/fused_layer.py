@@ -43,7 +43,8 @@ def eligible(layer, x_TD: torch.Tensor, routed_TD: torch.Tensor, weights) -> boo
     """Whether this path computes what fused_route.route and the local dispatcher would (weights: the experts'
     ExpertWeights in x's dtype, or None)."""
     if weights is None or any(f is not None for f in weights.lora) or x_TD.dtype not in DTYPES or \
-            not isinstance(layer._dispatcher, LocalDispatcher) or not fused_route.eligible(layer, routed_TD):
+            not isinstance(layer._dispatcher, LocalDispatcher) or \
+            not fused_route.routed_as_configured(layer, routed_TD):
         return False
     align = 16 // x_TD.element_size()
     w1, w2 = weights.w1_EDH, weights.w2_EHD
@@ -82,7 +83,7 @@ class FusedLayer(torch.autograd.Function):
         x_TD = x_TD.contiguous()
         router_TD = x_TD if routed_TD is None else routed_TD.contiguous()
         outputs, routes = torch_route.route(router_TD, w_ED.contiguous(), K, normalize, scale, cap, aux_kind,
-                                            aux_scale, z_scale, dtype)
+                                            aux_scale, z_scale, dtype, native)
         gate_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = outputs
         R = pos_TK.numel()
         # rows past the kept ones (dropped choices) stay as they come: every kernel below reads only kept rows
@@ -157,7 +158,7 @@ class FusedLayer(torch.autograd.Function):
 
         if router_grad and (grad_gate_TK is not None or grad_aux is not None):
             grad_TE = torch_route.route_backward(grad_gate_TK, grad_aux, expert_TK, route_gate_TK, pos_TK, probs_TE,
-                                                 lse_T, aux_grad_E, normalize, scale, z_scale, dtype)
+                                                 lse_T, aux_grad_E, normalize, scale, z_scale, dtype, native)
             router_TD = x_TD if routed_TD is None else routed_TD
             if need_routed or (routed_TD is None and need_x):
                 grad_router_TD = (grad_TE @ w_ED.to(grad_TE.dtype)).to(router_TD.dtype)

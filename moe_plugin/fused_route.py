@@ -24,8 +24,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def eligible(layer, routed_TD: torch.Tensor) -> bool:
     """Whether the fused routing computes what the reference path would for this call."""
+    return _kernels(routed_TD.device) is not None and _plain_dispatch() and routed_as_configured(layer, routed_TD)
+
+
+def routed_as_configured(layer, routed_TD: torch.Tensor) -> bool:
+    """eligible's checks of the layer, its router and the input (a caller that has chosen the kernels already)."""
     cfg, router = layer.config, layer.router
-    if _kernels(routed_TD.device) is None or not _plain_dispatch() or routed_TD.shape[0] == 0:
+    if routed_TD.shape[0] == 0:
         return False
     noisy = router.training and (cfg.gate_noise > 0 or getattr(router, "noise_policy", None) is not None)
     hooked = bool(router._forward_hooks or router._forward_pre_hooks)   # the fused path never calls the router

@@ -19,17 +19,18 @@ from .choice import kernels_for
 TINY = torch.finfo(torch.float32).tiny
 NORMALIZE = {"none": 0, "before_drop": 1, "after_drop": 2}
 AUX_KINDS = {"none": 0, "gshard": 1, "switch": 2}
+NOT_GIVEN = object()
 EPS = torch.finfo(torch.float32).eps
 
 
 def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale: float, cap: int, aux_kind: str,
-          aux_scale: float, z_scale: float, gate_dtype: torch.dtype):
+          aux_scale: float, z_scale: float, gate_dtype: torch.dtype, native=NOT_GIVEN):
     """(final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E int32) and what backward needs
     (expert_TK, gate_TK: the gates before dropping, probs_TE, lse_T or None, aux_grad_E or None for no balance
-    loss)."""
+    loss). native: the native kernel module (or None: the torch ops), if the caller has looked it up."""
     if torch.is_autocast_enabled(x_TD.device.type):      # the router runs in fp32, as the reference's
         with torch.autocast(x_TD.device.type, enabled=False):
-            return route(x_TD, w_ED, K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype)
+            return route(x_TD, w_ED, K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype, native)
     T, E = x_TD.shape[0], w_ED.shape[0]
     if x_TD.dtype != torch.float32:
         x_TD, w_ED = x_TD.to(torch.float32), w_ED.to(torch.float32)
@@ -38,7 +39,7 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
     # which flips near-tied choices: a swapped Qwen3-Omni talker's logits moved by 6e-4); the rest in one native call
     probs_TE = torch.softmax(logits_TE, -1)
     gate_TK, expert_TK = probs_TE.topk(K, -1)
-    native = _native(probs_TE.device)
+    native = _native(probs_TE.device) if native is NOT_GIVEN else native
     if native is not None:
         final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E, gate_TK, aux_grad_E = native.route_plan(
             probs_TE, gate_TK, expert_TK, NORMALIZE[normalize], cap, AUX_KINDS[aux_kind], aux_scale, scale)
@@ -79,11 +80,11 @@ def route(x_TD: torch.Tensor, w_ED: torch.Tensor, K: int, normalize: str, scale:
 
 def route_backward(grad_final_TK: Optional[torch.Tensor], grad_aux: Optional[torch.Tensor], expert_TK, gate_TK,
                    pos_TK, probs_TE, lse_T, aux_grad_E, normalize: str, scale: float, z_scale: float,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, native=NOT_GIVEN) -> torch.Tensor:
     """grad_logits_TE (fp32; out_dtype is the Triton kernels' and unused here): see triton_route.route_backward."""
     if aux_grad_E is None:      # no balance loss (aux "none"): its factors are 0
         aux_grad_E = probs_TE.new_zeros(probs_TE.shape[1])
-    native = _native(probs_TE.device)
+    native = _native(probs_TE.device) if native is NOT_GIVEN else native
     if native is not None:
         return native.route_backward(grad_final_TK, grad_aux, expert_TK, gate_TK, pos_TK, probs_TE,
                                      probs_TE.new_empty(0) if lse_T is None else lse_T, aux_grad_E,
