@@ -21,6 +21,7 @@ import torch
 from . import dispatch, fused_route
 from .activations import activate, activation_backward
 from .dispatchers.local import LocalDispatcher
+from .experts import NO_LORA
 from .fused import NoGraph
 from .ops import grouped_sum, torch_route
 from .ops.choice import device_kind, kernels_for
@@ -42,13 +43,13 @@ def kernels(x_TD: torch.Tensor):
 def eligible(layer, x_TD: torch.Tensor, routed_TD: torch.Tensor, weights) -> bool:
     """Whether this path computes what fused_route.route and the local dispatcher would (weights: the experts'
     ExpertWeights in x's dtype, or None)."""
-    if weights is None or any(f is not None for f in weights.lora) or x_TD.dtype not in DTYPES or \
-            not isinstance(layer._dispatcher, LocalDispatcher) or \
+    if weights is None or (weights.lora is not NO_LORA and any(f is not None for f in weights.lora)) or \
+            x_TD.dtype not in DTYPES or not isinstance(layer._dispatcher, LocalDispatcher) or \
             not fused_route.routed_as_configured(layer, routed_TD):
         return False
     align = 16 // x_TD.element_size()
     w1, w2 = weights.w1_EDH, weights.w2_EHD
-    return all(type(t) in _PLAIN for t in (x_TD, routed_TD, w1, w2)) and \
+    return type(x_TD) in _PLAIN and type(routed_TD) in _PLAIN and type(w1) in _PLAIN and type(w2) in _PLAIN and \
         x_TD.shape[1] % align == 0 and w1.shape[2] % align == 0 and w2.shape[1] % align == 0
 
 
