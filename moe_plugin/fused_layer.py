@@ -58,14 +58,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def moe(layer, x_TD: torch.Tensor, routed_TD: Optional[torch.Tensor], weights, capacity_factor: float, native):
     """(y_TD, aux loss, plan) of the layer on x_TD; routed_TD: what the router sees, if not x_TD."""
-    cfg = layer.config
-    T, K, E = x_TD.shape[0], cfg.top_k, cfg.num_experts
-    fixed = dispatch.fixed_capacity(abs(capacity_factor), T, E, K, cfg.min_capacity) if capacity_factor else T
-    cap = T * K if capacity_factor == 0 else fixed
-    counted = {"gshard": T, "switch": T * K, "none": 0}[cfg.aux_loss]
-    aux_scale = cfg.aux_loss_coef * E / (T * counted) if counted else 0.0
-    spec = (K, cfg.normalize_gate, cfg.route_scale, cap, cfg.aux_loss, aux_scale, cfg.z_loss_coef / T, x_TD.dtype,
-            weights.activation, native)
+    spec, cap, fixed = fused_route.route_spec(layer.config, x_TD.shape[0], capacity_factor, x_TD.dtype)
+    spec += (weights.activation, native)
     plan = []       # forward puts the plan's tensors here: as outputs each would cost autograd's bookkeeping
     args = (x_TD, routed_TD, layer.router.weight_ED, weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED,
             spec, plan)

@@ -64,18 +64,24 @@ def _plain_dispatch() -> bool:
 def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: torch.dtype
           ) -> Tuple[torch.Tensor, torch.Tensor, dispatch.Plan]:
     """(final gates [T, K] in gate_dtype, aux loss (coefficients applied), plan)."""
-    cfg = layer.config
-    T, K, E = routed_TD.shape[0], cfg.top_k, cfg.num_experts
-    fixed = dispatch.fixed_capacity(abs(capacity_factor), T, E, K, cfg.min_capacity) if capacity_factor else T
-    cap = T * K if capacity_factor == 0 else fixed
-    counted = {"gshard": T, "switch": T * K, "none": 0}[cfg.aux_loss]
-    aux_scale = cfg.aux_loss_coef * E / (T * counted) if counted else 0.0
-    spec = (K, cfg.normalize_gate, cfg.route_scale, cap, cfg.aux_loss, aux_scale, cfg.z_loss_coef / T, gate_dtype)
+    spec, cap, fixed = route_spec(layer.config, routed_TD.shape[0], capacity_factor, gate_dtype)
     # no graph recorded (eligible() has ruled out compiling and functorch): forward itself, without apply's host work
     args = routed_TD, layer.router.weight_ED, spec
     outputs = FusedRoute.apply(*args) if torch.is_grad_enabled() else FusedRoute.forward(NoGraph(), *args)
     final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = outputs
     return final_TK, aux, dispatch.Plan(pos_TK, kept_TK, load_E, kept_E, offs_E, cap, capacity_factor, fixed)
+
+
+def route_spec(cfg, T: int, capacity_factor: float, gate_dtype: torch.dtype) -> Tuple[tuple, int, int]:
+    """(spec, cap, fixed) of the routing of T tokens: spec = (K, normalize, route scale, cap, aux kind, aux scale,
+    z-loss scale, gate dtype), what the fused routing's kernels take; cap the slot limit, fixed the fixed capacity."""
+    K, E = cfg.top_k, cfg.num_experts
+    fixed = dispatch.fixed_capacity(abs(capacity_factor), T, E, K, cfg.min_capacity) if capacity_factor else T
+    cap = T * K if capacity_factor == 0 else fixed
+    counted = {"gshard": T, "switch": T * K, "none": 0}[cfg.aux_loss]
+    aux_scale = cfg.aux_loss_coef * E / (T * counted) if counted else 0.0
+    spec = (K, cfg.normalize_gate, cfg.route_scale, cap, cfg.aux_loss, aux_scale, cfg.z_loss_coef / T, gate_dtype)
+    return spec, cap, fixed
 
 
 class FusedRoute(torch.autograd.Function):
