@@ -108,6 +108,8 @@ class Needs(NamedTuple):
 def lora_factors(experts) -> tuple:
     """(up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD): the experts' LoRA factors (lora.py), each B already times
     its scale; None for a projection without an adapter (or with its adapter merged)."""
+    if isinstance(experts, ExpertWeights):      # weights gathered or cast already (expert parallelism)
+        return experts.lora
     # PEFT's factors are a plain attribute, add_lora's adapter a submodule: looked up where each lives (a getattr
     # that misses costs nn.Module an exception, every forward)
     lora = experts.__dict__.get("lora")

@@ -293,6 +293,15 @@ def test_lora_backward_writes_over_its_dead_buffers(monkeypatch, activation, rou
     layer.zero_grad()
     assert_reference(layer, x, 1e-5)
 
+
+def test_lora_factors_of_gathered_weights_are_theirs():
+    """expert parallelism passes ExpertWeights (a tuple with a lora field, no __dict__) to lora_factors."""
+    from moe_plugin.experts import NO_LORA, ExpertWeights, cast_weights, lora_factors
+    layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu")
+    weights = cast_weights(layer.experts, torch.float32)
+    assert lora_factors(weights) is weights.lora and all(f is not None for f in weights.lora)
+    assert lora_factors(ExpertWeights(*weights[:4])) == NO_LORA
+
 # ---- errors --------------------------------------------------------------------------------------------------
 
 def test_errors_name_what_was_wrong():
