@@ -3,13 +3,13 @@
 Every output of a native kernel is poisoned (NaN, or INT64_MIN for indices) before the kernel runs,
 so an element it forgets to write fails the comparison.
 """
-import shutil
 
 import pytest
 import torch
 
 from moe_plugin import ops
-from moe_plugin.ops import native, torch_ops
+from moe_plugin.ops import torch_ops
+from helpers.native import native_kernels
 from helpers.routes import random_slots
 
 CASES = [  # tokens, top_k, experts, dim, capacity
@@ -26,11 +26,7 @@ DTYPES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch
 
 @pytest.fixture(scope="module")
 def kernels():
-    module, why = native.load()
-    if module is None:
-        if shutil.which("g++") and (shutil.which("ninja") or native._ninja_module()):
-            pytest.fail(f"a compiler and ninja are here but the native kernels did not load: {why}")
-        pytest.skip(f"native kernels unavailable here: {why}")
+    module = native_kernels()
     module.poison_outputs(True)
     yield module
     module.poison_outputs(False)

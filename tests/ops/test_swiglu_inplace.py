@@ -4,7 +4,6 @@ only in a backward pass that frees its graph, so retain_graph and gradcheck stil
 
 Legend: R rows, H hidden width (pre-activations [R, 2H] = [gate | up]).
 """
-import shutil
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ import torch
 from moe_plugin import activations
 from moe_plugin.activations import Activation
 from moe_plugin.experts import GroupedMLP
-from moe_plugin.ops import native, torch_ops
+from moe_plugin.ops import torch_ops
 from helpers.compare import relative_error
+from helpers.native import native_kernels
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}
 ACTIVATIONS = {"swiglu": Activation("swiglu"), "clamped": Activation("swiglu", 0.75),     # limits exact in bf16
@@ -22,11 +22,7 @@ ACTIVATIONS = {"swiglu": Activation("swiglu"), "clamped": Activation("swiglu", 0
 
 @pytest.fixture(scope="module")
 def kernels():
-    module, why = native.load()
-    if module is None:
-        if shutil.which("g++") and (shutil.which("ninja") or native._ninja_module()):
-            pytest.fail(f"a compiler and ninja are here but the native kernels did not load: {why}")
-        pytest.skip(f"native kernels unavailable here: {why}")
+    module = native_kernels()
     return module
 
 
