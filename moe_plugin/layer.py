@@ -1,5 +1,6 @@
 """MoELayer: router -> plan -> dispatcher (the experts on the routed rows) -> shared expert, a drop-in for a
-transformer FFN block.
+transformer FFN block. On eager CPU with the native kernels, routing and experts run as one autograd node
+(fused_layer.py) where it covers the configuration.
 
 Shape legend: moe_plugin/shapes.py.
 """
