@@ -108,15 +108,16 @@ class Needs(NamedTuple):
 def lora_factors(experts) -> tuple:
     """(up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD): the experts' LoRA factors (lora.py), each B already times
     its scale; None for a projection without an adapter (or with its adapter merged)."""
-    if isinstance(experts, ExpertWeights):      # weights gathered or cast already (expert parallelism)
-        return experts.lora
-    # PEFT's factors are a plain attribute, add_lora's adapter a submodule: looked up where each lives (a getattr
-    # that misses costs nn.Module an exception, every forward)
-    lora = experts.__dict__.get("lora")
-    if lora is None:
-        lora = experts._modules.get("lora")
+    if isinstance(experts, nn.Module):
+        # PEFT's factors are a plain attribute, add_lora's adapter a submodule: looked up where each lives (a getattr
+        # that misses costs nn.Module an exception, every forward)
+        lora = experts.__dict__.get("lora")
         if lora is None:
-            return NO_LORA
+            lora = experts._modules.get("lora")
+    else:       # weights gathered or cast already (ExpertWeights: expert parallelism), or any holder of them
+        lora = getattr(experts, "lora", None)
+    if lora is None:
+        return NO_LORA
     return lora if isinstance(lora, tuple) else lora.factors()
 
 

@@ -13,6 +13,8 @@ fullgraph compile), `tests/parallel/test_lora_parallel.py` (2 gloo processes aga
 grouped_mm to 1e-5 in fp32; swapped models with `add_lora` given PEFT's factors likewise),
 `tests/integrations/transformers/test_peft_swap.py` (both orders of swap and `get_peft_model`, adapters across, merge).
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -301,6 +303,10 @@ def test_lora_factors_of_gathered_weights_are_theirs():
     weights = cast_weights(layer.experts, torch.float32)
     assert lora_factors(weights) is weights.lora and all(f is not None for f in weights.lora)
     assert lora_factors(ExpertWeights(*weights[:4])) == NO_LORA
+    # any other holder of the weights (the reshard tests gather from a SimpleNamespace of a rank's tensors)
+    assert lora_factors(SimpleNamespace(w1_EDH=weights.w1_EDH)) == NO_LORA
+    assert lora_factors(SimpleNamespace(lora=weights.lora)) is weights.lora
+    assert all(torch.equal(a, b) for a, b in zip(lora_factors(layer.experts), weights.lora))   # add_lora's: a submodule
 
 # ---- errors --------------------------------------------------------------------------------------------------
 
