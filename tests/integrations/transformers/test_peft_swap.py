@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.compare import relative_error
-from helpers.hf import build_model, needs_transformers, tokens
+from helpers.hf import build_model, needs_transformers, tokens, transformers
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 import moe_plugin.integrations.transformers as hf_moe  # noqa: E402
@@ -97,7 +97,6 @@ def test_adapters_load_across_swapped_and_unswapped_models(family, fresh_seed, t
 
 
 def test_merge_and_unload_on_a_swapped_model_gives_plain_hf_folders(fresh_seed, tmp_path):
-    import transformers
     model = build_model("mixtral", seed=fresh_seed % 1000, experts_implementation="grouped_mm")
     ids = tokens(fresh_seed)
     theirs = peft.get_peft_model(copy.deepcopy(model), lora_config())
@@ -120,7 +119,6 @@ def test_merge_and_unload_on_a_swapped_model_gives_plain_hf_folders(fresh_seed, 
 def test_merge_of_an_interleaved_adapter_on_a_swapped_layer_is_exact(safe_merge, fresh_seed, tmp_path):
     """gpt-oss interleaves gate and up; the layer keeps [gate | up]: PEFT's merge (and unmerge) of B's HF-ordered
     columns lands on the layer's columns, so merged, unmerged and merge_and_unload() compute PEFT's own merged model."""
-    import transformers
     model = build_model("gpt_oss", seed=fresh_seed % 1000, experts_implementation="grouped_mm")
     ids = tokens(fresh_seed)
     ours = peft.get_peft_model(hf_moe.swap_moe_blocks(copy.deepcopy(model)), lora_config())
