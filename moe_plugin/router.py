@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.utils._pytree
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,7 +32,7 @@ class Routes:
 
 # A pytree node, so that torch utilities that walk a module's output find its tensors: torch 2.11's FSDP2
 # (a router sharded as a unit of its own) hooks its backward all-gather only on tensors tree_flatten finds.
-torch.export.register_dataclass(Routes)
+torch.utils._pytree.register_dataclass(Routes)     # torch.export's imports torch._dynamo: a second per process
 
 
 class Router(nn.Module):
@@ -232,9 +233,13 @@ def best_groups_only(choice_TE: torch.Tensor, num_groups: int, topk_groups: int,
     return choice_TGM.masked_fill(outside_TG.unsqueeze(-1), -math.inf).view(T, E)
 
 
-@torch.compiler.assume_constant_result   # torch 2.11's dynamo cannot trace is_autocast_available (2.13's can)
 def autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
+
+
+# What @torch.compiler.assume_constant_result does (torch 2.11's dynamo cannot trace is_autocast_available; 2.13's
+# can), without its import of torch._dynamo: a second per process that imports the layer. A test holds it equal.
+autocast_available._dynamo_marked_constant = True
 
 
 def autocast_on(device_type: str) -> bool:

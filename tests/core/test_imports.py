@@ -1,5 +1,5 @@
 """The package's import graph: few function-level imports of its own modules, each with its reason on its line, and
-`import moe_plugin` loads no host framework (issue 32)."""
+`import moe_plugin` loads no host framework (issue 32) nor torch's compiler (a second per process)."""
 import ast
 import subprocess
 import sys
@@ -10,6 +10,7 @@ from helpers.paths import REPO
 ROOT = REPO
 MOST_FUNCTION_LEVEL_IMPORTS = 9   # issue 32: under 10
 HOSTS = ("transformers", "deepspeed", "fairseq", "omegaconf")
+COMPILER = ("torch._dynamo",)     # a second of every process's start (the CLI's, each rank's); loaded when compiling
 
 
 def own_module(node: ast.AST) -> bool:
@@ -57,9 +58,9 @@ def test_few_function_level_imports_of_our_own_modules_each_with_its_reason():
     assert [f"{path}:{line}" for path, line, text in found if "#" not in text] == []
 
 
-def test_importing_moe_plugin_loads_no_host_framework():
+def test_importing_moe_plugin_loads_no_host_framework_nor_the_compiler():
     code = ("import sys, moe_plugin, moe_plugin.train, moe_plugin.cli\n"
-            f"print(' '.join(name for name in {HOSTS!r} if name in sys.modules))")
+            f"print(' '.join(name for name in {HOSTS + COMPILER!r} if name in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == []
@@ -73,3 +74,15 @@ def test_the_transformers_adapter_imports_no_other_adapter():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == []
+
+
+def test_the_router_marks_autocast_available_as_torch_compiler_would():
+    """router.py sets the mark @torch.compiler.assume_constant_result sets, without importing torch._dynamo."""
+    import torch.compiler
+    from moe_plugin import router
+
+    def probe():
+        return None
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and set(vars(probe)) == {"_dynamo_marked_constant"}
+    assert vars(router.autocast_available) == vars(probe)
