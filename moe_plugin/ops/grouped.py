@@ -50,7 +50,7 @@ def _grouped_mm_kernels(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, 
         if not tail_unread():
             zero_rows_past(out, offs_E[-1])
         if bias_EO is not None:
-            _add_bias(out, bias_EO, offs_E)
+            add_bias(out, bias_EO, offs_E)
     return out
 
 
@@ -176,7 +176,7 @@ def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
         out_RO.masked_fill_(past_R.unsqueeze(1), 0)
 
 
-def _add_bias(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor) -> None:
+def add_bias(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor) -> None:
     """out_RO[r] += bias_EO[group of r], in place; rows past the last offset untouched."""
     triton_kernels = eager_triton(out_RO.device)
     if triton_kernels is not None and out_RO.is_contiguous():      # one pass over the rows, one launch

@@ -106,9 +106,9 @@ def test_add_bias_rows_equals_the_reference(R, O, counts, dtype):
     offs_E = offsets(counts)
     out_RO, bias_EO = torch.randn(R, O, dtype=dtype), torch.randn(len(counts), O, dtype=dtype)
     expected_RO = out_RO.clone()
-    grouped._add_bias(expected_RO, bias_EO, offs_E)     # the CPU path: block by block
+    grouped.add_bias(expected_RO, bias_EO, offs_E)     # the CPU path: block by block
     with simulated_cuda():
-        grouped._add_bias(out_RO, bias_EO, offs_E)      # the one-pass kernel
+        grouped.add_bias(out_RO, bias_EO, offs_E)      # the one-pass kernel
     # fp32 exact; bf16 within an ulp: the interpreter truncates on the cast to bf16 (a GPU rounds to nearest)
     rtol = 0 if dtype == torch.float32 else torch.finfo(dtype).eps
     torch.testing.assert_close(out_RO, expected_RO, rtol=rtol, atol=0)
