@@ -12,5 +12,5 @@ def native_kernels():
     if module is None:
         if shutil.which("g++") and (shutil.which("ninja") or native._ninja_module()):
             pytest.fail(f"a compiler and ninja are here but the native kernels did not load: {why}")
-        pytest.skip(f"native kernels unavailable here: {why}")
+        pytest.skip(reason=f"native kernels unavailable here: {why}")
     return module

@@ -84,7 +84,7 @@ LAYER_CASES = [
 @pytest.mark.parametrize("overrides", LAYER_CASES)
 def test_layer_on_each_kernel_set_matches_einsum(fresh_choice, choice, overrides):
     if choice == "native" and native.load()[0] is None:
-        pytest.skip(f"native kernels unavailable: {native.load()[1]}")
+        pytest.skip(reason=f"native kernels unavailable: {native.load()[1]}")
     fresh_choice.setenv(ops.ENV, choice)
     layer = make_layer(**overrides)
     x = torch.randn(2, 23, 12, dtype=torch.float64)
@@ -122,7 +122,7 @@ def test_a_built_library_loads_past_a_left_over_lock(monkeypatch):
     """A process killed while building leaves torch's lock file; with the library built, loading ignores it."""
     import torch.utils.cpp_extension
     if native.load()[0] is None:
-        pytest.skip(f"native kernels unavailable here: {native.load()[1]}")
+        pytest.skip(reason=f"native kernels unavailable here: {native.load()[1]}")
     library = Path(native.load()[0].__file__)
     lock = library.parent / "lock"
     lock.touch()

@@ -29,7 +29,7 @@ in_child = pytest.mark.skipif(not INTERPRET, reason="runs in the child process o
 def test_launch_budget_under_interpreter():
     """Every test of this file again, in a child process started with TRITON_INTERPRET=1."""
     if triton is None:
-        pytest.skip("triton is not installed (pip install triton): the CUDA path cannot run on CPU")
+        pytest.skip(reason="triton is not installed (pip install triton): the CUDA path cannot run on CPU")
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                            cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
                            capture_output=True, text=True, timeout=900)

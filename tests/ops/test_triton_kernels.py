@@ -48,7 +48,7 @@ def poisoned_empty(shape, dtype, device):
 def kernels(request, monkeypatch):
     """(kernel module, device), its outputs allocated full of poison so an unwritten element fails."""
     if triton is None:
-        pytest.skip(NO_TRITON)
+        pytest.skip(reason=NO_TRITON)
     if not INTERPRET and not torch.cuda.is_available():
         pytest.skip("no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
     module = importlib.import_module("moe_plugin.ops.triton_kernels")
@@ -60,7 +60,7 @@ def kernels(request, monkeypatch):
 def test_interpreter_run():
     """Every kernel case of this file again, on CPU, in a child process started with TRITON_INTERPRET=1."""
     if triton is None:
-        pytest.skip(NO_TRITON)
+        pytest.skip(reason=NO_TRITON)
     import numpy   # the interpreter's own dependency
     if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot run under numpy {numpy.__version__} (it calls "
@@ -256,7 +256,7 @@ def test_swiglu_backward_scaled(kernels, R, H, dtype, clamp):
 
 def test_zero_tokens_launch_nothing(monkeypatch):
     if triton is None:
-        pytest.skip(NO_TRITON)
+        pytest.skip(reason=NO_TRITON)
     module = importlib.import_module("moe_plugin.ops.triton_kernels")
     for name in ("_route_slots_kernel", "_scatter_rows_kernel", "_gather_sum_kernel", "_zero_rows_past_kernel",
                  "_grouped_sum_kernel", "_swiglu_kernel"):
@@ -275,7 +275,7 @@ def test_zero_tokens_launch_nothing(monkeypatch):
 
 def test_available_says_why_not():
     if triton is None:
-        pytest.skip(NO_TRITON)
+        pytest.skip(reason=NO_TRITON)
     ok, reason = importlib.import_module("moe_plugin.ops.triton_kernels").available()
     assert ok == torch.cuda.is_available() and (ok or "CUDA" in reason)
 
