@@ -6,25 +6,14 @@ experts that get no token, each gate normalization and balance loss, the z-loss,
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows, O output columns.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer
 
 from helpers.compare import relative_error
+from helpers.interpreter import check_child_run, in_child, in_parent
 
-try:
-    import triton
-except ImportError:
-    triton = None
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-in_child = pytest.mark.skipif(not INTERPRET, reason="runs in the child process of test_fused_route_under_interpreter")
 
 # (T, D, E, K, capacity_factor, normalize_gate, aux_loss, z_loss_coef): E > T * K leaves experts without a token
 CASES = [(50, 24, 8, 2, 0.0, "before_drop", "gshard", 0.0), (37, 13, 5, 3, 1.0, "after_drop", "switch", 0.01),
@@ -32,15 +21,10 @@ CASES = [(50, 24, 8, 2, 0.0, "before_drop", "gshard", 0.0), (37, 13, 5, 3, 1.0, 
          (3, 16, 33, 2, 0.0, "before_drop", "switch", 0.0), (70, 20, 6, 6, -0.5, "after_drop", "gshard", 0.02)]
 
 
-@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
-def test_fused_route_under_interpreter():
-    if triton is None:
-        pytest.skip("triton is not installed (pip install triton): the CUDA path cannot run on CPU")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
-                           capture_output=True, text=True, timeout=900)
-    assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
-    print(child.stdout.splitlines()[-1])
+@in_parent
+def test_interpreter_run(request):
+    """This file's tests marked in_child, on CPU under TRITON_INTERPRET=1 (helpers.interpreter)."""
+    check_child_run(request)
 
 
 CASE_IDS = [f"T{c[0]}-E{c[2]}-K{c[3]}-cf{c[4]}" for c in CASES]

@@ -2,40 +2,22 @@
 budgets of issue 33; and the counter itself.
 
 triton reads TRITON_INTERPRET when it is imported, so the counting tests run in a child process started
-with TRITON_INTERPRET=1 (test_launch_budget_under_interpreter); `pytest -k launch_budget` selects them all.
+with TRITON_INTERPRET=1 (test_interpreter_run, helpers.interpreter); `pytest -k launch_budget` selects them all.
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer
 
-try:
-    import triton
-except ImportError:
-    triton = None
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-in_child = pytest.mark.skipif(not INTERPRET, reason="runs in the child process of test_launch_budget_under_interpreter")
+from helpers.interpreter import check_child_run, in_child, in_parent
 
 
-@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
-def test_launch_budget_under_interpreter():
-    """Every test of this file again, in a child process started with TRITON_INTERPRET=1."""
-    if triton is None:
-        pytest.skip(reason="triton is not installed (pip install triton): the CUDA path cannot run on CPU")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
-                           capture_output=True, text=True, timeout=900)
-    assert child.returncode == 0 and " passed" in child.stdout, \
-        child.stdout + child.stderr
-    print(child.stdout.splitlines()[-1])
+@in_parent
+def test_interpreter_run(request):
+    """Every test of this file again, on CPU under TRITON_INTERPRET=1 (helpers.interpreter)."""
+    check_child_run(request)
 
 
 @in_child

@@ -4,14 +4,11 @@ test_triton_kernels.py does), compiled on CUDA when a GPU is present.
 
 Legend: T tokens, D model dim, N hidden width, F first projection width, E experts, K top-k, R routed rows.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from moe_plugin.ops import torch_grouped, torch_ops
+from helpers.interpreter import INTERPRET, check_child_run, in_parent
 from helpers.routes import random_slots
 
 try:
@@ -19,8 +16,8 @@ try:
 except ImportError:
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# every test here runs again under the interpreter, in the child that test_interpreter_run starts
+pytestmark = pytest.mark.interpreter
 
 # (T, E, K, capacity, D, N): k = 1 and k > 2, empty experts (T*K < E), one expert taking every row, dropped
 # choices, odd D and N; D = 37 takes three K steps of 16 with a ragged end, N = 21 two N tiles
@@ -46,16 +43,10 @@ def device(request):
     return "cpu" if INTERPRET else "cuda"
 
 
-@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
-def test_interpreter_run():
-    """Every kernel case of this file again, on CPU, in a child process started with TRITON_INTERPRET=1."""
-    if triton is None:
-        pytest.skip("triton is not installed")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
-    print(child.stdout.splitlines()[-1])
+@in_parent
+def test_interpreter_run(request):
+    """Every kernel case of this file again, on CPU under TRITON_INTERPRET=1 (helpers.interpreter)."""
+    check_child_run(request)
 
 
 @pytest.mark.parametrize("case", sorted(ROUTINGS))

@@ -9,14 +9,13 @@ Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
 import importlib
 import importlib.util
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from moe_plugin.ops import torch_ops
+from helpers.interpreter import INTERPRET, check_child_run, in_parent
 from helpers.routes import random_slots
 
 try:
@@ -24,9 +23,9 @@ try:
 except ImportError:
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NO_TRITON = "triton is not installed (pip install triton)"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# every test here runs again under the interpreter, in the child that test_interpreter_run starts
+pytestmark = pytest.mark.interpreter
 
 # (T, E, K, capacity): small capacities drop choices; T * K = 1200 takes two steps of the route scan
 ROUTINGS = [(1, 1, 1, 1), (37, 5, 3, 6), (300, 8, 4, 100), (50, 16, 8, 30), (20, 4, 2, 0), (0, 4, 2, 3)]
@@ -56,9 +55,9 @@ def kernels(request, monkeypatch):
     return module, "cpu" if INTERPRET else "cuda"
 
 
-@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
-def test_interpreter_run():
-    """Every kernel case of this file again, on CPU, in a child process started with TRITON_INTERPRET=1."""
+@in_parent
+def test_interpreter_run(request):
+    """Every kernel case of this file again, on CPU under TRITON_INTERPRET=1 (helpers.interpreter)."""
     if triton is None:
         pytest.skip(reason=NO_TRITON)
     import numpy   # the interpreter's own dependency
@@ -66,11 +65,7 @@ def test_interpreter_run():
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot run under numpy {numpy.__version__} (it calls "
                     f"int() on 1-element arrays, which numpy 2.4 refuses): triton >= 3.7.1 or numpy < 2.4 runs it; "
                     f"torch 2.11 pins triton 3.6.0. The compiled kernels are unaffected")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0 and " passed" in child.stdout, child.stdout + child.stderr
-    print(child.stdout.splitlines()[-1])
+    check_child_run(request)
 
 
 def version(text):

@@ -1,0 +1,61 @@
+"""The CUDA code path's tests on CPU under the Triton interpreter.
+
+triton reads TRITON_INTERPRET when it is imported, so one process runs either the interpreter or the compiler. The
+tests marked `interpreter` run again in a child pytest started with TRITON_INTERPRET=1: one child per session for
+every test file collected that has such tests (a start of Python, torch, triton and pytest costs seconds), and each
+file's test_interpreter_run reports its own file's part of that child's run."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from helpers.paths import REPO
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NO_TRITON = "triton is not installed (pip install triton): the CUDA path cannot run on CPU"
+in_parent = pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+_RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (\S+?\.py)(::\S*)?")
+_runs = {}
+
+
+def in_child(test):
+    """A test that runs only in the interpreter child (the compiled kernels have their own tests on CUDA)."""
+    skip = pytest.mark.skipif(not INTERPRET, reason="runs under the Triton interpreter, in the child process that "
+                                                    "this file's test_interpreter_run starts")
+    return pytest.mark.interpreter(skip(test))
+
+
+def check_child_run(request) -> None:
+    """Fail unless this file's interpreter tests all passed in the session's child run, started on the first call
+for the files of every test_interpreter_run collected."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip(reason=NO_TRITON)
+    session = request.session
+    if session not in _runs:
+        files = sorted({os.path.relpath(item.path, REPO) for item in session.items
+                        if item.originalname == request.node.originalname})
+        _runs[session] = _run_child(files)
+    outcomes, output = _runs[session]
+    mine = outcomes.get(os.path.relpath(request.path, REPO), {})
+    failed = mine.get("FAILED", []) + mine.get("ERROR", [])
+    assert not failed and mine.get("PASSED"), f"under TRITON_INTERPRET=1, {failed or 'nothing passed'}:\n{output}"
+    print(f"{len(mine['PASSED'])} passed under the interpreter")
+
+
+def _run_child(files) -> tuple:
+    """({file: {"PASSED" | "FAILED" | "ERROR": [test ids]}}, the child's output's tail)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist",
+               "-m", "interpreter", *files]
+    child = subprocess.run(command, cwd=REPO, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=900)
+    outcomes = defaultdict(lambda: defaultdict(list))
+    for line in child.stdout.splitlines():
+        match = _RESULT.match(line)
+        if match:
+            outcomes[match.group(2)][match.group(1)].append(match.group(2) + (match.group(3) or ""))
+    return outcomes, (child.stdout + child.stderr)[-8000:]
+
