@@ -73,16 +73,14 @@ def write_corpus(root) -> None:
                 tgt.write(" ".join(f"t{w}" for w in words) + "\n")
 
 
-def binarize(root, translation: bool = True) -> tuple:
-    """fairseq-preprocess the corpus; returns (lm data dir, translation data dir or None)."""
+def binarize(root) -> tuple:
+    """fairseq-preprocess the corpus; returns (lm data dir, translation data dir)."""
     raw = os.path.join(root, "raw")
     write_corpus(raw)
     lm, mt = os.path.join(root, "data-lm"), os.path.join(root, "data-mt")
     splits = lambda prefix: ["--trainpref", f"{raw}/{prefix}.train", "--validpref", f"{raw}/{prefix}.valid",  # noqa
                              "--testpref", f"{raw}/{prefix}.test", "--workers", "1"]
     fairseq("preprocess", ["--only-source", "--destdir", lm] + splits("lm"), cwd=root)
-    if not translation:
-        return lm, None
     fairseq("preprocess", ["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary", "--destdir", mt]
             + splits("mt"), cwd=root)
     return lm, mt

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers.fairseq import CPU, TINY_LM, TINY_MT, binarize, fairseq, needs_fairseq, train_losses, user_dir
+from helpers.fairseq import CPU, TINY_LM, TINY_MT, fairseq, needs_fairseq, train_losses, user_dir
 from helpers.paths import REPO
 
 pytestmark = needs_fairseq
@@ -16,10 +16,8 @@ UPDATES = 30
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fairseq")
-    lm, mt = binarize(str(root))
-    return {"root": str(root), "lm": lm, "mt": mt}
+def data(tmp_path_factory, corpus):
+    return {"root": str(tmp_path_factory.mktemp("fairseq")), **corpus}
 
 
 def lm_args(data, save_dir, max_update):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.fairseq import CPU, TINY_LM, binarize, fairseq, needs_fairseq, train_distributed, user_dir
+from helpers.fairseq import CPU, TINY_LM, fairseq, needs_fairseq, train_distributed, user_dir
 from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 
@@ -37,9 +37,8 @@ def load(path):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("fairseq_ddp"))
-    lm, _ = binarize(root, translation=False)
+def runs(tmp_path_factory, corpus):
+    root, lm = str(tmp_path_factory.mktemp("fairseq_ddp")), corpus["lm"]
     dirs = {name: os.path.join(root, name) for name in ("ep", "single", "init")}
     logs = train_distributed(lm_args(lm, dirs["ep"], 1.0, 1, ["--moe-ep-size", "2"]), 2, cwd=root)
     fairseq("train", lm_args(lm, dirs["single"], 1.0, 1, ["--update-freq", "2"]), cwd=root)

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from helpers.fairseq import CPU, TINY_LM, binarize, fairseq, needs_fairseq, user_dir
+from helpers.fairseq import CPU, TINY_LM, fairseq, needs_fairseq, user_dir
 
 pytestmark = needs_fairseq
 
@@ -98,8 +98,8 @@ def test_bias_updates_once_per_update_from_all_micro_batches(adapter):
 
 
 @pytest.mark.timeout(900)
-def test_fairseq_train_with_the_new_flags(tmp_path):
-    lm, _ = binarize(str(tmp_path), translation=False)
+def test_fairseq_train_with_the_new_flags(tmp_path, corpus):
+    lm = corpus["lm"]
     save_dir = str(tmp_path / "ckpt")
     flags = ["--moe-expert-count", "8", "--moe-top-k", "4", "--moe-router", "sigmoid", "--moe-num-groups", "4",
              "--moe-topk-groups", "2", "--moe-route-scale", "2.0", "--moe-expert-bias-update-rate", "0.01",
