@@ -2,9 +2,10 @@
 
 triton reads TRITON_INTERPRET when it is imported, so one process runs either the interpreter or the compiler. The
 tests marked `interpreter` run again in a child pytest started with TRITON_INTERPRET=1: one child per session for
-every test file collected that has such tests (a start of Python, torch, triton and pytest costs seconds), and each
-file's test_interpreter_run reports its own file's part of that child's run."""
+every test file collected that has such tests (a start of Python, torch, triton and pytest costs seconds; one child
+for all pytest-xdist workers too), and each file's test_interpreter_run reports its own file's part of its run."""
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from collections import defaultdict
 
 import pytest
+from filelock import FileLock   # torch's own dependency
 
 from helpers.paths import REPO
 
@@ -19,7 +21,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NO_TRITON = "triton is not installed (pip install triton): the CUDA path cannot run on CPU"
 in_parent = pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (\S+?\.py)(::\S*)?")
-_runs = {}
 
 
 def in_child(test):
@@ -30,20 +31,29 @@ def in_child(test):
 
 
 def check_child_run(request) -> None:
-    """Fail unless this file's interpreter tests all passed in the session's child run, started on the first call
-for the files of every test_interpreter_run collected."""
+    """Fail unless this file's interpreter tests all passed in the session's child run."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip(reason=NO_TRITON)
-    session = request.session
-    if session not in _runs:
-        files = sorted({os.path.relpath(item.path, REPO) for item in session.items
-                        if item.originalname == request.node.originalname})
-        _runs[session] = _run_child(files)
-    outcomes, output = _runs[session]
+    outcomes, output = _session_run(request)
     mine = outcomes.get(os.path.relpath(request.path, REPO), {})
     failed = mine.get("FAILED", []) + mine.get("ERROR", [])
     assert not failed and mine.get("PASSED"), f"under TRITON_INTERPRET=1, {failed or 'nothing passed'}:\n{output}"
     print(f"{len(mine['PASSED'])} passed under the interpreter")
+
+
+def _session_run(request) -> tuple:
+    """The child run of the files of every test_interpreter_run collected, started by the first to ask; under
+    pytest-xdist its workers share it (the first runs it holding a lock in their common temporary folder)."""
+    root = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent
+    path = root / "triton_interpreter_run.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            files = sorted({os.path.relpath(item.path, REPO) for item in request.session.items
+                            if item.originalname == request.node.originalname})
+            path.write_text(json.dumps(_run_child(files)))
+        return json.loads(path.read_text())
 
 
 def _run_child(files) -> tuple:
