@@ -67,5 +67,6 @@ def _run_child(files) -> tuple:
         match = _RESULT.match(line)
         if match:
             outcomes[match.group(2)][match.group(1)].append(match.group(2) + (match.group(3) or ""))
-    return outcomes, (child.stdout + child.stderr)[-8000:]
+    details = child.stdout.split("short test summary info")[0]   # the failures' tracebacks, before -rA's list
+    return outcomes, (details + child.stderr)[-8000:]
 

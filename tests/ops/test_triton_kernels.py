@@ -97,9 +97,13 @@ def reference_dtype(dtype):
     return dtype if dtype in (torch.float64, torch.float32) else torch.float64
 
 
-def assert_matches(got, expected, dtype):
+def assert_matches(got, expected, dtype, summed=1):
+    """summed: the products each element of a dot adds up. Against the fp64 reference an fp32 dot's rounding grows
+    as eps * sqrt(summed) of its terms' size (seen: up to 1.3e-5 at 1,300 terms), so its atol grows so past 256."""
     assert got.dtype == dtype and got.shape == expected.shape and got.is_contiguous()
     rtol, atol = TOLERANCES[dtype]
+    if dtype == torch.float32:
+        atol *= max(1.0, (summed / 256) ** 0.5)
     torch.testing.assert_close(got.to(expected.dtype), expected, rtol=rtol, atol=atol)
 
 
@@ -123,11 +127,11 @@ def test_scatter_rows(kernels, T, E, K, capacity, D, dtype, with_optional):
     scale_TK = randn(T, K, dtype=dtype, device=device) if with_optional else None
     other_RD = randn(R, D, dtype=dtype, device=device) if with_optional else None
     out_RD, dot_TK = module.scatter_rows(src_TD, pos_TK, scale_TK, other_RD, R)
-    ref = reference_dtype(dtype)
+    ref = torch.float64
     expected_RD, expected_dot_TK = torch_ops.scatter_rows(
         src_TD.to(ref), pos_TK, as_dtype(scale_TK, ref), as_dtype(other_RD, ref), R)
     assert_matches(out_RD, expected_RD, dtype)
-    assert_matches(dot_TK, expected_dot_TK, dtype)
+    assert_matches(dot_TK, expected_dot_TK, dtype, summed=D)
 
 
 @pytest.mark.parametrize("T, E, K, capacity, D", SHAPES)
@@ -140,11 +144,11 @@ def test_gather_sum(kernels, T, E, K, capacity, D, dtype, with_optional):
     scale_TK = randn(T, K, dtype=dtype, device=device) if with_optional else None
     other_TD = randn(T, D, dtype=dtype, device=device) if with_optional else None
     out_TD, dot_TK = module.gather_sum(src_RD, pos_TK, scale_TK, other_TD)
-    ref = reference_dtype(dtype)
+    ref = torch.float64
     expected_TD, expected_dot_TK = torch_ops.gather_sum(
         src_RD.to(ref), pos_TK, as_dtype(scale_TK, ref), as_dtype(other_TD, ref))
     assert_matches(out_TD, expected_TD, dtype)
-    assert_matches(dot_TK, expected_dot_TK, dtype)
+    assert_matches(dot_TK, expected_dot_TK, dtype, summed=D)
 
 
 def test_dropped_choices_contribute_nothing(kernels):
