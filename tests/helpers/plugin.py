@@ -36,6 +36,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook: no error where it is not installed
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most 4 (each worker's multi-process tests start 2-4 ranks of their own)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
     """A fresh seed per test, printed so a failure can be replayed with MOE_TEST_SEED=<seed>."""
