@@ -45,8 +45,8 @@ def test_upcycled_run_continues_from_the_dense_run(tmp_path, fresh_seed):
     # ... and training goes on from there instead of restarting near log(256)
     dense_last = [r["loss"] for r in dense_records if "loss" in r][-1]
     first = [r["loss"] for r in records if "loss" in r][0]
-    # (nearer the dense run's last loss than its start; batch-to-batch noise of a 16-step run is ~0.3 nats)
-    assert abs(first - dense_last) < 0.5 * (dense["val_loss_first"] - dense_last)
+    # (nearer the dense run's last loss than its start; batch-to-batch noise of a 16-step run is ~0.3-0.5 nats)
+    assert abs(first - dense_last) < abs(first - dense["val_loss_first"]), (first, dense_last, dense)
     last = [r for r in records if "tokens_per_expert" in r][-1]
     assert [len(load) for load in last["tokens_per_expert"]] == [8, 8] and last["aux_loss"] > 0
     state = checkpoint.nest(checkpoint.full_state(tmp_path / "up" / "checkpoints" / "step_000004"))["model"]
