@@ -1,11 +1,12 @@
 """Run under torchrun by test_deepspeed_zero3.py: transformers.Trainer with a ZeRO stage-3 DeepSpeed config
 (CPU, gloo) on a tiny Mixtral, either with HF's own blocks ("hf"), swapped with swap_moe_blocks and a "moe"
 section in the config ("ours"), or swapped by a "moe" section with ep_size 2 ("ours_ep2"); then
-trainer.save_model with stage3_gather_16bit_weights_on_model_save.
+trainer.save_model with stage3_gather_16bit_weights_on_model_save. Several modes run one after the other in the same
+processes (one start of torch, transformers and DeepSpeed), each from the same seeds.
 
-    torchrun --nproc_per_node 2 hf_trainer_zero3_worker.py OUT_DIR hf|ours|ours_ep2 STEPS
+    torchrun --nproc_per_node 2 hf_trainer_zero3_worker.py OUT_DIR hf|ours|ours_ep2[,MODE...] STEPS
 
-Writes result<rank>.json (losses, block classes) and OUT_DIR/final (save_model's folder).
+Writes OUT_DIR/MODE/result<rank>.json (losses, block classes) and OUT_DIR/MODE/final (save_model's folder).
 """
 import json
 import os
@@ -44,4 +45,5 @@ def main(out_dir, mode, steps):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    for mode in sys.argv[2].split(","):
+        main(os.path.join(sys.argv[1], mode), mode, int(sys.argv[3]))
