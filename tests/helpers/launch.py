@@ -18,12 +18,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Workers fork from one server process per test session that imported torch and the package once (the forkserver
-# start method), instead of each starting a fresh interpreter as spawn does (~3 s of CPU per worker on this
-# machine). Like spawn, each worker is a fresh fork that has run none of the test's code; it gets the test's
-# environment as it was at the call (the server's is the one from its own start).
+# Workers fork from one server process per test session that imported torch, the package and the hosts once (the
+# forkserver start method; helpers.preload), instead of each starting a fresh interpreter as spawn does (~3 s of CPU
+# per worker on this machine, 5 with transformers and DeepSpeed). Like spawn, each worker is a fresh fork that has
+# run none of the test's code; it gets the test's environment as it was at the call (the server's is the one from
+# its own start).
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "moe_plugin"])
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "moe_plugin", "helpers.preload"])
 
 
 def _worker(rank, world_size, port, fn, args, queue, environ):
