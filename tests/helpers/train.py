@@ -10,8 +10,12 @@ TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "
         "train.warmup_steps=2", "log.progress=false"]
 
 
-def run(tmp_path, *overrides, name="run"):
-    cfg = train.load_config(None, [f"log.out_dir={tmp_path / name}", *overrides])
-    result = train.train(cfg)
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+def run(tmp_path, *overrides, name="run", config=None):
+    """`moe-plugin train [config] overrides` writing to tmp_path/name: (result, the metrics.jsonl records)."""
+    return run_in(tmp_path / name, *overrides, config=config)
+
+
+def run_in(out: Path, *overrides, config=None):
+    """`moe-plugin train [config] overrides` writing to out: (result, the metrics.jsonl records)."""
+    result = train.train(train.load_config(None if config is None else str(config), [f"log.out_dir={out}", *overrides]))
+    return result, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,6 +1,5 @@
 """Checkpoints of `moe-plugin train` on one process: `moe-plugin checkpoint inspect|convert`, a failed
 save, and the errors for checkpoints that cannot resume. Other layouts: tests/train/test_checkpoint_reshard.py."""
-import json
 
 import pytest
 import torch
@@ -10,6 +9,8 @@ from moe_plugin.cli import main
 from moe_plugin.train.data import VOCAB_SIZE
 from moe_plugin.train.models import TransformerLM
 
+import helpers.train
+
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=16", "model.ffn_hidden=48",
         "moe.hidden_size=40", "moe.num_experts=3", "moe.top_k=3", "train.batch_size=3", "train.eval_batches=1",
         "train.warmup_steps=2", "train.steps=8", "train.eval_every=2", "train.checkpoint_every=4", "log.every=1",
@@ -17,10 +18,7 @@ TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=16", "
 
 
 def run(tmp_path, name, *overrides):
-    cfg = train.load_config(None, [*TINY, f"log.out_dir={tmp_path / name}", *overrides])
-    result = train.train(cfg)
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+    return helpers.train.run(tmp_path, *TINY, *overrides, name=name)
 
 
 def test_convert_to_one_file_and_back_resumes_bit_exactly(tmp_path, fresh_seed, capsys):

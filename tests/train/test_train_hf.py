@@ -1,10 +1,10 @@
 """`moe-plugin train` on a Hugging Face MoE architecture (configs/experiments/mixtral_tiny.yaml)."""
-import json
 
 import pytest
 import torch
 
 from moe_plugin import MoELayer, checkpoint, train
+import helpers.train
 from helpers.hf import hf_moe, needs_transformers, transformers
 from helpers.launch import torchrun_train
 from helpers.paths import REPO
@@ -19,10 +19,7 @@ TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=
 
 
 def run(tmp_path, *overrides, name="run"):
-    cfg = train.load_config(str(MIXTRAL_TINY), [f"log.out_dir={tmp_path / name}", *TINY, *overrides])
-    result = train.train(cfg)
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+    return helpers.train.run(tmp_path, *TINY, *overrides, name=name, config=MIXTRAL_TINY)
 
 
 def test_mixtral_tiny_learns_and_writes_the_usual_outputs(tmp_path, fresh_seed):

@@ -20,7 +20,6 @@ with messages naming the key; `--print-config`. Slow-marked: `torchrun` 2 proces
 checkpoint holds every expert and gives the run's validation loss in one process).
 """
 import importlib.util
-import json
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from moe_plugin import MoELayer, checkpoint, train
 from moe_plugin.train.data import DataConfig, make_data
 from moe_plugin.train.data.images import NUM_CLASSES, load_digits, split_by_class
+import helpers.train
 from helpers.hf import hf_moe, needs_transformers, transformers
 from helpers.launch import torchrun_train
 from helpers.paths import REPO
@@ -48,10 +48,7 @@ TOKENS_PER_IMAGE = [4, 1]   # in MoE layers 1 and 2
 
 
 def run(tmp_path, *overrides, name="run"):
-    cfg = train.load_config(str(SWINV2_MOE), [f"log.out_dir={tmp_path / name}", *TINY, *overrides])
-    result = train.train(cfg)
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+    return helpers.train.run(tmp_path, *TINY, *overrides, name=name, config=SWINV2_MOE)
 
 
 def test_digits_split_by_class_and_resume_exactly(tmp_path, fresh_seed):

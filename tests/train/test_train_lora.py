@@ -1,13 +1,13 @@
 """The `lora` section of `moe-plugin train`: a tiny Mixtral run (configs/experiments/mixtral_tiny.yaml), then LoRA
 on its experts from its checkpoint (everything else frozen); and a dense Llama run upcycled then fine-tuned with
 LoRA. Reference: the run the LoRA run starts from (its last validation loss, its weights)."""
-import json
 
 import pytest
 import torch
 
 from moe_plugin import checkpoint, train
 
+import helpers.train
 from helpers.hf import needs_transformers, transformers
 from helpers.paths import REPO
 
@@ -23,9 +23,7 @@ TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=
 
 
 def run(config, out, *overrides):
-    cfg = train.load_config(str(config), [f"log.out_dir={out}", *TINY, *overrides])
-    result = train.train(cfg)
-    return result, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return helpers.train.run_in(out, *TINY, *overrides, config=config)
 
 
 def last_state(out):

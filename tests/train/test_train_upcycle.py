@@ -14,6 +14,7 @@ import pytest
 
 from moe_plugin import checkpoint, train
 
+import helpers.train
 from helpers.hf import needs_transformers
 from helpers.paths import REPO
 
@@ -28,9 +29,7 @@ TINY = ["hf.hidden_size=32", "hf.intermediate_size=40", "hf.num_attention_heads=
 
 
 def run(config, out, *overrides):
-    cfg = train.load_config(str(config), [f"log.out_dir={out}", *TINY, *overrides])
-    result = train.train(cfg)
-    return result, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return helpers.train.run_in(out, *TINY, *overrides, config=config)
 
 
 def test_upcycled_run_continues_from_the_dense_run(tmp_path, fresh_seed):
