@@ -39,7 +39,8 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 @pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook: no error where it is not installed
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker per core, at most 4 (each worker's multi-process tests start 2-4 ranks of their own)."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()   # not on macOS
+    return max(1, min(4, cores or 1))
 
 
 @pytest.fixture(autouse=True)
