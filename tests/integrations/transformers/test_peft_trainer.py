@@ -7,7 +7,7 @@ import torch
 
 from helpers.hf import needs_transformers
 from helpers.launch import torchrun
-from helpers.lora_runs import assert_final_adapters_saved, assert_first_step_is_one_sgd_step
+from helpers.lora_runs import assert_final_adapters_saved, assert_first_step_is_one_sgd_step, run_two_ranks
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
@@ -22,12 +22,7 @@ def test_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_path
     model computes; DeepSpeed's own checkpoint (per-expert files) brings the adapters back."""
     from helpers.workers import hf_trainer_lora_worker as worker
     steps = 16
-    torchrun(worker.__file__, str(tmp_path), str(steps))
-    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
-    for result in results:
-        assert any(".mlp.experts." in n for n in result["trainable"]) and all("lora_" in n for n in result["trainable"])
-        losses = result["losses"]
-        assert len(losses) == steps and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    results = run_two_ranks(worker, tmp_path, steps)
 
     reference = worker.peft_model(swap=False)      # PEFT's own path on HF's experts, the same draws
     batch = torch.cat([torch.load(tmp_path / f"batch{rank}.pt") for rank in (0, 1)])
@@ -46,8 +41,8 @@ def test_trainer_lora_save_under_zero2_at_ep_size_2_holds_every_ranks_experts(tm
     """With the experts split over 2 ranks (ep_size 2, 3 of 6 per rank), trainer.save_model's adapter holds every
     expert's factors in HF's layout (gathered on every rank), not rank 0's: plain PEFT on HF's own model loads it
     and computes each rank's logits of the trained 2-process model. DeepSpeed's own checkpoint still writes one
-    file per expert and brings each rank's adapters back; PEFT's load of the saved adapter onto the 2-process model gives
-each rank its own experts' share."""
+    file per expert and brings each rank's adapters back; PEFT's load of the saved adapter onto the 2-process model
+    gives each rank its own experts' share."""
     from helpers.workers import hf_trainer_lora_worker as worker
     torchrun(worker.__file__, str(tmp_path), "3", "2")
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]

@@ -1,13 +1,10 @@
 """TRL's SFTTrainer fine-tuning a tiny swapped Mixtral with PEFT's LoRA on the experts (by HF's names) and on
 attention, on 2 gloo processes under DeepSpeed ZeRO-2 (tests/helpers/workers/trl_sft_lora_worker.py)."""
-import json
-
 import pytest
 import torch
 
 from helpers.hf import needs_transformers
-from helpers.launch import torchrun
-from helpers.lora_runs import assert_final_adapters_saved, assert_first_step_is_one_sgd_step
+from helpers.lora_runs import assert_final_adapters_saved, assert_first_step_is_one_sgd_step, run_two_ranks
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 pytest.importorskip("trl", reason="trl is not installed (pip install -e .[lora])")
@@ -25,12 +22,7 @@ def test_sft_trainer_lora_on_swapped_experts_under_zero2_equals_one_process(tmp_
     from helpers.workers import hf_trainer_lora_worker as lora_worker
     from helpers.workers import trl_sft_lora_worker as worker
     steps = 12
-    torchrun(worker.__file__, str(tmp_path), str(steps))
-    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
-    for result in results:
-        assert any(".mlp.experts." in n for n in result["trainable"]) and all("lora_" in n for n in result["trainable"])
-        losses = result["losses"]
-        assert len(losses) == steps and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    run_two_ranks(worker, tmp_path, steps)
 
     reference = peft.get_peft_model(worker.build_model(), lora_worker.lora_config())   # PEFT on HF's experts
     init = torch.load(tmp_path / "adapters0_init.pt")
