@@ -276,7 +276,7 @@ def test_lora_backward_writes_over_its_dead_buffers(monkeypatch, activation, rou
     einsum reference)."""
     from moe_plugin import experts, ops
     if ops.kernels_for(torch.device("cpu"))[1] != "native":
-        pytest.skip("the native CPU kernels are not in use here: " + ops.kernels_for(torch.device("cpu"))[2])
+        pytest.skip(reason="the native CPU kernels are not in use here: " + ops.kernels_for(torch.device("cpu"))[2])
     monkeypatch.setattr(experts, "LOW_RANK_CHUNK_BYTES", 16 * 2 * H * 4)     # 16 rows a block: 3 blocks of 46 rows
     limit = dict(activation_limit=0.6) if activation == "clamped" else {}
     layer, adapter = lora_layer(dtype=torch.float32, activation="swiglu", capacity_factor=0.0, num_experts=6,

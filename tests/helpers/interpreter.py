@@ -69,4 +69,3 @@ def _run_child(files) -> tuple:
             outcomes[match.group(2)][match.group(1)].append(match.group(2) + (match.group(3) or ""))
     details = child.stdout.split("short test summary info")[0]   # the failures' tracebacks, before -rA's list
     return outcomes, (details + child.stderr)[-8000:]
-

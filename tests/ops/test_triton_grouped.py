@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_plugin.ops import torch_grouped, torch_ops
-from helpers.interpreter import INTERPRET, check_child_run, in_parent
+from helpers.interpreter import INTERPRET, NO_TRITON, check_child_run, in_child, in_parent
 from helpers.routes import random_slots
 
 try:
@@ -37,9 +37,9 @@ def routed(T, E, K, capacity, device):
 @pytest.fixture(params=["interpreter"] if INTERPRET else ["cuda"])
 def device(request):
     if triton is None:
-        pytest.skip("triton is not installed")
+        pytest.skip(reason=NO_TRITON)
     if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
+        pytest.skip(reason="no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
     return "cpu" if INTERPRET else "cuda"
 
 
@@ -125,7 +125,7 @@ def fused_layer_step(activation, bias, dtype=torch.float32, hf_layout=False, fro
     return [y_TD] + list(torch.autograd.grad(y_TD.float().square().sum(), params))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the CUDA path simulated on CPU needs the interpreter run")
+@in_child
 @pytest.mark.parametrize("fused_wins", [True, False], ids=["fused_faster", "unfused_faster"])
 @pytest.mark.parametrize("activation, bias", [("swiglu", False), ("relu", True), ("geglu", True)])
 def test_layer_takes_gather_up_only_where_measured_faster(monkeypatch, fused_wins, activation, bias):
@@ -253,7 +253,7 @@ def test_wgrad_gather_zero_model_dim(device):
     torch.testing.assert_close(grad_b_EF.double(), expected_b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the GPU's tiles are checked on CPU, under the interpreter")
+@in_child
 def test_wgrad_gather_gpu_tiles(device, monkeypatch):
     """Each tile size the GPU's autotuner may pick (several tiles per dim, several row steps, ragged ends) gives the
     reference's gradients."""
@@ -288,7 +288,7 @@ def test_wgrad_gather_reference_is_the_weight_gradient():
     torch.testing.assert_close(got_b, grad_b)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the CUDA path simulated on CPU needs the interpreter run")
+@in_child
 @pytest.mark.parametrize("activation, bias, dtype, hf_layout, frozen_w1", [
     ("swiglu", False, torch.float32, False, False), ("relu", True, torch.float32, True, False),
     ("geglu", True, torch.bfloat16, False, False), ("relu", True, torch.float32, False, True)],

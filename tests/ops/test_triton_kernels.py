@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_plugin.ops import torch_ops
-from helpers.interpreter import INTERPRET, check_child_run, in_parent
+from helpers.interpreter import INTERPRET, NO_TRITON, check_child_run, in_parent
 from helpers.routes import random_slots
 
 try:
@@ -23,7 +23,6 @@ try:
 except ImportError:
     triton = None
 
-NO_TRITON = "triton is not installed (pip install triton)"
 # every test here runs again under the interpreter, in the child that test_interpreter_run starts
 pytestmark = pytest.mark.interpreter
 
@@ -49,7 +48,7 @@ def kernels(request, monkeypatch):
     if triton is None:
         pytest.skip(reason=NO_TRITON)
     if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
+        pytest.skip(reason="no CUDA device for the compiled kernels (test_interpreter_run covers CPU)")
     module = importlib.import_module("moe_plugin.ops.triton_kernels")
     monkeypatch.setattr(module, "_empty", poisoned_empty)
     return module, "cpu" if INTERPRET else "cuda"
@@ -62,9 +61,9 @@ def test_interpreter_run(request):
         pytest.skip(reason=NO_TRITON)
     import numpy   # the interpreter's own dependency
     if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
-        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run under numpy {numpy.__version__} (it calls "
-                    f"int() on 1-element arrays, which numpy 2.4 refuses): triton >= 3.7.1 or numpy < 2.4 runs it; "
-                    f"torch 2.11 pins triton 3.6.0. The compiled kernels are unaffected")
+        pytest.skip(reason=f"triton {triton.__version__}'s interpreter cannot run under numpy {numpy.__version__} (it "
+                           f"calls int() on 1-element arrays, which numpy 2.4 refuses): triton >= 3.7.1 or numpy < 2.4 "
+                           f"runs it; torch 2.11 pins triton 3.6.0. The compiled kernels are unaffected")
     check_child_run(request)
 
 
