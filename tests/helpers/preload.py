@@ -8,8 +8,7 @@ import sys
 def _import_hosts():
     if importlib.util.find_spec("transformers") is not None:
         import moe_plugin.integrations.transformers  # noqa: F401  (first: hides an unloadable torchaudio)
-        from transformers import Trainer  # noqa: F401
-        from transformers.models import mixtral  # noqa: F401
+        from transformers import MixtralForCausalLM, Trainer  # noqa: F401  (the model the ranks build most)
     if importlib.util.find_spec("deepspeed") is not None:
         import deepspeed  # noqa: F401
 
