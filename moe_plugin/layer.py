@@ -181,6 +181,9 @@ class MoELayer(nn.Module):
             check_expert_sharding(self)
             check_plain_ddp(self)
         x_TD = x.reshape(-1, cfg.model_dim)
+        # the last forward's aux loss no longer holds its graph while this one builds: a graph kept alive keeps the
+        # parameters' AccumulateGrad nodes on the stream that made them (CUDA-graph capture on another then fails)
+        self.__dict__["aux_loss"] = _NO_AUX_LOSS
         autocast = autocast_on(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else self._compute_dtype(x, False)
 
@@ -259,6 +262,7 @@ class MoELayer(nn.Module):
 
 
 _NO_CONTEXT = contextlib.nullcontext()     # stateless: one for every call
+_NO_AUX_LOSS = torch.zeros(())           # .aux_loss while a forward runs
 
 
 class _SharedOutput:

@@ -2,20 +2,17 @@
 # Makes the git-ignored gpu_carry/ that benchmarks/gpu/setup_peers.sh installs on the GPU machine (which has no
 # network), on a machine that has one:
 #
-#     bash benchmarks/gpu/make_carry.sh TUTEL_GIT_DIR     # a clone (or bare mirror) of github.com/microsoft/tutel
+#     bash benchmarks/gpu/make_carry.sh
 #
-# gpu_carry/tutel/: Tutel's source at the clone's HEAD (git archive; the commit in gpu_carry/tutel/COMMIT);
 # gpu_carry/deepspeed-0.19.8.tar.gz: DeepSpeed's source archive from PyPI; gpu_carry/wheels/: omegaconf and
 # DeepSpeed's pure-Python needs the GPU image lacks (hjson, pydantic and its parts), for CPython 3.12 x86-64;
 # gpu_carry/sdists/: antlr4-python3-runtime 4.9.3 (omegaconf's; published as a source archive only).
+# Tutel is fetched code, not a registry package: this script neither packs nor builds it (docs/development.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TUTEL="${1:?usage: bash benchmarks/gpu/make_carry.sh TUTEL_GIT_DIR}"
 export PIP_CONSTRAINT="$PWD/constraints.txt"
-rm -rf gpu_carry
+rm -rf gpu_carry/wheels gpu_carry/sdists gpu_carry/deepspeed-*.tar.gz
 mkdir -p gpu_carry/wheels gpu_carry/sdists
-git -C "$TUTEL" archive --prefix=tutel/ HEAD | tar -x -C gpu_carry
-git -C "$TUTEL" rev-parse HEAD > gpu_carry/tutel/COMMIT
 python3 -m pip download -q --no-deps --no-binary :all: -d gpu_carry deepspeed==0.19.8
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -1,7 +1,9 @@
 """What CUDA graphs need of the layer, checked on CPU: the stats and the aux loss's value live in tensors every
 forward writes into (a replay overwrites its outputs, so nothing may be read from a past call's), they read
-correctly after repeated calls, eager and under torch.compile(mode="reduce-overhead"). The CUDA path's step
-reads nothing back to the host: tests/ops/test_launch_budget.py counts its synchronizations (none).
+correctly after repeated calls, eager and under torch.compile(mode="reduce-overhead"). A forward does not keep the
+last forward's graph alive (its parameters' AccumulateGrad nodes stay on the stream that made them: a capture on
+another stream after an eager step then fails), checked on CPU and, with a GPU, by a capture after eager steps. The
+CUDA path's step reads nothing back to the host: tests/ops/test_launch_budget.py counts its synchronizations (none).
 
 Legend: T tokens, D model dim, E experts.
 """
@@ -9,6 +11,9 @@ import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer, fused_route
+from helpers.compare import relative_error
+
+CUDA = torch.cuda.is_available()
 
 
 def expected(layer, x_TD):
@@ -83,3 +88,64 @@ def test_stats_persist_in_copies_and_in_layers_pickled_before_the_row_views():
         assert clone.stats["tokens_per_expert"] == load and clone._stats_2E[1].tolist() == kept
         assert clone.aux_loss_value.item() == pytest.approx(aux, rel=1e-5)
     assert layer.stats == {}      # the original ran no forward: the copies wrote only their own buffers
+
+
+def accumulate_grad_node(param):
+    """param's AccumulateGrad node: the one a live graph holds, else a new one."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25])
+def test_a_forward_builds_its_graph_without_the_last_forwards(capacity_factor):
+    """The last forward's aux loss (held by the layer, its backward never run here) must not keep the parameters'
+    AccumulateGrad nodes alive into the next forward: a hook on the old node must not fire in the next backward."""
+    layer = MoELayer(MoEConfig(model_dim=16, hidden_size=8, num_experts=4, top_k=2, capacity_factor=capacity_factor))
+    layer(torch.randn(9, 16))            # output dropped: only layer.aux_loss holds this graph
+    fired = []
+    for param in (layer.router.weight_ED, layer.experts.w1_EDH):
+        accumulate_grad_node(param).register_prehook(lambda grads, name=param.shape: fired.append(name))
+    y = layer(torch.randn(11, 16))
+    (y.sum() + layer.aux_loss).backward()
+    assert fired == [], "the next forward reused the last forward's AccumulateGrad nodes"
+    assert layer.router.weight_ED.grad is not None and layer.experts.w1_EDH.grad is not None
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (CUDA graph capture)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_graph_capture_after_eager_steps_replays_as_eager(dtype):
+    """A user's eager steps on the default stream (backward of the output only, aux loss left held), then the
+    whole forward+backward captured as PyTorch's docs do it (warm-up on a side stream): the capture succeeds and a
+    replay gives eager's outputs and gradients."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=64, hidden_size=96, num_experts=8, top_k=2, capacity_factor=1.25,
+                               activation="relu", bias=True)).to(device="cuda", dtype=dtype)
+    params = list(layer.parameters())
+    x_TD = torch.randn(300, 64, device="cuda", dtype=dtype)
+    grad_TD = torch.randn_like(x_TD)
+    for _ in range(2):
+        layer(x_TD).backward(grad_TD)
+
+    def step(x):
+        for p in params:
+            p.grad = None
+        torch.autograd.backward([layer(x), layer.aux_loss], [grad_TD, torch.ones((), device="cuda", dtype=dtype)])
+
+    static_x = x_TD.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static_x)
+    static_grads = [p.grad for p in params]
+    new_x = torch.randn_like(x_TD)
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [g.clone() for g in static_grads]
+    step(new_x)
+    for param, got in zip(params, replayed):
+        assert relative_error(got, param.grad) <= 1e-6, tuple(param.shape)
