@@ -22,6 +22,8 @@ REPO = os.path.dirname(TESTS)
 STANDARD_LIBRARY = os.path.dirname(os.__file__)
 LAUNCH_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), "multiprocessing"),
                     os.path.join(os.path.dirname(torch.__file__), "distributed"), os.path.abspath(__file__))
+# folders that hold installed libraries, wherever they are (a virtual environment inside the clone included)
+LIBRARY_FOLDERS = frozenset({"site-packages", "dist-packages"})
 
 # JIT-built C++ ops (ours, DeepSpeed's CPU shm comm) are cached per environment: two environments sharing
 # ~/.cache/torch_extensions rebuild each other's ops, and a build killed half-way leaves a lock on which every
@@ -82,7 +84,7 @@ def _starts_processes(functions) -> bool:
     while todo:
         function = inspect.unwrap(todo.pop())
         code = getattr(function, "__code__", None)
-        if code is None or code in seen or not code.co_filename.startswith(TESTS):
+        if code is None or code in seen or not is_inside(code.co_filename, TESTS):
             continue
         seen.add(code)
         names = _names(code)
@@ -92,17 +94,32 @@ def _starts_processes(functions) -> bool:
     return False
 
 
-def _asked_for_by_this_project() -> bool:
-    """Whether the code that starts a process is this repository's (a test, its helpers, the package, a
-    benchmark), not a library's own builds and probes (torch.compile's C++ compiler and its load check, JIT-built
-    ops, find_library), which are cached from one run to the next."""
-    frame = sys._getframe(2)
+def is_inside(path: str, folder: str) -> bool:
+    """Whether path is folder or lies in it, by whole path components (/repo-venv/x is not inside /repo)."""
+    return os.path.isabs(path) and os.path.commonpath([path, folder]) == folder
+
+
+def is_library(path: str) -> bool:
+    """Whether path lies in a folder of installed libraries (site-packages, dist-packages), wherever that is."""
+    return not LIBRARY_FOLDERS.isdisjoint(Path(path).parts)
+
+
+def is_project_file(path: str) -> bool:
+    """Whether code in path is this repository's own (a test, its helpers, the package, a benchmark): inside the
+    repository and not a library installed there (a virtual environment inside the clone)."""
+    return is_inside(path, REPO) and not is_library(path)
+
+
+def asked_for_by_this_project(frame: types.FrameType) -> bool:
+    """Whether the code that starts a process (frame: the call of the launcher) is this repository's, not a
+    library's own builds and probes (torch.compile's C++ compiler and its load check, JIT-built ops, g++ and ninja
+    --version, find_library), which run whenever torch's caches are cold or at every start."""
     while frame is not None:
         path = frame.f_code.co_filename
-        passes_through = path.startswith(LAUNCH_LIBRARIES) or (
-            path.startswith(STANDARD_LIBRARY) and "-packages" + os.sep not in path)
+        passes_through = any(is_inside(path, folder) for folder in LAUNCH_LIBRARIES) or (
+            is_inside(path, STANDARD_LIBRARY) and not is_library(path))
         if not passes_through:
-            return path.startswith(REPO)
+            return is_project_file(path)
         frame = frame.f_back
     return False
 
@@ -129,7 +146,7 @@ def process_guard(request, monkeypatch):
 
     def recording(original):
         def record(self, *args, **kwargs):
-            if _asked_for_by_this_project():
+            if asked_for_by_this_project(sys._getframe(1)):   # the launcher's caller
                 started.append(f"{type(self).__name__} {args[0] if args else kwargs.get('args', '')}"[:200])
             return original(self, *args, **kwargs)
         return record
