@@ -28,8 +28,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       f"install it with: pip install 'moe_plugin[deepspeed]'") from error
 
 from moe_plugin import MoELayer, update_expert_bias
-from moe_plugin.integrations.deepspeed.native import (DeepSpeedMoELayer, MoE, _to_native_names, hf_support,
-                                                      moe_config, swap_moe_layers)  # noqa: F401 (_to_native_names: tests)
+from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, MoE, hf_support, moe_config, swap_moe_layers
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, check_ep_size_under_deepspeed, read_moe_section
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,

@@ -17,7 +17,6 @@ import collections
 import contextlib
 from typing import Counter, Iterator
 
-import torch
 from torch._library import custom_ops
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 

@@ -169,7 +169,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
 
     resume_path = _resume_path(cfg, out_dir, procs, say) if cfg.train.resume else None
     parts = build(cfg, procs)
-    model, optimizer, scheduler, data = parts.model, parts.optimizer, parts.scheduler, parts.data
+    model, optimizer, data = parts.model, parts.optimizer, parts.data
     step, window = restore(parts, procs, cfg, resume_path) if resume_path else (0, Window())
     if is_main and resume_path is None:
         remove_checkpoints(out_dir)  # a fresh run replaces an old run's checkpoints

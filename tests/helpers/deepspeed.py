@@ -58,8 +58,9 @@ def stable_topk():
 def native_named_grads(layer):
     """Parameter gradients under the native layer's names (ours go through the layer's own renaming)."""
     import moe_plugin.integrations.deepspeed as dsi
+    from moe_plugin.integrations.deepspeed.native import _to_native_names
     if not isinstance(layer, dsi.MoE):
         return {name: p.grad for name, p in layer.named_parameters()}
     grads = {name: p.grad for name, p in layer.deepspeed_moe.named_parameters()}
-    dsi._to_native_names(layer.deepspeed_moe, grads, "", None)
+    _to_native_names(layer.deepspeed_moe, grads, "", None)
     return {f"deepspeed_moe.{name}": grad for name, grad in grads.items()}

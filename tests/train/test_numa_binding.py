@@ -11,7 +11,6 @@ registry; `numactl --hardware` then shows 1 node), and torchrun's binding needs 
 on a GPU node.
 """
 import json
-import os
 import subprocess
 import sys
 

@@ -5,7 +5,6 @@ HF block swap under a "moe" section, swap_moe_blocks and fully_shard_moe. The si
 import os
 
 import pytest
-import torch
 from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
