@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from . import __version__, bench, ops, train
+from . import __version__, bench, ops, plan, train
 from .train import convert
 
 
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
+    plan_parser = commands.add_parser("plan", help="each rank's memory, all-to-all traffic and step time of a run "
+                                      "at any world size, without starting it (docs/planning.md)")
+    plan.add_arguments(plan_parser)
+    plan_parser.set_defaults(func=plan.main)
     commands.add_parser("info", help="versions, optional dependencies and the active kernels").set_defaults(func=info)
     commands.add_parser("fairseq-user-dir", help="print the path to pass to fairseq's --user-dir").set_defaults(
         func=fairseq_user_dir)

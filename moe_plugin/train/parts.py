@@ -76,16 +76,21 @@ def _construction_order(model: TransformerLM) -> List[nn.Module]:
     return order
 
 
+def build_model(cfg: ExperimentConfig) -> nn.Module:
+    """The run's model, unsharded, on the default device (moe-plugin plan builds it under torch.device("meta"))."""
+    if cfg.data.task == "image":
+        return build_image_model(cfg)
+    if cfg.hf is not None:
+        return build_hf_model(cfg)
+    return TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE)
+
+
 def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
     torch.manual_seed(cfg.train.seed)
-    if cfg.data.task == "image":
-        model = build_image_model(cfg).to(procs.device)
-    elif cfg.hf is not None:
-        model = build_hf_model(cfg).to(procs.device)
-    elif cfg.parallel.fsdp:
-        model = materialize_from_meta(lambda: TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE), procs.device)
+    if cfg.parallel.fsdp and cfg.hf is None and cfg.data.task != "image":
+        model = materialize_from_meta(lambda: build_model(cfg), procs.device)
     else:
-        model = TransformerLM(cfg.model, moe_config(cfg), VOCAB_SIZE).to(procs.device)
+        model = build_model(cfg).to(procs.device)
     if cfg.parallel.fsdp:   # sharded before the optimizer is built: it holds the shards
         fully_shard_moe(model)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=(0.9, 0.95))

@@ -1,0 +1,60 @@
+"""A plan as text for people and as a JSON object (--json)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+from .experiment import Plan
+
+ROLE_FIELDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "all_to_all_bytes",
+               "all_to_all_bound_bytes", "all_reduce_bytes", "reduce_scatter_bytes", "all_gather_bytes",
+               "peak_bytes")
+
+
+def as_json(plan: Plan) -> dict:
+    return {"world_size": plan.world_size, "node_size": plan.node_size, "device": plan.device.name,
+            "micro_batch": plan.micro_batch, "tokens_per_rank": plan.tokens_per_rank,
+            "roles": [dataclasses.asdict(role) for role in plan.roles],
+            "moe_layers": [dataclasses.asdict(layer) for layer in plan.layers],
+            "step_seconds": plan.step.seconds,
+            "step_parts": {"compute": plan.step.compute, "all_to_all": plan.step.all_to_all,
+                           "gradients": plan.step.gradients},
+            "max_micro_batch": plan.max_micro_batch, "activation_bytes_per_row": plan.activation_bytes_per_row,
+            "assumptions": [plan.device.note, *plan.step.assumptions], "warnings": plan.warnings}
+
+
+def ranks_text(ranks: List[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs, start = [], ranks[0]
+    for previous, rank in zip(ranks, ranks[1:] + [None]):
+        if rank != previous + 1 if rank is not None else True:
+            runs.append(str(start) if start == previous else f"{start}-{previous}")
+            start = rank
+    return ", ".join(runs)
+
+
+def size(n: int) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def as_text(plan: Plan) -> str:
+    lines = [f"world {plan.world_size} ranks ({plan.node_size} per node), device {plan.device.name}; "
+             f"micro-batch {plan.micro_batch} rows = {plan.tokens_per_rank} tokens per rank"]
+    for role in plan.roles:
+        lines.append(f"ranks {ranks_text(role.ranks)}:")
+        for name in ROLE_FIELDS:
+            lines.append(f"  {name[:-6].replace('_', ' '):<22} {size(getattr(role, name)):>12}")
+    for i, layer in enumerate(plan.layers):
+        lines.append(f"MoE layer {i}: capacity {layer.capacity} rows per expert; all-to-all rows per pass "
+                     f"{layer.rows_balanced} balanced, {layer.rows_bound} at the bound")
+    step = plan.step
+    lines.append(f"step {step.seconds * 1e3:.2f} ms = compute {step.compute * 1e3:.2f} + all-to-all "
+                 f"{step.all_to_all * 1e3:.2f} + gradients {step.gradients * 1e3:.2f}")
+    lines.append(f"largest micro-batch that fits {plan.device.memory_bytes / 2**30:.0f} GiB: "
+                 f"{plan.max_micro_batch} rows ({size(plan.activation_bytes_per_row)} of activations per row)")
+    lines.append("assumptions: " + "; ".join([plan.device.note, *step.assumptions]))
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,62 @@
+"""A training step's predicted time on one device profile, from parallel/cost_model.py's terms, nothing overlapped:
+
+    compute     3 x the forward's FLOPs (torch's FlopCounterMode on the meta forward) / the device's rate
+    all-to-all  each MoE layer's four exchanges at balanced routing (cost_model.a2a_seconds, flat or 2dh)
+    gradients   DDP: a ring all-reduce of the dense gradients over the world and of the experts' over the ranks
+                holding them; FSDP2: an all-gather of the parameters forward and backward and a reduce-scatter
+                of the gradients (cost_model.allgather_seconds; an all-reduce costs two of them)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from ..config import MoEConfig
+from ..parallel.cost_model import TFLOP, Params, a2a_seconds, allgather_seconds
+from .traffic import PASSES, LayerTraffic
+
+ASSUMPTIONS = ("compute at the device's rate for every FLOP (attention and expert GEMMs alike)",
+               "no overlap of communication with compute",
+               "routing balanced (each expert gets T*K/E rows of every rank)",
+               "parallel/overlap 'auto' counted as degree 1, overlap 1")
+
+
+@dataclass
+class StepTime:
+    compute: float
+    all_to_all: float
+    gradients: float
+    assumptions: Sequence[str] = ASSUMPTIONS
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.all_to_all + self.gradients
+
+
+def ring_node_size(group_size: int, stride: int, node_size: int) -> int:
+    """node_size for cost_model.allgather_seconds: the group's own size when its ranks (`stride` apart) share one
+    node, else 1 (the ring crosses nodes)."""
+    return group_size if group_size * stride <= node_size else 1
+
+
+def step_time(params: Params, world_size: int, node_size: int, forward_flops: float, configs: List[MoEConfig],
+              layers: List[LayerTraffic], dense_bytes: int, expert_bytes: int, ep_size: int,
+              fsdp: bool) -> StepTime:
+    compute = 3 * forward_flops / (params.compute_tflops * TFLOP)
+    exchange = 0.0
+    for config, traffic in zip(configs, layers):
+        if traffic.bytes_balanced:
+            ep_node = min(node_size, config.ep_size)
+            algorithm = "2dh" if config.a2a == "2dh" else "flat"
+            per_pass = traffic.bytes_balanced // PASSES
+            exchange += PASSES * a2a_seconds(algorithm, per_pass, config.ep_size, ep_node, params)
+    holders = world_size // ep_size
+    dense_ring = ring_node_size(world_size, 1, node_size)
+    expert_ring = ring_node_size(holders, ep_size, node_size)
+    if fsdp:
+        gradients = (3 * allgather_seconds(dense_bytes, world_size, dense_ring, params)
+                     + 3 * allgather_seconds(expert_bytes, holders, expert_ring, params))
+    else:
+        gradients = (2 * allgather_seconds(dense_bytes, world_size, dense_ring, params)
+                     + 2 * allgather_seconds(expert_bytes, holders, expert_ring, params))
+    return StepTime(compute, exchange, gradients)

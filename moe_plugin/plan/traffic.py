@@ -1,0 +1,58 @@
+"""The bytes one training step hands to collectives on one rank: the MoE layers' all-to-alls (from each layer's
+MoEConfig and the tokens of one micro-batch, as dispatch.py and dispatchers/all_to_all.py route them) and the
+gradient reductions (from the rank's gradient bytes).
+
+Legend: T tokens a rank routes in one layer call, K top-k, E experts, E_local experts per rank, C capacity per
+expert, D model dim, W ranks in the expert-parallel group.
+
+A layer call at parallel degree r = 1 sends each kept row (a token's copy for one expert) once to the rank holding
+its expert and gets its output back: two all-to-alls forward (dispatch, combine) and their two gradients backward,
+each carrying the rows * D * element bytes a rank sends (its own share included). At degree r > 1 each row goes
+to r hidden slices (r times the bytes); at r = 0 nothing is exchanged. "2dh" passes the bytes twice (inside the
+node, then across nodes).
+    balanced: every expert gets T*K/E of a rank's rows, kept up to C: what every rank sends and receives;
+    bound:    the most one rank can receive: every rank fills each of its E_local experts up to C (dropless:
+              up to T), at most all W ranks' T*K rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import MoEConfig
+from ..dispatch import fixed_capacity
+
+PASSES = 4      # dispatch and combine forward, and their gradients backward
+
+
+@dataclass
+class LayerTraffic:
+    rows_balanced: int      # kept rows one rank sends in one all-to-all, routing balanced
+    rows_bound: int         # rows the busiest rank can receive in one all-to-all, at the capacity bound
+    capacity: int           # C (dropless: T)
+    bytes_balanced: int     # of one step, all four passes
+    bytes_bound: int
+
+
+def parallel_degree(config: MoEConfig) -> int:
+    """The degree the traffic is counted at: the configured one; "auto"/"auto_once" are counted at 1."""
+    return config.parallel if isinstance(config.parallel, int) else 1
+
+
+def exchanges(config: MoEConfig, node_size: int) -> int:
+    """All-to-alls per pass: 2 for a two-step "2dh" exchange (several nodes of several ranks), else 1."""
+    return 2 if config.a2a == "2dh" and 1 < node_size < config.ep_size else 1
+
+
+def layer_traffic(config: MoEConfig, tokens: int, element_bytes: int, node_size: int) -> LayerTraffic:
+    T, K, E, W = tokens, config.top_k, config.num_experts, config.ep_size
+    capacity = fixed_capacity(abs(config.capacity_factor), T, E, K, config.min_capacity) \
+        if config.capacity_factor else T
+    share, extra = divmod(T * K, E)         # loads as even as whole rows allow
+    balanced = extra * min(share + 1, capacity) + (E - extra) * min(share, capacity)
+    local_experts = max(1, E // W)
+    bound = min(W * T * K, W * local_experts * min(capacity, T))
+    r = parallel_degree(config)
+    if W == 1 or r == 0:
+        balanced = bound = 0
+    scale = PASSES * r * exchanges(config, node_size) * config.model_dim * element_bytes
+    return LayerTraffic(balanced, bound, capacity, balanced * scale, bound * scale)
