@@ -7,12 +7,14 @@ Legend: B rows per rank (the micro-batch), S sequence length.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..layer import MoELayer
@@ -95,18 +97,23 @@ def split_bytes(model: nn.Module) -> Tuple[int, int]:
             sum(nbytes(p) for p in trainable if id(p) in experts))
 
 
-def forward_on_meta(cfg, rows: int) -> Tuple[int, float]:
+def forward_without_data(cfg, rows: int) -> Tuple[int, float]:
     """(bytes saved for backward, forward FLOPs) of one forward + loss on `rows` rows, the experts local (each rank
-    computes, at balanced routing, as many rows as it routes)."""
+    computes, at balanced routing, as many rows as it routes). The model is built on the meta device, then given
+    CPU fake tensors (torch's FakeTensorMode: shapes, no data), so that the forward takes the CPU kernels' paths
+    and saves what they save."""
     local = copy.deepcopy(cfg)
     local.parallel.ep_size, local.parallel.fsdp = 1, False
     with torch.device("meta"):
         model = build_model(local)
-        x_BS = torch.zeros(rows, cfg.model.seq_len, dtype=torch.long)
     saved: Dict[str, int] = {}
-    with FlopCounterMode(display=False) as flops, saved_for_backward(model, saved):
-        logits = model(x_BS)
-        F.cross_entropy(logits.flatten(0, -2), x_BS.flatten())
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")       # kernels without data
+        model.to_empty(device="cpu")
+        x_BS = torch.zeros(rows, cfg.model.seq_len, dtype=torch.long)
+        with FlopCounterMode(display=False) as flops, saved_for_backward(model, saved):
+            logits = model(x_BS)
+            F.cross_entropy(logits.flatten(0, -2), x_BS.flatten())
     return saved["bytes"], float(flops.get_total_flops())
 
 
@@ -119,8 +126,8 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
     layers = [layer_traffic(m.config, B * S, next(m.experts.parameters()).element_size(), node_size)
               for m in first.modules() if isinstance(m, MoELayer)]
     configs = [m.config for m in first.modules() if isinstance(m, MoELayer)]
-    activations, flops = forward_on_meta(cfg, B)
-    per_row = activations - forward_on_meta(cfg, B - 1)[0] if B > 1 else forward_on_meta(cfg, 2)[0] - activations
+    activations, flops = forward_without_data(cfg, B)
+    per_row = activations - forward_without_data(cfg, B - 1)[0] if B > 1 else forward_without_data(cfg, 2)[0] - activations
     holders = world_size // ep_size
     if fsdp:
         groups = fsdp_roles(first, world_size, ep_size)
