@@ -10,7 +10,6 @@ fixed; the worker asserts that every expert was full.
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 

@@ -1,0 +1,114 @@
+"""`moe-plugin plan` in this process: its figures against hand counts from the model's own parameters, its roles
+against every rank built one by one, its errors (one line, exit code 2), its JSON, the memory warning and the
+largest micro-batch, and its cost at 2,048 ranks (one build per role, not per rank). The checks against real
+multi-process runs are in test_plan_real_runs.py.
+"""
+import json
+
+import pytest
+import torch
+
+from moe_plugin import cli, train
+from moe_plugin.layer import MoELayer
+from moe_plugin.plan import experiment, plan_experiment
+from moe_plugin.plan.devices import DEVICES, device
+from moe_plugin.plan.state_bytes import state_bytes
+from moe_plugin.train.parts import build_model
+
+TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
+        "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4"]
+
+
+def unsharded_bytes(cfg):
+    """(dense, all experts') parameter bytes of the run's model built whole (ep_size 1) on the meta device."""
+    with torch.device("meta"):
+        model = build_model(train.load_config(None, ["moe.num_experts=64"]))
+    experts = {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
+    params = list(model.parameters())
+    return (sum(p.numel() * 4 for p in params if id(p) not in experts),
+            sum(p.numel() * 4 for p in params if id(p) in experts))
+
+
+def test_ddp_at_2048_ranks_is_one_role_built_once_and_holds_its_share_of_the_experts(monkeypatch):
+    builds = []
+    build_role = experiment.build_role
+    monkeypatch.setattr(experiment, "build_role", lambda *a, **k: builds.append(a[1]) or build_role(*a, **k))
+    cfg = train.load_config(None, ["parallel.ep_size=8", "moe.num_experts=64"])
+    plan = plan_experiment(cfg, 2048, 8, device("h100"))
+    dense, experts = unsharded_bytes(cfg)
+    assert builds == [0] and len(plan.roles) == 1 and plan.roles[0].ranks == list(range(2048))
+    role = plan.roles[0]
+    assert role.parameters_bytes == role.gradients_bytes == dense + experts // 8
+    tensors = len(list(experiment.build_role(cfg, 0, 2048, 8, shard=False).parameters()))   # tied ones once
+    assert role.optimizer_bytes == 2 * role.parameters_bytes + 4 * tensors     # AdamW's two moments and a step
+    assert role.all_reduce_bytes == dense + experts // 8     # experts: all-reduced over their 256 holders
+
+
+def test_all_to_all_bytes_by_hand():
+    # the default experiment: T = 16 rows x 128 = 2048 tokens, K 2, E 8, D 128, fp32; capacity ceil(1.25 x 512) =
+    # 640 >= the balanced 512 per expert: 4096 rows per pass; 4 passes x 2 layers x 4096 x 128 x 4 bytes
+    plan = plan_experiment(train.load_config(None, ["parallel.ep_size=4"]), 8, 8, device("a100"))
+    assert [(t.capacity, t.rows_balanced) for t in plan.layers] == [(640, 4096)] * 2
+    assert plan.roles[0].all_to_all_bytes == 4 * 2 * 4096 * 128 * 4
+    # the busiest rank at the bound: its 2 experts filled to 640 by each of the 4 ranks (5120 <= 4 x 4096)
+    assert plan.roles[0].all_to_all_bound_bytes == 4 * 2 * (4 * 2 * 640) * 128 * 4
+    assert plan_experiment(train.load_config(None, []), 8, 8, device("a100")).roles[0].all_to_all_bytes == 0
+
+
+def test_fsdp_roles_equal_every_rank_built_and_sharded_one_by_one():
+    # 6 ranks, ep 2: dense tensors in 6 chunks along dim 0 (the 256-row embedding: 5 x 43 + 41), each rank's 4
+    # experts over their 3 holders along dim 0 (2 + 2 + 0): several roles
+    cfg = train.load_config(None, [*TINY, "moe.num_experts=8", "parallel.ep_size=2", "parallel.fsdp=true"])
+    plan = plan_experiment(cfg, 6, 6, device("cpu"))
+    assert len(plan.roles) > 1
+    for rank in range(6):
+        held = state_bytes(experiment.build_role(cfg, rank, 6, 6, shard=True))
+        role = next(role for role in plan.roles if rank in role.ranks)
+        assert (role.parameters_bytes, role.gradients_bytes, role.optimizer_bytes) == \
+            (held.parameters, held.gradients, held.optimizer), rank
+
+
+def test_the_largest_micro_batch_fits_and_one_more_row_does_not():
+    plan = plan_experiment(train.load_config(None, TINY), 2, 2, device("cpu"))
+    memory = DEVICES["cpu"].memory_bytes
+    fixed = plan.roles[0].peak_bytes - plan.roles[0].activations_bytes
+    per_row = plan.activation_bytes_per_row
+    assert fixed + plan.roles[0].activations_bytes + (plan.max_micro_batch - 4) * per_row <= memory
+    assert fixed + plan.roles[0].activations_bytes + (plan.max_micro_batch - 3) * per_row > memory
+    # the rows' activations are linear: a plan at twice the rows adds as many rows' worth
+    double = plan_experiment(train.load_config(None, [*TINY, "train.batch_size=8"]), 2, 2, device("cpu"))
+    assert double.roles[0].activations_bytes == plan.roles[0].activations_bytes + 4 * per_row
+
+
+def test_a_plan_over_the_memory_warns_with_the_largest_micro_batch(capsys):
+    assert cli.main(["plan", "--world-size", "2", "--device", "cpu", "train.batch_size=8192"]) == 0
+    err = capsys.readouterr().err
+    largest = plan_experiment(train.load_config(None, []), 2, 2, device("cpu")).max_micro_batch
+    assert f"train.batch_size={largest}" in err and "parallel.ep_size" in err and 0 < largest < 8192
+
+
+def test_json_has_the_fields_as_integers(capsys):
+    assert cli.main(["plan", *TINY, "parallel.ep_size=2", "--world-size", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["world_size"] == 4 and plan["step_seconds"] > 0
+    assert [r for role in plan["roles"] for r in role["ranks"]] == [0, 1, 2, 3]
+    for role in plan["roles"]:
+        for key in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+                    "all_to_all_bytes", "peak_bytes"):
+            assert isinstance(role[key], int) and role[key] > 0, key
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--world-size", "6", "parallel.ep_size=4"], "parallel.ep_size=4 is invalid: must divide the number of processes, 6"),
+    (["--world-size", "4", "parallel.ep_size=4", "moe.num_experts=6"], "ep_size=4 cannot hold num_experts=6"),
+    (["--world-size", "12", "--node-size", "8"], "--node-size=8 is invalid: must divide --world-size=12"),
+    (["--world-size", "0"], "--world-size=0 is invalid: must be an integer >= 1"),
+    (["--world-size", "2", "--device", "tpu"], "--device='tpu' is invalid: must be one of a100, h100, cpu"),
+    # 8 experts per rank over 256 holders: sharded along the model dim, 128 rows over 256 ranks, which FSDP2 refuses
+    (["--world-size", "2048", "parallel.fsdp=true", "parallel.ep_size=8", "moe.num_experts=64"],
+     "parallel.fsdp=true fails at --world-size=2048: FSDP2 says FSDP does not support uneven sharding on dim 1"),
+])
+def test_errors_are_one_line_naming_the_setting(capsys, arguments, message):
+    assert cli.main(["plan", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
