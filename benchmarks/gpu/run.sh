@@ -12,15 +12,16 @@
 # also in summary_table.txt). Where $OUT is set (the device tool's folder that comes back, at most 8 files), they
 # are packed into $OUT/gpu-results.tgz, the table beside it. The exit code is 0 only when every step passed.
 #
-# The fast set (this checkout on PYTHONPATH; nothing installed but the peers): peers_setup in the background
-# (benchmarks/gpu/setup_peers.sh: DeepSpeed, omegaconf and Tutel from the git-ignored gpu_carry/, Tutel's
-# extension built here); launches_graphs (profiler launch counts against the budgets, host time, CUDA-graph
-# replays against eager); fp8_probe; fsdp_mixtral_gpu (FSDP2, swapped vs HF's own); peers (bench_peers.py at
-# the default, HF and SonicMoE shapes: ours eager and graphed, the floors, HF, DeepSpeed, Tutel, fairseq-style
-# einsum). The slow benchmarks: the fused grouped GEMMs against today's passes (fused_kernels.py), fsdp_fine_gpu,
-# torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at the HF and SonicMoE shapes, a
-# profiler table at the HF shape. The tests: install (pip, offline), every CUDA test file, the Triton kernels
-# compiled.
+# Every set first installs this checkout (pip -e, no dependencies, offline). The fast set: peers_setup in the
+# background (benchmarks/gpu/setup_peers.sh: DeepSpeed and omegaconf from the git-ignored gpu_carry/; Tutel, fetched
+# code, is built there by a command typed into the session's call, docs/development.md); launches_graphs (profiler
+# launch counts against the budgets, host time, CUDA-graph replays against eager); fp8_probe; fsdp_mixtral_gpu
+# (FSDP2, swapped vs HF's own); peers (bench_peers.py at the default, HF and SonicMoE shapes: ours eager and
+# graphed, the floors, HF, DeepSpeed, Tutel where installed, fairseq-style einsum). The slow benchmarks: the fused
+# grouped GEMMs against today's passes (fused_kernels.py), fsdp_fine_gpu, torch.compile(mode="reduce-overhead")
+# against eager, torch.compile'd ours at the HF and SonicMoE shapes, a profiler table at the HF shape. The tests:
+# every CUDA test file (in 4 worker processes), the Triton kernels compiled; compile_amp_check (torch.compile with
+# fp32 expert weights under autocast, per gradient).
 # tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
 # limits sum to at most 360 s with the background step inside the foreground steps before its wait, and the
 # other sets' to at most 420 s.
@@ -60,6 +61,7 @@ CUDA_TESTS=(
   tests/ops/test_kernel_choice.py
   tests/core/test_mixed_precision.py
   tests/core/test_compile.py
+  tests/core/test_cuda_graph_ready.py
 )
 
 step() {   # step NAME SECONDS COMMAND...
@@ -97,39 +99,39 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 if wants fast full; then
-  background peers_setup 180 bash benchmarks/gpu/setup_peers.sh
+  background peers_setup 120 bash benchmarks/gpu/setup_peers.sh
 fi
-if wants tests full; then   # some tests run the installed command; the benchmarks import this checkout directly
-  step install 35 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# every mode: moe_plugin.integrations lives in integrations/ (setup.py's package_dir), so PYTHONPATH alone does not
+# import it; some tests run the installed command
+step install 35 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
 
 if wants fast full; then
-  step launches_graphs 75 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
+  step launches_graphs 50 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
   step fp8_probe 20 "$PY" benchmarks/gpu/fp8_probe.py --json "$RESULTS/fp8.json"
   # FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
-  step fsdp_mixtral_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+  step fsdp_mixtral_gpu 60 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model mixtral_gpu --steps 10
   await_background peers_setup
-  step peers 150 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
+  step peers 120 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
     --json "$RESULTS/peers.json"
 fi
 
 if wants tests full; then
   # the Triton interpreter run is the CPU check of the same kernels (CI runs it); here they run compiled
-  step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}" \
+  step cuda_tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile "${CUDA_TESTS[@]}" \
     --deselect tests/ops/test_triton_kernels.py::test_interpreter_run \
     --deselect tests/ops/test_triton_grouped.py::test_interpreter_run
+  # torch.compile with fp32 expert weights under bf16 autocast: each variant's gradients against eager
+  step compile_amp_check 90 "$PY" benchmarks/gpu/compile_amp_check.py --json "$RESULTS/compile_amp.json"
 fi
 
 if wants slow full; then
   # the fused grouped GEMMs (gather_up, dgrad_swiglu, wgrad_gather) against what each replaces, at the three shapes
   step fused_kernels 50 "$PY" benchmarks/gpu/fused_kernels.py --rounds 7 --json "$RESULTS/fused_kernels.json"
-  step fsdp_fine_gpu 90 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+  step fsdp_fine_gpu 60 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model fine_gpu --steps 10
-  step graphs_compiled 90 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"
-  step peers_compiled 120 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
+  step graphs_compiled 70 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"
+  step peers_compiled 100 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
     --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$RESULTS/peers_compiled.json"
   step profile_hf_shape 45 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
     --capacity-factor 0 --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384
