@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
+import sys
 import time
 from typing import Callable, Dict, List
 
@@ -35,6 +37,11 @@ from .layer import MoELayer
 from .reference import reference_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+SKIPPABLE = ("einsum", "deepspeed", "eager")
+AT_LEAST = {"tokens": 1, "rounds": 1, "warmup": 0, "threads": 1}   # the flags MoEConfig does not check
+# MoEConfig's fields set by flags: its errors name the flag instead
+FLAGS = {"model_dim": "--model-dim", "hidden_size": "--hidden-size", "num_experts": "--num-experts",
+         "top_k": "--top-k", "capacity_factor": "--capacity-factor", "activation": "--activation"}
 BASELINE = "bare_gemm"
 RELU_COUNTED = ("bare_gemm", "floor_relu")   # candidates that run one D x H matrix in, whatever the layer's activation
 
@@ -64,16 +71,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def checked_config(args: argparse.Namespace) -> MoEConfig:
+    """The layer's config from the flags, every flag checked; ValueError naming the flag, its value and what is
+    allowed."""
+    for name, least in AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"--{name}={value} is invalid: must be an integer >= {least}")
+    unknown = sorted(set(filter(None, args.skip.split(","))) - set(SKIPPABLE))
+    if unknown:
+        raise ValueError(f"--skip={args.skip} is invalid: {', '.join(unknown)} is not a candidate; allowed: "
+                         f"a comma-separated list of {', '.join(SKIPPABLE)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device={args.device} is invalid: must be cpu or cuda (or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={args.device} is invalid here: torch {torch.__version__} sees no CUDA GPU")
+    try:
+        return MoEConfig(model_dim=args.model_dim, hidden_size=args.hidden_size, num_experts=args.num_experts,
+                         top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
+                         bias=not args.no_bias)
+    except (TypeError, ValueError) as error:
+        fields = "|".join(FLAGS)
+        raise ValueError(re.sub(rf"\b(MoEConfig\.)?({fields})\b", lambda m: FLAGS[m.group(2)], str(error))) from None
+
+
 def run(args: argparse.Namespace) -> dict:
+    config = checked_config(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
     gemm_dtype = autocast_dtype or dtype
-    config = MoEConfig(model_dim=args.model_dim, hidden_size=args.hidden_size, num_experts=args.num_experts,
-                       top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
-                       bias=not args.no_bias)
     skip = {name for name in args.skip.split(",") if name}
     layer = MoELayer(config).to(device=device, dtype=dtype)
     x_TD = torch.randn(args.tokens, config.model_dim, dtype=dtype, device=device)
@@ -181,6 +214,11 @@ def format_table(result: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        checked_config(args)
+    except ValueError as error:
+        print(f"moe-plugin bench: {error}", file=sys.stderr)
+        return 2
     result = run(args)
     print(json.dumps(result) if args.json else format_table(result))
     return 0

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import MoEConfig, field_names
 from ..lora import TARGETS
+from ..shipped import experiments
 from .data import DataConfig
 from .data import check_config as check_data_config
 from .models import ModelConfig
@@ -109,11 +110,7 @@ def parse_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> E
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    layers = []
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ValueError(f"config file {path!r} does not exist")
-        layers.append(OmegaConf.load(path))
+    layers = [] if path is None else [_load_yaml(config_file(path))]
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is invalid: must be key=value, e.g. train.steps=100")
@@ -126,6 +123,47 @@ def parse_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> E
     except OmegaConfBaseException as error:
         raise ValueError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
     return cfg
+
+
+def config_file(path: str) -> str:
+    """path, or the shipped experiment that a bare name stands for (`moe-plugin train fine_grained`: no folder, no
+    .yaml); ValueError naming the shipped ones when it is neither."""
+    shipped = experiments() / f"{path}.yaml"
+    if os.path.isfile(path):
+        return path
+    if os.sep not in path and not path.endswith((".yaml", ".yml")) and shipped.is_file():
+        return str(shipped)
+    names = ", ".join(sorted(file.stem for file in experiments().glob("*.yaml")))
+    problem = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
+    raise ValueError(f"config file {path!r} {problem}; give a YAML file or a shipped experiment's name: {names}")
+
+
+MAPPING = "must be a mapping of sections (model:, moe:, train:, ...)"
+
+
+def _load_yaml(path: str):
+    """The file's mapping of sections; ValueError naming the file (and line and column) when it is not one."""
+    import yaml
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else path
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"config file {where}: not valid YAML: {problem}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path}: not a UTF-8 text file") from None
+    except OmegaConfBaseException as error:
+        raise ValueError(f"config file {path}: {str(error).splitlines()[0]}") from None
+    except OSError as error:   # unreadable, or a lone value (omegaconf: "Invalid loaded object type: int")
+        raise ValueError(f"config file {path}: {error.strerror or f'{MAPPING}, not a lone value ({error})'}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"config file {path}: {MAPPING}, not a "
+                         f"{'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
+    return loaded
 
 
 def _valid_keys(section: Optional[str]) -> List[str]:
