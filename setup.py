@@ -80,12 +80,16 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    # every package under moe_plugin/, plus the adapters in integrations/ (installed as moe_plugin.integrations)
+    # every package under moe_plugin/, plus the adapters in integrations/ (installed as moe_plugin.integrations),
+    # plus what the package reads at run time (moe_plugin/shipped.py): the C++ sources that ops/native.py builds on
+    # first use, and the example configs (`moe-plugin train NAME`); tests/test_packaging.py checks a wheel's files
     packages=find_packages(include=["moe_plugin", "moe_plugin.*"])
     + ["moe_plugin.integrations", "moe_plugin.integrations.deepspeed", "moe_plugin.integrations.fairseq_moe",
-       "moe_plugin.integrations.transformers"],
-    package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"]},
-    package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations"},
+       "moe_plugin.integrations.transformers", "moe_plugin.csrc", "moe_plugin.configs"],
+    package_data={"moe_plugin.integrations.fairseq_moe": ["README.md"], "moe_plugin.csrc": ["*.cpp", "*.h"],
+                  "moe_plugin.configs": ["*/*.yaml", "*/*.json"]},
+    package_dir={"moe_plugin": "moe_plugin", "moe_plugin.integrations": "integrations", "moe_plugin.csrc": "csrc",
+                 "moe_plugin.configs": "configs"},
     install_requires=["torch>=2.11", "omegaconf>=2.1", "tqdm>=4.40", "matplotlib>=3.5", "ninja"],
     extras_require={"deepspeed": DEEPSPEED, "fairseq": FAIRSEQ, "triton": TRITON, "transformers": TRANSFORMERS,
                     "images": IMAGES, "lora": TRANSFORMERS + LORA, "dev": DEV, "docs": TRANSFORMERS + DOCS,

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional, Tuple
 
+from ..shipped import shipped
+
 SOURCES = ("routing_cpu.cpp", "swiglu_cpu.h")     # the build folder is named by a hash of all of them
 MODULE_NAME = "moe_plugin_routing_cpu"
 CFLAGS = ("-O3", "-fopenmp")
@@ -22,7 +24,7 @@ STALE_LOCK_SECONDS = 600    # a build takes about a minute; a lock this old belo
 
 
 def csrc_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "csrc"
+    return shipped("csrc")
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,8 +33,9 @@ def load() -> Tuple[Optional[ModuleType], str]:
     sources = [csrc_dir() / name for name in SOURCES]
     missing = [str(path) for path in sources if not path.is_file()]
     if missing:
-        return None, (f"C++ sources not found ({', '.join(missing)}); the native kernels need a source "
-                      f"checkout installed with `pip install -e .`")
+        return None, (f"C++ sources not found ({', '.join(missing)}); this install of moe_plugin lacks them: "
+                      f"reinstall it from a source checkout (`pip install .`, or `pip install -e .` to edit it), "
+                      f"which ships csrc/ in the package")
     if shutil.which("ninja") is None and not _ninja_module():
         return None, "ninja is not installed (`pip install ninja`); torch needs it to build C++ extensions"
     compiler = shutil.which("c++") or shutil.which("g++")
