@@ -31,13 +31,15 @@ class MoEConfig:
 
     model_dim: D, the width of the tokens the layer takes and returns.
     hidden_size: H, each expert's hidden width (a gated activation's first projection has 2H columns).
-    num_experts / top_k: E experts; each token goes to its top_k best.
+    num_experts: E, the number of experts (routed; a shared expert is not counted).
+    top_k: K, how many experts each token goes to: its top_k best by router score (1 to num_experts).
     eval_capacity_factor: used instead of capacity_factor in eval mode (None: the same).
     min_capacity: the lower bound of a fixed capacity.
     gate_noise: std of Gaussian noise added to the logits to choose experts (training only).
     fp32_router: compute the router in at least fp32 (rounded logits would flip routes).
     batch_prioritized_routing: tokens with the highest router score claim slots first (else token order).
-    aux_loss_coef / z_loss_coef: the weights of the balance loss and of the router z-loss in layer.aux_loss.
+    aux_loss_coef: the weight of the balance loss (see aux_loss) in layer.aux_loss.
+    z_loss_coef: the weight of the router z-loss (the mean squared logsumexp of the logits) in layer.aux_loss.
     bias: the experts' Linears have biases.
     node_size: processes per node for a2a "2dh" (None: LOCAL_WORLD_SIZE).
     shared_gate: the shared expert's output is multiplied per token by sigmoid(x . w) (Qwen2-MoE).
@@ -63,8 +65,8 @@ class MoEConfig:
     expert_bias_update_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias
       (router.expert_bias_E) is added to the scores to choose experts, never to the gates;
       moe_plugin.update_expert_bias(model) moves it by rate * sign(mean load - load) once per step.
-    num_groups / topk_groups: the experts form num_groups groups of consecutive experts; a token
-      chooses only inside its topk_groups best groups (a group scores the sum of its two best scores).
+    num_groups: the experts form this many groups of consecutive experts (1: no groups; DeepSeek-V3's n_group).
+    topk_groups: a token chooses its experts only inside its topk_groups best groups (scored by group_score).
     route_scale: multiplies the final gates (after normalization and dropping).
     shared_hidden_size > 0: a shared expert FFN of that width applied to every token and added to the
       output; shared_gate multiplies it per token by sigmoid(x . w).

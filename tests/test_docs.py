@@ -1,6 +1,6 @@
 """The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict`, its generated pages hold
 what the code holds, every code block marked `<!-- runnable -->` runs as written, and the built pages render
-with their navigation in headless Chromium. `pytest -k docs` selects these tests.
+with their navigation in headless Chromium (the MoEConfig table with its names whole). `pytest -k docs` selects these tests.
 
 A runnable block is a fenced ```python or ```bash block right after a line `<!-- runnable -->` (invisible in
 the site). Each runs as a script file in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
@@ -80,6 +80,8 @@ def test_docs_config_reference_describes_every_field():
     described = _hooks().field_docs(MoEConfig)
     missing = [f.name for f in dataclasses.fields(MoEConfig) if not described.get(f.name)]
     assert not missing, f"MoEConfig's docstring says nothing of {missing}: add an entry 'name: meaning'"
+    shared = [name for name, words in described.items() if list(described.values()).count(words) > 1]
+    assert not shared, f"MoEConfig's docstring gives {shared} one entry: give each field its own"
     table = _hooks().moe_config_markdown()
     assert "| `capacity_factor` | float | `1.0` | capacity_factor > 0: fixed capacity" in table
 
@@ -111,9 +113,9 @@ def test_docs_example_runs(block_id, language, code, tmp_path):
                                   f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}")
 
 
-def _dom(page: Path) -> str:
+def _dom(page: Path, *flags: str) -> str:
     done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
+                           "--virtual-time-budget=5000", *flags, "--dump-dom", page.as_uri()],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"chromium failed on {page}:\n{done.stderr[-3000:]}"
     return done.stdout
@@ -133,6 +135,40 @@ def test_docs_pages_render_with_navigation_in_chromium(site):
             assert entry in labels, f"{page}: the navigation has no link '{entry}' (it has {sorted(labels)})"
         assert re.search(rf"<h1[^>]*>\s*{re.escape(title)}", dom), f"{page}: no title '{title}'"
         assert "md-search__input" in dom, f"{page}: the theme's search box is missing"
+
+
+# runs in the page once it has loaded: the names in tables' first columns that the layout put on more than one
+# line (an inline element wrapped or broken mid-word has several client rectangles), written into the DOM
+MEASURE_NAMES = """<script>window.addEventListener("load", () => setTimeout(() => {
+  const names = [...document.querySelectorAll("article table tbody tr td:first-child code")];
+  const broken = names.filter(code => code.getClientRects().length > 1).map(code => code.textContent);
+  document.body.setAttribute("data-measured", names.length + " " + broken.join(" "));
+}, 0));</script>"""
+
+
+@pytest.mark.spawns
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
+@pytest.mark.parametrize("width", [1280, 800])
+def test_docs_config_reference_in_chromium_keeps_names_whole_and_each_meaning_its_own(site, width):
+    """The MoEConfig reference as a browser lays it out, on a laptop's and a narrow window's width: no field name
+    is broken over lines ("hidden_siz / e"), and every field has a meaning of its own (top_k's repeated
+    num_experts')."""
+    from moe_plugin.config import MoEConfig
+
+    page = site / "config" / "index.html"
+    measured = page.with_name("measured.html")    # beside the page, so that its styles and scripts load alike
+    measured.write_text(page.read_text(encoding="utf-8").replace("</body>", MEASURE_NAMES + "</body>"),
+                        encoding="utf-8")
+    dom = _dom(measured, f"--window-size={width},900")
+    count, *broken = re.search(r'data-measured="([^"]*)"', dom).group(1).split(" ")
+    fields = [field.name for field in dataclasses.fields(MoEConfig)]
+    assert int(count) == len(fields) and not [name for name in broken if name], f"names broken over lines: {broken}"
+    rows = re.findall(r"<tr>\s*<td><code>(\w+)</code></td>(?:\s*<td>.*?</td>){2}\s*<td>(.*?)</td>\s*</tr>", dom, re.S)
+    meanings = {name: " ".join(re.sub(r"<[^>]+>", " ", cell).split()) for name, cell in rows}
+    assert list(meanings) == fields
+    shared = {meaning for meaning in meanings.values() if list(meanings.values()).count(meaning) > 1}
+    assert all(meanings.values()) and not shared, f"fields without a meaning of their own: {shared}"
+    assert meanings["top_k"].startswith("K, how many experts each token goes to"), meanings["top_k"]
 
 
 def _github_anchor(heading: str) -> str:
