@@ -1,6 +1,7 @@
 """The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict`, its generated pages hold
 what the code holds, every code block marked `<!-- runnable -->` runs as written, and the built pages render
-with their navigation in headless Chromium (the MoEConfig table with its names whole). `pytest -k docs` selects these tests.
+with their navigation in headless Chromium (the MoEConfig table with its names whole). `pytest -k docs` selects
+these tests.
 
 A runnable block is a fenced ```python or ```bash block right after a line `<!-- runnable -->` (invisible in
 the site). Each runs as a script file in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
