@@ -34,8 +34,9 @@ def test_the_wheel_holds_what_the_package_reads(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = {f"moe_plugin/csrc/{name}" for name in native.SOURCES} | {
         f"moe_plugin/configs/experiments/{name}" for name in EXPERIMENTS} | {
-        "moe_plugin_deepspeed_hook.pth", "moe_plugin_deepspeed_hook.py", "moe_plugin/integrations/fairseq_moe/README.md",
-        "moe_plugin/integrations/deepspeed/__init__.py", "moe_plugin/ops/native.py"}
+        "moe_plugin_deepspeed_hook.pth", "moe_plugin_deepspeed_hook.py",
+        "moe_plugin/integrations/fairseq_moe/README.md", "moe_plugin/integrations/deepspeed/__init__.py",
+        "moe_plugin/ops/native.py"}
     assert len(EXPERIMENTS) >= 2 and wanted <= names, sorted(wanted - names)
 
 
