@@ -123,11 +123,21 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
     first = build_role(cfg, 0, world_size, node_size, shard=False)
     dense_bytes, expert_bytes = split_bytes(first)
     B, S = cfg.train.batch_size, cfg.model.seq_len
-    layers = [layer_traffic(m.config, B * S, next(m.experts.parameters()).element_size(), node_size)
-              for m in first.modules() if isinstance(m, MoELayer)]
-    configs = [m.config for m in first.modules() if isinstance(m, MoELayer)]
-    activations, flops = forward_without_data(cfg, B)
-    per_row = activations - forward_without_data(cfg, B - 1)[0] if B > 1 else forward_without_data(cfg, 2)[0] - activations
+    moe_layers = [m for m in first.modules() if isinstance(m, MoELayer)]
+    configs = [m.config for m in moe_layers]
+
+    def traffic(rows: int) -> List[LayerTraffic]:
+        return [layer_traffic(m.config, rows * S, next(m.experts.parameters()).element_size(), node_size)
+                for m in moe_layers]
+
+    def activations_at(rows: int) -> Tuple[int, float]:
+        """(bytes kept for backward, forward FLOPs) of a micro-batch of `rows` rows."""
+        saved, flops = forward_without_data(cfg, rows)
+        return saved + sum(t.kept_bytes for t in traffic(rows)), flops
+
+    layers = traffic(B)
+    activations, flops = activations_at(B)
+    per_row = activations - activations_at(B - 1)[0] if B > 1 else activations_at(2)[0] - activations
     holders = world_size // ep_size
     if fsdp:
         groups = fsdp_roles(first, world_size, ep_size)

@@ -41,19 +41,25 @@ def state_bytes(model: nn.Module) -> StateBytes:
                       optimizer=sum(ADAM_MOMENTS * nbytes(p) + ADAM_STEP_BYTES for p in trainable))
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of the memory a tensor lives in (views of one tensor share it)."""
+    return tensor.untyped_storage()._cdata
+
+
 @contextlib.contextmanager
 def saved_for_backward(model: nn.Module, total: Dict[str, int]):
-    """Inside the block, total["bytes"] adds up the tensors autograd saves for backward: each base tensor once
-    (views of one tensor count once), the model's parameters not at all (they are counted as parameters)."""
-    parameters = {id(local_part(p)) for p in model.parameters()} | {id(p) for p in model.parameters()}
-    seen = {}          # id -> tensor, held so that an id is not reused while counting
+    """Inside the block, total["bytes"] adds up the memory of the tensors autograd saves for backward: each storage
+    once, the model's parameters' not at all (they are counted as parameters)."""
+    seen = {storage_key(local_part(p)) for p in model.parameters()} | {storage_key(p) for p in model.parameters()}
+    held = []          # the saved tensors, kept alive so that no storage is freed and its key reused while counting
     total.setdefault("bytes", 0)
 
     def pack(tensor):
-        base = tensor if tensor._base is None else tensor._base
-        if id(base) not in parameters and id(base) not in seen:
-            seen[id(base)] = base
-            total["bytes"] += base.numel() * base.element_size()
+        key = storage_key(tensor)
+        if key not in seen:
+            seen.add(key)
+            held.append(tensor)
+            total["bytes"] += tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

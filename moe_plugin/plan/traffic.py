@@ -13,6 +13,9 @@ node, then across nodes).
     balanced: every expert gets T*K/E of a rank's rows, kept up to C: what every rank sends and receives;
     bound:    the most one rank can receive: every rank fills each of its E_local experts up to C (dropless:
               up to T), at most all W ranks' T*K rows.
+Beyond what the layer keeps for backward on one rank (every expert local: computed from the token rows), the
+exchange keeps the rows it received ([rows, D], the experts' input) and two int64 row indexes of them
+(measured on the real layer: tests/plan/test_plan_real_runs.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..config import MoEConfig
 from ..dispatch import fixed_capacity
 
 PASSES = 4      # dispatch and combine forward, and their gradients backward
+INDEX_BYTES = 8
 
 
 @dataclass
@@ -31,6 +35,7 @@ class LayerTraffic:
     capacity: int           # C (dropless: T)
     bytes_balanced: int     # of one step, all four passes
     bytes_bound: int
+    kept_bytes: int         # what the exchange keeps for backward beyond the local path (EXCHANGE_KEEPS)
 
 
 def parallel_degree(config: MoEConfig) -> int:
@@ -55,4 +60,5 @@ def layer_traffic(config: MoEConfig, tokens: int, element_bytes: int, node_size:
     if W == 1 or r == 0:
         balanced = bound = 0
     scale = PASSES * r * exchanges(config, node_size) * config.model_dim * element_bytes
-    return LayerTraffic(balanced, bound, capacity, balanced * scale, bound * scale)
+    kept = r * balanced * (config.model_dim * element_bytes + 2 * INDEX_BYTES)
+    return LayerTraffic(balanced, bound, capacity, balanced * scale, bound * scale, kept)
