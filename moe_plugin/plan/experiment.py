@@ -163,7 +163,9 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
     if max(r.peak_bytes for r in roles) > device.memory_bytes:
         plan.warnings.append(
             f"the plan needs {max(r.peak_bytes for r in roles) / 2**30:.1f} GiB on a rank, over the "
-            f"{device.memory_bytes / 2**30:.0f} GiB of a {device.name}: the largest micro-batch that fits is "
-            f"train.batch_size={plan.max_micro_batch}; other levers: parallel.ep_size (experts over more ranks), "
+            f"{device.memory_bytes / 2**30:.0f} GiB of a {device.name}: "
+            + (f"the largest micro-batch that fits is train.batch_size={plan.max_micro_batch}" if plan.max_micro_batch
+               else "not even train.batch_size=1 fits (a shorter model.seq_len may)")
+            + "; other levers: parallel.ep_size (experts over more ranks), "
             f"parallel.fsdp=true (parameters, gradients and optimizer state sharded), a smaller moe.capacity_factor")
     return plan

@@ -47,9 +47,10 @@ def as_text(plan: Plan) -> str:
         lines.append(f"ranks {ranks_text(role.ranks)}:")
         for name in ROLE_FIELDS:
             lines.append(f"  {name[:-6].replace('_', ' '):<22} {size(getattr(role, name)):>12}")
-    for i, layer in enumerate(plan.layers):
-        lines.append(f"MoE layer {i}: capacity {layer.capacity} rows per expert; all-to-all rows per pass "
-                     f"{layer.rows_balanced} balanced, {layer.rows_bound} at the bound")
+    described = [f"capacity {layer.capacity} rows per expert; all-to-all rows per pass {layer.rows_balanced} "
+                 f"balanced, {layer.rows_bound} at the bound" for layer in plan.layers]
+    for text in dict.fromkeys(described):      # layers alike: one line
+        lines.append(f"MoE layers {ranks_text([i for i, d in enumerate(described) if d == text])}: {text}")
     step = plan.step
     lines.append(f"step {step.seconds * 1e3:.2f} ms = compute {step.compute * 1e3:.2f} + all-to-all "
                  f"{step.all_to_all * 1e3:.2f} + gradients {step.gradients * 1e3:.2f}")

@@ -30,12 +30,13 @@ INDEX_BYTES = 8
 
 @dataclass
 class LayerTraffic:
-    rows_balanced: int      # kept rows one rank sends in one all-to-all, routing balanced
+    rows_kept: int          # rows a rank routes and keeps, routing balanced (what its experts compute)
+    rows_balanced: int      # kept rows one rank sends in one all-to-all, routing balanced (0: no exchange)
     rows_bound: int         # rows the busiest rank can receive in one all-to-all, at the capacity bound
     capacity: int           # C (dropless: T)
     bytes_balanced: int     # of one step, all four passes
     bytes_bound: int
-    kept_bytes: int         # what the exchange keeps for backward beyond the local path (EXCHANGE_KEEPS)
+    kept_bytes: int         # what the exchange keeps for backward beyond the local path (see above)
 
 
 def parallel_degree(config: MoEConfig) -> int:
@@ -56,9 +57,9 @@ def layer_traffic(config: MoEConfig, tokens: int, element_bytes: int, node_size:
     balanced = extra * min(share + 1, capacity) + (E - extra) * min(share, capacity)
     local_experts = max(1, E // W)
     bound = min(W * T * K, W * local_experts * min(capacity, T))
-    r = parallel_degree(config)
+    kept, r = balanced, parallel_degree(config)
     if W == 1 or r == 0:
         balanced = bound = 0
     scale = PASSES * r * exchanges(config, node_size) * config.model_dim * element_bytes
-    kept = r * balanced * (config.model_dim * element_bytes + 2 * INDEX_BYTES)
-    return LayerTraffic(balanced, bound, capacity, balanced * scale, bound * scale, kept)
+    saved = r * balanced * (config.model_dim * element_bytes + 2 * INDEX_BYTES)
+    return LayerTraffic(kept, balanced, bound, capacity, balanced * scale, bound * scale, saved)

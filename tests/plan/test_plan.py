@@ -112,3 +112,18 @@ def test_errors_are_one_line_naming_the_setting(capsys, arguments, message):
     assert cli.main(["plan", *arguments]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_step_time_by_hand():
+    # 2 gloo ranks on this host's fitted profile, ep 2, one MoE layer: T = 4 x 32 tokens, K 2, every row kept
+    # (capacity 2.0): each rank sends S = 256 rows x 32 x 4 bytes per pass, half of it to the other rank; gloo's
+    # two link levels are used one after the other: 1,750 us per call + S/2 at 0.4 GB/s; four passes
+    plan = plan_experiment(train.load_config(None, [*TINY, "parallel.ep_size=2", "moe.capacity_factor=2.0"]), 2, 2,
+                           device("cpu"))
+    assert plan.step.all_to_all == pytest.approx(4 * (1750e-6 + 256 * 32 * 4 / 2 / 0.4e9))
+    # the dense gradients all-reduced over 2 ranks on one node (a ring: 2 x (1,750 us + half the bytes at 0.4 GB/s))
+    dense = plan.roles[0].all_reduce_bytes
+    assert plan.step.gradients == pytest.approx(2 * (1750e-6 + dense / 2 / 0.4e9))
+    # compute: the expert GEMMs FlopCounterMode does not see (2 x 256 rows x 32 x 48 x 2 matrices) on top of its count
+    _, counted = experiment.forward_without_data(train.load_config(None, TINY), 4)
+    assert plan.step.compute == pytest.approx(3 * (counted + 2 * 256 * 32 * 48 * 2) / 0.028e12)
