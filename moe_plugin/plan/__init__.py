@@ -7,6 +7,7 @@ step_time.py (the cost model's step time), devices.py (device profiles), experim
 plan), report.py (text and JSON), command.py (the command line).
 """
 from .command import add_arguments, main
-from .experiment import Plan, Role, plan_experiment
+from .assembly import Plan, Role
+from .experiment import plan_experiment
 
 __all__ = ["add_arguments", "main", "Plan", "Role", "plan_experiment"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List
 
-from .experiment import Plan
+from .assembly import Plan
 
 ROLE_FIELDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "all_to_all_bytes",
                "all_to_all_bound_bytes", "all_reduce_bytes", "reduce_scatter_bytes", "all_gather_bytes",

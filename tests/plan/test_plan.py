@@ -11,6 +11,7 @@ import torch
 from moe_plugin import cli, train
 from moe_plugin.layer import MoELayer
 from moe_plugin.plan import experiment, plan_experiment
+from moe_plugin.plan.assembly import forward_without_data
 from moe_plugin.plan.devices import DEVICES, device
 from moe_plugin.plan.state_bytes import state_bytes
 from moe_plugin.train.parts import build_model
@@ -125,5 +126,6 @@ def test_step_time_by_hand():
     dense = plan.roles[0].all_reduce_bytes
     assert plan.step.gradients == pytest.approx(2 * (1750e-6 + dense / 2 / 0.4e9))
     # compute: the expert GEMMs FlopCounterMode does not see (2 x 256 rows x 32 x 48 x 2 matrices) on top of its count
-    _, counted = experiment.forward_without_data(train.load_config(None, TINY), 4)
+    tiny = train.load_config(None, TINY)
+    _, counted = forward_without_data(lambda: build_model(tiny), 4, 32)
     assert plan.step.compute == pytest.approx(3 * (counted + 2 * 256 * 32 * 48 * 2) / 0.028e12)
