@@ -1,7 +1,9 @@
 """`moe-plugin plan [CONFIG.yaml] [key=value ...] --world-size N`: a `moe-plugin train` experiment's per-rank
-memory, all-to-all traffic and step time, without starting the processes."""
+memory, all-to-all traffic and step time, without starting the processes; with `--deepspeed ds.json --hf-config
+config.json --seq-len S`, a DeepSpeed run's (moe_plugin.integrations.deepspeed.plan)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -20,14 +22,43 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="h100", metavar="NAME",
                         help=f"the device profile: {', '.join(DEVICES)} (default h100)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--deepspeed", metavar="DS.json",
+                        help="plan a DeepSpeed run with this config (its \"moe\" section, micro-batch, precision and "
+                             "ZeRO stage) instead of a train experiment; needs --hf-config and --seq-len")
+    parser.add_argument("--hf-config", metavar="CONFIG.json", help="with --deepspeed: the Hugging Face model's local "
+                                                                    "config.json (or its folder)")
+    parser.add_argument("--seq-len", type=int, metavar="S", help="with --deepspeed: tokens per row")
+
+
+def plan_deepspeed_run(args, profile, node_size):
+    """--deepspeed: the DeepSpeed adapter's plan (ValueError for a missing or misplaced flag)."""
+    if args.arguments:
+        raise ValueError(f"--deepspeed plans a DeepSpeed run: leave out the experiment arguments {args.arguments}")
+    if not args.hf_config:
+        raise ValueError("--deepspeed needs --hf-config CONFIG.json (the Hugging Face model's local config)")
+    if args.seq_len is None or args.seq_len < 1:
+        raise ValueError(f"--deepspeed needs --seq-len S, an integer >= 1 (tokens per row), got {args.seq_len}")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):     # DeepSpeed's logger, made at import, prints: not on stdout
+            from ..integrations.deepspeed.plan import plan_deepspeed   # optional: needs DeepSpeed and transformers
+    except ImportError as error:
+        raise ValueError(f"--deepspeed needs DeepSpeed and transformers ({error}); install them with: pip install "
+                         f"'moe_plugin[deepspeed,transformers]'") from None
+    return plan_deepspeed(args.deepspeed, args.hf_config, args.world_size, node_size, args.seq_len, profile)
 
 
 def main(args) -> int:
     try:
         profile = device(args.device)
-        cfg = load_config(*split_arguments(args.arguments))
         node_size = min(args.node_size, args.world_size) if args.world_size >= 1 else args.node_size
-        plan = plan_experiment(cfg, args.world_size, node_size, profile)
+        if args.deepspeed is not None:
+            plan = plan_deepspeed_run(args, profile, node_size)
+        else:
+            if args.hf_config is not None or args.seq_len is not None:
+                raise ValueError("--hf-config and --seq-len go with --deepspeed; a train experiment sets the model "
+                                 "in its hf section and model.seq_len")
+            plan = plan_experiment(load_config(*split_arguments(args.arguments)), args.world_size, node_size,
+                                   profile)
     except ValueError as error:
         print(f"moe-plugin plan: {error}", file=sys.stderr)
         return 2

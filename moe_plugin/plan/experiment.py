@@ -19,13 +19,17 @@ from .roles import fsdp_roles
 from .state_bytes import state_bytes
 
 
-def check_world(cfg, world_size: int, node_size: int) -> None:
-    """The errors the run would meet at start, found before anything is built."""
+def check_world_size(world_size: int, node_size: int) -> None:
     for name, value in (("--world-size", world_size), ("--node-size", node_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
     if world_size % node_size:
         raise ValueError(f"--node-size={node_size} is invalid: must divide --world-size={world_size}")
+
+
+def check_world(cfg, world_size: int, node_size: int) -> None:
+    """The errors the run would meet at start, found before anything is built."""
+    check_world_size(world_size, node_size)
     check_ep_size(cfg.parallel.ep_size, "parallel.ep_size", world_size)
     if cfg.parallel.fsdp and world_size == 1:
         raise ValueError("parallel.fsdp=true is invalid with --world-size=1: FSDP2 shards over >= 2 processes")
