@@ -66,7 +66,9 @@ def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: to
     """(final gates [T, K] in gate_dtype, aux loss (coefficients applied), plan)."""
     spec, cap, fixed = route_spec(layer.config, routed_TD.shape[0], capacity_factor, gate_dtype)
     # no graph recorded (eligible() has ruled out compiling and functorch): forward itself, without apply's host work
-    args = routed_TD, layer.router.weight_ED, spec
+    # the loads and kept rows go straight into the layer's persistent stats (CUDA graphs' replays write them too)
+    stats = layer._stats_rows if layer._stats_2E.device == routed_TD.device else None
+    args = routed_TD, layer.router.weight_ED, spec, stats
     outputs = FusedRoute.apply(*args) if torch.is_grad_enabled() else FusedRoute.forward(NoGraph(), *args)
     final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = outputs
     return final_TK, aux, dispatch.Plan(pos_TK, kept_TK, load_E, kept_E, offs_E, cap, capacity_factor, fixed)
@@ -86,7 +88,8 @@ def route_spec(cfg, T: int, capacity_factor: float, gate_dtype: torch.dtype) -> 
 
 class FusedRoute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w_ED, spec):
+    def forward(ctx, x_TD, w_ED, spec, stats=None):
+        """stats: (load_E, kept_E) int64 tensors the Triton routing writes its loads into, or None."""
         kernels = _kernels(x_TD.device)
         K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = spec
         x_TD, w_ED = x_TD.contiguous(), w_ED.contiguous()
@@ -100,7 +103,7 @@ class FusedRoute(torch.autograd.Function):
         expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T = kernels.route_forward(
             x_TD, w_ED, K, normalize == "before_drop", z_scale != 0)
         first_AE, load_E, kept_E, offs_E, aux, aux_grad_E = kernels.route_plan(
-            hist_AE, psum_BE, zsum_B, x_TD.shape[0], K, cap, aux_kind, aux_scale, z_scale)
+            hist_AE, psum_BE, zsum_B, x_TD.shape[0], K, cap, aux_kind, aux_scale, z_scale, *(stats or ()))
         pos_TK, kept_TK, final_TK = kernels.route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap,
                                                         normalize == "after_drop", scale, gate_dtype)
         ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E)
@@ -113,14 +116,14 @@ class FusedRoute(torch.autograd.Function):
         x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E = ctx.saved_tensors
         K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = ctx.spec
         if grad_final_TK is None and grad_aux is None:
-            return None, None, None
+            return None, None, None, None
         grad_TE = ctx.kernels.route_backward(
             None if grad_final_TK is None else grad_final_TK.contiguous(), grad_aux, expert_TK, gate_TK, pos_TK,
             probs_TE, lse_T, aux_grad_E, normalize, scale, z_scale, x_TD.dtype)
         # Triton: the logits' gradient in x's dtype; torch: in fp32, the GEMMs too (as the reference's fp32 router)
         grad_x_TD = (grad_TE @ w_ED.to(grad_TE.dtype)).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
         grad_w_ED = (grad_TE.t() @ x_TD.to(grad_TE.dtype)).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x_TD, grad_w_ED, None
+        return grad_x_TD, grad_w_ED, None, None
 
 
 def reference(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: torch.dtype,
