@@ -19,7 +19,7 @@
 # (FSDP2, swapped vs HF's own); peers (bench_peers.py at the default, HF and SonicMoE shapes: ours eager and
 # graphed, the floors, HF, DeepSpeed, Tutel where installed, fairseq-style einsum). The slow benchmarks: the fused
 # grouped GEMMs against today's passes (fused_kernels.py), fsdp_fine_gpu, torch.compile(mode="reduce-overhead")
-# against eager, torch.compile'd ours at the HF and SonicMoE shapes, a profiler table at the HF shape. The tests:
+# against eager, torch.compile'd ours at the HF and SonicMoE shapes, profiler tables at those two shapes. The tests:
 # every CUDA test file (in 4 worker processes), the Triton kernels compiled; compile_amp_check (torch.compile with
 # fp32 expert weights under autocast, per gradient).
 # tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
@@ -133,8 +133,11 @@ if wants slow full; then
   step graphs_compiled 70 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"
   step peers_compiled 100 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
     --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$RESULTS/peers_compiled.json"
-  step profile_hf_shape 45 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
+  step profile_hf_shape 30 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
     --capacity-factor 0 --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384
+  # SonicMoE's shape: the layer at 2.12x its gated floor on the H200 (2026-11-28), where the HF shape is 1.16x
+  step profile_sonic_shape 30 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
+    --capacity-factor 0 --model-dim 1536 --hidden-size 256 --num-experts 128 --top-k 8 --tokens 24576
 fi
 
 step summary 5 "$PY" benchmarks/gpu/summary.py "$RESULTS"
