@@ -10,11 +10,12 @@ dense parameters over all ranks and of the experts over the ranks holding the sa
 
     parameters    16-bit (or fp32) weights; stage 3: partitioned
     gradients     like the weights; stages 2, 3: partitioned
-    optimizer     Adam: two fp32 moments, plus an fp32 master copy of 16-bit weights; stages 1-3: partitioned
+    optimizer     Adam: two fp32 moments and an fp32 copy of the weights (ZeRO's optimizers keep one of fp32
+                  weights too; plain stage 0 in fp32 none); stages 1-3: partitioned; a 4-byte step per group
 
 Alignment padding is not counted. The activations, all-to-all bytes and step time come from moe_plugin.plan's
-assembly. Not checked against a real DeepSpeed run (tests/integrations/test_deepspeed_plan.py holds the figures
-to hand counts from the model's own parameters).
+assembly. tests/integrations/deepspeed/test_deepspeed_plan.py holds the figures to hand counts from the model's own
+parameters, and the parameter and optimizer bytes to a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from moe_plugin.plan.assembly import Collectives, Plan, assemble, split_bytes
 from moe_plugin.plan.devices import Device
 from moe_plugin.plan.experiment import check_world_size
 from moe_plugin.plan.fake_world import fake_world
-from moe_plugin.plan.state_bytes import StateBytes
+from moe_plugin.plan.state_bytes import ADAM_STEP_BYTES, StateBytes
 
 ADAM_MOMENTS_BYTES = 8      # exp_avg and exp_avg_sq in fp32
 MASTER_BYTES = 4            # the fp32 copy of a 16-bit weight
@@ -98,7 +99,10 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
             first = build(ep_size)
     dense, experts = split_bytes(first)
     element = torch.finfo(dtype).bits // 8
-    optimizer_per_byte = (ADAM_MOMENTS_BYTES + (MASTER_BYTES if element < 4 else 0)) / element
+    # ZeRO's optimizers (stages 1-3, and stage 0 in 16 bits) keep an fp32 copy of their partition, fp32 weights too
+    master = MASTER_BYTES if stage >= 1 or element < 4 else 0
+    optimizer_per_byte = (ADAM_MOMENTS_BYTES + master) / element
+    groups = 2 if experts else 1        # DeepSpeed splits the parameter group: dense, experts (moe param groups)
     holders = world_size // ep_size
 
     def share(dense_part: float, expert_part: float, partitioned: bool) -> int:
@@ -108,7 +112,8 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
         return math.ceil(dense_part / world_size) + math.ceil(expert_part / holders)
 
     held = StateBytes(parameters=share(dense, experts, stage >= 3), gradients=share(dense, experts, stage >= 2),
-                      optimizer=share(dense * optimizer_per_byte, experts * optimizer_per_byte, stage >= 1))
+                      optimizer=share(dense * optimizer_per_byte, experts * optimizer_per_byte, stage >= 1)
+                      + ADAM_STEP_BYTES * groups)
     if stage == 0:      # DeepSpeed's data parallelism: dense gradients over all ranks, experts' over their holders
         collectives = Collectives(all_reduce=(dense if world_size > 1 else 0) + (experts if holders > 1 else 0))
     else:               # reduce-scattered gradients; updated partitions gathered (stage 3: forward and backward)

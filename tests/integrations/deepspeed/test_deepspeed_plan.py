@@ -1,7 +1,11 @@
 """`moe-plugin plan --deepspeed ds.json --hf-config config.json` (integrations/deepspeed/plan.py): each rank's bytes
-under ZeRO stages 0-3 against hand counts from the Hugging Face model's own parameters (built whole, unswapped),
-the all-to-all bytes by hand, the JSON on stdout alone, and its errors (one line, exit code 2)."""
+under ZeRO stages 0-3 against hand counts from the Hugging Face model's own parameters (built whole, unswapped), the
+parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16), the all-to-all bytes
+by hand, the JSON on stdout alone, and its errors (one line, exit code 2)."""
 import json
+import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ pytest.importorskip("deepspeed")
 from moe_plugin import cli  # noqa: E402
 
 from helpers.hf import needs_transformers, transformers  # noqa: E402
+from helpers.launch import run_workers  # noqa: E402
 
 MIXTRAL = {"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
@@ -51,18 +56,62 @@ def test_zero_stages_by_hand(tmp_path, capsys, stage):
     assert role["ranks"] == [0, 1, 2, 3]
     assert role["parameters_bytes"] == (bf16[0] // 4 + bf16[1] // 2 if stage == 3 else sum(bf16))
     assert role["gradients_bytes"] == (bf16[0] // 4 + bf16[1] // 2 if stage >= 2 else sum(bf16))
-    adam = 12 * dense, 12 * local           # fp32 master, exp_avg, exp_avg_sq
-    assert role["optimizer_bytes"] == (adam[0] // 4 + adam[1] // 2 if stage >= 1 else sum(adam))
+    adam = 12 * dense, 12 * local           # fp32 copy, exp_avg, exp_avg_sq; a 4-byte step for each of 2 groups
+    assert role["optimizer_bytes"] == (adam[0] // 4 + adam[1] // 2 if stage >= 1 else sum(adam)) + 8
     # 2 rows x 64 tokens x top-2 = 256 rows of 64 bf16 values per pass; 4 passes; 2 MoE layers
     assert role["all_to_all_bytes"] == 2 * 4 * 256 * 64 * 2
 
 
 @needs_transformers
-def test_fp32_adam_keeps_no_master_copy(tmp_path, capsys):
+@pytest.mark.parametrize("stage, copy", [(0, 0), (1, 4)])
+def test_fp32_weights_keep_an_fp32_copy_under_zero_only(tmp_path, capsys, stage, copy):
     dense, experts = hf_counts()
-    role = plan_json(capsys, [*write(tmp_path, 1, bf16=False), "--world-size", "4"])["roles"][0]
-    assert role["parameters_bytes"] == 4 * (dense + experts // 2)
-    assert role["optimizer_bytes"] == 8 * dense // 4 + 8 * (experts // 2) // 2
+    role = plan_json(capsys, [*write(tmp_path, stage, bf16=False), "--world-size", "4"])["roles"][0]
+    local = experts // 2
+    assert role["parameters_bytes"] == 4 * (dense + local)
+    per = 8 + copy
+    assert role["optimizer_bytes"] == (per * dense // 4 + per * local // 2 if stage else per * (dense + local)) + 8
+
+
+def _real_steps(rank, world, ds_paths):
+    """Per DeepSpeed config, one step of DeepSpeed's engine (moe_plugin's initialize): what the rank holds."""
+    import moe_plugin.integrations.transformers  # noqa: F401  (before transformers: hides an unloadable torchaudio)
+    import deepspeed
+    from moe_plugin.integrations.deepspeed import initialize
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+    nbytes = lambda t: t.numel() * t.element_size()   # noqa: E731
+    held = []
+    for ds_path in ds_paths:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **{k: v for k, v in MIXTRAL.items() if k != "model_type"}))
+        config = json.loads(Path(ds_path).read_text())
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+        engine = initialize(model=model, config=config)[0]
+        ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 64))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        state = [t for s in engine.optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        copies = list(engine.optimizer.single_partition_of_fp32_groups)
+        held.append({"parameters": sum(nbytes(p) for p in engine.module.parameters()),
+                     "optimizer": sum(nbytes(t) for t in state + copies)})
+    return held
+
+
+@needs_transformers
+@pytest.mark.slow
+def test_parameter_and_optimizer_bytes_equal_a_real_deepspeed_run(tmp_path, capsys):
+    planned, paths = [], []
+    for stage, bf16 in ((1, False), (2, True)):      # ZeRO 1 in fp32, ZeRO 2 in bf16
+        (tmp_path / str(stage)).mkdir()
+        planned.append(plan_json(capsys, [*write(tmp_path / str(stage), stage, bf16=bf16), "--world-size", "2"]))
+        paths.append(str(tmp_path / str(stage) / "ds.json"))
+    for rank, held in enumerate(run_workers(_real_steps, 2, paths, timeout=300)):
+        for plan, real in zip(planned, held):
+            role = plan["roles"][0]
+            assert (real["parameters"], real["optimizer"]) == (role["parameters_bytes"], role["optimizer_bytes"]), \
+                rank
 
 
 @needs_transformers
@@ -79,6 +128,6 @@ def test_errors_are_one_line(tmp_path, capsys, change, extra, message):
     assert message in err and err.count("\n") == 1, err
 
 
-def test_missing_flags_are_named(tmp_path, capsys):
+def test_missing_flags_are_named(capsys):
     assert cli.main(["plan", "--world-size", "2", "--deepspeed", "ds.json", "--seq-len", "8"]) == 2
     assert "--deepspeed needs --hf-config" in capsys.readouterr().err
