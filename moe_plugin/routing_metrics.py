@@ -1,0 +1,153 @@
+"""Routing metrics per MoE layer and logging window (issue 44): RoutingMonitor(model) hooks every MoELayer;
+each training forward adds its routing into a device tensor (no host synchronization); read() sums the window
+over the processes (one all_reduce, one device read) and returns per-layer metrics; scalars() names them
+moe/<layer>/<metric> with a whole-model summary under moe/all/<metric>.
+
+Per layer and window (sums over every training forward of the window, every micro-batch, every process):
+    max_load                 the busiest expert's tokens over the mean (1.0 balanced; E when one expert takes all)
+    experts_without_tokens   how many experts got no token
+    dropped_fraction         routed choices dropped by capacity, over all choices
+    capacity_used            kept choices over the capacity's slots
+    router_entropy           mean entropy of the router's distribution per token (nats; log(E) at most)
+    balance_loss, z_loss     unweighted, as configured (aux_loss not "none"; z_loss_coef > 0), averaged over forwards
+    expert_bias_spread       with expert bias balancing: max - min of the bias (when read)
+
+Entropy, balance loss and z-loss are recomputed from the router's input in the hook (one [T, E] router product,
+no noise drawn: the balance loss counts the router's noise-free choice). Shape legend: moe_plugin/shapes.py.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layer import MoELayer
+from .router import balance_loss, best_groups_only, z_loss
+
+METRICS = ("max_load", "experts_without_tokens", "dropped_fraction", "capacity_used", "router_entropy",
+           "balance_loss", "z_loss", "expert_bias_spread")
+# the whole-model summary: the worst layer for these, the sum for experts_without_tokens, the mean for the rest
+WORST = {"max_load": max, "expert_bias_spread": max, "experts_without_tokens": sum}
+# after each layer's load_E and kept_E (2E values), its window holds these sums
+SUMS = ("choices", "slots", "entropy", "tokens", "balance_loss", "z_loss", "forwards")
+
+
+class RoutingMonitor:
+    """Watches every MoELayer of model (names: the modules' qualified names). Only training forwards count;
+    a forward re-run by activation checkpointing inside backward is not counted twice."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+        self.windows_L: Dict[str, Optional[torch.Tensor]] = {name: None for name in self.layers}
+        self.handles = [layer.register_forward_hook(self._hook(name), with_kwargs=True)
+                        for name, layer in self.layers.items()]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _hook(self, name: str):
+        def hook(layer, args, kwargs, output):
+            if layer.training and layer._routing is not None and torch._C._current_graph_task_id() < 0:
+                with torch.no_grad():
+                    sums = _forward_sums(layer, args, kwargs)
+                window = self.windows_L[name]
+                self.windows_L[name] = sums if window is None else window + sums.to(window.device)
+        return hook
+
+    def read(self, group=None) -> Dict[str, dict]:
+        """{layer name: {metric: value, "tokens_per_expert": [...]}} of the window since the last read, summed
+        over the processes of group (default: all, when torch.distributed is initialized: every process must
+        call it then, with the same layers); {} when no training forward ran in it anywhere. Starts a new window."""
+        sizes = {name: 2 * layer.config.num_experts + len(SUMS) for name, layer in self.layers.items()}
+        if not self.layers:
+            return {}
+        device = next(iter(self.layers.values())).router.weight_ED.device
+        parts = [torch.zeros(sizes[name], dtype=torch.float64, device=device) if w is None else w.to(device)
+                 for name, w in self.windows_L.items()]
+        sums = torch.cat(parts)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums, group=group)
+        self.windows_L = {name: None for name in self.layers}
+        values, start, metrics = sums.tolist(), 0, {}
+        for name, layer in self.layers.items():
+            window, start = values[start:start + sizes[name]], start + sizes[name]
+            if window[-1] > 0:
+                metrics[name] = layer_metrics(layer, window)
+        return metrics
+
+
+def layer_metrics(layer: MoELayer, window: List[float]) -> dict:
+    """The metrics of one layer from its window sums (load_E, kept_E, then SUMS)."""
+    cfg, E = layer.config, layer.config.num_experts
+    load, kept, sums = window[:E], window[E:2 * E], dict(zip(SUMS, window[2 * E:]))
+    mean = sum(load) / E
+    metrics = {
+        "max_load": max(load) / mean if mean else 0.0,
+        "experts_without_tokens": float(sum(n == 0 for n in load)),
+        "dropped_fraction": 1.0 - sum(kept) / sums["choices"] if sums["choices"] else 0.0,
+        "capacity_used": sum(kept) / sums["slots"] if sums["slots"] else 0.0,
+        "router_entropy": sums["entropy"] / sums["tokens"] if sums["tokens"] else 0.0,
+    }
+    if cfg.aux_loss != "none":
+        metrics["balance_loss"] = sums["balance_loss"] / sums["forwards"]
+    if cfg.z_loss_coef > 0:
+        metrics["z_loss"] = sums["z_loss"] / sums["forwards"]
+    if layer.router.bias_routes:
+        bias_E = layer.router.expert_bias_E
+        metrics["expert_bias_spread"] = float((bias_E.max() - bias_E.min()).item())
+    metrics["tokens_per_expert"] = [int(n) for n in load]
+    return metrics
+
+
+def scalars(metrics: Dict[str, dict]) -> Dict[str, float]:
+    """read()'s metrics as flat tags: moe/<layer>/<metric> and the summary moe/all/<metric>."""
+    flat = {f"moe/{name}/{key}": value for name, layer in metrics.items() for key, value in layer.items()
+            if key in METRICS}
+    for key in METRICS:
+        values = [layer[key] for layer in metrics.values() if key in layer]
+        if values:
+            flat[f"moe/all/{key}"] = WORST.get(key, _mean)(values)
+    return flat
+
+
+def _mean(values: List[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _forward_sums(layer: MoELayer, args: tuple, kwargs: dict) -> torch.Tensor:
+    """This forward's window sums (float64, on the layer's device): load_E, kept_E, then SUMS."""
+    cfg, router = layer.config, layer.router
+    load_E, kept_E, capacity_factor, fixed, num_tokens, top_k = layer._routing
+    x = args[0] if args else kwargs["x"]
+    routed = kwargs.get("router_input", args[4] if len(args) > 4 else None)
+    routed_TD = (x if routed is None else routed).reshape(-1, cfg.model_dim)
+    sequence_T = kwargs.get("sequence_T", args[3] if len(args) > 3 else None)
+    logits_TE = router.logits(routed_TD).float()
+    scores_TE = router.scores(logits_TE)
+    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
+    entropy = -(probs_TE * probs_TE.clamp(min=torch.finfo(probs_TE.dtype).tiny).log()).sum()
+    balance = z = logits_TE.new_zeros(())
+    if cfg.aux_loss != "none":
+        choice_TE = scores_TE + router.expert_bias_E if router.bias_routes else scores_TE
+        if cfg.topk_groups < cfg.num_groups:
+            choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups, cfg.group_score)
+        expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+        seq_len = x.shape[-2] if x.dim() >= 3 else None
+        balance = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
+    if cfg.z_loss_coef > 0:
+        z = z_loss(logits_TE)
+    largest = load_E.max()
+    capacity = torch.full_like(largest, fixed) if capacity_factor > 0 else largest if capacity_factor == 0 else \
+        torch.clamp(largest, max=fixed)
+    device = load_E.device
+
+    def number(value: float) -> torch.Tensor:      # a fill on the device: no host-to-device copy to wait for
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+
+    sums = torch.stack([number(num_tokens * top_k), capacity.double() * cfg.num_experts, entropy.double(),
+                        number(num_tokens), balance.double(), z.double(), number(1)])
+    return torch.cat([load_E.double(), kept_E.double(), sums])

@@ -1,0 +1,177 @@
+"""RoutingMonitor (moe_plugin/routing_metrics.py): each layer's window metrics equal numbers recomputed here from the
+layer's own routing (its router's choices, probabilities and losses; capacity and drops counted by a plain loop),
+summed over micro-batches and over 2 gloo processes; eval forwards and checkpointed recomputes do not count; the
+training forward adds no host synchronization."""
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from helpers.host_syncs import HostSyncs
+from helpers.launch import run_workers
+from moe_plugin import MoELayer
+from moe_plugin.routing_metrics import RoutingMonitor, scalars
+
+D = 16
+LAYERS = {
+    "capped": dict(model_dim=D, hidden_size=24, num_experts=6, top_k=2, capacity_factor=0.8, z_loss_coef=0.01),
+    "dropless_sigmoid": dict(model_dim=D, hidden_size=24, num_experts=8, top_k=1, capacity_factor=0.0,
+                             router="sigmoid", aux_loss="gshard"),
+    "biased_none": dict(model_dim=D, hidden_size=24, num_experts=4, top_k=2, capacity_factor=1.0, aux_loss="none",
+                        expert_bias_update_rate=0.05),
+}
+
+
+def build(seed: int) -> torch.nn.ModuleDict:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict({name: MoELayer(**kw) for name, kw in LAYERS.items()})
+
+
+def reference(layer: MoELayer, x_TD: torch.Tensor) -> dict:
+    """One forward's sums from the router's own routing and a plain loop over the choices (choice-major slots)."""
+    cfg = layer.config
+    with torch.no_grad():
+        routes = layer.router.eval()(x_TD)       # eval: the choices are not counted into the bias's load
+        layer.router.train()
+    T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
+    load = [0] * E
+    for e in routes.expert_TK.reshape(-1).tolist():
+        load[e] += 1
+    capacity = max(math.ceil(K * cfg.capacity_factor * T / E), cfg.min_capacity) if cfg.capacity_factor else max(load)
+    used, kept = [0] * E, [0] * E
+    for k in range(K):
+        for t in range(T):
+            e = int(routes.expert_TK[t, k])
+            if used[e] < capacity:
+                kept[e] += 1
+            used[e] += 1
+    probs = routes.scores_TE / routes.scores_TE.sum(-1, keepdim=True)
+    entropy = float(-(probs * probs.log()).sum())
+    return {"load": load, "kept": kept, "choices": T * K, "slots": capacity * E, "entropy": entropy, "tokens": T,
+            "balance": float(routes.aux_loss), "z": float(routes.z_loss), "forwards": 1}
+
+
+def add(total: dict, one: dict) -> dict:
+    if not total:
+        return dict(one)
+    return {k: [a + b for a, b in zip(v, one[k])] if isinstance(v, list) else v + one[k] for k, v in total.items()}
+
+
+def expected(layer: MoELayer, sums: dict) -> dict:
+    E = layer.config.num_experts
+    mean = sum(sums["load"]) / E
+    out = {"max_load": max(sums["load"]) / mean, "experts_without_tokens": sum(n == 0 for n in sums["load"]),
+           "dropped_fraction": 1 - sum(sums["kept"]) / sums["choices"],
+           "capacity_used": sum(sums["kept"]) / sums["slots"], "router_entropy": sums["entropy"] / sums["tokens"],
+           "tokens_per_expert": sums["load"]}
+    if layer.config.aux_loss != "none":
+        out["balance_loss"] = sums["balance"] / sums["forwards"]
+    if layer.config.z_loss_coef > 0:
+        out["z_loss"] = sums["z"] / sums["forwards"]
+    if layer.config.expert_bias_update_rate > 0:
+        bias = layer.router.expert_bias_E
+        out["expert_bias_spread"] = float(bias.max() - bias.min())
+    return out
+
+
+def check(metrics: dict, want: dict) -> None:
+    assert metrics.keys() == want.keys()
+    for name in want:
+        assert metrics[name].keys() == want[name].keys(), name
+        for key, value in want[name].items():
+            assert metrics[name][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
+
+
+def micro_batches(model, inputs, sums):
+    """Forward and backward of each input through every layer; the reference sums of each layer's routing."""
+    for x in inputs:
+        for name, layer in model.items():
+            sums[name] = add(sums.get(name, {}), reference(layer, x.reshape(-1, D)))
+            layer(x).square().mean().backward()
+
+
+def test_window_metrics_equal_the_layers_routing():
+    model = build(seed=torch.randint(1 << 30, ()).item())
+    monitor = RoutingMonitor(model)
+    model.biased_none.router.expert_bias_E.copy_(torch.randn(4))      # a spread to read
+    sums = {}
+    micro_batches(model, [torch.randn(3, 7, D), torch.randn(5, D), torch.randn(2, 9, D)], sums)
+    with torch.no_grad():
+        model.eval()
+        model.capped(torch.randn(4, D))       # evaluation: not counted
+        model.train()
+    check(monitor.read(), {name: expected(model[name], s) for name, s in sums.items()})
+    assert monitor.read() == {}               # a new window: nothing ran in it
+
+    sums = {}
+    micro_batches(model, [torch.randn(11, D)], sums)
+    metrics = monitor.read()
+    check(metrics, {name: expected(model[name], s) for name, s in sums.items()})
+    flat = scalars(metrics)
+    assert flat["moe/capped/max_load"] == metrics["capped"]["max_load"]
+    assert flat["moe/all/max_load"] == max(m["max_load"] for m in metrics.values())
+    assert flat["moe/all/experts_without_tokens"] == sum(m["experts_without_tokens"] for m in metrics.values())
+    assert flat["moe/all/dropped_fraction"] == pytest.approx(sum(m["dropped_fraction"] for m in metrics.values()) / 3)
+    assert "moe/dropless_sigmoid/z_loss" not in flat and "moe/biased_none/balance_loss" not in flat
+    monitor.close()
+    micro_batches(model, [torch.randn(4, D)], {})
+    assert monitor.read() == {}
+
+
+def test_a_collapsed_router_reads_as_collapsed():
+    layer = MoELayer(model_dim=D, hidden_size=8, num_experts=4, top_k=1, capacity_factor=1.0)
+    with torch.no_grad():
+        layer.router.weight_ED.zero_()
+        layer.router.weight_ED[2] = 1.0       # inputs with a positive sum all go to expert 2
+    monitor = RoutingMonitor(layer)
+    layer(torch.rand(40, D)).sum().backward()
+    metrics = monitor.read()[""]
+    assert metrics["tokens_per_expert"] == [0, 0, 40, 0]
+    assert metrics["max_load"] == 4.0 and metrics["experts_without_tokens"] == 3.0
+    assert metrics["dropped_fraction"] == pytest.approx(0.75) and metrics["capacity_used"] == pytest.approx(0.25)
+
+
+def test_checkpointed_recompute_counts_once():
+    layer = MoELayer(model_dim=D, hidden_size=8, num_experts=4, top_k=2, capacity_factor=1.5)
+    monitor = RoutingMonitor(layer)
+    x = torch.randn(9, D, requires_grad=True)
+    want = expected(layer, reference(layer, x.detach()))
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    check(monitor.read(), {"": want})
+
+
+def test_the_hook_reads_nothing_from_the_device():
+    """What the hook adds to a training forward runs no op that waits on the device (a GPU's host sync)."""
+    model = build(seed=torch.randint(1 << 30, ()).item())
+    monitor = RoutingMonitor(model)
+    for name, layer in model.items():
+        x = torch.randn(3, 4, D)
+        layer(x).sum().backward()
+        hook = next(iter(layer._forward_hooks.values()))
+        with HostSyncs() as record:
+            hook(layer, (x,), {}, None)
+        assert record.seen == [], name
+    assert set(monitor.read()) == set(LAYERS)
+
+
+def _rank_sums(rank, world_size, seed):
+    model = build(seed)
+    monitor = RoutingMonitor(model)
+    torch.manual_seed(seed + 1 + rank)        # each rank its own data
+    sums = {}
+    micro_batches(model, [torch.randn(6 + rank, D), torch.randn(2, 5, D)], sums)
+    return monitor.read(), sums
+
+
+def test_the_window_is_summed_over_processes():
+    seed = torch.randint(1 << 30, ()).item()
+    (metrics0, sums0), (metrics1, sums1) = run_workers(_rank_sums, 2, seed)
+    model = build(seed)
+    want = {name: expected(model[name], add(sums0[name], sums1[name])) for name in LAYERS}
+    for name in want:
+        want[name].pop("expert_bias_spread", None)
+        for metrics in (metrics0, metrics1):
+            metrics[name].pop("expert_bias_spread", None)
+    check(metrics0, want)
+    check(metrics1, want)
