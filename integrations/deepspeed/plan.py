@@ -117,7 +117,8 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
     if stage == 0:      # DeepSpeed's data parallelism: dense gradients over all ranks, experts' over their holders
         collectives = Collectives(all_reduce=(dense if world_size > 1 else 0) + (experts if holders > 1 else 0))
     else:               # reduce-scattered gradients; updated partitions gathered (stage 3: forward and backward)
-        collectives = Collectives(reduce_scatter=dense + experts, all_gather=(2 if stage == 3 else 1) * (dense + experts))
+        gathers = 2 if stage == 3 else 1
+        collectives = Collectives(reduce_scatter=dense + experts, all_gather=gathers * (dense + experts))
     return assemble(first, [(list(range(world_size)), held)], collectives, rows, seq_len, lambda: build(1),
                     world_size, node_size, device, stage == 3, "train_micro_batch_size_per_gpu",
                     "\"moe.ep_size\" (experts over more ranks), a higher \"zero_optimization.stage\", "

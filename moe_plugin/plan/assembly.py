@@ -124,5 +124,6 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         fits = f"the largest micro-batch that fits is {batch_key}={max_batch}" if max_batch else \
             f"not even {batch_key}=1 fits (a shorter sequence may)"
         plan.warnings.append(f"the plan needs {peak / 2**30:.1f} GiB on a rank, over the "
-                             f"{device.memory_bytes / 2**30:.0f} GiB of a {device.name}: {fits}; other levers: {levers}")
+                             f"{device.memory_bytes / 2**30:.0f} GiB of a {device.name}: {fits}; "
+                             f"other levers: {levers}")
     return plan

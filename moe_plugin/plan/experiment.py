@@ -63,7 +63,8 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
         groups = fsdp_roles(first, world_size, ep_size)
         held = [(ranks, state_bytes(build_role(cfg, ranks[0], world_size, node_size, shard=True)))
                 for ranks in groups]
-        collectives = Collectives(reduce_scatter=dense_bytes + expert_bytes, all_gather=2 * (dense_bytes + expert_bytes))
+        unsharded = dense_bytes + expert_bytes
+        collectives = Collectives(reduce_scatter=unsharded, all_gather=2 * unsharded)
     else:
         held = [(list(range(world_size)), state_bytes(first))]
         holders = world_size // ep_size
