@@ -6,6 +6,7 @@
     FAMILIES, family_of(model)                     the family table (families.py)
     hf_to_layer / layer_to_hf                      the weight mappings, both ways
     ExpertBiasUpdate()                             HF Trainer callback: the expert bias update every step
+    RoutingMetrics()                               HF Trainer callback: per-layer routing metrics in its logs
 """
 from .torchaudio_guard import hide_unloadable_torchaudio
 
@@ -22,11 +23,15 @@ from .upcycle import mlp_sites, upcycle  # noqa: E402
 
 __all__ = ["swap_moe_blocks", "upcycle", "mlp_sites", "export_hf", "hf_state_dict", "moe_config", "HFMoEBlock",
            "RouterLogits", "block_type", "FAMILIES", "Family", "WeightMap", "family_of", "hf_config_of",
-           "require_family", "hf_to_layer", "layer_to_hf", "hide_unloadable_torchaudio", "ExpertBiasUpdate"]
+           "require_family", "hf_to_layer", "layer_to_hf", "hide_unloadable_torchaudio", "ExpertBiasUpdate",
+           "RoutingMetrics"]
 
 
 def __getattr__(name):
     if name == "ExpertBiasUpdate":
         from .callbacks import ExpertBiasUpdate   # on first use: transformers' Trainer machinery takes about a second
         return ExpertBiasUpdate
+    if name == "RoutingMetrics":
+        from .routing_callback import RoutingMetrics   # on first use, as ExpertBiasUpdate
+        return RoutingMetrics
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

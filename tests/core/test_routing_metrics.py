@@ -2,14 +2,13 @@
 layer's own routing (its router's choices, probabilities and losses; capacity and drops counted by a plain loop),
 summed over micro-batches and over 2 gloo processes; eval forwards and checkpointed recomputes do not count; the
 training forward adds no host synchronization."""
-import math
-
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from helpers.host_syncs import HostSyncs
 from helpers.launch import run_workers
+from helpers.routing_reference import add, check, expected, reference
 from moe_plugin import MoELayer
 from moe_plugin.routing_metrics import RoutingMonitor, scalars
 
@@ -28,66 +27,12 @@ def build(seed: int) -> torch.nn.ModuleDict:
     return torch.nn.ModuleDict({name: MoELayer(**kw) for name, kw in LAYERS.items()})
 
 
-def reference(layer: MoELayer, x_TD: torch.Tensor) -> dict:
-    """One forward's sums from the router's own routing and a plain loop over the choices (choice-major slots)."""
-    cfg = layer.config
-    with torch.no_grad():
-        routes = layer.router.eval()(x_TD)       # eval: the choices are not counted into the bias's load
-        layer.router.train()
-    T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
-    load = [0] * E
-    for e in routes.expert_TK.reshape(-1).tolist():
-        load[e] += 1
-    capacity = max(math.ceil(K * cfg.capacity_factor * T / E), cfg.min_capacity) if cfg.capacity_factor else max(load)
-    used, kept = [0] * E, [0] * E
-    for k in range(K):
-        for t in range(T):
-            e = int(routes.expert_TK[t, k])
-            if used[e] < capacity:
-                kept[e] += 1
-            used[e] += 1
-    probs = routes.scores_TE / routes.scores_TE.sum(-1, keepdim=True)
-    entropy = float(-(probs * probs.log()).sum())
-    return {"load": load, "kept": kept, "choices": T * K, "slots": capacity * E, "entropy": entropy, "tokens": T,
-            "balance": float(routes.aux_loss), "z": float(routes.z_loss), "forwards": 1}
-
-
-def add(total: dict, one: dict) -> dict:
-    if not total:
-        return dict(one)
-    return {k: [a + b for a, b in zip(v, one[k])] if isinstance(v, list) else v + one[k] for k, v in total.items()}
-
-
-def expected(layer: MoELayer, sums: dict) -> dict:
-    E = layer.config.num_experts
-    mean = sum(sums["load"]) / E
-    out = {"max_load": max(sums["load"]) / mean, "experts_without_tokens": sum(n == 0 for n in sums["load"]),
-           "dropped_fraction": 1 - sum(sums["kept"]) / sums["choices"],
-           "capacity_used": sum(sums["kept"]) / sums["slots"], "router_entropy": sums["entropy"] / sums["tokens"],
-           "tokens_per_expert": sums["load"]}
-    if layer.config.aux_loss != "none":
-        out["balance_loss"] = sums["balance"] / sums["forwards"]
-    if layer.config.z_loss_coef > 0:
-        out["z_loss"] = sums["z"] / sums["forwards"]
-    if layer.config.expert_bias_update_rate > 0:
-        bias = layer.router.expert_bias_E
-        out["expert_bias_spread"] = float(bias.max() - bias.min())
-    return out
-
-
-def check(metrics: dict, want: dict) -> None:
-    assert metrics.keys() == want.keys()
-    for name in want:
-        assert metrics[name].keys() == want[name].keys(), name
-        for key, value in want[name].items():
-            assert metrics[name][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
-
-
 def micro_batches(model, inputs, sums):
     """Forward and backward of each input through every layer; the reference sums of each layer's routing."""
     for x in inputs:
         for name, layer in model.items():
-            sums[name] = add(sums.get(name, {}), reference(layer, x.reshape(-1, D)))
+            seq_len = x.shape[-2] if x.dim() >= 3 else None
+            sums[name] = add(sums.get(name, {}), reference(layer, x.reshape(-1, D), seq_len))
             layer(x).square().mean().backward()
 
 

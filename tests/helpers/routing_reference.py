@@ -1,0 +1,64 @@
+"""Routing metrics recomputed independently of moe_plugin/routing_metrics.py: from a layer's own router (its choices,
+probabilities and losses) with capacity and drops counted by a plain loop over the choices (choice-major slots)."""
+import math
+
+import pytest
+import torch
+
+
+def reference(layer, x_TD: torch.Tensor, seq_len=None) -> dict:
+    """One forward's sums (the router's weights as they are now)."""
+    cfg = layer.config
+    with torch.no_grad():
+        training = layer.router.training
+        routes = layer.router.eval()(x_TD.detach(), seq_len)   # eval: the choices are not counted into the bias's load
+        layer.router.train(training)
+    T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
+    load = [0] * E
+    for e in routes.expert_TK.reshape(-1).tolist():
+        load[e] += 1
+    capacity = max(math.ceil(K * cfg.capacity_factor * T / E), cfg.min_capacity) if cfg.capacity_factor else max(load)
+    used, kept = [0] * E, [0] * E
+    for k in range(K):
+        for t in range(T):
+            e = int(routes.expert_TK[t, k])
+            if used[e] < capacity:
+                kept[e] += 1
+            used[e] += 1
+    probs = routes.scores_TE.double() / routes.scores_TE.double().sum(-1, keepdim=True)
+    entropy = float(-(probs * probs.log()).sum())
+    return {"load": load, "kept": kept, "choices": T * K, "slots": capacity * E, "entropy": entropy, "tokens": T,
+            "balance": float(routes.aux_loss), "z": float(routes.z_loss), "forwards": 1}
+
+
+def add(total: dict, one: dict) -> dict:
+    if not total:
+        return dict(one)
+    return {k: [a + b for a, b in zip(v, one[k])] if isinstance(v, list) else v + one[k] for k, v in total.items()}
+
+
+def expected(layer, sums: dict) -> dict:
+    """The metrics of a window's sums, as the issue defines them."""
+    E = layer.config.num_experts
+    mean = sum(sums["load"]) / E
+    out = {"max_load": max(sums["load"]) / mean, "experts_without_tokens": sum(n == 0 for n in sums["load"]),
+           "dropped_fraction": 1 - sum(sums["kept"]) / sums["choices"],
+           "capacity_used": sum(sums["kept"]) / sums["slots"], "router_entropy": sums["entropy"] / sums["tokens"],
+           "tokens_per_expert": sums["load"]}
+    if layer.config.aux_loss != "none":
+        out["balance_loss"] = sums["balance"] / sums["forwards"]
+    if layer.config.z_loss_coef > 0:
+        out["z_loss"] = sums["z"] / sums["forwards"]
+    if layer.config.expert_bias_update_rate > 0:
+        bias = layer.router.expert_bias_E
+        out["expert_bias_spread"] = float(bias.max() - bias.min())
+    return out
+
+
+def check(metrics: dict, want: dict, rel: float = 1e-5) -> None:
+    """metrics (RoutingMonitor.read()) equal want, layer by layer and metric by metric."""
+    assert metrics.keys() == want.keys()
+    for name in want:
+        assert metrics[name].keys() == want[name].keys(), name
+        for key, value in want[name].items():
+            assert metrics[name][key] == pytest.approx(value, rel=rel, abs=1e-9), (name, key)

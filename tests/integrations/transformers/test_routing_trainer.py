@@ -1,0 +1,124 @@
+"""HF Trainer with RoutingMetrics (issue 44): a 6-step run with report_to=["tensorboard"] (2 micro-batches a step,
+a log every 2 steps) writes moe/<layer>/<metric> per swapped layer and the moe/all summary into TensorBoard's event
+file, equal to numbers recomputed from each layer's routing as each forward ran (tests/helpers/routing_reference.py);
+a router sending every token to one expert raises the alarm once, through transformers' logger, and a healthy run
+never does; the alarm can be turned off."""
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.hf import build_model, needs_transformers, tokens
+from helpers.routing_reference import add, expected
+
+pytestmark = [needs_transformers]
+pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+
+STEPS, EVERY = 6, 2
+
+
+def train(model, callbacks, report_to, out_dir):
+    from transformers import Trainer, TrainingArguments
+    data = [{"input_ids": row, "labels": row} for row in tokens(seed=torch.randint(1 << 30, ()).item(), batch=24)]
+    args = TrainingArguments(output_dir=out_dir, use_cpu=True, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2, save_strategy="no",
+                             report_to=report_to, logging_steps=EVERY, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+
+
+def swapped(hf_config=None, **overrides):
+    from moe_plugin.integrations.transformers import swap_moe_blocks
+    model = build_model("mixtral", seed=torch.randint(1 << 30, ()).item(), **(hf_config or {}))
+    return swap_moe_blocks(model, **overrides)
+
+
+def moe_layers(model):
+    from moe_plugin import MoELayer
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+
+
+def test_trainer_tensorboard_holds_each_layers_routing():
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moe_plugin.integrations.transformers import RoutingMetrics
+    model = swapped(capacity_factor=1.0, z_loss_coef=1e-3, aux_loss="switch")
+    layers = moe_layers(model)
+    assert len(layers) == 2
+    forwards = {name: [] for name in layers}     # each training forward's reference sums, in order
+
+    def record(name):
+        def hook(layer, args, kwargs):
+            if layer.training:
+                x = args[0] if args else kwargs["x"]
+                forwards[name].append(expected_sums(layer, x))
+        return hook
+    for name, layer in layers.items():
+        layer.register_forward_pre_hook(record(name), with_kwargs=True)
+    out_dir = tempfile.mkdtemp()
+    train(model, [RoutingMetrics()], ["tensorboard"], out_dir)
+
+    event_files = list(Path(out_dir).rglob("events.out.tfevents.*"))
+    assert len(event_files) == 1, event_files
+    events = EventAccumulator(str(event_files[0]), size_guidance={"scalars": 0})
+    events.Reload()
+    per_window = 2 * EVERY       # forwards per window: 2 micro-batches a step
+    for name, layer in layers.items():
+        assert len(forwards[name]) == STEPS * 2
+    for window in range(STEPS // EVERY):
+        step = (window + 1) * EVERY
+        want = {}
+        for name, layer in layers.items():
+            sums = {}
+            for one in forwards[name][window * per_window:(window + 1) * per_window]:
+                sums = add(sums, one)
+            want[name] = expected(layer, sums)
+            want[name].pop("tokens_per_expert")
+            assert set(want[name]) == {"max_load", "experts_without_tokens", "dropped_fraction", "capacity_used",
+                                       "router_entropy", "balance_loss", "z_loss"}
+            for key, value in want[name].items():
+                got = {e.step: e.value for e in events.Scalars(f"train/moe/{name}/{key}")}
+                assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key, step)
+        got = {e.step: e.value for e in events.Scalars("train/moe/all/max_load")}
+        assert got[step] == pytest.approx(max(w["max_load"] for w in want.values()), rel=1e-6)
+        got = {e.step: e.value for e in events.Scalars("train/moe/all/dropped_fraction")}
+        assert got[step] == pytest.approx(sum(w["dropped_fraction"] for w in want.values()) / 2, rel=1e-5, abs=1e-6)
+
+
+def expected_sums(layer, x):
+    from helpers.routing_reference import reference
+    return reference(layer, x.reshape(-1, layer.config.model_dim), x.shape[-2] if x.dim() >= 3 else None)
+
+
+def collapse(model):
+    """Every router sends every token to expert 3 (the other experts' rows zero, its own rows a large bias)."""
+    for layer in moe_layers(model).values():
+        layer.router.weight_ED.requires_grad_(False).zero_()
+        layer.router.expert_bias_E.zero_()
+        layer.router.fixed_bias = True
+        layer.router.expert_bias_E[3] = 10.0
+
+
+@pytest.mark.parametrize("case", ["collapsed", "healthy", "collapsed_alarm_off"])
+def test_the_alarm_fires_once_on_a_collapse_only(case, caplog):
+    from transformers.utils import logging as hf_logging
+
+    from moe_plugin.integrations.transformers import RoutingMetrics
+    from moe_plugin.routing_alarm import RoutingAlarm
+    model = swapped({"num_experts_per_tok": 1}, capacity_factor=0.0)     # top-1: a collapse can take every token
+    if case != "healthy":
+        collapse(model)
+    hf_logging.enable_propagation()
+    callback = RoutingMetrics(alarm=False if case == "collapsed_alarm_off" else RoutingAlarm(min_share=0.05,
+                                                                                             windows=2))
+    with caplog.at_level("WARNING"):
+        train(model, [callback], [], tempfile.mkdtemp())
+    alarms = [r.getMessage() for r in caplog.records if "routing alarm" in r.getMessage()]
+    if case != "collapsed":
+        assert alarms == []
+        return
+    names = list(moe_layers(model))
+    assert len(alarms) == 2, alarms                        # one per layer, though 3 windows were unhealthy
+    for name, message in zip(names, alarms):
+        assert f"MoE layer {name}: experts 0 (0.0%), 1 (0.0%), 2 (0.0%), 4 (0.0%), 5 (0.0%) got under 5%" in message
+        assert "busiest expert 6.00x the mean" in message and "last 2 logging windows" in message
