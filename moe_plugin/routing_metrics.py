@@ -36,7 +36,8 @@ SUMS = ("choices", "slots", "entropy", "tokens", "balance_loss", "z_loss", "forw
 
 class RoutingMonitor:
     """Watches every MoELayer of model (names: the modules' qualified names). Only training forwards count;
-    a forward re-run by activation checkpointing inside backward is not counted twice."""
+    a forward re-run by activation checkpointing inside backward is not counted twice. Under torch.compile the
+    hook runs eagerly (a graph break after each MoE layer)."""
 
     def __init__(self, model: nn.Module):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -56,7 +57,9 @@ class RoutingMonitor:
                     sums = _forward_sums(layer, args, kwargs)
                 window = self.windows_L[name]
                 self.windows_L[name] = sums if window is None else window + sums.to(window.device)
-        return hook
+        # eager under torch.compile (a graph break per layer): the window outlives the step, which a CUDA graph's
+        # outputs do not (the next replay overwrites them)
+        return torch.compiler.disable(hook)
 
     def read(self, group=None) -> Dict[str, dict]:
         """{layer name: {metric: value, "tokens_per_expert": [...]}} of the window since the last read, summed

@@ -60,7 +60,11 @@ class LogConfig:
     out_dir: Optional[str] = None    # null: runs/<name>
     every: int = 10                  # a metrics record every n steps
     progress: bool = True            # a progress bar on rank 0
-    plots: bool = True               # loss.png and expert_load.png at the end
+    plots: bool = True               # loss.png, expert_load.png and expert_load_heatmap.png at the end
+    routing_alarm: bool = True       # a warning when, in alarm_windows records in a row, an expert gets under
+    alarm_min_share: float = 0.1     # this share of the mean load, or a layer drops more than
+    alarm_max_dropped: float = 0.2   # this fraction of its choices
+    alarm_windows: int = 3
 
 
 @dataclass
@@ -230,6 +234,9 @@ def check_sections(cfg: ExperimentConfig) -> None:
     require("train.nonfinite", cfg.train.nonfinite in ("skip", "stop"), "one of 'skip', 'stop'")
     require("train.compile", cfg.train.compile in (None, "default", "reduce-overhead", "max-autotune"),
             "null, 'default', 'reduce-overhead' or 'max-autotune'")
+    require("log.alarm_min_share", 0 <= cfg.log.alarm_min_share < 1, "in [0, 1) (a share of the mean load)")
+    require("log.alarm_max_dropped", 0 <= cfg.log.alarm_max_dropped < 1, "in [0, 1) (a fraction)")
+    require("log.alarm_windows", cfg.log.alarm_windows >= 1, ">= 1")
     check_data_config(cfg.data)
     check_lora(cfg)
 

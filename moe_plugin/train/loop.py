@@ -17,6 +17,8 @@ from ..balancing import update_expert_bias
 from ..layer import aux_loss
 from ..parallel.expert_grads import expert_parameters
 from ..parallel.groups import check_ep_size
+from ..routing_alarm import RoutingAlarm
+from ..routing_metrics import RoutingMonitor, scalars
 from . import plots
 from .checkpoint import checkpoint_path, remove_checkpoints, resolve_resume, restore, save
 from .checks import check_config
@@ -173,6 +175,9 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     step, window = restore(parts, procs, cfg, resume_path) if resume_path else (0, Window())
     if is_main and resume_path is None:
         remove_checkpoints(out_dir)  # a fresh run replaces an old run's checkpoints
+    monitor = RoutingMonitor(model)      # each MoE layer's routing per record (rank 0 writes it; every rank reads)
+    alarm = RoutingAlarm(cfg.log.alarm_min_share, cfg.log.alarm_max_dropped, cfg.log.alarm_windows) \
+        if cfg.log.routing_alarm else None
     wrapped = data_parallel(model, procs)
     if cfg.train.compile:    # reduce-overhead: CUDA graphs (the MoE layers read nothing back; README)
         wrapped = torch.compile(wrapped, mode=cfg.train.compile)
@@ -203,6 +208,10 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
             if step % cfg.log.every == 0 or is_eval:
                 record = window.record(procs, step, optimizer.param_groups[0]["lr"], unit)
                 window = Window(skipped_in_a_row=window.skipped_in_a_row)
+                routing = monitor.read()
+                record.update(scalars(routing))
+                for message in alarm.check(routing) if alarm is not None else []:
+                    say(message)
                 if is_eval:
                     record.update(validation(model, data.val, procs.device, task))
                 if log:

@@ -1,5 +1,5 @@
-"""What a finished `moe-plugin train` run leaves for people: loss.png, expert_load.png (and for an image
-classifier accuracy.png) and the summary text.
+"""What a finished `moe-plugin train` run leaves for people: loss.png, expert_load.png, expert_load_heatmap.png
+(and for an image classifier accuracy.png) and the summary text.
 
 Records are the metrics.jsonl objects: {"step", "loss", "aux_loss", "dropped_fraction",
 "tokens_per_s", "tokens_per_expert": [[per expert] per MoE layer], "val_loss" (at eval steps)}; an
@@ -98,6 +98,28 @@ def save_plots(records: List[dict], out_dir: Path, routing: Dict[str, List[List[
                xticks=range(0, len(shares_TE[0]), 4 if many else 1), yticks=range(len(routing)),
                yticklabels=list(routing))
     figure.savefig(out_dir / "expert_load.png")
+    save_heatmap(train, out_dir)
+
+
+def load_shares(records: List[dict]) -> List[List[List[float]]]:
+    """Per MoE layer, per expert, its share of the layer's tokens (%) at each record."""
+    loads = [r["tokens_per_expert"] for r in records]
+    return [[[_percent(load[layer][e], load[layer]) for load in loads] for e in range(len(loads[0][layer]))]
+            for layer in range(len(loads[0]))]
+
+
+def save_heatmap(train: List[dict], out_dir: Path) -> None:
+    """expert_load_heatmap.png: per MoE layer, each expert's share of the tokens (a row) over the steps (columns);
+    a starved expert is a pale row, a collapse one dark row."""
+    shares = load_shares(train)
+    steps = [r["step"] for r in train]
+    figure = _figure(5 * len(shares), 3.6)
+    for layer, (ax, shares_ES) in enumerate(zip(figure.subplots(1, len(shares), squeeze=False)[0], shares)):
+        image = ax.imshow(shares_ES, cmap="viridis", vmin=0, aspect="auto", interpolation="nearest",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, len(shares_ES) - 0.5, -0.5))
+        ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step", ylabel="expert")
+        figure.colorbar(image, ax=ax)
+    figure.savefig(out_dir / "expert_load_heatmap.png")
 
 
 def _percent(n: int, load: List[int]) -> float:
@@ -136,7 +158,7 @@ def summary(name: str, result: dict, records: List[dict], routing: Dict[str, Lis
                 load = loads[layer]
                 lines.append(f"  {topic:<{width}} " + " ".join(f"{_percent(n, load):3.0f}" for n in load))
     pictures = ("loss.png, accuracy.png, " if image else "loss.png, ") + \
-        ("expert_load.png, " if last["tokens_per_expert"] else "")
+        ("expert_load.png, expert_load_heatmap.png, " if last["tokens_per_expert"] else "")
     pictures = pictures if result.get("plots", True) else ""
     loader = ("upcycle_export.load_upcycled" if last["tokens_per_expert"] else
               "AutoModelForImageClassification.from_pretrained") if image else "AutoModelForCausalLM.from_pretrained"

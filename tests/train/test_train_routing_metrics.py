@@ -1,0 +1,101 @@
+"""`moe-plugin train` routing metrics (issue 44): each record of metrics.jsonl and TensorBoard holds
+moe/<layer>/<metric> per MoE layer (plus moe/all), equal to numbers recomputed from each layer's routing as each
+forward ran (tests/helpers/routing_reference.py); the expert-load heatmap is drawn from the records; a collapsed
+router raises the alarm once on stderr, and log.routing_alarm=false silences it; bad alarm settings are one line."""
+import pytest
+import torch
+
+from helpers.routing_reference import add, expected, reference
+from helpers.train import TINY, run
+from moe_plugin import MoELayer, train
+from moe_plugin.train import plots
+
+EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                       reason="tensorboard is not installed (pip install tensorboard)").EventAccumulator
+
+STEPS, EVERY = 4, 2
+
+
+def test_records_hold_each_layers_routing(tmp_path, fresh_seed, monkeypatch):
+    forwards = {}      # per layer name: each training forward's reference sums
+
+    def record(name):
+        def hook(layer, args, kwargs):
+            if layer.training:
+                x = args[0] if args else kwargs["x"]
+                seq_len = x.shape[-2] if x.dim() >= 3 else None
+                forwards.setdefault(name, []).append(reference(layer, x.reshape(-1, layer.config.model_dim), seq_len))
+        return hook
+    built = {}
+    real_build = train.loop.build
+
+    def build(cfg, procs):          # the run's own parts, with a recording hook on each MoE layer
+        parts = built["parts"] = real_build(cfg, procs)
+        for name, layer in parts.model.named_modules():
+            if isinstance(layer, MoELayer):
+                layer.register_forward_pre_hook(record(name), with_kwargs=True)
+        return parts
+    monkeypatch.setattr(train.loop, "build", build)
+    _, records = run(tmp_path, *TINY, f"train.steps={STEPS}", f"log.every={EVERY}", "train.eval_every=100",
+                     "moe.capacity_factor=1.0", "moe.z_loss_coef=0.001", "model.moe_every=1",
+                     f"train.seed={fresh_seed}")
+    layers = {name: m for name, m in built["parts"].model.named_modules() if isinstance(m, MoELayer)}
+    assert len(layers) == 2 and all(len(f) == STEPS for f in forwards.values())
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [EVERY, STEPS]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for window, rec in enumerate(train_records):
+        want = {}
+        for name, layer in layers.items():
+            sums = {}
+            for one in forwards[name][window * EVERY:(window + 1) * EVERY]:
+                sums = add(sums, one)
+            want[name] = expected(layer, sums)
+            assert rec["tokens_per_expert"][list(layers).index(name)] == want[name].pop("tokens_per_expert")
+            for key, value in want[name].items():
+                assert rec[f"moe/{name}/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
+                board = {e.step: e.value for e in events.Scalars(f"moe/{name}/{key}")}
+                assert board[rec["step"]] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+        assert rec["moe/all/max_load"] == max(w["max_load"] for w in want.values())
+    shares = plots.load_shares(train_records)
+    for layer in range(2):
+        for e in range(4):
+            for i, rec in enumerate(train_records):
+                load = rec["tokens_per_expert"][layer]
+                assert shares[layer][e][i] == pytest.approx(100 * load[e] / sum(load))
+    assert (tmp_path / "run" / "expert_load_heatmap.png").stat().st_size > 0
+
+
+def collapse(parts):
+    for layer in parts.model.modules():
+        if isinstance(layer, MoELayer):
+            with torch.no_grad():
+                layer.router.weight_ED.zero_()
+                layer.router.weight_ED.requires_grad_(False)
+                layer.router.fixed_bias = True
+                layer.router.expert_bias_E.zero_()
+                layer.router.expert_bias_E[1] = 10.0
+    return parts
+
+
+@pytest.mark.parametrize("alarm", ["true", "false"])
+def test_a_collapse_raises_the_alarm_once(tmp_path, monkeypatch, capsys, alarm):
+    real_build = train.loop.build
+    monkeypatch.setattr(train.loop, "build", lambda cfg, procs: collapse(real_build(cfg, procs)))
+    run(tmp_path, *TINY, "train.steps=4", "log.every=1", "train.eval_every=100", "moe.top_k=1", "model.moe_every=1",
+        "moe.capacity_factor=0", "log.plots=false", "log.alarm_windows=3", f"log.routing_alarm={alarm}")
+    alarms = [line for line in capsys.readouterr().err.splitlines() if "routing alarm" in line]
+    if alarm == "false":
+        assert alarms == []
+        return
+    assert len(alarms) == 2, alarms          # one per layer, at the third window
+    assert "experts 0 (0.0%), 2 (0.0%), 3 (0.0%) got under 10% of the mean load (busiest expert 4.00x" in alarms[0]
+
+
+@pytest.mark.parametrize("override, words", [("log.alarm_min_share=1.5", "log.alarm_min_share=1.5 is invalid"),
+                                             ("log.alarm_windows=0", "log.alarm_windows=0 is invalid: must be >= 1")])
+def test_bad_alarm_settings_name_the_key(override, words):
+    with pytest.raises(ValueError) as error:
+        train.load_config(None, [*TINY, override])
+    assert words in str(error.value) and "\n" not in str(error.value)
