@@ -50,7 +50,7 @@ def steps_by_mode():
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
-@pytest.mark.parametrize("name", ["run.sh", "setup_peers.sh", "make_carry.sh"])
+@pytest.mark.parametrize("name", ["run.sh", "setup_peers.sh", "make_carry.sh", "first_runs.sh"])
 def test_scripts_parse(name):
     result = subprocess.run(["bash", "-n", str(GPU / name)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -98,7 +98,7 @@ def test_fast_set_fits_six_minutes_with_the_background_step_inside():
             before = sum(int(s[2]) for s in fast[index + 1:wait] if s[0] == "step")
             assert int(limit) <= before, (name, limit, before)
     named = {s[1] for s in fast}
-    assert {"launches_graphs", "fp8_probe", "fsdp_mixtral_gpu", "peers", "summary"} <= named
+    assert {"launches_graphs", "fp8_probe", "fsdp_mixtral_gpu", "first_runs", "peers", "summary"} <= named
     for mode in ("slow", "tests"):
         steps = [s for s in steps_by_mode() if mode in s[4]]
         assert not [s for s in steps if s[0] == "background"], mode
@@ -258,3 +258,18 @@ def test_summary_judges_floor_throughput_peers_and_fp8(tmp_path):
         rows = {row[1]: row for row in summary.rows(tmp_path)}
         fp8 = rows["hf: fp8/bf16 GEMM speedup (quant. incl.); layer estimate"]
         assert f"this layer ~{layer}x" in fp8[3] and fp8[4] == verdict
+
+
+def test_summary_judges_the_users_first_runs(tmp_path):
+    """first_runs.sh's check lines become one row: met when both held, MISSED when one failed, open when one is
+    missing (the step stopped before it)."""
+    summary = load_script("benchmarks/gpu/summary.py")
+    row = "users' first runs: moe-plugin train on cuda, the DeepSpeed example (bf16)"
+    log = tmp_path / "first_runs.log"
+    trained = "first run: train loss 5.1 -> 2.2, plots [2]: ok"
+    stalled = "first run: train loss 5.1 -> 5.0, plots [2]: FAILED"
+    for lines, verdict in (([trained, "DeepSpeed example: loss 4 -> 2.4: ok"], "met"),
+                           ([stalled, "DeepSpeed example: loss 4 -> 2: ok"], "MISSED"), ([trained], "open")):
+        log.write_text("noise\n" + "\n".join(lines) + "\n")
+        got = {r[1]: r for r in summary.rows(tmp_path)}[row]
+        assert got[4] == verdict and "first run: train loss 5.1" in got[3], lines

@@ -16,12 +16,13 @@
 # background (benchmarks/gpu/setup_peers.sh: DeepSpeed and omegaconf from the git-ignored gpu_carry/; Tutel, fetched
 # code, is built there by a command typed into the session's call, docs/development.md); launches_graphs (profiler
 # launch counts against the budgets, host time, CUDA-graph replays against eager); fp8_probe; fsdp_mixtral_gpu
-# (FSDP2, swapped vs HF's own); peers (bench_peers.py at the default, HF and SonicMoE shapes: ours eager and
-# graphed, the floors, HF, DeepSpeed, Tutel where installed, fairseq-style einsum). The slow benchmarks: the fused
-# grouped GEMMs against today's passes (fused_kernels.py), fsdp_fine_gpu, torch.compile(mode="reduce-overhead")
-# against eager, torch.compile'd ours at the HF and SonicMoE shapes, profiler tables at those two shapes. The tests:
-# every CUDA test file (in 4 worker processes), the Triton kernels compiled; compile_amp_check (torch.compile with
-# fp32 expert weights under autocast, per gradient).
+# (FSDP2, swapped vs HF's own); first_runs (moe-plugin train on cuda and the DeepSpeed example, each checked);
+# peers (bench_peers.py at the default, HF and SonicMoE shapes: ours eager and graphed, the floors, HF, DeepSpeed,
+# Tutel where installed, fairseq-style einsum). The slow benchmarks: the fused grouped GEMMs against today's passes
+# (fused_kernels.py), fsdp_fine_gpu, torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at
+# the HF and SonicMoE shapes, profiler tables at those two shapes. The tests: every CUDA test file (in 4 worker
+# processes), the Triton kernels compiled; compile_amp_check (torch.compile with fp32 expert weights under
+# autocast, per gradient).
 # tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
 # limits sum to at most 360 s with the background step inside the foreground steps before its wait, and the
 # other sets' to at most 420 s.
@@ -106,13 +107,15 @@ fi
 step install 35 "$PY" -m pip install --no-deps --no-index --no-build-isolation --use-pep517 -e .
 
 if wants fast full; then
-  step launches_graphs 50 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
+  step launches_graphs 40 "$PY" benchmarks/gpu/launches_graphs.py --json "$RESULTS/launches_graphs.json"
   step fp8_probe 20 "$PY" benchmarks/gpu/fp8_probe.py --json "$RESULTS/fp8.json"
   # FSDP2 on this one GPU: swapped vs HF's own blocks under the same sharding (bf16 mixed precision)
   step fsdp_mixtral_gpu 60 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model mixtral_gpu --steps 10
   await_background peers_setup
-  step peers 120 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
+  # moe-plugin train on cuda and the DeepSpeed example in bf16, each checked (the users' first GPU runs)
+  step first_runs 75 bash benchmarks/gpu/first_runs.sh
+  step peers 100 "$PY" benchmarks/bench_peers.py --device cuda --shapes default,hf,sonic --rounds 7 --warmup 2 \
     --json "$RESULTS/peers.json"
 fi
 

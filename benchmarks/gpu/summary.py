@@ -93,6 +93,13 @@ def rows(out: Path) -> list:
     table.append(("33.5", "FSDP2 step with CUDA graphs or compile on both sides", f"<= {FSDP_TARGET}",
                   "not measured: bench_fsdp.py has no compile/graph option yet", "open"))
 
+    first = out / "first_runs.log"
+    checks = re.findall(r"^(first run|DeepSpeed example): (.*): (ok|FAILED)$", first.read_text(), re.M) \
+        if first.is_file() else []
+    table.append(("42.1", "users' first runs: moe-plugin train on cuda, the DeepSpeed example (bf16)",
+                  "both run, loss falls", "; ".join(f"{name}: {what}" for name, what, _ in checks)
+                  or missing("first_runs"),
+                  "open" if len(checks) < 2 else "met" if all(v == "ok" for *_, v in checks) else "MISSED"))
     peers = load(out, "peers.json")
     if peers is None:
         table.append(("34.1/4", "layer vs gated floor, TFLOP/s, peers", "", missing("peers"), "open"))
