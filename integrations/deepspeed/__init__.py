@@ -30,6 +30,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from moe_plugin import MoELayer, update_expert_bias
 from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, MoE, hf_support, moe_config, swap_moe_layers
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
+from moe_plugin.integrations.deepspeed.routing import log_routing, routing_alarm
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, check_ep_size_under_deepspeed, read_moe_section
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
                                                      gather_every_expert_on_16bit_save, to_zero3, zero_stage)
@@ -81,6 +82,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
         raise ValueError("initialize needs a model")
     ds_config = _config_dict(args, config, config_params)
     section = read_moe_section(ds_config)
+    alarm = routing_alarm((ds_config.get("moe") or {}).get("routing_alarm", True))
     autoep = ds_config.get("expert_parallel")
     if section is not None and isinstance(autoep, Mapping) and autoep.get("enabled", False):
         raise ValueError("the DeepSpeed config has a \"moe\" section (moe_plugin) and an enabled \"expert_parallel\" "
@@ -127,6 +129,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                                          mesh_param=mesh_param, config_params=config_params)
     update_bias_every_step(engine)
+    log_routing(engine, alarm)
     if stage3:
         gather_every_expert_on_16bit_save(engine)
     return (engine, *rest)

@@ -47,6 +47,8 @@ SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "route_scale": (lambda v: _is_number(v, positive=True) and v != float("inf"),
                     "a finite number > 0 (backend tutel)"),
     "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
+    # not a layer setting: checked by routing.routing_alarm, left out of read_moe_section's dict
+    "routing_alarm": (lambda v: True, "true, false or an object (routing.py)"),
 }
 TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss")
 
@@ -54,7 +56,7 @@ TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "rout
 def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
     """The validated "moe" section of a DeepSpeed config dict (None when there is none).
 
-    Only the keys given are returned; "backend" is required.
+    Only the keys given are returned, but routing_alarm (not a layer setting: routing.py); "backend" is required.
     """
     section = config.get("moe")
     if section is None:
@@ -82,7 +84,7 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
             if key in section:
                 raise ValueError(f"DeepSpeed config \"moe.{key}\"={section[key]!r} needs \"moe.backend\": "
                                  f"\"tutel\"; DeepSpeed's native gate has no {key}")
-    return dict(section)
+    return {key: value for key, value in section.items() if key != "routing_alarm"}
 
 
 def section_key(argument: str) -> str:

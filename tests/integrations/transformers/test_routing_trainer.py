@@ -108,11 +108,14 @@ def test_the_alarm_fires_once_on_a_collapse_only(case, caplog):
     model = swapped({"num_experts_per_tok": 1}, capacity_factor=0.0)     # top-1: a collapse can take every token
     if case != "healthy":
         collapse(model)
-    hf_logging.enable_propagation()
     callback = RoutingMetrics(alarm=False if case == "collapsed_alarm_off" else RoutingAlarm(min_share=0.05,
                                                                                              windows=2))
-    with caplog.at_level("WARNING"):
-        train(model, [callback], [], tempfile.mkdtemp())
+    hf_logging.enable_propagation()       # transformers' logger reaches caplog's handler
+    try:
+        with caplog.at_level("WARNING"):
+            train(model, [callback], [], tempfile.mkdtemp())
+    finally:
+        hf_logging.disable_propagation()
     alarms = [r.getMessage() for r in caplog.records if "routing alarm" in r.getMessage()]
     if case != "collapsed":
         assert alarms == []
