@@ -24,7 +24,8 @@ MOE = {"backend": "tutel", "ep_size": 2, "num_experts": 4, "top_k": 2, "capacity
 
 def write(tmp_path, stage, bf16=True, moe=MOE):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
-    ds = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage},
+    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "bf16": {"enabled": bf16},
+          "zero_optimization": {"stage": stage},
           "moe": moe}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     return ["plan", "--deepspeed", str(tmp_path / "ds.json"), "--hf-config", str(tmp_path / "config.json"),
