@@ -65,29 +65,52 @@ class RoutingMonitor:
         """{layer name: {metric: value, "tokens_per_expert": [...]}} of the window since the last read, summed
         over the processes of group (default: all, when torch.distributed is initialized: every process must
         call it then, with the same layers); {} when no training forward ran in it anywhere. Starts a new window."""
-        sizes = {name: 2 * layer.config.num_experts + len(SUMS) for name, layer in self.layers.items()}
+        return {name: metrics_from_sums(sums) for name, sums in self._take(reduce=True, group=group).items()}
+
+    def take_sums(self) -> Dict[str, dict]:
+        """This process's window sums per layer (those metrics_from_sums reads; for hosts that sum them over
+        micro-batches and processes themselves, as fairseq's logging outputs), layers without a training forward
+        left out. Starts a new window."""
+        return self._take(reduce=False)
+
+    def _take(self, reduce: bool, group=None) -> Dict[str, dict]:
         if not self.layers:
             return {}
+        sizes = {name: 2 * layer.config.num_experts + len(SUMS) for name, layer in self.layers.items()}
         device = next(iter(self.layers.values())).router.weight_ED.device
         parts = [torch.zeros(sizes[name], dtype=torch.float64, device=device) if w is None else w.to(device)
                  for name, w in self.windows_L.items()]
         sums = torch.cat(parts)
-        if dist.is_available() and dist.is_initialized():
+        if reduce and dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums, group=group)
         self.windows_L = {name: None for name in self.layers}
-        values, start, metrics = sums.tolist(), 0, {}
+        values, start, taken = sums.tolist(), 0, {}
         for name, layer in self.layers.items():
             window, start = values[start:start + sizes[name]], start + sizes[name]
             if window[-1] > 0:
-                metrics[name] = layer_metrics(layer, window)
-        return metrics
+                taken[name] = _named_sums(layer, window)
+        return taken
 
 
-def layer_metrics(layer: MoELayer, window: List[float]) -> dict:
-    """The metrics of one layer from its window sums (load_E, kept_E, then SUMS)."""
+def _named_sums(layer: MoELayer, window: List[float]) -> dict:
+    """One layer's window (load_E, kept_E, then SUMS) by name, the sums its configuration leaves out dropped, and
+    the bias's spread now (times the forwards, as a sum) with expert bias balancing."""
     cfg, E = layer.config, layer.config.num_experts
-    load, kept, sums = window[:E], window[E:2 * E], dict(zip(SUMS, window[2 * E:]))
-    mean = sum(load) / E
+    sums = {"load": window[:E], "kept": window[E:2 * E], **dict(zip(SUMS, window[2 * E:]))}
+    if cfg.aux_loss == "none":
+        del sums["balance_loss"]
+    if cfg.z_loss_coef <= 0:
+        del sums["z_loss"]
+    if layer.router.bias_routes:
+        bias_E = layer.router.expert_bias_E
+        sums["expert_bias_spread"] = float((bias_E.max() - bias_E.min()).item()) * sums["forwards"]
+    return sums
+
+
+def metrics_from_sums(sums: dict) -> dict:
+    """The metrics of one layer's window sums (take_sums' dicts, or their sums over processes)."""
+    load, kept = sums["load"], sums["kept"]
+    mean = sum(load) / len(load)
     metrics = {
         "max_load": max(load) / mean if mean else 0.0,
         "experts_without_tokens": float(sum(n == 0 for n in load)),
@@ -95,13 +118,9 @@ def layer_metrics(layer: MoELayer, window: List[float]) -> dict:
         "capacity_used": sum(kept) / sums["slots"] if sums["slots"] else 0.0,
         "router_entropy": sums["entropy"] / sums["tokens"] if sums["tokens"] else 0.0,
     }
-    if cfg.aux_loss != "none":
-        metrics["balance_loss"] = sums["balance_loss"] / sums["forwards"]
-    if cfg.z_loss_coef > 0:
-        metrics["z_loss"] = sums["z_loss"] / sums["forwards"]
-    if layer.router.bias_routes:
-        bias_E = layer.router.expert_bias_E
-        metrics["expert_bias_spread"] = float((bias_E.max() - bias_E.min()).item())
+    for key in ("balance_loss", "z_loss", "expert_bias_spread"):      # averaged over the forwards
+        if key in sums:
+            metrics[key] = sums[key] / sums["forwards"]
     metrics["tokens_per_expert"] = [int(n) for n in load]
     return metrics
 

@@ -6,7 +6,10 @@ The factor sample_size undoes the trainer's division by it, as fairseq's MoE bra
 
 Logged besides the task metrics: moe_gate_loss, moe_dropped (fraction of token choices dropped
 over capacity) and moe_share_e<i> (share of the token choices routed to expert i, summed over
-the MoE layers; 1/E each when balanced). The reported loss and perplexity are the task's alone.
+the MoE layers; 1/E each when balanced); and per MoE layer moe/<layer>/<metric> with the summary
+moe/all/<metric> (moe_plugin/routing_metrics.py), from the window sums of each training forward, summed by
+fairseq over micro-batches, processes and the log interval (hidden meters _moe/...). The reported loss and
+perplexity are the task's alone.
 """
 
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
 
 from moe_plugin import MoELayer
+from moe_plugin.routing_metrics import RoutingMonitor, metrics_from_sums, scalars
 
 from .registration import criterion
 
@@ -50,6 +54,17 @@ class GateLoss:
         if combine not in ("average", "sum"):
             raise ValueError(f"--moe-gate-loss-combine-method {combine!r} is invalid: allowed: 'average', 'sum'")
         self.weight, self.combine = weight, str(combine)
+        self.monitor, self.watched = None, None
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Routing metrics of model's MoE layers from its next forward on (call before it; unwraps fairseq's
+        distributed wrappers, so that layer names are the model's own)."""
+        while isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        if self.watched is not model:
+            if self.monitor is not None:
+                self.monitor.close()
+            self.monitor, self.watched = RoutingMonitor(model), model
 
     def add(self, loss: torch.Tensor, model: torch.nn.Module, sample_size, logging_output: dict) -> torch.Tensor:
         """loss + the weighted gate loss; the MoE statistics go into logging_output."""
@@ -67,10 +82,59 @@ class GateLoss:
         logging_output["moe_dropped"] = dropped
         for e, tokens in enumerate(tokens_E.tolist()):
             logging_output[f"moe_tokens_e{e}"] = tokens
+        if self.monitor is not None:
+            logging_output.update(routing_sums(self.monitor.take_sums()))
         return loss + self.weight * gate_loss * sample_size
 
 
+def routing_sums(taken: dict) -> dict:
+    """RoutingMonitor.take_sums() as flat logging-output keys _moe/<layer>/<sum> (a list's items as <sum>_<i>)."""
+    flat = {}
+    for name, sums in taken.items():
+        for key, value in sums.items():
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            flat.update({f"_moe/{name}/{key}" + ("" if i is None else f"_{i}"): v for i, v in items})
+    return flat
+
+
+def window_sums(sum_of, names) -> dict:
+    """{layer: sums} back from the _moe/ keys' sums (sum_of(key)) for metrics_from_sums."""
+    layers = {}
+    for key in names:
+        _, name, entry = key.split("/")
+        base, _, index = entry.rpartition("_")
+        sums = layers.setdefault(name, {"load": {}, "kept": {}})
+        if base in ("load", "kept") and index.isdigit():
+            sums[base][int(index)] = sum_of(key)
+        else:
+            sums[entry] = sum_of(key)
+    for sums in layers.values():
+        for part in ("load", "kept"):
+            sums[part] = [sums[part][i] for i in sorted(sums[part])]
+    return layers
+
+
+def reduce_routing_metrics(logging_outputs) -> None:
+    """Each _moe/ key summed into a hidden sum meter; moe/<layer>/<metric> and moe/all/<metric> derived from the
+    meters' sums over the aggregation (fairseq's log interval, epoch)."""
+    names = sorted({key for log in logging_outputs for key in log if key.startswith("_moe/")})
+    total = lambda key: sum(log.get(key, 0) for log in logging_outputs)   # noqa: E731
+    for key in names:
+        metrics.log_scalar_sum(key, total(key))
+
+    def derived(tag):
+        def value(meters):
+            hidden = [key for key in meters.keys() if key.startswith("_moe/")]
+            layers = window_sums(lambda key: meters[key].sum, hidden)
+            return scalars({name: metrics_from_sums(sums) for name, sums in layers.items()})[tag]
+        return value
+    tags = scalars({name: metrics_from_sums(sums) for name, sums in window_sums(total, names).items()})
+    for tag in tags:
+        metrics.log_derived(tag, derived(tag))
+
+
 def reduce_moe_metrics(logging_outputs) -> None:
+    reduce_routing_metrics(logging_outputs)
     if not any("moe_choices" in log for log in logging_outputs):
         return
     total = lambda key: sum(log.get(key, 0) for log in logging_outputs)   # noqa: E731
@@ -94,6 +158,7 @@ class MoECrossEntropyCriterion(CrossEntropyCriterion):
         self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method)
 
     def forward(self, model, sample, reduce=True):
+        self.gate_loss.watch(model)
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         return self.gate_loss.add(loss, model, sample_size, logging_output), sample_size, logging_output
 
@@ -111,6 +176,7 @@ class MoELabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method)
 
     def forward(self, model, sample, reduce=True):
+        self.gate_loss.watch(model)
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         return self.gate_loss.add(loss, model, sample_size, logging_output), sample_size, logging_output
 
