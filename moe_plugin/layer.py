@@ -272,7 +272,7 @@ class MoELayer(nn.Module):
 EAGER_EXPERTS_UNDER_COMPILED_AUTOCAST = ("cuda",)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo     # torch.compiler.disable, with torch._dynamo imported at the first call, not with moe_plugin
 def _eagerly(dispatcher, *args):
     if not _EAGER_WARNED:
         _EAGER_WARNED.append(True)

@@ -110,9 +110,18 @@ def test_compiled_autocast_with_fp32_experts_runs_the_expert_path_eagerly(monkey
     layer = MoELayer(MoEConfig(model_dim=16, hidden_size=20, num_experts=6, top_k=2, activation="relu", bias=True,
                                capacity_factor=capacity_factor))
     x = torch.randn(37, 16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(layer)(x)
-    assert explained.graph_break_count >= 1
+
+    def compiled_ops():
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            explained = torch._dynamo.explain(layer)(x)
+        return explained.graph_break_count, {str(getattr(op, "__name__", op)) for ops in explained.ops_per_graph
+                                             for op in ops}
+    breaks, ops = compiled_ops()      # the experts (autograd functions: the casts, FusedMoE) stay out of the graphs
+    assert breaks >= 1 and "autograd_function_apply" not in ops and "route_slots.default" in ops
+    monkeypatch.setattr(layer_module, "EAGER_EXPERTS_UNDER_COMPILED_AUTOCAST", ())
+    assert compiled_ops() == (0, ops | {"autograd_function_apply"})      # the same check, the experts compiled
+    monkeypatch.setattr(layer_module, "EAGER_EXPERTS_UNDER_COMPILED_AUTOCAST", ("cpu", "cuda"))
     torch._dynamo.reset()
     monkeypatch.setattr(layer_module, "_EAGER_WARNED", [])
     compiled = torch.compile(layer)
