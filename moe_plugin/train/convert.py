@@ -24,7 +24,7 @@ from typing import Any, Dict
 import torch
 
 from .. import checkpoint as sharded
-from . import manifest
+from . import manifest, routing_report
 from .checkpoint import pack, read_meta, unpack, verify
 
 FULL_FORMAT = "moe_plugin full checkpoint v1"
@@ -125,9 +125,13 @@ def add_arguments(parser) -> None:
     convert = actions.add_parser("convert", help="a checkpoint folder -> one full state-dict file, or back")
     convert.add_argument("source", help="a checkpoint folder, or a full checkpoint file")
     convert.add_argument("target", help="the full checkpoint file, or the checkpoint folder, to write")
+    routing_report.add_arguments(actions.add_parser("routing", help="run a checkpoint over sample data: each MoE "
+                                                    "layer's load, co-selection and topics (pictures, text, HTML)"))
 
 
 def main(args) -> int:
+    if args.action == "routing":
+        return routing_report.main(args)
     source = Path(args.path if args.action == "inspect" else args.source)
     try:
         if not source.exists():
