@@ -17,6 +17,7 @@ no noise drawn: the balance loss counts the router's noise-free choice). Shape l
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -36,8 +37,8 @@ SUMS = ("choices", "slots", "entropy", "tokens", "balance_loss", "z_loss", "forw
 
 class RoutingMonitor:
     """Watches every MoELayer of model (names: the modules' qualified names). Only training forwards count;
-    a forward re-run by activation checkpointing inside backward is not counted twice. Under torch.compile the
-    hook runs eagerly (a graph break after each MoE layer)."""
+    a forward re-run by activation checkpointing inside backward is not counted twice. Built after torch.compile
+    was called (or imported), its hook runs eagerly under it (a graph break after each MoE layer)."""
 
     def __init__(self, model: nn.Module):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -58,8 +59,9 @@ class RoutingMonitor:
                 window = self.windows_L[name]
                 self.windows_L[name] = sums if window is None else window + sums.to(window.device)
         # eager under torch.compile (a graph break per layer): the window outlives the step, which a CUDA graph's
-        # outputs do not (the next replay overwrites them)
-        return torch.compiler.disable(hook)
+        # outputs do not (the next replay overwrites them). Only where the compiler is loaded already: its import
+        # costs a second of every process's start (build the monitor after torch.compile)
+        return torch.compiler.disable(hook) if "torch._dynamo" in sys.modules else hook
 
     def read(self, group=None) -> Dict[str, dict]:
         """{layer name: {metric: value, "tokens_per_expert": [...]}} of the window since the last read, summed

@@ -175,12 +175,12 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     step, window = restore(parts, procs, cfg, resume_path) if resume_path else (0, Window())
     if is_main and resume_path is None:
         remove_checkpoints(out_dir)  # a fresh run replaces an old run's checkpoints
-    monitor = RoutingMonitor(model)      # each MoE layer's routing per record (rank 0 writes it; every rank reads)
-    alarm = RoutingAlarm(cfg.log.alarm_min_share, cfg.log.alarm_max_dropped, cfg.log.alarm_windows) \
-        if cfg.log.routing_alarm else None
     wrapped = data_parallel(model, procs)
     if cfg.train.compile:    # reduce-overhead: CUDA graphs (the MoE layers read nothing back; README)
         wrapped = torch.compile(wrapped, mode=cfg.train.compile)
+    monitor = RoutingMonitor(model)      # each MoE layer's routing per record (rank 0 writes it; every rank reads)
+    alarm = RoutingAlarm(cfg.log.alarm_min_share, cfg.log.alarm_max_dropped, cfg.log.alarm_windows) \
+        if cfg.log.routing_alarm else None
 
     log = None
     if is_main:

@@ -19,8 +19,14 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from .. import checkpoint as sharded
 from ..layer import MoELayer
 from . import plots
+from .checkpoint import checkpoints, read_meta, verify
+from .config import ExperimentConfig
+from .data import make_text_data
+from .hf_model import hf_adapter
+from .parts import build_model
 
 MAX_TOKENS_PER_TOPIC = 4096
 HF_ROW = 256              # tokens per row through a Hugging Face model
@@ -60,12 +66,6 @@ def load(where: Path, data) -> tuple:
 
 def _load_run(where: Path, data) -> tuple:
     from omegaconf import OmegaConf
-
-    from .. import checkpoint as sharded
-    from .checkpoint import checkpoints, read_meta, verify
-    from .config import ExperimentConfig
-    from .data import make_text_data
-    from .parts import build_model
     path = where
     if (where / "checkpoints").is_dir() and checkpoints(where):
         path = checkpoints(where)[-1]
@@ -92,8 +92,8 @@ def _load_run(where: Path, data) -> tuple:
 
 
 def _load_hf(where: Path, data) -> tuple:
-    import moe_plugin.integrations.transformers as hf_moe
     import transformers
+    hf_moe = hf_adapter()
     if not data:
         raise ValueError(f"{str(where)!r} is a Hugging Face folder: give its sample data with --data FILE ...")
     model = transformers.AutoModelForCausalLM.from_pretrained(where)
