@@ -43,7 +43,8 @@ class RoutingMonitor:
     def __init__(self, model: nn.Module):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
         self.windows_L: Dict[str, Optional[torch.Tensor]] = {name: None for name in self.layers}
-        self.handles = [layer.register_forward_hook(self._hook(name), with_kwargs=True)
+        # prepend: before hooks that others put on the layer, such as ZeRO-3's release of its gathered parameters
+        self.handles = [layer.register_forward_hook(self._hook(name), with_kwargs=True, prepend=True)
                         for name, layer in self.layers.items()]
 
     def close(self) -> None:

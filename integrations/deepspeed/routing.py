@@ -1,7 +1,8 @@
 """Routing metrics under DeepSpeed (issue 44): engine.step() reads each MoE layer's routing window every
-steps_per_print optimizer steps (moe_plugin/routing_metrics.py) and writes moe/<layer>/<metric> and moe/all/<metric>
-to the engine's monitor (the tensorboard, wandb, csv_monitor and comet sections of the DeepSpeed JSON), at DeepSpeed's
-own x-axis (samples seen); the routing alarm (the "moe" section's routing_alarm) warns through DeepSpeed's logger."""
+steps_per_print optimizer steps (10 without it; moe_plugin/routing_metrics.py) and writes moe/<layer>/<metric>
+and moe/all/<metric> to the engine's monitor (the tensorboard, wandb, csv_monitor and comet sections of the
+DeepSpeed JSON), at DeepSpeed's own x-axis (samples seen); the routing alarm (the "moe" section's routing_alarm)
+warns through DeepSpeed's logger."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Union
@@ -13,6 +14,7 @@ from moe_plugin.routing_alarm import RoutingAlarm
 from moe_plugin.routing_metrics import RoutingMonitor, scalars
 
 ALARM_KEYS = ("min_share", "max_dropped", "windows")
+EVERY_WITHOUT_PRINTS = 10      # the window, in optimizer steps, of a config without steps_per_print (DeepSpeed's None)
 
 
 def routing_alarm(setting: Union[bool, Mapping[str, Any]]):
@@ -30,19 +32,21 @@ def routing_alarm(setting: Union[bool, Mapping[str, Any]]):
 
 
 def log_routing(engine, alarm) -> None:
-    """Wraps engine.step so that at every steps_per_print-th optimizer step every process reads the window (one
-    all_reduce) and rank 0 writes it to the monitor (when the config enables one) and the alarm's warnings."""
+    """Wraps engine.step so that at every steps_per_print-th optimizer step (EVERY_WITHOUT_PRINTS-th without it)
+    every process reads the window (one all_reduce) and rank 0 writes it to the monitor (when the config enables
+    one); the alarm's warnings go to DeepSpeed's logger."""
     if not any(isinstance(m, MoELayer) for m in engine.module.modules()):
         return
     if not engine.monitor.enabled and alarm is None:
         return
     monitor = RoutingMonitor(engine.module)
     step = engine.step
+    every = engine.steps_per_print() or EVERY_WITHOUT_PRINTS
 
     def step_and_log(*args, **kwargs):
         boundary = engine.is_gradient_accumulation_boundary()
         result = step(*args, **kwargs)
-        if boundary and engine.global_steps % engine.steps_per_print() == 0:
+        if boundary and engine.global_steps % every == 0:
             metrics = monitor.read()
             if engine.monitor.enabled:
                 engine.monitor.write_events([(tag, value, engine.global_samples)

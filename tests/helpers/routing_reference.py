@@ -62,3 +62,33 @@ def check(metrics: dict, want: dict, rel: float = 1e-5) -> None:
         assert metrics[name].keys() == want[name].keys(), name
         for key, value in want[name].items():
             assert metrics[name][key] == pytest.approx(value, rel=rel, abs=1e-9), (name, key)
+
+
+def record_forwards(model, forwards: dict, training_only: bool = True) -> dict:
+    """Pre-hooks on every MoELayer of model appending each forward's reference sums (the router's weights as the
+    forward runs) to forwards[layer name]; returns {name: layer}."""
+    from moe_plugin import MoELayer
+
+    def hook(name):
+        def record(layer, args, kwargs):
+            if layer.training or not training_only:
+                x = args[0] if args else kwargs["x"]
+                seq_len = x.shape[-2] if x.dim() >= 3 else None
+                forwards.setdefault(name, []).append(reference(layer, x.reshape(-1, layer.config.model_dim), seq_len))
+        return record
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    for name, layer in layers.items():
+        layer.register_forward_pre_hook(hook(name), with_kwargs=True)
+    return layers
+
+
+def window_expected(layers: dict, forwards: dict, window: int, per_window: int) -> dict:
+    """expected() of each layer over the forwards of one logging window (tokens_per_expert left out)."""
+    want = {}
+    for name, layer in layers.items():
+        sums = {}
+        for one in forwards[name][window * per_window:(window + 1) * per_window]:
+            sums = add(sums, one)
+        want[name] = expected(layer, sums)
+        want[name].pop("tokens_per_expert")
+    return want

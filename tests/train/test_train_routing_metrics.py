@@ -5,7 +5,7 @@ router raises the alarm once on stderr, and log.routing_alarm=false silences it;
 import pytest
 import torch
 
-from helpers.routing_reference import add, expected, reference
+from helpers.routing_reference import record_forwards, window_expected
 from helpers.train import TINY, run
 from moe_plugin import MoELayer, train
 from moe_plugin.train import plots
@@ -18,42 +18,30 @@ STEPS, EVERY = 4, 2
 
 def test_records_hold_each_layers_routing(tmp_path, fresh_seed, monkeypatch):
     forwards = {}      # per layer name: each training forward's reference sums
-
-    def record(name):
-        def hook(layer, args, kwargs):
-            if layer.training:
-                x = args[0] if args else kwargs["x"]
-                seq_len = x.shape[-2] if x.dim() >= 3 else None
-                forwards.setdefault(name, []).append(reference(layer, x.reshape(-1, layer.config.model_dim), seq_len))
-        return hook
     built = {}
     real_build = train.loop.build
 
     def build(cfg, procs):          # the run's own parts, with a recording hook on each MoE layer
         parts = built["parts"] = real_build(cfg, procs)
-        for name, layer in parts.model.named_modules():
-            if isinstance(layer, MoELayer):
-                layer.register_forward_pre_hook(record(name), with_kwargs=True)
+        built["layers"] = record_forwards(parts.model, forwards)
         return parts
     monkeypatch.setattr(train.loop, "build", build)
     _, records = run(tmp_path, *TINY, f"train.steps={STEPS}", f"log.every={EVERY}", "train.eval_every=100",
                      "moe.capacity_factor=1.0", "moe.z_loss_coef=0.001", "model.moe_every=1",
                      f"train.seed={fresh_seed}")
-    layers = {name: m for name, m in built["parts"].model.named_modules() if isinstance(m, MoELayer)}
+    layers = built["layers"]
     assert len(layers) == 2 and all(len(f) == STEPS for f in forwards.values())
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [EVERY, STEPS]
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     for window, rec in enumerate(train_records):
-        want = {}
-        for name, layer in layers.items():
-            sums = {}
-            for one in forwards[name][window * EVERY:(window + 1) * EVERY]:
-                sums = add(sums, one)
-            want[name] = expected(layer, sums)
-            assert rec["tokens_per_expert"][list(layers).index(name)] == want[name].pop("tokens_per_expert")
-            for key, value in want[name].items():
+        want = window_expected(layers, forwards, window, EVERY)
+        for index, (name, metrics) in enumerate(want.items()):
+            load = [sum(one["load"][e] for one in forwards[name][window * EVERY:(window + 1) * EVERY])
+                    for e in range(4)]
+            assert rec["tokens_per_expert"][index] == load
+            for key, value in metrics.items():
                 assert rec[f"moe/{name}/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
                 board = {e.step: e.value for e in events.Scalars(f"moe/{name}/{key}")}
                 assert board[rec["step"]] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)

@@ -19,9 +19,8 @@ SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capa
 
 def monitored_worker(rank, world, directory, seed):
     from helpers.deepspeed import batches, setup_worker
-    from helpers.routing_reference import reference
+    from helpers.routing_reference import record_forwards
 
-    from moe_plugin import MoELayer
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
     setup_worker(rank, world)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
@@ -30,23 +29,12 @@ def monitored_worker(rank, world, directory, seed):
     torch.manual_seed(seed)
     engine, _, _, _ = dsi.initialize(model=MoETransformerLM(SECTION, seed=seed), config=config)
     forwards = {}
-
-    def record(name):
-        def hook(layer, args, kwargs):
-            if layer.training:
-                x = args[0] if args else kwargs["x"]
-                seq_len = x.shape[-2] if x.dim() >= 3 else None
-                forwards.setdefault(name, []).append(reference(layer, x.reshape(-1, layer.config.model_dim), seq_len))
-        return hook
-    for name, layer in engine.module.named_modules():
-        if isinstance(layer, MoELayer):
-            layer.register_forward_pre_hook(record(name), with_kwargs=True)
+    layers = record_forwards(engine.module, forwards)
     for tokens in batches(seed + 1 + rank, STEPS * ACCUMULATION, batch=4):
         engine.backward(lm_loss(engine, tokens))
         engine.step()
     assert engine.global_samples == STEPS * ACCUMULATION * 4 * world
-    return forwards, {name: layer.config for name, layer in engine.module.named_modules()
-                      if isinstance(layer, MoELayer)}
+    return forwards, {name: layer.config for name, layer in layers.items()}
 
 
 class _Layer:        # what expected() reads of a layer

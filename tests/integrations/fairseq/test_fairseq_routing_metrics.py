@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.fairseq import CPU, TINY_LM, fairseq, needs_fairseq, user_dir
-from helpers.routing_reference import add, expected, reference
+from helpers.routing_reference import add, expected, record_forwards
 
 pytestmark = needs_fairseq
 VOCAB, D = 13, 16
@@ -58,17 +58,9 @@ def test_fairseq_aggregation_gives_each_layers_routing():
     ranks.append(copy.deepcopy(ranks[0]))        # data parallel: the same weights, other data
     task = types.SimpleNamespace(target_dictionary=types.SimpleNamespace(pad=lambda: -100))   # no padding
     criteria = [MoECrossEntropyCriterion(task, False) for _ in ranks]
-    forwards = {}
-
-    def record(name):
-        def hook(layer, args, kwargs):
-            x = args[0]
-            forwards.setdefault(name, []).append(reference(layer, x.reshape(-1, D), x.shape[-2]))
-        return hook
+    forwards = {}          # both ranks' forwards: fairseq sums their logging outputs
     for model in ranks:
-        for name, layer in model.named_modules():
-            if isinstance(layer, MoELayer):
-                layer.register_forward_pre_hook(record(name), with_kwargs=True)
+        record_forwards(model, forwards)
     with metrics.aggregate(new_root=True) as aggregate:
         for update in range(2):
             logs = []

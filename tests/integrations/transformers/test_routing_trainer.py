@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.hf import build_model, needs_transformers, tokens
-from helpers.routing_reference import add, expected
+from helpers.routing_reference import record_forwards, window_expected
 
 pytestmark = [needs_transformers]
 pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
@@ -43,18 +43,9 @@ def test_trainer_tensorboard_holds_each_layers_routing():
 
     from moe_plugin.integrations.transformers import RoutingMetrics
     model = swapped(capacity_factor=1.0, z_loss_coef=1e-3, aux_loss="switch")
-    layers = moe_layers(model)
+    forwards = {}                                # each training forward's reference sums, in order
+    layers = record_forwards(model, forwards)
     assert len(layers) == 2
-    forwards = {name: [] for name in layers}     # each training forward's reference sums, in order
-
-    def record(name):
-        def hook(layer, args, kwargs):
-            if layer.training:
-                x = args[0] if args else kwargs["x"]
-                forwards[name].append(expected_sums(layer, x))
-        return hook
-    for name, layer in layers.items():
-        layer.register_forward_pre_hook(record(name), with_kwargs=True)
     out_dir = tempfile.mkdtemp()
     train(model, [RoutingMetrics()], ["tensorboard"], out_dir)
 
@@ -67,27 +58,17 @@ def test_trainer_tensorboard_holds_each_layers_routing():
         assert len(forwards[name]) == STEPS * 2
     for window in range(STEPS // EVERY):
         step = (window + 1) * EVERY
-        want = {}
-        for name, layer in layers.items():
-            sums = {}
-            for one in forwards[name][window * per_window:(window + 1) * per_window]:
-                sums = add(sums, one)
-            want[name] = expected(layer, sums)
-            want[name].pop("tokens_per_expert")
-            assert set(want[name]) == {"max_load", "experts_without_tokens", "dropped_fraction", "capacity_used",
-                                       "router_entropy", "balance_loss", "z_loss"}
-            for key, value in want[name].items():
+        want = window_expected(layers, forwards, window, per_window)
+        for name, metrics in want.items():
+            assert set(metrics) == {"max_load", "experts_without_tokens", "dropped_fraction", "capacity_used",
+                                    "router_entropy", "balance_loss", "z_loss"}
+            for key, value in metrics.items():
                 got = {e.step: e.value for e in events.Scalars(f"train/moe/{name}/{key}")}
                 assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key, step)
         got = {e.step: e.value for e in events.Scalars("train/moe/all/max_load")}
         assert got[step] == pytest.approx(max(w["max_load"] for w in want.values()), rel=1e-6)
         got = {e.step: e.value for e in events.Scalars("train/moe/all/dropped_fraction")}
         assert got[step] == pytest.approx(sum(w["dropped_fraction"] for w in want.values()) / 2, rel=1e-5, abs=1e-6)
-
-
-def expected_sums(layer, x):
-    from helpers.routing_reference import reference
-    return reference(layer, x.reshape(-1, layer.config.model_dim), x.shape[-2] if x.dim() >= 3 else None)
 
 
 def collapse(model):
