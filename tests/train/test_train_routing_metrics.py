@@ -2,6 +2,8 @@
 moe/<layer>/<metric> per MoE layer (plus moe/all), equal to numbers recomputed from each layer's routing as each
 forward ran (tests/helpers/routing_reference.py); the expert-load heatmap is drawn from the records; a collapsed
 router raises the alarm once on stderr, and log.routing_alarm=false silences it; bad alarm settings are one line."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -10,8 +12,6 @@ from helpers.train import TINY, run
 from moe_plugin import MoELayer, train
 from moe_plugin.train import plots
 
-EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
-                                       reason="tensorboard is not installed (pip install tensorboard)").EventAccumulator
 
 STEPS, EVERY = 4, 2
 
@@ -33,8 +33,11 @@ def test_records_hold_each_layers_routing(tmp_path, fresh_seed, monkeypatch):
     assert len(layers) == 2 and all(len(f) == STEPS for f in forwards.values())
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [EVERY, STEPS]
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
-    events.Reload()
+    events = None          # TensorBoard's records too, where the tensorboard package is installed
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
+        events.Reload()
     for window, rec in enumerate(train_records):
         want = window_expected(layers, forwards, window, EVERY)
         for index, (name, metrics) in enumerate(want.items()):
@@ -43,8 +46,8 @@ def test_records_hold_each_layers_routing(tmp_path, fresh_seed, monkeypatch):
             assert rec["tokens_per_expert"][index] == load
             for key, value in metrics.items():
                 assert rec[f"moe/{name}/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
-                board = {e.step: e.value for e in events.Scalars(f"moe/{name}/{key}")}
-                assert board[rec["step"]] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+                board = {e.step: e.value for e in events.Scalars(f"moe/{name}/{key}")} if events else {}
+                assert not events or board[rec["step"]] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
         assert rec["moe/all/max_load"] == max(w["max_load"] for w in want.values())
     shares = plots.load_shares(train_records)
     for layer in range(2):
