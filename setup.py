@@ -19,7 +19,8 @@ IMAGES = ["scikit-learn>=1.0"]   # the handwritten digits of `moe-plugin train` 
 # pytest-xdist: the suite runs on one worker per core (at most 4: tests/helpers/plugin.py), whole files per worker.
 # ruff: .ci/run's lint gate (ruff.toml). setuptools 70.1 builds wheels without the wheel
 # package: tests/test_packaging.py builds this project's wheel in the test environment (no build isolation)
-DEV = ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5", "ruff==0.17.5", "setuptools>=70.1"]
+DEV = ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5", "ruff==0.17.5", "setuptools>=70.1",
+       "tensorboard==2.21.0"]   # the routing-metrics tests read the event files hosts write
 # the documentation site (mkdocs.yml, docs/): its hook generates the HF family list from the table (transformers)
 DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11"]
 
