@@ -28,10 +28,7 @@ __all__ = ["swap_moe_blocks", "upcycle", "mlp_sites", "export_hf", "hf_state_dic
 
 
 def __getattr__(name):
-    if name == "ExpertBiasUpdate":
-        from .callbacks import ExpertBiasUpdate   # on first use: transformers' Trainer machinery takes about a second
-        return ExpertBiasUpdate
-    if name == "RoutingMetrics":
-        from .routing_callback import RoutingMetrics   # on first use, as ExpertBiasUpdate
-        return RoutingMetrics
+    if name in ("ExpertBiasUpdate", "RoutingMetrics"):
+        from . import callbacks, routing_callback   # on first use: transformers' Trainer machinery takes about a second
+        return getattr(callbacks if name == "ExpertBiasUpdate" else routing_callback, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
