@@ -15,6 +15,7 @@ GROUP_SCORES = ("top2_sum", "max")
 AUX_LOSSES = ("gshard", "switch", "none", "seq")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
 A2A_KINDS = ("flat", "2dh", "auto")
+RECOMPUTE_MODES = ("none", "experts")
 AUTO = ("auto", "auto_once")
 
 
@@ -87,6 +88,10 @@ class MoEConfig:
       per-channel router.input_scale_D, times model_dim ** -0.5 (Gemma 4's router).
     expert_gate_scale: each chosen gate (after normalization) is multiplied by a learned per-expert
       router.gate_scale_E (Gemma 4's per_expert_scale).
+    recompute: what the expert FFN keeps for backward. "none": the first projection's output (the [rows, 2H]
+      pre-activation of a gated activation; the activation itself is recomputed from it). "experts": only the
+      layer's input and the routing; backward gathers the rows and runs the first projection again (one more
+      grouped GEMM). With expert parallelism the experts keep the rows they received ([rows, D]) instead.
     """
 
     model_dim: int
@@ -126,6 +131,7 @@ class MoEConfig:
     router_norm: bool = False
     router_norm_eps: float = 1e-6
     expert_gate_scale: bool = False
+    recompute: str = "none"
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -222,6 +228,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.gate_on_input=True is invalid with top_k={self.top_k}: gating the expert "
                              f"input is supported for top_k=1 (Llama 4)")
         _check_choice("group_score", self.group_score, GROUP_SCORES)
+        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         for name in ("router_norm", "expert_gate_scale"):
             _check_bool(name, getattr(self, name))
         self.router_norm_eps = _check_float("router_norm_eps", self.router_norm_eps)
