@@ -83,6 +83,11 @@ def activate(pre: torch.Tensor, activation: Union[str, Activation]) -> Tuple[tor
     return forward(pre, act), pre
 
 
+def kept(pre: torch.Tensor, activation: Union[str, Activation]) -> torch.Tensor:
+    """What activate() keeps for backward, without the activations themselves (a recomputed first projection)."""
+    return pre.relu_() if as_activation(activation).name == "relu" else pre
+
+
 def _clamp(act: Activation) -> Tuple[float, float, float]:
     """(limit, alpha, beta) of the clamped kernels: SwiGLU clamped is alpha 1, beta 0; gpt-oss adds 1 to up."""
     return (act.limit, 1.0, 0.0) if act.name == "swiglu" else (act.limit, act.alpha, 1.0)

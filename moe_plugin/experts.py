@@ -14,7 +14,7 @@ from torch import nn
 
 from . import ops
 from .ops import fused_gemms
-from .activations import activate, activation_backward, activation_backward_, first_width, of_config  # noqa: F401
+from .activations import activate, activation_backward, activation_backward_, first_width, kept, of_config  # noqa: F401
 from .activations import forward as activation_forward
 from .config import ACTIVATIONS as ACTIVATION_NAMES
 from .config import MoEConfig
@@ -47,6 +47,7 @@ class ExpertWeights(NamedTuple):
     b2_ED: Optional[torch.Tensor]
     activation: Any = None          # activations.Activation
     lora: tuple = (None, None, None, None)     # lora_factors()
+    recompute: bool = False         # MoEConfig.recompute == "experts": backward runs the first projection again
 
 
 WEIGHT_NAMES = ExpertWeights._fields[:4]     # ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
@@ -62,11 +63,12 @@ def cast_weights(experts, dtype: torch.dtype) -> ExpertWeights:
     """The experts' weights (and LoRA factors) in dtype, differentiably (gradients return in the parameters' dtype)."""
     lora = lora_factors(experts)
     weights = [getattr(experts, name) for name in WEIGHT_NAMES]
+    recompute = experts.recompute
     if weights[0].dtype == dtype and (lora is NO_LORA or all(f is None or f.dtype == dtype for f in lora)):
-        return ExpertWeights(*weights, experts.activation, lora)
+        return ExpertWeights(*weights, experts.activation, lora, recompute)
     weights = [None if w is None else _Cast.apply(w, dtype) for w in weights]
     lora = tuple(None if f is None else f if f.dtype == dtype else _Cast.apply(f, dtype) for f in lora)
-    return ExpertWeights(*weights, experts.activation, lora)
+    return ExpertWeights(*weights, experts.activation, lora, recompute)
 
 
 def weight_grad(a_RI: torch.Tensor, grad_RO: torch.Tensor, offs_E: torch.Tensor, w_EIO: torch.Tensor,
@@ -133,10 +135,7 @@ def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_
     if up is not None:
         act_RH, saved_RH = up
     else:
-        pre_RH = ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH)
-        if up_a is not None:
-            xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
-            add_low_rank(pre_RH, xa_RQ, up_b, offs_E)
+        pre_RH, xa_RQ = up_projection(x_RD, offs_E, w1_EDH, b1_EH, up_a, up_b)
         act_RH, saved_RH = activate(pre_RH, activation)
         del pre_RH
     y_RD = ops.grouped_mm(act_RH, w2_EHD, offs_E, b2_ED)
@@ -144,6 +143,22 @@ def mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora=NO_
         ha_RQ = ops.grouped_mm(act_RH, down_a, offs_E)
         add_low_rank(y_RD, ha_RQ, down_b, offs_E)
     return y_RD, saved_RH, xa_RQ, ha_RQ
+
+
+def up_projection(x_RD, offs_E, w1_EDH, b1_EH, up_a=None, up_b=None):
+    """(pre_RH, xa_RQ): x W1 + b1 + (x A1) B1 on grouped rows; xa_RQ None without an up adapter."""
+    pre_RH = ops.grouped_mm(x_RD, w1_EDH, offs_E, b1_EH)
+    xa_RQ = None
+    if up_a is not None:
+        xa_RQ = ops.grouped_mm(x_RD, up_a, offs_E)
+        add_low_rank(pre_RH, xa_RQ, up_b, offs_E)
+    return pre_RH, xa_RQ
+
+
+def recomputed_up(x_RD, offs_E, activation, w1_EDH, b1_EH, up_a=None, up_b=None):
+    """(saved_RH, xa_RQ): what mlp_forward keeps of the first projection, computed again (recompute "experts")."""
+    pre_RH, xa_RQ = up_projection(x_RD, offs_E, w1_EDH, b1_EH, up_a, up_b)
+    return kept(pre_RH, activation), xa_RQ
 
 
 LOW_RANK_CHUNK_BYTES = 8 << 20
@@ -257,11 +272,14 @@ class GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
-                up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None):
+                up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None, recompute=False):
         x_RD = x_RD.contiguous()
         lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
         y_RD, saved_RH, xa_RQ, ha_RQ = mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora)
-        ctx.save_for_backward(x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora)
+        if recompute:     # backward runs the first projection again from x_RD, kept anyway
+            saved_RH = xa_RQ = None
+        ctx.save_for_backward(x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, b1_EH if recompute else None,
+                              *lora)
         ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_RD
@@ -269,11 +287,13 @@ class GroupedMLP(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_RD):
-        x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, *lora = ctx.saved_tensors
+        x_RD, saved_RH, offs_E, w1_EDH, w2_EHD, xa_RQ, ha_RQ, b1_EH, *lora = ctx.saved_tensors
+        if saved_RH is None:
+            saved_RH, xa_RQ = recomputed_up(x_RD, offs_E, ctx.activation, w1_EDH, b1_EH, *lora[:2])
         grad_x_RD, *grads, _ = mlp_backward(
             grad_y_RD.contiguous(), saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
             lambda: x_RD, Needs.of(ctx.needs_input_grad, x=0, weights=3), tuple(lora), xa_RQ, ha_RQ)
-        return (grad_x_RD, None, None, *grads)
+        return (grad_x_RD, None, None, *grads, None)
 
 
 class BaseExperts(nn.Module):
@@ -334,6 +354,7 @@ class Experts(BaseExperts):
 
     init_std: Optional[float] = None
     stacked = True
+    recompute = False       # (a class default too: experts pickled before MoEConfig.recompute existed)
 
     def __init__(self, config: MoEConfig, first_expert: int = 0, local_experts: Optional[int] = None,
                  slices: int = 1, slice_index: int = 0):
@@ -342,6 +363,7 @@ class Experts(BaseExperts):
         local_experts = config.num_experts if local_experts is None else local_experts
         self.config, self.first_expert = config, first_expert
         self.activation = of_config(config)
+        self.recompute = config.recompute == "experts"
         self.slices, self.slice_index = slices, slice_index
         first_out = first_width(config.activation, H) // slices
         self.w1_EDH = nn.Parameter(torch.empty(local_experts, D, first_out))
@@ -399,7 +421,7 @@ class Experts(BaseExperts):
         """rows_per_expert: a list of ints or a tensor; x_RD may hold more rows (they give 0)."""
         offs_E = ops.offsets(rows_per_expert, device=x_RD.device)
         return GroupedMLP.apply(x_RD, offs_E, self.activation,
-                                self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED, *lora_factors(self))
+                                self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED, *lora_factors(self), self.recompute)
 
     weights = cast_weights       # weights(dtype): the contract's, with no call in between
 

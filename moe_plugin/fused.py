@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import experts, ops
 from .experts import Needs, mlp_backward, mlp_forward
 from .ops import fused_gemms
 
@@ -55,7 +55,7 @@ class FusedMoE(torch.autograd.Function):
         if torch.compiler.is_compiling():    # the ops run later, in the compiled graph: they zero as usual
             return FusedMoE._forward(ctx, *args)
         # rows past the kept ones: every consumer here skips them, none is zeroed; the kernels looked up once
-        with ops.fused_call(*args[:4], *args[5:]):     # every argument but the activation (args[4]): tensors or None
+        with ops.fused_call(*args[:4], *args[5:13]):     # the tensors (or None): all but activation and recompute
             return FusedMoE._forward(ctx, *args)
 
     @staticmethod
@@ -69,7 +69,7 @@ class FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED,
-                 up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None):
+                 up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None, recompute: bool = False):
         x_TD = x_TD.contiguous()
         R = pos_TK.numel()
         lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
@@ -82,19 +82,24 @@ class FusedMoE(torch.autograd.Function):
         y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
         del expert_y_RD
 
-        ctx.save_for_backward(x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, *lora)
+        if recompute:       # backward runs the first projection again from x's rows
+            saved_RH = xa_RQ = None
+        ctx.save_for_backward(x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ,
+                              b1_EH if recompute else None, *lora)
         ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
 
     @staticmethod
     def _backward(ctx, grad_y_TD, saved):
-        x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, *lora = saved
+        x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, b1_EH, *lora = saved
         R = pos_TK.numel()
         needs = Needs.of(ctx.needs_input_grad, x=0, weights=5)
         gate_grad = ctx.needs_input_grad[1]
         if not (any(needs) or gate_grad):
-            return (None,) * (4 + len(Needs._fields))     # x, gate, pos, offsets, activation, 8 weights
+            return (None,) * (5 + len(Needs._fields))     # x, gate, pos, offsets, activation, 8 weights, recompute
+        if saved_RH is None:
+            saved_RH, xa_RQ = recomputed_up(x_TD, pos_TK, offs_E, ctx.activation, w1_EDH, b1_EH, *lora[:2])
 
         # every routed row's output gradient: scaled by its gate here, or (for the gate gradient) in mlp_backward
         grad_RD = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, None if gate_grad else gate_TK, None, R)[0]
@@ -105,7 +110,16 @@ class FusedMoE(torch.autograd.Function):
             gate_R1, b2_ED if ctx.bias2 else None)
         grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
         grad_gate_TK = choices_of_rows(grad_gate_R.to(gate_TK.dtype), pos_TK) if gate_grad else None
-        return (grad_x_TD, grad_gate_TK, None, None, None, *weight_grads)
+        return (grad_x_TD, grad_gate_TK, None, None, None, *weight_grads, None)
+
+
+def recomputed_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH, up_a_EDQ, up_b_EQH):
+    """(saved_RH, xa_RQ): what FusedMoE's forward computed of the first projection on x's routed rows, again."""
+    up = fused_gemms.gather_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH) if up_a_EDQ is None else None
+    if up is not None:
+        return up[1], None
+    x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, pos_TK.numel())[0]
+    return experts.recomputed_up(x_RD, offs_E, activation, w1_EDH, b1_EH, up_a_EDQ, up_b_EQH)
 
 
 def rows_of_choices(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import dispatch, fused_route, ops
-from .activations import activate, activation_backward
+from .activations import activate, activation_backward, kept
 from .dispatchers.local import LocalDispatcher
 from .experts import NO_LORA, weight_grad
 from .fused import NoGraph
@@ -60,7 +60,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def moe(layer, x_TD: torch.Tensor, routed_TD: Optional[torch.Tensor], weights, capacity_factor: float, native):
     """(y_TD, aux loss, plan) of the layer on x_TD; routed_TD: what the router sees, if not x_TD."""
     spec, cap, fixed = fused_route.route_spec(layer.config, x_TD.shape[0], capacity_factor, x_TD.dtype)
-    spec += (weights.activation, native)
+    spec += (weights.activation, native, weights.recompute)
     plan = []       # forward puts the plan's tensors here: as outputs each would cost autograd's bookkeeping
     args = (x_TD, routed_TD, layer.router.weight_ED, weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED,
             spec, plan)
@@ -75,7 +75,7 @@ class FusedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, routed_TD, w_ED, w1_EDH, b1_EH, w2_EHD, b2_ED, spec, plan):
-        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, dtype, activation, native = spec
+        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, dtype, activation, native, recompute = spec
         x_TD = x_TD.contiguous()
         router_TD = x_TD if routed_TD is None else routed_TD.contiguous()
         outputs, routes = torch_route.route(router_TD, w_ED.contiguous(), K, normalize, scale, cap, aux_kind,
@@ -93,7 +93,10 @@ class FusedLayer(torch.autograd.Function):
         y_TD = native.gather_sum(y_RD, pos_TK, gate_TK, None)[0]
         del y_RD
 
-        ctx.save_for_backward(x_TD, routed_TD, w_ED, w1_EDH, w2_EHD, b2_ED, saved_RF, gate_TK, pos_TK, offs_E, *routes)
+        if recompute:       # backward runs the first projection again from x's rows
+            saved_RF = None
+        ctx.save_for_backward(x_TD, routed_TD, w_ED, w1_EDH, b1_EH if recompute else None, w2_EHD, b2_ED, saved_RF,
+                              gate_TK, pos_TK, offs_E, *routes)
         ctx.spec, ctx.bias1 = spec, b1_EH is not None
         ctx.set_materialize_grads(False)
         plan.extend((pos_TK, kept_TK, load_E, kept_E, offs_E))
@@ -102,16 +105,19 @@ class FusedLayer(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_TD, grad_aux):
-        (x_TD, routed_TD, w_ED, w1_EDH, w2_EHD, b2_ED, saved_RF, gate_TK, pos_TK, offs_E,
+        (x_TD, routed_TD, w_ED, w1_EDH, b1_EH, w2_EHD, b2_ED, saved_RF, gate_TK, pos_TK, offs_E,
          expert_TK, route_gate_TK, probs_TE, lse_T, aux_grad_E) = ctx.saved_tensors
-        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, dtype, activation, native = ctx.spec
+        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, dtype, activation, native, _ = ctx.spec
         need_x, need_routed, need_wr, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
         router_grad = need_wr or need_routed or (routed_TD is None and need_x)
         grads = [None] * 9
         R = pos_TK.numel()
 
-        grad_gate_TK = None
+        grad_gate_TK = x_RD = None
         if grad_y_TD is not None:
+            if saved_RF is None:      # recompute "experts": the first projection again (its rows kept for w1's grad)
+                x_RD = native.scatter_rows(x_TD, pos_TK, None, None, R)[0]
+                saved_RF = kept(_grouped_mm(native, x_RD, w1_EDH, offs_E, b1_EH), activation)
             grad_y_TD = grad_y_TD.contiguous()
             # the rows' output gradient, before the gate scales it when the gate's own gradient is asked for
             grad_RD = native.scatter_rows(grad_y_TD, pos_TK, None if router_grad else gate_TK, None, R)[0]
@@ -143,9 +149,10 @@ class FusedLayer(torch.autograd.Function):
                 grads[6] = grouped_sum(grad_RD, offs_E)
             del act_RH, grad_RD
             if need_w1:
-                x_RD = native.scatter_rows(x_TD, pos_TK, None, None, R)[0]
+                if x_RD is None:
+                    x_RD = native.scatter_rows(x_TD, pos_TK, None, None, R)[0]
                 grads[3] = weight_grad(x_RD, grad_pre_RF, offs_E, w1_EDH, native.grouped_mm)
-                del x_RD
+            del x_RD
             if need_b1 and ctx.bias1:
                 grads[4] = grouped_sum(grad_pre_RF, offs_E)
             if need_x:

@@ -183,8 +183,10 @@ class MoELayer(nn.Module):
             check_plain_ddp(self)
         x_TD = x.reshape(-1, cfg.model_dim)
         # the last forward's aux loss no longer holds its graph while this one builds: a graph kept alive keeps the
-        # parameters' AccumulateGrad nodes on the stream that made them (CUDA-graph capture on another then fails)
-        self.__dict__["aux_loss"] = _NO_AUX_LOSS
+        # parameters' AccumulateGrad nodes on the stream that made them (CUDA-graph capture on another then fails).
+        # Its value stays: a forward that activation checkpointing re-runs in backward stops once it has recomputed
+        # what backward needs, before it sets .aux_loss
+        self.__dict__["aux_loss"] = self.aux_loss.detach()
         autocast = autocast_on(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else self._compute_dtype(x, False)
 
@@ -232,8 +234,8 @@ class MoELayer(nn.Module):
         # the shared expert takes the input as given, under the caller's autocast (nn.Linear casts itself)
         shared = None if self.shared_expert is None else _SharedOutput(self.shared_expert, x_TD)
         x_TD = x_TD.to(dtype)
-        if cfg.gate_on_input:   # top-1 (the config checks): the expert gets x * gate, its output is kept whole
-            x_TD, gate_TK = x_TD * gate_TK, plan.kept_TK.to(dtype)
+        if cfg.gate_on_input:   # the expert gets x * gate, its output is kept whole
+            x_TD, gate_TK, plan = dispatch.gate_inputs(x_TD, gate_TK, plan)
         dispatcher = self._dispatcher
         if dispatcher.groups is not self.groups or dispatcher.tuner is not self.tuner:
             dispatcher = self._dispatcher = self.make_dispatcher()   # a host bound the groups after __init__
@@ -244,6 +246,8 @@ class MoELayer(nn.Module):
             # the shared expert runs while the first all-to-all is in flight
             args = (x_TD, gate_TK, plan, self.experts, shared, parallel, overlap_degree, self.training)
             y_TD = _eagerly(dispatcher, *args) if eager else dispatcher(*args)
+        if cfg.gate_on_input and cfg.top_k > 1:
+            y_TD = y_TD.view(cfg.top_k, -1, cfg.model_dim).sum(0)
         if shared is not None:
             y_TD = shared.add_to(y_TD)
         return y_TD, aux_loss, plan
@@ -284,7 +288,6 @@ def _eagerly(dispatcher, *args):
 
 _EAGER_WARNED: list = []
 _NO_CONTEXT = contextlib.nullcontext()     # stateless: one for every call
-_NO_AUX_LOSS = torch.zeros(())           # .aux_loss while a forward runs
 
 
 class _SharedOutput:

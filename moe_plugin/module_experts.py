@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
 from .experts import BaseExperts
@@ -79,11 +80,14 @@ class ModuleExperts(BaseExperts):
         assert len(rows) == len(self.local), (len(rows), len(self.local))
         dtype, device_type = x_RD.dtype, x_RD.device.type
         cast = self.parameter_dtype(dtype) != dtype
+        recompute = self.config.recompute == "experts" and torch.is_grad_enabled()
         outputs, start = [], 0
         for expert, count in zip(self.local, rows):
             # every expert runs, on 0 rows too: its parameters get a (zero) gradient, as on the fast path
             with torch.autocast(device_type, dtype=dtype) if cast else contextlib.nullcontext():
-                y_RD = expert(x_RD[start:start + count])
+                rows_RD = x_RD[start:start + count]
+                # recompute "experts": the module keeps only its input rows, and runs again in backward
+                y_RD = checkpoint(expert, rows_RD, use_reentrant=False) if recompute else expert(rows_RD)
             _check_output(y_RD, self.module_name, count, self.config.model_dim)
             outputs.append(y_RD.to(dtype))
             start += count

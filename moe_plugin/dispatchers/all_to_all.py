@@ -147,7 +147,7 @@ class AllToAllDispatcher(Dispatcher):
                 offs_E = ops.offsets(chunk.rows_per_local_expert, device=x_in_RD.device)
                 y_in_RD = GroupedMLP.apply(x_in_RD, offs_E, weights.activation,
                                            weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED,
-                                           *weights.lora)
+                                           *weights.lora, weights.recompute)
             if chunk.group_by_expert is not None:
                 y_in_RD = y_in_RD.index_select(0, chunk.ungroup)
             if returns:

@@ -24,7 +24,8 @@ def local_moe(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, ex
     if weights is None:
         return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
     return fused_moe(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
-                     weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
+                     weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora,
+                     weights.recompute)
 
 
 class LocalDispatcher(Dispatcher):
@@ -40,4 +41,5 @@ class LocalDispatcher(Dispatcher):
         if weights is None:
             return dispatch.decode(experts(dispatch.encode(x_TD, plan), plan.kept_E), gate_TK, plan)
         return fused_moe(x_TD, gate_TK, plan.pos_TK, plan.offs_E, weights.activation,
-                         weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora)
+                         weights.w1_EDH, weights.b1_EH, weights.w2_EHD, weights.b2_ED, *weights.lora,
+                         weights.recompute)
