@@ -12,7 +12,9 @@ ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "identity", "geglu", "geglu_tan
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai")   # the first projection gives [gate | up]
 LIMITED_ACTIVATIONS = ("swiglu", "swiglu_oai")                         # those activation_limit applies to
 GROUP_SCORES = ("top2_sum", "max")
-AUX_LOSSES = ("gshard", "switch", "none", "seq")
+AUX_LOSSES = ("gshard", "switch", "none", "seq", "load_importance")
+CAPACITY_FORMULAS = ("ceil", "tutel")
+GATE_NOISE_KINDS = ("choice", "tutel")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
 A2A_KINDS = ("flat", "2dh", "auto")
 RECOMPUTE_MODES = ("none", "experts")
@@ -36,7 +38,10 @@ class MoEConfig:
     top_k: K, how many experts each token goes to: its top_k best by router score (1 to num_experts).
     eval_capacity_factor: used instead of capacity_factor in eval mode (None: the same).
     min_capacity: the lower bound of a fixed capacity.
-    gate_noise: std of Gaussian noise added to the logits to choose experts (training only).
+    gate_noise: std of Gaussian noise added to the logits to choose experts (training only); see gate_noise_kind.
+    gate_noise_kind: "choice": the noise only chooses experts (gates from the clean scores); "tutel": noise of std
+      gate_noise / num_experts is added to the logits before the softmax, and gates, choices and the balance
+      loss all see the noisy scores (Tutel).
     fp32_router: compute the router in at least fp32 (rounded logits would flip routes).
     batch_prioritized_routing: tokens with the highest router score claim slots first (else token order).
     aux_loss_coef: the weight of the balance loss (see aux_loss) in layer.aux_loss.
@@ -46,7 +51,9 @@ class MoEConfig:
     shared_gate: the shared expert's output is multiplied per token by sigmoid(x . w) (Qwen2-MoE).
     clamp_shared: False keeps the shared expert unclamped when activation_limit is set (HY-V4).
     router_norm_eps: the epsilon of router_norm's RMS normalization.
-    capacity_factor > 0: fixed capacity per expert, max(ceil(top_k * cf * T / E), min_capacity).
+    capacity_factor > 0: fixed capacity per expert, max(ceil(top_k * cf * T / E), min_capacity); with
+      capacity_formula "tutel" max(top_k * int(cf * ceil(T / E)), min_capacity) rounded up to a multiple of
+      capacity_alignment (Tutel's).
     capacity_factor == 0: dropless, capacity = the largest real load.
     capacity_factor < 0: adaptive, the largest real load capped at |cf| times the fixed capacity.
     normalize_gate: "before_drop", "after_drop" or "none". True is "before_drop" for top_k > 1 and "none"
@@ -62,7 +69,9 @@ class MoEConfig:
       LOCAL_WORLD_SIZE); "auto" lets the tuner pick one (with parallel / overlap_degree "auto" or
       "auto_once"; alone it means "auto").
     aux_loss: "gshard" counts first choices, "switch" all top-k choices, "seq" is DeepSeek-V3's
-      sequence-wise loss (switch per sequence of an input [..., S, D], averaged over sequences).
+      sequence-wise loss (switch per sequence of an input [..., S, D], averaged over sequences);
+      "load_importance" is Tutel's (Shazeer et al.'s importance and load losses, averaged; needs gate_noise > 0
+      with gate_noise_kind "tutel").
     expert_bias_update_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias
       (router.expert_bias_E) is added to the scores to choose experts, never to the gates;
       moe_plugin.update_expert_bias(model) moves it by rate * sign(mean load - load) once per step.
@@ -80,7 +89,12 @@ class MoEConfig:
     activation_alpha: swiglu_oai's alpha (gpt-oss: 1.702); only with swiglu_oai, which requires it.
     router: softmax, sigmoid, cosine, or sqrt_softplus (DeepSeek-V4: sqrt(softplus(logits)), used like sigmoid).
     router_bias: the router's logits add a learned per-expert bias, router.bias_E (gpt-oss).
-    gate_on_input: the gate multiplies the chosen expert's input, not its output (Llama 4); top-1 only.
+    gate_on_input: the gate multiplies the chosen expert's input, not its output (Llama 4 at top-1; Tutel's
+      is_postscore=False at any top_k: each choice's expert gets x times its own gate).
+    capacity_formula: "ceil" or "tutel": how capacity_factor gives the fixed capacity (see capacity_factor).
+    capacity_alignment: with capacity_formula "tutel", the fixed capacity is rounded up to a multiple of it.
+    router_proj_dim > 0: the cosine router projects its input to this width first (a Linear with bias,
+      router.projector) and router.weight_ED is [E, router_proj_dim] (Tutel's cosine_top gate); router cosine only.
     group_score: how a group of experts is scored for topk_groups: "top2_sum" (DeepSeek-V3: the sum of its two
       best scores) or "max" (DeepSeek-V2 group_limited_greedy: its best score); "max" needs topk_groups <
       num_groups.
@@ -132,6 +146,10 @@ class MoEConfig:
     router_norm_eps: float = 1e-6
     expert_gate_scale: bool = False
     recompute: str = "none"
+    capacity_formula: str = "ceil"
+    capacity_alignment: int = 1
+    gate_noise_kind: str = "choice"
+    router_proj_dim: int = 0
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -224,9 +242,7 @@ class MoEConfig:
         if self.router_bias and self.router == "cosine":
             raise ValueError("MoEConfig.router_bias=True is invalid with router='cosine' (its logits are bounded "
                              "cosine similarities); use router_bias=False or another router")
-        if self.gate_on_input and self.top_k != 1:
-            raise ValueError(f"MoEConfig.gate_on_input=True is invalid with top_k={self.top_k}: gating the expert "
-                             f"input is supported for top_k=1 (Llama 4)")
+        self._check_tutel_options()
         _check_choice("group_score", self.group_score, GROUP_SCORES)
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         for name in ("router_norm", "expert_gate_scale"):
@@ -242,6 +258,19 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.group_score={self.group_score!r} is invalid with num_groups="
                              f"{self.num_groups}, topk_groups={self.topk_groups}: groups are scored only when "
                              f"topk_groups < num_groups")
+
+    def _check_tutel_options(self):
+        _check_choice("capacity_formula", self.capacity_formula, CAPACITY_FORMULAS)
+        _check_int("capacity_alignment", self.capacity_alignment, minimum=1)
+        _check_choice("gate_noise_kind", self.gate_noise_kind, GATE_NOISE_KINDS)
+        _check_int("router_proj_dim", self.router_proj_dim, minimum=0)
+        if self.router_proj_dim and self.router != "cosine":
+            raise ValueError(f"MoEConfig.router_proj_dim={self.router_proj_dim} is invalid with router="
+                             f"{self.router!r}: the projection belongs to router='cosine'")
+        if self.aux_loss == "load_importance" and (self.gate_noise <= 0 or self.gate_noise_kind != "tutel"):
+            raise ValueError(f"MoEConfig.aux_loss='load_importance' needs gate_noise > 0 with gate_noise_kind="
+                             f"'tutel' (its load term divides by the noise); got gate_noise={self.gate_noise}, "
+                             f"gate_noise_kind={self.gate_noise_kind!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "MoEConfig":

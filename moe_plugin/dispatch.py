@@ -14,6 +14,7 @@ The capacity the padded [E, C, D] layout would use is reported lazily (Plan.capa
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -48,8 +49,14 @@ class Plan:
         return padded_capacity(self.capacity_factor, self.fixed, int(self.load_E.max()) if self.pos_TK.shape[0] else 0)
 
 
-def fixed_capacity(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int, min_capacity: int) -> int:
-    return max(math.ceil(top_k * capacity_factor * num_tokens / num_experts), min_capacity)
+def fixed_capacity(capacity_factor: float, num_tokens: int, num_experts: int, top_k: int, min_capacity: int,
+                   formula: str = "ceil", alignment: int = 1) -> int:
+    """MoEConfig.capacity_formula: "ceil" max(ceil(k * cf * T / E), min_capacity); "tutel" max(k * int(cf *
+    ceil(T / E)), min_capacity), rounded up to a multiple of alignment (Tutel's capacity)."""
+    if formula == "ceil":
+        return max(math.ceil(top_k * capacity_factor * num_tokens / num_experts), min_capacity)
+    capacity = max(top_k * int(capacity_factor * -(-num_tokens // num_experts)), min_capacity)
+    return -(-capacity // alignment) * alignment
 
 
 def padded_capacity(capacity_factor: float, fixed: int, largest_load: int) -> int:
@@ -57,22 +64,36 @@ def padded_capacity(capacity_factor: float, fixed: int, largest_load: int) -> in
 
 
 def plan_routes(expert_TK: torch.Tensor, num_experts: int, capacity_factor: float, min_capacity: int,
-                priority_T: Optional[torch.Tensor] = None) -> Plan:
+                priority_T: Optional[torch.Tensor] = None, formula: str = "ceil", alignment: int = 1) -> Plan:
     """Give every (token, choice) a slot in its expert: the count of earlier choices of that expert.
 
     Choices are ordered choice-major (every token's first choice before any second choice), and
-    within a choice by token order, or by descending priority_T (batch-prioritized routing).
+    within a choice by token order, or by descending priority_T (batch-prioritized routing). formula, alignment:
+    of the fixed capacity (fixed_capacity).
     """
     T, K = expert_TK.shape
     order_T = None if priority_T is None else torch.sort(priority_T, descending=True, stable=True).indices
     load_E = torch.zeros(num_experts, dtype=torch.long, device=expert_TK.device).scatter_add_(
         0, expert_TK.reshape(-1), torch.ones_like(expert_TK.reshape(-1)))
-    fixed = fixed_capacity(abs(capacity_factor), T, num_experts, K, min_capacity) if capacity_factor else T
+    fixed = fixed_capacity(abs(capacity_factor), T, num_experts, K, min_capacity, formula, alignment) \
+        if capacity_factor else T
     cap = T * K if capacity_factor == 0 else fixed   # dropless: all, even a token naming one expert k times
     kept_E = load_E.clamp(max=cap)
     offs_E = kept_E.cumsum(0)
     pos_TK, _ = ops.route_slots(expert_TK, order_T, offs_E - kept_E, cap, T * K)
     return Plan(pos_TK, pos_TK >= 0, load_E, kept_E, offs_E.to(torch.int32), cap, capacity_factor, fixed)
+
+
+def gate_inputs(x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: Plan):
+    """(x, gate, plan) for gating the experts' inputs: every (token, choice) becomes a token of its own, routed to its
+    expert with gate 1 (0 where dropped) and input x_TD[t] * gate_TK[t, k]; choice-major, so the output's K blocks of
+    T rows summed are the layer's output. At top-1 the tokens stay as they are."""
+    K = gate_TK.shape[1]
+    if K == 1:
+        return x_TD * gate_TK, plan.kept_TK.to(x_TD.dtype), plan
+    pos_N1 = plan.pos_TK.t().reshape(-1, 1)
+    x_ND = (gate_TK.t().unsqueeze(-1) * x_TD).reshape(-1, x_TD.shape[1])
+    return x_ND, (pos_N1 >= 0).to(x_TD.dtype), dataclasses.replace(plan, pos_TK=pos_N1, kept_TK=pos_N1 >= 0)
 
 
 def encode(x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:

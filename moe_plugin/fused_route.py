@@ -78,7 +78,8 @@ def route_spec(cfg, T: int, capacity_factor: float, gate_dtype: torch.dtype) -> 
     """(spec, cap, fixed) of the routing of T tokens: spec = (K, normalize, route scale, cap, aux kind, aux scale,
     z-loss scale, gate dtype), what the fused routing's kernels take; cap the slot limit, fixed the fixed capacity."""
     K, E = cfg.top_k, cfg.num_experts
-    fixed = dispatch.fixed_capacity(abs(capacity_factor), T, E, K, cfg.min_capacity) if capacity_factor else T
+    fixed = dispatch.fixed_capacity(abs(capacity_factor), T, E, K, cfg.min_capacity, cfg.capacity_formula,
+                                    cfg.capacity_alignment) if capacity_factor else T
     cap = T * K if capacity_factor == 0 else fixed
     counted = {"gshard": T, "switch": T * K, "none": 0}[cfg.aux_loss]
     aux_scale = cfg.aux_loss_coef * E / (T * counted) if counted else 0.0
@@ -132,7 +133,8 @@ def reference(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype
     cfg = layer.config
     routes = layer.router(routed_TD, seq_len=seq_len, sequence_T=sequence_T)
     priority_T = routes.scores_TE.max(-1).values.detach() if cfg.batch_prioritized_routing else None
-    plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, capacity_factor, cfg.min_capacity, priority_T)
+    plan = dispatch.plan_routes(routes.expert_TK, cfg.num_experts, capacity_factor, cfg.min_capacity, priority_T,
+                                cfg.capacity_formula, cfg.capacity_alignment)
     gate_TK = finalize_gates(routes.gate_TK, plan.kept_TK, cfg.normalize_gate, cfg.route_scale)
     aux = cfg.aux_loss_coef * routes.aux_loss + cfg.z_loss_coef * routes.z_loss
     return gate_TK.to(gate_dtype), aux, plan, routes

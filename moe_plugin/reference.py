@@ -43,6 +43,8 @@ def reference_moe(layer, x: torch.Tensor, router_input=None) -> Tuple[torch.Tens
     fp32_logits = cfg.fp32_router and torch.amp.is_autocast_available(x.device.type)
     with torch.autocast(x.device.type, enabled=False) if fp32_logits else contextlib.nullcontext():
         if cfg.router == "cosine":
+            if cfg.router_proj_dim:
+                xr_TD = xr_TD @ router.projector.weight.to(router_dtype).t() + router.projector.bias.to(router_dtype)
             scale = torch.exp(torch.clamp(router.log_scale, max=math.log(100.0))).to(xr_TD.dtype)
             unit_x = xr_TD / xr_TD.norm(dim=1, keepdim=True).clamp(min=1e-12)
             unit_w = wr_ED / wr_ED.norm(dim=1, keepdim=True).clamp(min=1e-12)
@@ -166,6 +168,9 @@ def _capacity(layer, load_E: torch.Tensor, T: int) -> int:
         else cfg.capacity_factor
     largest = int(load_E.max().item()) if T else 0
     fixed = max(math.ceil(cfg.top_k * abs(cf) * T / cfg.num_experts), cfg.min_capacity)
+    if cfg.capacity_formula == "tutel":    # k slots per int(cf * ceil(T / E)), then up to a multiple of the alignment
+        fixed = max(cfg.top_k * int(abs(cf) * math.ceil(T / cfg.num_experts)), cfg.min_capacity)
+        fixed = math.ceil(fixed / cfg.capacity_alignment) * cfg.capacity_alignment
     if cf > 0:
         return fixed
     if cf == 0:

@@ -57,7 +57,8 @@ class Router(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
-        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.model_dim))
+        self.projector = nn.Linear(config.model_dim, config.router_proj_dim) if config.router_proj_dim else None
+        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, config.router_proj_dim or config.model_dim))
         if config.router == "cosine":
             self.log_scale = nn.Parameter(torch.empty(()))
         self.bias_E = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
@@ -89,6 +90,8 @@ class Router(nn.Module):
                     scale.fill_(1.0)
             if self.config.router == "cosine":
                 self.log_scale.fill_(math.log(10.0))
+            if self.projector is not None:
+                self.projector.reset_parameters()
             self.expert_bias_E.zero_()
         self.load_E = None
 
@@ -119,6 +122,8 @@ class Router(nn.Module):
     def _logits(self, x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
         if self.config.router == "cosine":
+            if self.projector is not None:
+                x_TD = F.linear(x_TD, self.projector.weight.to(x_TD.dtype), self.projector.bias.to(x_TD.dtype))
             scale = self.log_scale.clamp(max=math.log(COSINE_MAX_SCALE)).exp()
             return F.normalize(x_TD, dim=-1) @ F.normalize(weight_ED, dim=-1).t() * scale.to(x_TD.dtype)
         return x_TD @ weight_ED.t() if bias_E is None else F.linear(x_TD, weight_ED, bias_E)
@@ -138,13 +143,15 @@ class Router(nn.Module):
         noise = self.noise_policy if self.training else None
         if noise == "jitter":
             x_TD = multiplicative_jitter(x_TD, fp32=cfg.fp32_router)
-        logits_TE = self.logits(x_TD)
+        logits_TE = clean_TE = self.logits(x_TD)
+        if self.training and cfg.gate_noise > 0 and cfg.gate_noise_kind == "tutel":
+            logits_TE = logits_TE + cfg.gate_noise * torch.randn_like(logits_TE) / cfg.num_experts
         scores_TE = self.scores(logits_TE)
         probs_TE = scores_TE
         if cfg.router in ("sigmoid", "sqrt_softplus"):   # scores that do not sum to 1: normalized for the aux loss
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
 
-        if self.training and cfg.gate_noise > 0:
+        if self.training and cfg.gate_noise > 0 and cfg.gate_noise_kind == "choice":
             choice_TE = self.scores(logits_TE.detach() + cfg.gate_noise * torch.randn_like(logits_TE))
         elif noise == "gumbel":
             choice_TE = self.scores(logits_TE.detach() + gumbel_noise(logits_TE))
@@ -163,7 +170,11 @@ class Router(nn.Module):
         if self.training and cfg.expert_bias_update_rate > 0:
             self._count(expert_TK)
 
-        aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
+        if cfg.aux_loss == "load_importance":
+            aux = load_importance_loss(self.scores(clean_TE), logits_TE.gather(1, expert_TK[:, -1:]),
+                                       cfg.gate_noise / cfg.num_experts)
+        else:
+            aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())
         return Routes(scores_TE, expert_TK, gate_TK, aux, z)
 
@@ -299,6 +310,18 @@ def _ragged_sequence_loss(probs_TE, expert_TK, num_experts, sequence_T):
         probs_TE.new_ones(T * K)).view(T, num_experts)
     per_N = (probs_NE * choices_NE).sum(-1) / (length_N.square() * K).clamp(min=1)
     return num_experts * per_N.sum() / (length_N > 0).sum()
+
+
+def load_importance_loss(clean_TE: torch.Tensor, threshold_T1: torch.Tensor, noise_std: float) -> torch.Tensor:
+    """Tutel's load_importance loss: the mean of the importance loss (the squared coefficient of variation of each
+    expert's summed clean scores) and the load loss (of each expert's summed Normal(0, noise_std) CDF of its clean
+    score minus the token's K-th noisy logit, threshold_T1), in fp32."""
+    if clean_TE.shape[0] == 0:
+        return clean_TE.new_zeros((), dtype=torch.float32)
+    clean_TE = clean_TE.float()
+    importance_E = clean_TE.sum(0)
+    load_E = (0.5 * (1 + torch.erf((clean_TE - threshold_T1.float()) / noise_std / math.sqrt(2.0)))).sum(0)
+    return sum(v.var() / (v.mean() ** 2 + 1e-10) for v in (importance_E, load_E)) / 2.0
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
