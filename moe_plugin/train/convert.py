@@ -24,6 +24,7 @@ from typing import Any, Dict
 import torch
 
 from .. import checkpoint as sharded
+from ..tutel import checkpoints as tutel_checkpoints
 from . import manifest, routing_report
 from .checkpoint import pack, read_meta, unpack, verify
 
@@ -122,9 +123,23 @@ def add_arguments(parser) -> None:
     inspect = actions.add_parser("inspect", help="print the step, the layout that wrote it and the size, "
                                  "after checking every file against the manifest (exit status 2 if damaged)")
     inspect.add_argument("path", help="a checkpoint folder (checkpoints/step_NNNNNN) or a full checkpoint file")
-    convert = actions.add_parser("convert", help="a checkpoint folder -> one full state-dict file, or back")
-    convert.add_argument("source", help="a checkpoint folder, or a full checkpoint file")
-    convert.add_argument("target", help="the full checkpoint file, or the checkpoint folder, to write")
+    convert = actions.add_parser("convert", help="a checkpoint folder -> one full state-dict file, or back; or "
+                                 "(--from tutel) Tutel's and Swin-MoE's per-rank files -> files for any number of ranks")
+    convert.add_argument("source", nargs="+", help="a checkpoint folder, or a full checkpoint file; with --from tutel "
+                         "every rank's file of one run ({rank}-of-{size} names, or Swin-MoE's NAME.pth.rank{rank} and "
+                         "NAME.pth.master)")
+    convert.add_argument("target", help="the full checkpoint file, or the checkpoint folder, to write; with --from "
+                         "tutel a file pattern with {rank} and {size} (one file when --ranks 1)")
+    tutel = convert.add_argument_group("Tutel and Swin-MoE checkpoints (docs/tutel.md)")
+    tutel.add_argument("--from", dest="from_format", choices=["tutel"], help="the sources are Tutel's per-rank files")
+    tutel.add_argument("--ranks", type=int, help="write one Tutel file per rank of a run of RANKS ranks")
+    tutel.add_argument("--to", choices=["tutel", "moe_plugin"], default=None,
+                       help="tutel (default): Tutel's layout; moe_plugin: one state dict with MoELayer's names")
+    tutel.add_argument("--namespace", help="the entry the files keep the model's state dict under (default: the file "
+                       "itself, or its 'model' entry as Swin-MoE's)")
+    tutel.add_argument("--num-experts", type=int, help="the experts of layers whose files tell neither by "
+                       "_num_global_experts nor by a gate")
+    tutel.add_argument("--gate", type=int, help="with --to moe_plugin: the gate (gates.N) that becomes the router")
     routing_report.add_arguments(actions.add_parser("routing", help="run a checkpoint over sample data: each MoE "
                                                     "layer's load, co-selection and topics (pictures, text, HTML)"))
 
@@ -132,8 +147,10 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     if args.action == "routing":
         return routing_report.main(args)
-    source = Path(args.path if args.action == "inspect" else args.source)
     try:
+        if args.action == "convert" and (args.from_format or len(args.source) > 1 or _tutel_options(args)):
+            return _convert_tutel(args)
+        source = Path(args.path if args.action == "inspect" else args.source[0])
         if not source.exists():
             raise ValueError(f"{str(source)!r} does not exist")
         if args.action == "inspect":
@@ -149,3 +166,19 @@ def main(args) -> int:
         return 2
     return 0
 
+
+def _tutel_options(args) -> list:
+    return [f"--{name.replace('_', '-')}" for name in ("ranks", "to", "namespace", "num_experts", "gate")
+            if getattr(args, name) is not None]
+
+
+def _convert_tutel(args) -> int:
+    if args.from_format != "tutel":
+        given = _tutel_options(args) or [f"{len(args.source)} sources"]
+        raise ValueError(f"{', '.join(given)} given without --from tutel: they are for Tutel's per-rank files")
+    missing = [path for path in args.source if not Path(path).exists()]
+    if missing:
+        raise ValueError(f"{missing[0]!r} does not exist")
+    print(tutel_checkpoints.convert([Path(p) for p in args.source], args.target, args.ranks, args.to or "tutel",
+                                    args.namespace, args.num_experts, args.gate))
+    return 0

@@ -1,0 +1,236 @@
+"""Tutel and Swin-MoE checkpoints at any number of ranks (moe_plugin/tutel/checkpoints.py, `moe-plugin checkpoint
+convert --from tutel`).
+
+The files are generated here from a reference model (random values, several MoE layers and non-expert tensors),
+each rank's file cut by this file's own slicing, written from Tutel's documented layouts (doc/CHECKPOINT.md, its
+experts' parameter shapes, Swin-MoE's split into rank files and a master file); every conversion must give back the
+reference's tensors bit for bit.
+
+Shape legend: moe_plugin/shapes.py (E experts, D model dim, H hidden dim per expert), S the ranks one expert is
+sliced over.
+"""
+import math
+
+import pytest
+import torch
+
+from moe_plugin import MoELayer
+from moe_plugin.cli import main as cli_main
+from moe_plugin.tutel import checkpoints
+
+
+PREFIXES = ("layers.1.blocks.1.mlp._moe_layer.", "layers.2.blocks.1.mlp._moe_layer.",
+            "layers.2.blocks.3.mlp._moe_layer.")
+
+
+def reference_model(E: int, D: int, H: int, dtype=torch.float32, prefixes=PREFIXES, biases=True) -> dict:
+    """A Swin-MoE-like model, all experts in one process: {key: tensor} in Tutel's all-in-one layout."""
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64).to(dtype)
+    model = {"patch_embed.proj.weight": rand(D, 3, 4, 4), "patch_embed.norm.weight": rand(D),
+             "head.weight": rand(5, D), "head.bias": rand(5)}
+    for p in prefixes:
+        block = p[:-len("mlp._moe_layer.")]
+        model.update({block + "attn.qkv.weight": rand(3 * D, D), block + "norm2.weight": rand(D),
+                      p + "gates.0.wg.weight": rand(E, D), p + "experts.batched_fc1_w": rand(E, H, D),
+                      p + "experts.batched_fc2_w": rand(E, H, D)})
+        if biases:
+            model.update({p + "experts.batched_fc1_bias": rand(E, H), p + "experts.batched_fc2_bias": rand(E, D)})
+    return model
+
+
+def is_expert(key: str) -> bool:
+    return ".experts." in key or key.startswith("experts.")
+
+
+def swin_rank_files(model: dict, E: int, folder, name="swin_moe.pth") -> list:
+    """Swin-MoE's published layout: rank r's file {"model": its experts only}, as [1, H, D] weights and [1, 1, H]
+    biases, no _num_global_experts; NAME.master {"model": every other tensor}."""
+    assert E == len([r for r in range(E)])
+    paths = []
+    for r in range(E):
+        experts = {k: (v[r:r + 1].clone() if v.dim() == 3 else v[r].reshape(1, 1, -1).clone())
+                   for k, v in model.items() if is_expert(k)}
+        paths.append(folder / f"{name}.rank{r}")
+        torch.save({"model": experts}, paths[-1])
+    torch.save({"model": {k: v for k, v in model.items() if not is_expert(k)}}, folder / f"{name}.master")
+    return paths + [folder / f"{name}.master"]
+
+
+def expected_rank(model: dict, E: int, W: int, r: int, pad=None) -> dict:
+    """Rank r of W's state dict as Tutel's moe_layer holds it: E / W whole experts, or slice r % S of expert r // S
+    (S = W / E: the hidden rows of the weights and fc1's bias, fc2's bias padded to S * ceil(D / S))."""
+    out = {}
+    for key, value in model.items():
+        if not is_expert(key):
+            out[key] = value
+        elif W <= E:
+            out[key] = value[r * (E // W):(r + 1) * (E // W)]
+        else:
+            S = W // E
+            e, s = r // S, r % S
+            if key.endswith("batched_fc2_bias"):
+                c = math.ceil(value.shape[1] / S)
+                filler = value.new_zeros(S * c - value.shape[1]) if pad is None else pad(S * c - value.shape[1])
+                out[key] = torch.cat([value[e], filler])[s * c:(s + 1) * c].reshape(1, c)
+            else:
+                h = value.shape[1] // S
+                out[key] = value[e:e + 1, s * h:(s + 1) * h]
+    for p in {k[:k.index("experts.")] for k in model if is_expert(k)}:
+        out[p + "_num_global_experts"] = torch.tensor(E)
+    return out
+
+
+def assert_bit_equal(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
+        assert torch.equal(got[key], want[key]), key
+
+
+def with_counts(model: dict, E: int) -> dict:
+    return {**model, **{p + "_num_global_experts": torch.tensor(E)
+                        for p in {k[:k.index("experts.")] for k in model if is_expert(k)}}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_swin_moe_32_ranks_to_2_to_1_to_8_bit_exact(tmp_path, dtype):
+    E, D, H = 32, 6, 10
+    model = reference_model(E, D, H, dtype)
+    swin = swin_rank_files(model, E, tmp_path)
+    read32 = checkpoints.read(swin)
+    assert read32.ranks == 32 and read32.namespace == "model"
+    assert read32.num_experts == {p: E for p in PREFIXES}
+    assert_bit_equal(read32.state, with_counts(model, E))
+
+    two = checkpoints.write(read32, str(tmp_path / "two" / "swin_moe.pth.rank{rank}"), 2)
+    for r, path in enumerate(two):   # every file: its experts and the replicated tensors, under "model"
+        assert_bit_equal(torch.load(path, weights_only=True)["model"], expected_rank(model, E, 2, r))
+    read2 = checkpoints.read(two)
+    one = checkpoints.write(read2, str(tmp_path / "one.pth"), 1)
+    assert_bit_equal(torch.load(one[0], weights_only=True)["model"], with_counts(model, E))
+    eight = checkpoints.write(checkpoints.read(one, namespace="model"), str(tmp_path / "8" / "{rank}-of-{size}.ckpt"), 8)
+    assert [p.name for p in eight] == [f"{r}-of-8.ckpt" for r in range(8)]
+    for r, path in enumerate(eight):
+        assert_bit_equal(torch.load(path, weights_only=True)["model"], expected_rank(model, E, 8, r))
+    assert_bit_equal(checkpoints.read(eight).state, with_counts(model, E))
+
+
+def test_more_ranks_than_experts_slice_each_expert_and_pad_fc2_bias(tmp_path):
+    """2 experts on 8 ranks (4 slices each: D 6 pads fc2's bias to 8, with garbage the reader must drop) -> one file
+    -> 4 ranks (2 slices, no padding) -> 2 ranks (whole experts)."""
+    E, D, H = 2, 6, 12
+    model = reference_model(E, D, H, prefixes=PREFIXES[:2])
+    paths = []
+    for r in range(8):
+        paths.append(tmp_path / f"{r}-of-8.ckpt")
+        torch.save(expected_rank(model, E, 8, r, pad=lambda n: torch.randn(n)), paths[-1])
+    full = checkpoints.read(paths)
+    assert full.namespace == "" and full.num_experts == {p: 2 for p in PREFIXES[:2]}
+    assert_bit_equal(full.state, with_counts(model, E))
+    four = checkpoints.write(full, str(tmp_path / "4" / "{rank}-of-{size}.ckpt"), 4)
+    for r, path in enumerate(four):
+        assert_bit_equal(torch.load(path, weights_only=True), expected_rank(model, E, 4, r))
+    two = checkpoints.write(checkpoints.read(four), str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), 2)
+    for r, path in enumerate(two):
+        assert_bit_equal(torch.load(path, weights_only=True), expected_rank(model, E, 2, r))
+
+
+def tutel_files(model: dict, E: int, W: int, folder) -> list:
+    """Tutel's own per-rank files (helloworld's torch.save(model.state_dict()) at {rank}-of-{size})."""
+    paths = [folder / f"{r}-of-{W}.ckpt" for r in range(W)]
+    for r, path in enumerate(paths):
+        torch.save({k: v.clone() for k, v in expected_rank(model, E, W, r).items()}, path)
+    return paths
+
+
+def convert(*arguments) -> int:
+    return cli_main(["checkpoint", "convert", *map(str, arguments)])
+
+
+def test_the_command_converts_swin_moe_files_for_4_ranks(tmp_path, capsys):
+    E = 32
+    model = reference_model(E, 6, 10)
+    swin = swin_rank_files(model, E, tmp_path)
+    assert convert("--from", "tutel", *swin, tmp_path / "out" / "{rank}-of-{size}.ckpt", "--ranks", 4) == 0
+    said = capsys.readouterr().out
+    assert "read 3 MoE layers (32, 32, 32 experts) from a run of 32 ranks" in said and "0-of-4.ckpt" in said
+    for r in range(4):
+        got = torch.load(tmp_path / "out" / f"{r}-of-4.ckpt", weights_only=True)
+        assert list(got) == ["model"]
+        assert_bit_equal(got["model"], expected_rank(model, E, 4, r))
+
+
+def test_to_moe_plugin_gives_moe_layer_state_dicts(tmp_path):
+    """--to moe_plugin: one state dict, each Tutel layer in MoELayer's names (moe_plugin.tutel.names), every expert."""
+    E, D, H = 4, 6, 10
+    model = reference_model(E, D, H)
+    assert convert("--from", "tutel", *tutel_files(model, E, 2, tmp_path), tmp_path / "moe.pt", "--to", "moe_plugin") == 0
+    state = torch.load(tmp_path / "moe.pt", weights_only=True)
+    for p in PREFIXES:
+        layer = MoELayer(model_dim=D, hidden_size=H, num_experts=E, top_k=2, activation="relu", bias=True)
+        layer.load_full_state_dict({k[len(p):]: v for k, v in state.items() if k.startswith(p)})
+        assert torch.equal(layer.experts.w1_EDH, model[p + "experts.batched_fc1_w"].transpose(1, 2))
+        assert torch.equal(layer.experts.w2_EHD, model[p + "experts.batched_fc2_w"])
+        assert torch.equal(layer.experts.b1_EH, model[p + "experts.batched_fc1_bias"])
+        assert torch.equal(layer.experts.b2_ED, model[p + "experts.batched_fc2_bias"])
+        assert torch.equal(layer.router.weight_ED, model[p + "gates.0.wg.weight"])
+    assert torch.equal(state["head.weight"], model["head.weight"])
+
+
+def nudged(t: torch.Tensor) -> torch.Tensor:
+    """t with one value moved by one ulp."""
+    out = t.clone().view(-1)
+    out[0] = torch.nextafter(out[0], torch.tensor(float("inf")))
+    return out.view(t.shape)
+
+
+@pytest.fixture
+def four_ranks(tmp_path):
+    model = reference_model(4, 6, 10)
+    return model, tutel_files(model, 4, 4, tmp_path), tmp_path
+
+
+def bad_inputs(model, paths, folder):
+    """(arguments, what the error line must say)."""
+    drifted = folder / "drift" / "2-of-4.ckpt"
+    drifted.parent.mkdir()
+    torch.save({**torch.load(paths[2], weights_only=True), "head.weight": nudged(model["head.weight"])}, drifted)
+    other_run = folder / "1-of-8.ckpt"
+    torch.save({}, other_run)
+    (folder / "junk-0-of-1.ckpt").write_bytes(b"not a checkpoint")
+    out = folder / "out" / "{rank}-of-{size}.ckpt"
+    (folder / "swin").mkdir()
+    swin = swin_rank_files(reference_model(32, 6, 10, prefixes=PREFIXES[:1]), 32, folder / "swin")
+    return [
+        (["--from", "tutel", paths[0], paths[1], drifted, paths[3], out, "--ranks", 2],
+         f"the replicated tensor 'head.weight' differs between '{paths[0]}' and '{drifted}'"),
+        (["--from", "tutel", paths[0], paths[1], paths[3], out, "--ranks", 2], "the files of ranks 2 are missing"),
+        (["--from", "tutel", paths[0], other_run, out, "--ranks", 2], "the files come from runs of different sizes"),
+        (["--from", "tutel", paths[0], paths[0], out, "--ranks", 2], "rank 0 is given twice"),
+        (["--from", "tutel", *paths, out, "--ranks", 3], "ranks=3 is invalid for layer 'layers.1.blocks.1.mlp."
+         "_moe_layer.': its 4 experts neither divide over 3 ranks nor 3 ranks over them"),
+        (["--from", "tutel", *paths, out, "--ranks", 0], "ranks=0 is invalid: must be an integer >= 1"),
+        (["--from", "tutel", *paths, out], "--ranks is required with --from tutel"),
+        (["--from", "tutel", *paths, folder / "one.ckpt", "--ranks", 2], "has no {rank}: 2 ranks need one file each"),
+        (["--from", "tutel", *paths, folder / "moe.pt", "--to", "moe_plugin", "--ranks", 2],
+         "--ranks=2 is invalid with --to moe_plugin"),
+        (["--from", "tutel", folder / "junk-0-of-1.ckpt", out, "--ranks", 1], "is not a checkpoint torch.load reads"),
+        (["--from", "tutel", folder / "nothing-0-of-1.ckpt", out, "--ranks", 1], "does not exist"),
+        (["--from", "tutel", *swin[:31], swin[-1], out, "--ranks", 2], "has 32 experts, which neither divide over the "
+         "files' 31 ranks nor 31 ranks over them (is a rank's file missing?)"),
+        ([*paths, out], "4 sources given without --from tutel"),
+        ([paths[0], folder / "x", "--ranks", 2], "--ranks given without --from tutel"),
+    ]
+
+
+def test_bad_inputs_are_one_line_and_exit_status_2(four_ranks, capsys):
+    for arguments, says in bad_inputs(*four_ranks):
+        capsys.readouterr()
+        try:
+            status = convert(*arguments)
+        except SystemExit as exit:
+            status = exit.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert status == 2, arguments
+        assert len(lines) == 1 and lines[0].startswith("moe-plugin checkpoint: ") and says in lines[0], (says, lines)
