@@ -10,10 +10,10 @@ from typing import Dict, List
 
 class RoutingAlarm:
     def __init__(self, min_share: float = 0.1, max_dropped: float = 0.2, windows: int = 3):
-        if not 0.0 <= min_share < 1.0:
-            raise ValueError(f"routing alarm: min_share must be in [0, 1) (a share of the mean load), got {min_share}")
-        if not 0.0 <= max_dropped < 1.0:
-            raise ValueError(f"routing alarm: max_dropped must be in [0, 1) (a fraction), got {max_dropped}")
+        if not _number(min_share) or not 0.0 <= min_share < 1.0:
+            raise ValueError(f"routing alarm: min_share must be in [0, 1) (a share of the mean load), got {min_share!r}")
+        if not _number(max_dropped) or not 0.0 <= max_dropped < 1.0:
+            raise ValueError(f"routing alarm: max_dropped must be in [0, 1) (a fraction), got {max_dropped!r}")
         if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
             raise ValueError(f"routing alarm: windows must be an integer >= 1, got {windows!r}")
         self.min_share, self.max_dropped, self.windows = min_share, max_dropped, windows
@@ -44,3 +44,7 @@ class RoutingAlarm:
         if layer["dropped_fraction"] > self.max_dropped:
             found.append(f"dropped fraction {layer['dropped_fraction']:.1%} over {self.max_dropped:.0%}")
         return "; ".join(found)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -17,6 +17,7 @@ from fairseq.utils import safe_getattr
 
 from moe_plugin import MoEConfig
 from moe_plugin.parallel.groups import check_sizes
+from moe_plugin.routing_alarm import RoutingAlarm
 
 
 @dataclass
@@ -65,6 +66,35 @@ class MoEArgs(FairseqDataclass):
         "help": "> 0: a shared expert FFN of this width applied to every token, added to the MoE output"})
     moe_shared_gate: bool = field(default=False, metadata={
         "help": "multiply the shared expert's output per token by sigmoid(x . w) (Qwen2-MoE)"})
+
+
+@dataclass
+class RoutingAlarmArgs(FairseqDataclass):
+    """The MoE criterions' routing alarm (moe_plugin/routing_alarm.py), checked at each --log-interval."""
+    moe_routing_alarm_min_share: float = field(default=0.1, metadata={
+        "help": "routing alarm: an expert under this share of the mean load is starved (in [0, 1))"})
+    moe_routing_alarm_max_dropped: float = field(default=0.2, metadata={
+        "help": "routing alarm: a dropped fraction over this is too high (in [0, 1))"})
+    moe_routing_alarm_windows: int = field(default=3, metadata={
+        "help": "routing alarm: warn once a layer has been starved or dropping for this many log intervals in a row"})
+    no_moe_routing_alarm: bool = field(default=False, metadata={"help": "turn the routing alarm off"})
+
+
+ALARM_FLAGS = {"min_share": "--moe-routing-alarm-min-share", "max_dropped": "--moe-routing-alarm-max-dropped",
+               "windows": "--moe-routing-alarm-windows"}
+
+
+def routing_alarm_from_args(min_share: Any, max_dropped: Any, windows: Any, off: bool) -> Optional[RoutingAlarm]:
+    """The RoutingAlarm of the --moe-routing-alarm-* flags, None with --no-moe-routing-alarm. ValueError names
+    the flag and the value given."""
+    if off:
+        return None
+    values = {"min_share": min_share, "max_dropped": max_dropped, "windows": windows}
+    try:
+        return RoutingAlarm(**values)
+    except ValueError as error:
+        key = next(key for key in ALARM_FLAGS if f" {key} " in str(error))
+        raise ValueError(f"{ALARM_FLAGS[key]} {values[key]!r} is invalid: {error}") from None
 
 
 SECOND_EXPERT_POLICIES = ("all",)

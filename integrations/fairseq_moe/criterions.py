@@ -10,28 +10,39 @@ the MoE layers; 1/E each when balanced); and per MoE layer moe/<layer>/<metric> 
 moe/all/<metric> (moe_plugin/routing_metrics.py), from the window sums of each training forward, summed by
 fairseq over micro-batches, processes and the log interval (hidden meters _moe/...). The reported loss and
 perplexity are the task's alone.
+
+The routing alarm (--moe-routing-alarm-*, --no-moe-routing-alarm; config.py) checks each log interval's
+per-layer metrics when fairseq-train reads them for its log line, warns through Python's logging on the master
+process, and shows as moe/alarm_layers: the MoE layers in alarm now.
 """
+import logging
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from fairseq.criterions.label_smoothed_cross_entropy import (LabelSmoothedCrossEntropyCriterion,
                                                              LabelSmoothedCrossEntropyCriterionConfig)
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 
 from moe_plugin import MoELayer
 from moe_plugin.routing_metrics import RoutingMonitor, metrics_from_sums, scalars
 
+from .config import RoutingAlarmArgs, routing_alarm_from_args
 from .registration import criterion
+
+logger = logging.getLogger(__name__)
 
 COMBINE_METHODS = ChoiceEnum(["average", "sum"])
 MAX_LOGGED_EXPERTS = 16   # beyond this, only the largest and smallest share are logged
+ALARM_TAG = "moe/alarm_layers"
+LOG_INTERVAL_METERS = "train_inner"     # fairseq_cli/train.py's meters of one --log-interval, read once per interval
 
 
 @dataclass
-class MoEGateLossConfig(FairseqDataclass):
+class MoEGateLossConfig(RoutingAlarmArgs):
     moe_gate_loss_wt: float = field(default=0.01, metadata={"help": "weight of the MoE load-balancing loss"})
     moe_gate_loss_combine_method: COMBINE_METHODS = field(default="average", metadata={
         "help": "how the layers' gate losses combine: average or sum"})
@@ -48,13 +59,15 @@ class MoELabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfi
 
 
 class GateLoss:
-    def __init__(self, weight: float, combine: str):
+    def __init__(self, weight: float, combine: str, alarm=None):
+        """alarm: a RoutingAlarm checked at each log interval (routing_alarm_from_args), or None."""
         if not weight >= 0:
             raise ValueError(f"--moe-gate-loss-wt {weight!r} is invalid: must be a number >= 0")
         if combine not in ("average", "sum"):
             raise ValueError(f"--moe-gate-loss-combine-method {combine!r} is invalid: allowed: 'average', 'sum'")
         self.weight, self.combine = weight, str(combine)
         self.monitor, self.watched = None, None
+        self.alarm = alarm
 
     def watch(self, model: torch.nn.Module) -> None:
         """Routing metrics of model's MoE layers from its next forward on (call before it; unwraps fairseq's
@@ -65,6 +78,21 @@ class GateLoss:
             if self.monitor is not None:
                 self.monitor.close()
             self.monitor, self.watched = RoutingMonitor(model), model
+        if self.alarm is not None and model.training:
+            metrics.log_derived(ALARM_TAG, self.layers_in_alarm)      # once per aggregator: a lookup after that
+
+    def layers_in_alarm(self, meters) -> float:
+        """The derived meter moe/alarm_layers. Read from the log interval's meters (as fairseq-train does once
+        per interval), it first checks that interval's per-layer metrics with the alarm and logs its warnings."""
+        if meters is metrics.get_meters(LOG_INTERVAL_METERS):
+            hidden = [key for key in meters.keys() if key.startswith("_moe/")]
+            layers = window_sums(lambda key: meters[key].sum, hidden)
+            messages = self.alarm.check({name: metrics_from_sums(sums) for name, sums in layers.items()
+                                         if sums.get("forwards", 0) > 0})
+            if not dist.is_initialized() or dist.get_rank() == 0:    # every process holds the same sums
+                for message in messages:
+                    logger.warning(message)
+        return float(sum(n >= self.alarm.windows for n in self.alarm.unhealthy_in_a_row.values()))
 
     def add(self, loss: torch.Tensor, model: torch.nn.Module, sample_size, logging_output: dict) -> torch.Tensor:
         """loss + the weighted gate loss; the MoE statistics go into logging_output."""
@@ -153,9 +181,13 @@ def reduce_moe_metrics(logging_outputs) -> None:
 
 @criterion("moe_cross_entropy", dataclass=MoECrossEntropyConfig)
 class MoECrossEntropyCriterion(CrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="average"):
+    def __init__(self, task, sentence_avg, moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="average",
+                 moe_routing_alarm_min_share=0.1, moe_routing_alarm_max_dropped=0.2, moe_routing_alarm_windows=3,
+                 no_moe_routing_alarm=False):
         super().__init__(task, sentence_avg)
-        self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method)
+        self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
+            moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
+            no_moe_routing_alarm))
 
     def forward(self, model, sample, reduce=True):
         self.gate_loss.watch(model)
@@ -171,9 +203,13 @@ class MoECrossEntropyCriterion(CrossEntropyCriterion):
 @criterion("moe_label_smoothed_cross_entropy", dataclass=MoELabelSmoothedCrossEntropyConfig)
 class MoELabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="average"):
+                 moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="average",
+                 moe_routing_alarm_min_share=0.1, moe_routing_alarm_max_dropped=0.2, moe_routing_alarm_windows=3,
+                 no_moe_routing_alarm=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method)
+        self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
+            moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
+            no_moe_routing_alarm))
 
     def forward(self, model, sample, reduce=True):
         self.gate_loss.watch(model)

@@ -36,7 +36,11 @@ def test_drops_fire_and_an_interrupted_run_does_not():
 
 
 @pytest.mark.parametrize("kwargs, words", [(dict(min_share=1.0), "min_share must be in [0, 1)"),
+                                           (dict(min_share="0.1"), "min_share must be in [0, 1) (a share of the "
+                                                                   "mean load), got '0.1'"),
                                            (dict(max_dropped=-0.1), "max_dropped must be in [0, 1)"),
+                                           (dict(max_dropped=True), "max_dropped must be in [0, 1) (a fraction), "
+                                                                    "got True"),
                                            (dict(windows=0), "windows must be an integer >= 1, got 0"),
                                            (dict(windows=2.5), "windows must be an integer >= 1, got 2.5")])
 def test_bad_settings_are_one_line_errors(kwargs, words):

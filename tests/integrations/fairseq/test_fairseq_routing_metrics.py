@@ -2,8 +2,11 @@
 outputs, summed by fairseq's own aggregation (two ranks' outputs joined as fairseq gathers them, 2 updates of 2
 micro-batches), give moe/<layer>/<metric> and moe/all equal to numbers recomputed from each layer's routing as each
 forward ran (tests/helpers/routing_reference.py); a fairseq-train run logs them per layer in its log lines, the
-summary's dropped fraction equal to the whole-model moe_dropped computed from the layers' stats."""
+summary's dropped fraction equal to the whole-model moe_dropped computed from the layers' stats. The routing alarm
+(--moe-routing-alarm-*): a collapsed router warns once per layer at the set log interval, through Python's logging,
+a balanced run and --no-moe-routing-alarm never; bad flags are one-line errors."""
 import copy
+import math
 import json
 import re
 import types
@@ -96,13 +99,152 @@ def test_fairseq_train_logs_each_layer(tmp_path, corpus):
     args = [corpus["lm"], "--user-dir", user_dir(), "--task", "language_modeling", *TINY_LM, "--criterion",
             "moe_cross_entropy", "--optimizer", "adam", "--lr", "0.005", "--dropout", "0", "--tokens-per-sample",
             "64", "--sample-break-mode", "complete", "--batch-size", "4", "--max-update", "4", "--update-freq", "2",
-            "--save-dir", str(tmp_path / "ckpt"), "--no-save", *CPU, "--log-format", "json", "--log-interval", "2"]
+            "--save-dir", str(tmp_path / "ckpt"), "--no-save", *CPU, "--log-format", "json", "--log-interval", "2",
+            # an alarm every unbalanced layer raises at the second interval (the run is seeded: --seed 1)
+            "--moe-routing-alarm-min-share", "0.99", "--moe-routing-alarm-windows", "2"]
     log = fairseq("train", args, cwd=str(tmp_path), timeout=500).stdout
     lines = [json.loads(line[line.index("{"):]) for line in log.splitlines() if "train_inner" in line and "{" in line]
     assert len(lines) == 2, log[-3000:]
+    assert [float(line["moe/alarm_layers"]) for line in lines] == [0, 2]
+    alarms = [line for line in log.splitlines() if "routing alarm: MoE layer" in line]
+    assert len(alarms) == 2 and all("got under 99% of the mean load" in line for line in alarms), alarms
+    order = [line for line in log.splitlines() if "routing alarm: MoE layer" in line or "train_inner" in line]
+    assert "train_inner" in order[0] and order[1:3] == alarms and "train_inner" in order[3]   # at the 2nd interval
     for line in lines:
         layers = sorted({m.group(1) for key in line for m in [re.match(r"moe/(.+)/max_load$", key)] if m})
         assert len(layers) == 3 and "all" in layers, layers          # 2 MoE layers and the summary
         assert float(line["moe/all/dropped_fraction"]) == pytest.approx(float(line["moe_dropped"]), abs=2e-4)
         for name in layers:
             assert 1.0 <= float(line[f"moe/{name}/max_load"]) <= 4.0
+
+
+def alarm_model(case):
+    """Two top-1 MoE layers on the embedding (one dropless, one at capacity factor 1.0). "collapsed": every router
+    sends every token to expert 3; "balanced": token v goes to expert v % 4 (an embedding and router built so)."""
+    from fairseq.models import BaseFairseqModel
+
+    from moe_plugin import MoELayer
+
+    class Model(BaseFairseqModel):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, D)
+            self.blocks = torch.nn.ModuleList([
+                MoELayer(model_dim=D, hidden_size=8, num_experts=4, top_k=1, capacity_factor=0.0),
+                MoELayer(model_dim=D, hidden_size=8, num_experts=4, top_k=1, capacity_factor=1.0, min_capacity=0)])
+            self.out = torch.nn.Linear(D, VOCAB)
+
+        def forward(self, src_tokens):
+            h = self.embed(src_tokens)
+            return self.out(sum(block(h) for block in self.blocks)), None
+
+        def get_targets(self, sample, net_output):
+            return sample["target"]
+
+        def get_normalized_probs(self, net_output, log_probs, sample=None):
+            return torch.log_softmax(net_output[0], -1)
+    model = Model()
+    with torch.no_grad():
+        if case == "balanced":
+            model.embed.weight[:, :4] = 5.0 * torch.eye(4)[torch.arange(VOCAB) % 4]
+        for block in model.blocks:
+            block.router.weight_ED.requires_grad_(False).zero_()
+            if case == "balanced":
+                block.router.weight_ED[:, :4] = torch.eye(4)
+            else:
+                block.router.fixed_bias = True
+                block.router.expert_bias_E[3] = 10.0
+    return model
+
+
+@pytest.fixture
+def fairseq_metrics():
+    from fairseq.logging import metrics
+    metrics.reset()        # fairseq's meters are global: this test's own, as fairseq-train's main starts them
+    yield metrics
+    metrics.reset()
+
+
+def run_log_intervals(metrics, model, criterion, intervals, caplog, updates=2, micro_batches=2):
+    """fairseq_cli/train.py's loop: each update under the epoch's "train" and the interval's "train_inner" meters,
+    its logging outputs reduced in the trainer's per-update aggregation (read at once, as the trainer does), the
+    interval's values read once and reset; here each interval ends an epoch too (its "train" values read and reset).
+    Returns each interval's values, the alarm's warnings logged in it, and each forward's token count."""
+    lines, warnings, tokens = [], [], []
+    for _ in range(intervals):
+        caplog.clear()
+        for _ in range(updates):
+            with metrics.aggregate("train"), metrics.aggregate("train_inner"):
+                logs = []
+                for micro in range(micro_batches):
+                    src = torch.randint(VOCAB, (3, 5 + micro))
+                    sample = {"net_input": {"src_tokens": src}, "target": src, "ntokens": src.numel()}
+                    loss, _, log = criterion(model, sample)
+                    loss.backward()
+                    logs.append(log)
+                    tokens.append(src.numel())
+                with metrics.aggregate() as update:
+                    type(criterion).reduce_metrics(logs)
+                    update.get_smoothed_values()
+        lines.append(metrics.get_smoothed_values("train_inner"))
+        metrics.reset_meters("train_inner")
+        metrics.get_smoothed_values("train")
+        metrics.reset_meters("train")
+        warnings.append([r.getMessage() for r in caplog.records if "routing alarm" in r.getMessage()])
+    return lines, warnings, tokens
+
+
+@pytest.mark.parametrize("case", ["collapsed", "balanced", "collapsed_alarm_off"])
+def test_fairseq_alarm_fires_once_per_layer_at_the_set_interval(case, fairseq_metrics, caplog):
+    from moe_plugin.integrations.fairseq_moe.criterions import MoECrossEntropyCriterion
+    model = alarm_model("balanced" if case == "balanced" else "collapsed")
+    task = types.SimpleNamespace(target_dictionary=types.SimpleNamespace(pad=lambda: -100))
+    criterion = MoECrossEntropyCriterion(task, False, moe_routing_alarm_windows=2,
+                                         no_moe_routing_alarm=case == "collapsed_alarm_off")
+    with caplog.at_level("WARNING"):
+        lines, warnings, tokens = run_log_intervals(fairseq_metrics, model, criterion, 4, caplog)
+    if case == "collapsed_alarm_off":
+        assert warnings == [[]] * 4 and not any("moe/alarm_layers" in line for line in lines)
+        return
+    if case == "balanced":
+        assert warnings == [[]] * 4 and [line["moe/alarm_layers"] for line in lines] == [0] * 4
+        assert all(line["moe/blocks.0/max_load"] < 2 for line in lines)     # balanced indeed
+        return
+    assert [len(w) for w in warnings] == [0, 2, 0, 0]        # at the 2nd log interval, once per layer
+    assert [line["moe/alarm_layers"] for line in lines] == [0, 2, 2, 2]
+    starved = "experts 0 (0.0%), 1 (0.0%), 2 (0.0%) got under 10% of the mean load (busiest expert 4.00x the mean)"
+    per_interval = tokens[:4]            # each interval's forwards (both intervals alike)
+    dropped = 1 - sum(math.ceil(t / 4) for t in per_interval) / sum(per_interval)   # expert 3 keeps T/4 a forward
+    assert warnings[1][0] == (f"moe_plugin routing alarm: MoE layer blocks.0: {starved}, in each of the last 2 "
+                              f"logging windows")
+    assert warnings[1][1] == (f"moe_plugin routing alarm: MoE layer blocks.1: {starved}; dropped fraction "
+                              f"{dropped:.1%} over 20%, in each of the last 2 logging windows")
+
+
+def test_fairseq_alarm_flags(fairseq_metrics):
+    import argparse
+
+    from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+    from moe_plugin.integrations.fairseq_moe.config import RoutingAlarmArgs
+    from moe_plugin.integrations.fairseq_moe.criterions import (MoECrossEntropyCriterion,
+                                                                MoELabelSmoothedCrossEntropyCriterion)
+    parser = argparse.ArgumentParser()
+    gen_parser_from_dataclass(parser, RoutingAlarmArgs())
+    task = types.SimpleNamespace(target_dictionary=types.SimpleNamespace(pad=lambda: -100))
+
+    def build(cls, *flags):
+        args = parser.parse_args(list(flags))
+        args.sentence_avg, args.label_smoothing = False, 0.1
+        return cls.build_criterion(args, task).gate_loss.alarm
+    alarm = build(MoECrossEntropyCriterion, "--moe-routing-alarm-min-share", "0.3", "--moe-routing-alarm-windows", "5")
+    assert (alarm.min_share, alarm.max_dropped, alarm.windows) == (0.3, 0.2, 5)
+    alarm = build(MoELabelSmoothedCrossEntropyCriterion, "--moe-routing-alarm-max-dropped", "0.05")
+    assert (alarm.min_share, alarm.max_dropped, alarm.windows) == (0.1, 0.05, 3)
+    assert build(MoECrossEntropyCriterion, "--no-moe-routing-alarm") is None
+    for flags, words in [(("--moe-routing-alarm-min-share", "1.5"), "--moe-routing-alarm-min-share 1.5 is invalid: "
+                                                                      "routing alarm: min_share must be in [0, 1)"),
+                         (("--moe-routing-alarm-windows", "0"), "--moe-routing-alarm-windows 0 is invalid")]:
+        with pytest.raises(ValueError) as error:
+            build(MoECrossEntropyCriterion, *flags)
+        assert words in str(error.value) and "\n" not in str(error.value)
