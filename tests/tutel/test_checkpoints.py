@@ -14,9 +14,13 @@ import math
 import pytest
 import torch
 
-from moe_plugin import MoELayer
+from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.cli import main as cli_main
-from moe_plugin.tutel import checkpoints
+from moe_plugin.tutel import checkpoints, names
+
+from helpers.compare import relative_error
+from helpers.expert_parallel import D as EP_D, H as EP_H, expected_shard, single_process_grads
+from helpers.launch import run_workers
 
 
 PREFIXES = ("layers.1.blocks.1.mlp._moe_layer.", "layers.2.blocks.1.mlp._moe_layer.",
@@ -234,3 +238,112 @@ def test_bad_inputs_are_one_line_and_exit_status_2(four_ranks, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert status == 2, arguments
         assert len(lines) == 1 and lines[0].startswith("moe-plugin checkpoint: ") and says in lines[0], (says, lines)
+
+
+def tutel_layers(E: int, D: int, H: int, world: int, rank: int, prefixes=PREFIXES) -> dict:
+    """Real Tutel's moe_layer for each prefix, built as rank `rank` of `world` sees it (torch's fake process group:
+    no other process; construction and load_state_dict never communicate)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from tutel import moe as tutel_moe
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        per_rank = E // world if world <= E else -(world // E)
+        return {p: tutel_moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=D,
+                                       experts={"type": "ffn", "count_per_node": per_rank,
+                                                "hidden_size_per_expert": H})
+                for p in prefixes}
+    finally:
+        dist.destroy_process_group()
+
+
+def layer_state(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def test_files_load_into_real_tutel_at_their_world_size(tmp_path):
+    """Files real Tutel saved on 4 ranks (4 experts) -> 8 ranks (each expert sliced in 2), 2 ranks and one file: each
+    rank's file loads strictly into real Tutel's moe_layer built for that rank of that world, and holds what the
+    4 ranks' layers held (the world-4 experts by this test's own slicing)."""
+    pytest.importorskip("tutel", reason="real Tutel is not installed (it is not on PyPI; CI has none)")
+    E, D, H = 4, 6, 12
+    saved, model = [], {}
+    for r in range(4):
+        layers = tutel_layers(E, D, H, 4, r, PREFIXES[:2])
+        saved.append({p + k: v for p, layer in layers.items() for k, v in layer.state_dict().items()})
+        torch.save(saved[-1], tmp_path / f"{r}-of-4.ckpt")
+    for key in saved[0]:
+        model[key] = torch.cat([s[key] for s in saved]) if ".experts." in key else saved[0][key]
+    model = {k: v for k, v in model.items() if not k.endswith("_num_global_experts")}
+    for p in PREFIXES[:2]:   # every rank drew its own gate: the files must agree, so they take rank 0's
+        for r in range(1, 4):
+            saved[r][p + "gates.0.wg.weight"] = saved[0][p + "gates.0.wg.weight"]
+            torch.save(saved[r], tmp_path / f"{r}-of-4.ckpt")
+    full = checkpoints.read([tmp_path / f"{r}-of-4.ckpt" for r in range(4)])
+    for W in (8, 2, 1):
+        paths = checkpoints.write(full, str(tmp_path / str(W) / "{rank}-of-{size}.ckpt"), W)
+        for r, path in enumerate(paths):
+            state = torch.load(path, weights_only=True)
+            assert_bit_equal(state, expected_rank(model, E, W, r))
+            for p, layer in tutel_layers(E, D, H, W, r, PREFIXES[:2]).items():
+                layer.load_state_dict(layer_state(state, p), strict=True)
+                assert_bit_equal(layer.state_dict(), layer_state(expected_rank(model, E, W, r), p))
+
+
+def expert_parallel_from_converted(rank, world, full_path, rank_pattern, specs):
+    """On each of 2 gloo ranks: a MoELayer at ep_size 2 from the converted full state dict (load_full_state_dict) and
+    one from this rank's converted Tutel file (names.tutel_to_moe, strict): equal, and equal to one process over
+    both ranks' tokens (output, input gradient, aux loss, every gradient of this rank's share)."""
+    full = torch.load(full_path, weights_only=True)
+    mine = torch.load(rank_pattern.format(rank=rank, size=world), weights_only=True)["model"]
+    worst = {}
+    for spec in specs:
+        prefix, config = spec["prefix"], dict(spec["config"], model_dim=EP_D, hidden_size=EP_H)
+        reference = MoELayer(MoEConfig(**config)).double()
+        reference.load_full_state_dict(layer_state(full, prefix))
+        layer = MoELayer(MoEConfig(**config, ep_size=world)).double()
+        layer.load_full_state_dict(layer_state(full, prefix))
+        from_tutel = MoELayer(MoEConfig(**config, ep_size=world)).double()
+        from_tutel.load_state_dict(names.tutel_to_moe(layer_state(mine, prefix)), strict=True)
+        for (name, a), b in zip(layer.state_dict().items(), from_tutel.state_dict().values()):
+            assert torch.equal(a, b), name
+        generator = torch.Generator().manual_seed(spec["seed"])
+        xs = [torch.randn(n, EP_D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
+        upstreams = [torch.randn(n, EP_D, generator=generator, dtype=torch.float64) for n in spec["tokens"]]
+        names_, total, want = single_process_grads(reference, xs, upstreams, rank)
+        x = xs[rank].clone().requires_grad_()
+        y = layer(x)
+        ((y * upstreams[rank]).sum() + layer.aux_loss).backward()
+        errors = {"y": relative_error(y.detach(), want["y"], floor=1e-12),
+                  "x.grad": relative_error(x.grad, want["x.grad"], floor=1e-12),
+                  "aux": relative_error(layer.aux_loss.detach(), want["aux"], floor=1e-12)}
+        params = dict(layer.named_parameters())
+        for name in names_:
+            expected = want[name] if name.startswith("router.") else \
+                expected_shard(total[name], name, layer.groups.layout, False)
+            errors[name] = relative_error(params[name].grad, expected, floor=1e-12)
+        worst[spec["name"]] = (max(errors.values()), max(errors, key=errors.get), layer.stats["dropped_fraction"])
+    return worst
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_over_2_ranks_from_converted_files_equals_one_process(tmp_path):
+    """Swin-MoE files of 4 ranks (4 experts, D 6, H 8) -> the command: one MoELayer state dict, and Tutel files for
+    2 ranks; 2 gloo ranks at ep_size 2 load them and compute what one process computes."""
+    E = 4
+    model = reference_model(E, EP_D, EP_H, prefixes=PREFIXES[:2])
+    swin = swin_rank_files(model, E, tmp_path)
+    assert convert("--from", "tutel", *swin, tmp_path / "moe.pt", "--to", "moe_plugin") == 0
+    assert convert("--from", "tutel", *swin, tmp_path / "two" / "{rank}-of-{size}.pth", "--ranks", 2) == 0
+    specs = [dict(name="top-2 drops", prefix=PREFIXES[0], seed=1, tokens=[13, 7],
+                  config=dict(num_experts=E, top_k=2, capacity_factor=0.75, min_capacity=0, activation="relu",
+                              bias=True)),
+             dict(name="top-3 dropless, a rank without tokens", prefix=PREFIXES[1], seed=2, tokens=[9, 0],
+                  config=dict(num_experts=E, top_k=3, capacity_factor=0.0, activation="relu", bias=True))]
+    results = run_workers(expert_parallel_from_converted, 2, str(tmp_path / "moe.pt"),
+                          str(tmp_path / "two" / "{rank}-of-{size}.pth"), specs, timeout=240)
+    for rank, worst in enumerate(results):
+        for spec in specs:
+            error, where, _ = worst[spec["name"]]
+            assert error < 1e-10, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
+    assert results[0]["top-2 drops"][2] > 0     # the capacity really dropped tokens
