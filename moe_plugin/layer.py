@@ -159,6 +159,12 @@ class MoELayer(nn.Module):
             local["tuner._extra_state"] = self.tuner.get_extra_state()
         self.load_state_dict(local)
 
+    def set_recompute(self, mode: str) -> None:
+        """Sets MoEConfig.recompute on a built layer ("none" or "experts"; see MoEConfig): from its next forward on."""
+        self.config = self.config.replace(recompute=mode)      # validated
+        self.experts.config = self.config
+        self.experts.recompute = mode == "experts"
+
     def capacity_factor(self) -> float:
         cfg = self.config
         if not self.training and cfg.eval_capacity_factor is not None:

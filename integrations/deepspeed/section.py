@@ -47,10 +47,11 @@ SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "route_scale": (lambda v: _is_number(v, positive=True) and v != float("inf"),
                     "a finite number > 0 (backend tutel)"),
     "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
+    "recompute": (lambda v: v in ("none", "experts"), "\"none\" or \"experts\" (backend tutel)"),
     # not a layer setting: checked by routing.routing_alarm, left out of read_moe_section's dict
     "routing_alarm": (lambda v: True, "true, false or an object (routing.py)"),
 }
-TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss")
+TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss", "recompute")
 
 
 def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..config import RECOMPUTE_MODES
 from ..layer import MoELayer
 from .devices import Device
 from .state_bytes import StateBytes, nbytes, saved_for_backward
@@ -40,6 +41,15 @@ class Role:
 
 
 @dataclass
+class RecomputeOption:
+    """What one MoEConfig.recompute mode gives the same run: activations of the micro-batch, the largest role's peak
+    and the largest micro-batch that fits."""
+    activations_bytes: int
+    peak_bytes: int
+    max_micro_batch: int
+
+
+@dataclass
 class Collectives:
     all_reduce: int = 0
     reduce_scatter: int = 0
@@ -58,6 +68,7 @@ class Plan:
     step: StepTime
     max_micro_batch: int
     activation_bytes_per_row: int
+    recompute: Dict[str, RecomputeOption] = field(default_factory=dict)     # mode -> what it gives
     warnings: List[str] = field(default_factory=list)
 
 
@@ -70,13 +81,18 @@ def split_bytes(model: nn.Module) -> Tuple[int, int]:
             sum(nbytes(p) for p in trainable if id(p) in experts))
 
 
-def forward_without_data(make_local_model: Callable[[], nn.Module], rows: int, seq_len: int) -> Tuple[int, float]:
+def forward_without_data(make_local_model: Callable[[], nn.Module], rows: int, seq_len: int,
+                         recompute: Optional[str] = None) -> Tuple[int, float]:
     """(bytes saved for backward, forward FLOPs) of one forward + loss on `rows` rows of seq_len tokens of the
     model make_local_model() builds (its experts local: at balanced routing each rank computes as many rows as it
     routes). The model is built on the meta device, then given CPU fake tensors (torch's FakeTensorMode: shapes,
-    no data), so that the forward takes the CPU kernels' paths and saves what they save."""
+    no data), so that the forward takes the CPU kernels' paths and saves what they save. recompute: every MoE layer's
+    MoEConfig.recompute instead of its own."""
     with torch.device("meta"):
         model = make_local_model()
+    for layer in model.modules():
+        if recompute is not None and isinstance(layer, MoELayer):
+            layer.set_recompute(recompute)
     saved: Dict[str, int] = {}
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")       # kernels without data
@@ -100,14 +116,20 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         return [layer_traffic(m.config, batch * seq_len, next(m.experts.parameters()).element_size(), node_size)
                 for m in moe_layers]
 
-    def activations_at(batch: int) -> Tuple[int, float]:
+    def activations_at(batch: int, recompute: Optional[str] = None) -> Tuple[int, float]:
         """(bytes kept for backward, forward FLOPs) of a micro-batch of `batch` rows."""
-        saved, flops = forward_without_data(make_local_model, batch, seq_len)
+        saved, flops = forward_without_data(make_local_model, batch, seq_len, recompute)
         return saved + sum(t.kept_bytes for t in traffic(batch)), flops
+
+    def per_row_at(activations: int, recompute: Optional[str] = None) -> int:
+        """The bytes one more row adds (the activations are linear in the rows)."""
+        if rows > 1:
+            return activations - activations_at(rows - 1, recompute)[0]
+        return activations_at(2, recompute)[0] - activations
 
     layers = traffic(rows)
     activations, flops = activations_at(rows)
-    per_row = activations - activations_at(rows - 1)[0] if rows > 1 else activations_at(2)[0] - activations
+    per_row = per_row_at(activations)
     roles = [Role(ranks, h.parameters, h.gradients, h.optimizer, activations,
                   sum(t.bytes_balanced for t in layers), sum(t.bytes_bound for t in layers),
                   collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather,
@@ -116,9 +138,21 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
     timing = step_time(device.params, world_size, node_size, flops, [m.config for m in moe_layers], layers,
                        dense_bytes, expert_bytes, ep_size, sharded)
     fixed = max(r.parameters_bytes + r.gradients_bytes + r.optimizer_bytes for r in roles)
-    room = device.memory_bytes - fixed - (activations - rows * per_row)
-    max_batch = max(0, room // per_row) if per_row > 0 else 0
-    plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, int(max_batch), per_row)
+
+    def largest_batch(activations: int, per_row: int) -> int:
+        room = device.memory_bytes - fixed - (activations - rows * per_row)
+        return int(max(0, room // per_row)) if per_row > 0 else 0
+
+    max_batch = largest_batch(activations, per_row)
+    plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, max_batch, per_row)
+    configured = {m.config.recompute for m in moe_layers}
+    for mode in RECOMPUTE_MODES if moe_layers else ():
+        mode_activations, mode_per_row = (activations, per_row) if configured == {mode} else (None, None)
+        if mode_activations is None:
+            mode_activations = activations_at(rows, mode)[0]
+            mode_per_row = per_row_at(mode_activations, mode)
+        plan.recompute[mode] = RecomputeOption(mode_activations, fixed + mode_activations,
+                                               largest_batch(mode_activations, mode_per_row))
     peak = max(r.peak_bytes for r in roles)
     if peak > device.memory_bytes:
         fits = f"the largest micro-batch that fits is {batch_key}={max_batch}" if max_batch else \

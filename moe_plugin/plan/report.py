@@ -20,6 +20,7 @@ def as_json(plan: Plan) -> dict:
             "step_parts": {"compute": plan.step.compute, "all_to_all": plan.step.all_to_all,
                            "gradients": plan.step.gradients},
             "max_micro_batch": plan.max_micro_batch, "activation_bytes_per_row": plan.activation_bytes_per_row,
+            "recompute": {mode: dataclasses.asdict(option) for mode, option in plan.recompute.items()},
             "assumptions": [plan.device.note, *plan.step.assumptions], "warnings": plan.warnings}
 
 
@@ -56,6 +57,10 @@ def as_text(plan: Plan) -> str:
                  f"{step.all_to_all * 1e3:.2f} + gradients {step.gradients * 1e3:.2f}")
     lines.append(f"largest micro-batch that fits {plan.device.memory_bytes / 2**30:.0f} GiB: "
                  f"{plan.max_micro_batch} rows ({size(plan.activation_bytes_per_row)} of activations per row)")
+    if plan.recompute:
+        lines.append("recompute (MoEConfig.recompute): " + "; ".join(
+            f"{mode!r} keeps {size(option.activations_bytes)} of activations, peak {size(option.peak_bytes)}, largest "
+            f"micro-batch {option.max_micro_batch} rows" for mode, option in plan.recompute.items()))
     lines.append("assumptions: " + "; ".join([plan.device.note, *step.assumptions]))
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"

@@ -13,10 +13,10 @@ from .compare import relative_error
 V, B, S, STEPS, LR = 50, 3, 6, 3, 0.3
 
 
-def build(seed, ep_size, E, H, activation, bias, layers):
+def build(seed, ep_size, E, H, activation, bias, layers, recompute="none"):
     torch.manual_seed(seed)
     moe = MoEConfig(model_dim=8, hidden_size=H, num_experts=E, top_k=2, capacity_factor=1.0, min_capacity=0,
-                    activation=activation, bias=bias, aux_loss_coef=0.01, ep_size=ep_size)
+                    activation=activation, bias=bias, aux_loss_coef=0.01, ep_size=ep_size, recompute=recompute)
     model = TransformerLM(ModelConfig(dim=8, layers=layers, heads=2, seq_len=S, ffn_hidden=12, moe_every=2), moe, V)
     return model.double()   # fp64: the comparison with one process is exact to ~1e-12, far below any real error
 

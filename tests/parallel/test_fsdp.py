@@ -34,7 +34,8 @@ def _train_sharded(rank, world, spec):
     batches = [[(torch.randint(V, shape, generator=generator), torch.randint(V, shape, generator=generator))
                 for _ in range(world)] for _ in range(STEPS)]
     want = reference_losses(spec, batches, world)
-    model = build(spec["seed"], spec["ep"], spec["E"], spec["H"], spec["activation"], spec["bias"], spec["layers"])
+    model = build(spec["seed"], spec["ep"], spec["E"], spec["H"], spec["activation"], spec["bias"], spec["layers"],
+                  spec.get("recompute", "none"))
     if spec.get("checkpointing"):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         for i, block in enumerate(model.blocks):
@@ -140,7 +141,8 @@ BASE = dict(E=4, H=8, activation="swiglu", bias=True, layers=2)
 CASES = {  # world: specs; the tolerance is fp64's, except under bf16 parameters
     2: [dict(BASE, ep=1, activation="gelu"), dict(BASE, ep=2, bias=False),
         dict(BASE, ep=2, layers=4, checkpointing=True), dict(BASE, ep=2, layers=4, bf16=True),
-        dict(BASE, ep=2, apart=True),
+        dict(BASE, ep=2, apart=True), dict(BASE, ep=1, recompute="experts"),
+        dict(BASE, ep=2, checkpointing=True, recompute="experts"),    # against one process with recompute "none"
         dict(BASE, ep=2, E=8, tokens=(1, 2))],      # 4 choices per rank: each rank routes none to 4+ experts
     4: [dict(BASE, ep=2, H=6, activation="relu"),   # 2 ranks hold each expert: sharded over them, divided by 4
         dict(BASE, ep=4, E=2)],                     # hidden-sliced experts: each expert in 2 slices
@@ -150,9 +152,9 @@ CASES = {  # world: specs; the tolerance is fp64's, except under bf16 parameters
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_fully_shard_moe_trains_as_one_process(world, fresh_seed):
-    """ep_size 1, 2 and 4 (sliced), activation checkpointing and bf16 parameters with fp32 reduction, and the
-    layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit (the experts
-    in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
+    """ep_size 1, 2 and 4 (sliced), activation checkpointing, recompute "experts", bf16 parameters with fp32
+    reduction, and the layer-apart sharding of a torch without per-parameter meshes; each block is one FSDP unit
+    (the experts in it on their own mesh) as a plain fully_shard per block gives; on 2 processes also: plain fully_shard
     of an expert-parallel model fails at its first forward, fully_shard_moe refuses what it cannot shard, and
     torch's state-dict API gives every expert in a full state dict (on 4: of hidden-sliced experts, whose
     sharded state dict it refuses) and moe_plugin.checkpoint saves and loads them."""

@@ -130,3 +130,23 @@ def test_step_time_by_hand():
     tiny = train.load_config(None, TINY)
     _, counted = forward_without_data(lambda: build_model(tiny), 4, 32)
     assert plan.step.compute == pytest.approx(3 * (counted + 2 * 256 * 32 * 48 * 2) / 0.028e12)
+
+
+def test_the_plan_shows_what_each_recompute_mode_keeps(capsys):
+    """The figures of the mode not configured are those of a plan with that mode configured; "experts" keeps less
+    and so fits a larger micro-batch."""
+    plans = {mode: plan_experiment(train.load_config(None, [*TINY, f"moe.recompute={mode}"]), 2, 2, device("h100"))
+             for mode in ("none", "experts")}
+    for mode, plan in plans.items():
+        assert plan.recompute[mode].activations_bytes == plan.roles[0].activations_bytes
+        assert plan.recompute[mode].peak_bytes == plan.roles[0].peak_bytes
+        assert plan.recompute[mode].max_micro_batch == plan.max_micro_batch
+        other = plans["experts" if mode == "none" else "none"]
+        assert plan.recompute != {} and plan.recompute == other.recompute
+    none, experts = plans["none"].recompute["none"], plans["none"].recompute["experts"]
+    assert experts.activations_bytes < none.activations_bytes and experts.max_micro_batch > none.max_micro_batch
+    assert cli.main(["plan", *TINY, "--world-size", "2", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["recompute"]
+    assert set(shown) == {"none", "experts"} and all(isinstance(v, int) for o in shown.values() for v in o.values())
+    assert cli.main(["plan", *TINY, "--world-size", "2"]) == 0
+    assert "'experts' keeps" in capsys.readouterr().out

@@ -7,7 +7,8 @@ capacity every expert fills (capacity_factor 0.1: 7 rows per expert against ~64 
 that every slot was filled) the real all-to-all bytes are fixed: the plan's must be exactly what each rank handed
 to all_to_all_single (sent) and got back (received). Where no row is dropped (capacity_factor 2.0, or dropless),
 as the plan assumes, its activations must be within 10% of the bytes the real forward saved for backward (under
-DDP: FSDP2's forward saves the gathered weights, which it frees, so its saved bytes are not activations).
+DDP: FSDP2's forward saves the gathered weights, which it frees, so its saved bytes are not activations), with
+MoEConfig.recompute "none" and "experts".
 """
 import os
 
@@ -35,7 +36,8 @@ MIXTRAL = [str(REPO / "configs/experiments/mixtral_tiny.yaml"), "hf.hidden_size=
 # the runs each real worker takes in turn: (config file or None, overrides)
 RUNS = {2: [(None, [*TINY, FULL, "parallel.ep_size=2"]), (None, [*TINY, FULL, "parallel.ep_size=2",
                                                                   "parallel.fsdp=true"]),
-            (None, [*TINY, KEPT]), (None, [*TINY, KEPT, "parallel.ep_size=2"])],
+            (None, [*TINY, KEPT]), (None, [*TINY, KEPT, "parallel.ep_size=2"]),
+            (None, [*TINY, KEPT, "parallel.ep_size=2", "moe.recompute=experts"])],
         4: [(None, [*TINY, FULL, "parallel.ep_size=4"]), (None, [*TINY, FULL, "parallel.ep_size=2",
                                                                   "parallel.fsdp=true"]),
             (None, [*TINY, KEPT, "parallel.ep_size=4"])],

@@ -1,4 +1,4 @@
-"""The "moe" section's routing extras (balancing bias, groups, route scale, aux loss) and the bias
+"""The "moe" section's extras (balancing bias, groups, route scale, aux loss, recompute) and the bias
 update once per engine.step() with gradient accumulation, on 2 gloo processes."""
 import pytest
 import torch
@@ -7,12 +7,14 @@ pytest.importorskip("deepspeed")
 import moe_plugin.integrations.deepspeed as dsi  # noqa: E402
 from helpers.launch import run_workers
 
-EXTRAS = {"expert_bias_update_rate": 0.01, "num_groups": 2, "topk_groups": 1, "route_scale": 2.0, "aux_loss": "seq"}
+EXTRAS = {"expert_bias_update_rate": 0.01, "num_groups": 2, "topk_groups": 1, "route_scale": 2.0, "aux_loss": "seq",
+          "recompute": "experts"}
 
 
 @pytest.mark.parametrize("key, value", [
     ("expert_bias_update_rate", -0.1), ("expert_bias_update_rate", float("inf")), ("num_groups", 0),
-    ("topk_groups", 1.0), ("route_scale", 0), ("route_scale", "2"), ("aux_loss", "none"), ("aux_loss", "z")])
+    ("topk_groups", 1.0), ("route_scale", 0), ("route_scale", "2"), ("aux_loss", "none"), ("aux_loss", "z"),
+    ("recompute", "all"), ("recompute", True)])
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ValueError, match=rf"\"moe\.{key}\"={value!r} is invalid: must be"):
         dsi.read_moe_section({"moe": {"backend": "tutel", key: value}})

@@ -88,7 +88,7 @@ def setup_worker(rank, world):
 
 def hf_worker(rank, world, steps):
     """Tiny Mixtral under ZeRO-3: HF's own blocks (plain deepspeed.initialize), blocks swapped by swap_moe_blocks
-    and by the "moe" section (our initialize), one process with SGD on both ranks' batches; with a fixed capacity,
+    and by the "moe" section (our initialize; also with recompute "experts"), one process with SGD on both ranks' batches; with a fixed capacity,
     the section's model under ZeRO-3 and ZeRO-1; built under deepspeed.zero.Init as HF does at stage 3, HF's blocks,
     the section's at ep_size 2 and blocks swapped by hand (swap_moe_blocks gathers the partitioned weights)."""
     setup_worker(rank, world)
@@ -125,6 +125,9 @@ def hf_worker(rank, world, steps):
     report["swapped"] = train(initialize(model=swapped, config=config(3, lr))[0])
     report["section"] = train(initialize(model=build_model("mixtral", seed=3),
                                          config=config(3, lr, {"backend": "tutel"}))[0])
+    report["section recompute"] = train(initialize(model=build_model("mixtral", seed=3),
+                                                   config=config(3, lr, {"backend": "tutel",
+                                                                         "recompute": "experts"}))[0])
     capacity = {"backend": "tutel", "capacity_factor": 1.0}
     for stage in (3, 1):
         engine = initialize(model=build_model("mixtral", seed=3), config=config(stage, lr, capacity))[0]
@@ -145,7 +148,7 @@ def test_hf_blocks_under_zero3_equal_hf_own_blocks_and_one_process():
     """Also for a model HF built under deepspeed.zero.Init (the section swaps its gathered blocks, ep_size 2, and
     swap_moe_blocks by hand does the same)."""
     for report in run_workers(hf_worker, 2, 3, timeout=600):
-        for name in ("hf", "swapped", "section"):
+        for name in ("hf", "swapped", "section", "section recompute"):
             assert all(relative_error(a, b) < TOLERANCE for a, b in zip(report[name], report["one process"])), report
         assert all(relative_error(a, b) < TOLERANCE
                    for a, b in zip(report["capacity zero3"], report["capacity zero1"])), report

@@ -201,13 +201,24 @@ CASES = [pytest.param(f, {}, id=f) for f in ALL] + [
 
 @pytest.mark.parametrize("family,extra", CASES)
 def test_swapped_family_matches_hf_logits_loss_router_logits_aux_loss_and_every_gradient(family, extra, fresh_seed):
-    model = build(family, fresh_seed, **extra)
-    swapped = swapped_copy(model)
+    assert_swapped_matches_hf(family, build(family, fresh_seed, **extra), fresh_seed)
+
+
+@pytest.mark.parametrize("family", [f for f in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss") if f in ALL])
+def test_swapped_with_recompute_experts_matches_hf(family, fresh_seed):
+    """swap_moe_blocks(model, recompute="experts"): the swap option reaches every block, which still computes HF's
+    block (backward runs the experts' first projection again)."""
+    assert_swapped_matches_hf(family, build(family, fresh_seed), fresh_seed, recompute="experts")
+
+
+def assert_swapped_matches_hf(family, model, seed, **overrides):
+    swapped = swapped_copy(model, **overrides)
     blocks = blocks_of(swapped)
     assert blocks and all(b.family == family for b in blocks.values())
     entry = hf_moe.FAMILIES[family]   # the blocks left are those kept on HF's code (DeepSeek-V4's hash layers)
     assert not any(isinstance(m, entry.block_class()) and entry.swaps(m) for m in swapped.modules())
-    batch = inputs(family, fresh_seed + 1)
+    assert all(getattr(b.moe.config, key) == value for b in blocks.values() for key, value in overrides.items())
+    batch = inputs(family, seed + 1)
     expected, actual = run(model, batch), run(swapped, batch)
     assert_close_rel(actual[0], expected[0], TOL, "logits")
     assert_close_rel(actual[1], expected[1], TOL, "loss")
