@@ -77,14 +77,14 @@ def tutel_to_moe(state: Mapping[str, torch.Tensor], gate: Optional[int] = None,
         if num_local_experts is None:
             raise ValueError("tutel_to_moe: llama_ffn's W_fc1/W_fc2/W_fc3 are stored flat: pass num_local_experts")
         state = llama_shapes(state, num_local_experts, _model_dim(state, gates))
-    out = _experts_to_moe(state)
+    out = experts_to_moe(state)
     if gate is None:
         if len(gates) != 1:
             raise ValueError(f"tutel_to_moe: the layer has gates {gates}; a MoELayer has one router: pass gate=N")
         gate = gates[0]
     if gate not in gates:
         raise ValueError(f"tutel_to_moe: gate={gate!r} is not among the layer's gates {gates}")
-    out.update(_gate_to_moe(state, gate))
+    out.update(gate_to_moe(state, gate))
     num_experts = _global_experts(state, num_global_experts)
     if out["router.weight_ED"].shape[0] != num_experts:
         raise ValueError(f"tutel_to_moe: gates.{gate} scores {out['router.weight_ED'].shape[0]} experts, but "
@@ -106,8 +106,8 @@ def moe_to_tutel(state: Mapping[str, torch.Tensor], gate: int = 0, llama: bool =
     if bias_E is not None and bool(bias_E.ne(0).any()):
         raise ValueError("moe_to_tutel: router.expert_bias_E is not zero (auxiliary-loss-free balancing): Tutel's "
                          "gates have no such bias")
-    out = _experts_to_tutel(state, llama)
-    out.update(_gate_to_tutel(state, gate))
+    out = experts_to_tutel(state, llama)
+    out.update(gate_to_tutel(state, gate))
     num_experts = out[f"gates.{gate}.wg.weight"].shape[0] if f"gates.{gate}.wg.weight" in out \
         else out[f"gates.{gate}.sim_matrix"].shape[1]
     out[NUM_EXPERTS] = torch.tensor(num_experts)
@@ -153,7 +153,7 @@ def _global_experts(state: Tensors, given: Optional[int]) -> int:
     return given
 
 
-def _experts_to_moe(state: Tensors) -> Tensors:
+def experts_to_moe(state: Tensors) -> Tensors:
     present = [key for key in state if key.startswith("experts.")]
     if "experts.batched_fc1_w" in state:
         _only(present, FFN_KEYS, "ffn")
@@ -191,7 +191,7 @@ def llama_shapes(state: Mapping[str, torch.Tensor], num_local_experts: int, mode
     return out
 
 
-def _experts_to_tutel(state: Tensors, llama: bool) -> Tensors:
+def experts_to_tutel(state: Tensors, llama: bool) -> Tensors:
     w1_EDH, w2_EHD = state["experts.w1_EDH"], state["experts.w2_EHD"]
     if llama:
         if "experts.b1_EH" in state or "experts.b2_ED" in state:
@@ -215,7 +215,7 @@ def _experts_to_tutel(state: Tensors, llama: bool) -> Tensors:
     return out
 
 
-def _gate_to_moe(state: Tensors, gate: int) -> Tensors:
+def gate_to_moe(state: Tensors, gate: int) -> Tensors:
     prefix = f"gates.{gate}."
     keys = sorted(key[len(prefix):] for key in state if key.startswith(prefix))
     if keys == sorted(TOP_GATE_KEYS):
@@ -229,7 +229,7 @@ def _gate_to_moe(state: Tensors, gate: int) -> Tensors:
                      f"cosine_top gate ({list(COSINE_GATE_KEYS)})")
 
 
-def _gate_to_tutel(state: Tensors, gate: int) -> Tensors:
+def gate_to_tutel(state: Tensors, gate: int) -> Tensors:
     prefix = f"gates.{gate}."
     keys = sorted(key for key in state if key.startswith("router."))
     if keys == ["router.weight_ED"]:
