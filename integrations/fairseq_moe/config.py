@@ -66,6 +66,9 @@ class MoEArgs(FairseqDataclass):
         "help": "> 0: a shared expert FFN of this width applied to every token, added to the MoE output"})
     moe_shared_gate: bool = field(default=False, metadata={
         "help": "multiply the shared expert's output per token by sigmoid(x . w) (Qwen2-MoE)"})
+    moe_recompute: str = field(default="none", metadata={
+        "help": "what the experts keep for backward: none (their first projection's output) or experts (only the "
+                "layer's input and routing; backward runs the first projection again)"})
 
 
 @dataclass
@@ -107,6 +110,7 @@ FLAG_OF_FIELD = {
     "aux_loss": "--moe-aux-loss", "expert_bias_update_rate": "--moe-expert-bias-update-rate",
     "num_groups": "--moe-num-groups", "topk_groups": "--moe-topk-groups", "route_scale": "--moe-route-scale",
     "shared_hidden_size": "--moe-shared-hidden-size", "shared_gate": "--moe-shared-gate",
+    "recompute": "--moe-recompute",
 }
 
 
@@ -166,6 +170,7 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
         route_scale=args.moe_route_scale,
         shared_hidden_size=args.moe_shared_hidden_size,
         shared_gate=args.moe_shared_gate,
+        recompute=args.moe_recompute,
     )
     try:
         config = MoEConfig(**values)

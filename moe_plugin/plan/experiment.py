@@ -73,4 +73,5 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
     return assemble(first, held, collectives, cfg.train.batch_size, cfg.model.seq_len, lambda: build_model(local),
                     world_size, node_size, device, fsdp, "train.batch_size",
                     "parallel.ep_size (experts over more ranks), parallel.fsdp=true (parameters, gradients and "
-                    "optimizer state sharded), moe.recompute=experts (see the recompute line), a smaller moe.capacity_factor")
+                    "optimizer state sharded), moe.recompute=experts (see the recompute line), a smaller "
+                    "moe.capacity_factor")

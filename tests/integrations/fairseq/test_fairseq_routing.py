@@ -1,5 +1,5 @@
-"""fairseq flags of the modern routers, the seq aux loss over padded batches, and the balancing bias
-updated once per fairseq update (all its micro-batches)."""
+"""fairseq flags of the modern routers (and --moe-recompute), the seq aux loss over padded batches, and the
+balancing bias updated once per fairseq update (all its micro-batches)."""
 import argparse
 import os
 from dataclasses import fields
@@ -28,13 +28,14 @@ def moe_args(adapter, **flags):
 def test_flags_map_onto_the_config(adapter):
     args = moe_args(adapter, moe_expert_count=16, moe_top_k=4, moe_router="sigmoid", moe_aux_loss="seq",
                     moe_expert_bias_update_rate=0.002, moe_num_groups=4, moe_topk_groups=2, moe_route_scale=2.5,
-                    moe_shared_hidden_size=24, moe_shared_gate=True)
+                    moe_shared_hidden_size=24, moe_shared_gate=True, moe_recompute="experts")
     config = adapter.config.moe_config_from_args(args, model_dim=32, ffn_dim=64)
     assert (config.aux_loss, config.expert_bias_update_rate, config.num_groups, config.topk_groups,
-            config.route_scale, config.shared_hidden_size, config.shared_gate) == ("seq", 0.002, 4, 2, 2.5, 24, True)
+            config.route_scale, config.shared_hidden_size, config.shared_gate, config.recompute) == \
+        ("seq", 0.002, 4, 2, 2.5, 24, True, "experts")
     default = adapter.config.moe_config_from_args(moe_args(adapter), model_dim=32, ffn_dim=64)
-    assert (default.aux_loss, default.expert_bias_update_rate, default.num_groups, default.shared_hidden_size) == \
-        ("gshard", 0.0, 1, 0)
+    assert (default.aux_loss, default.expert_bias_update_rate, default.num_groups, default.shared_hidden_size,
+            default.recompute) == ("gshard", 0.0, 1, 0, "none")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -46,6 +47,7 @@ def test_flags_map_onto_the_config(adapter):
     ({"moe_route_scale": 0.0}, "--moe-route-scale: MoEConfig.route_scale=0.0 is invalid: must be a finite number > 0"),
     ({"moe_shared_hidden_size": -2}, "--moe-shared-hidden-size: MoEConfig.shared_hidden_size=-2 is invalid"),
     ({"moe_shared_gate": True}, "--moe-shared-gate: MoEConfig.shared_gate=True is invalid"),
+    ({"moe_recompute": "all"}, "--moe-recompute: MoEConfig.recompute='all' is invalid"),
 ])
 def test_a_bad_value_names_the_flag(adapter, flags, message):
     with pytest.raises(ValueError) as error:
@@ -103,13 +105,16 @@ def test_fairseq_train_with_the_new_flags(tmp_path, corpus):
     save_dir = str(tmp_path / "ckpt")
     flags = ["--moe-expert-count", "8", "--moe-top-k", "4", "--moe-router", "sigmoid", "--moe-num-groups", "4",
              "--moe-topk-groups", "2", "--moe-route-scale", "2.0", "--moe-expert-bias-update-rate", "0.01",
-             "--moe-shared-hidden-size", "16", "--moe-shared-gate", "--moe-aux-loss", "seq", "--update-freq", "2"]
+             "--moe-shared-hidden-size", "16", "--moe-shared-gate", "--moe-aux-loss", "seq", "--update-freq", "2",
+             "--moe-recompute", "experts"]
     args = [lm, "--user-dir", user_dir(), "--task", "language_modeling", *TINY_LM, *flags,
             "--criterion", "moe_cross_entropy", "--optimizer", "adam", "--lr", "0.005", "--dropout", "0",
             "--tokens-per-sample", "64", "--sample-break-mode", "complete", "--batch-size", "4",
             "--max-update", "6", "--save-dir", save_dir, "--no-epoch-checkpoints", *CPU]
     fairseq("train", args, cwd=str(tmp_path), timeout=800)
-    state = torch.load(os.path.join(save_dir, "checkpoint_last.pt"), map_location="cpu", weights_only=False)["model"]
+    checkpoint = torch.load(os.path.join(save_dir, "checkpoint_last.pt"), map_location="cpu", weights_only=False)
+    assert checkpoint["cfg"]["model"].moe_recompute == "experts"
+    state = checkpoint["model"]
     biases = [v for k, v in state.items() if k.endswith("router.expert_bias_E")]
     assert len(biases) == 2 and any(float(b.abs().max()) > 0 for b in biases)
     # 5 updates applied by the time update 6 ends (each update's bias step comes at the next update's start)
