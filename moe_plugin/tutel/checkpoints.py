@@ -109,7 +109,12 @@ def load_file(path: Path, namespace: Optional[str]) -> Tuple[State, str, List[st
     try:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:   # torch.load raises many kinds for a file that is not its own
-        raise ValueError(f"{str(path)!r} is not a checkpoint torch.load reads: {str(error).splitlines()[0]}") from None
+        first = str(error).strip().splitlines()[0]
+        if "can still be loaded" in str(error):     # torch: only weights_only=False would load it
+            raise ValueError(f"{str(path)!r} holds Python objects beside its tensors (a training config?), which are "
+                             f"not loaded here ({first}); from a file you trust, save its state dict alone: "
+                             f"torch.save(torch.load(FILE, weights_only=False)['model'], NEW_FILE)") from None
+        raise ValueError(f"{str(path)!r} is not a checkpoint torch.load reads: {first}") from None
     if namespace is None:
         namespace = "" if _is_state(bundle) else "model" if isinstance(bundle, dict) and "model" in bundle else ""
     state, left_out = bundle, []
@@ -144,17 +149,24 @@ def read(paths: Sequence[Path], namespace: Optional[str] = None, num_experts: Op
     if master is not None:
         shared, _, others = load_file(master, space)
         left_out.update(others)
-    named = [(str(p), s) for p, s in zip(files, states)] + ([(str(master), shared)] if master is not None else [])
-    state, counts = gather(named, num_experts)
+    named = [(str(p), s) for p, s in zip(files, states)]
+    state, counts = gather(named, (str(master), shared) if master is not None else None, num_experts)
     return TutelCheckpoint(state, counts, space, len(files), sorted(left_out))
 
 
-def gather(named_states: Sequence[Tuple[str, State]], num_experts: Optional[int] = None) -> Tuple[State, Dict[str, int]]:
-    """(file name, its state dict) of ranks 0..W-1, then optionally the master file's -> (the all-in-one state dict,
-    each layer's experts). Pure: on dicts of tensors."""
-    rank_states = [s for name, s in named_states if not name.endswith(".master")]
+def gather(named_states: Sequence[Tuple[str, State]], master: Optional[Tuple[str, State]] = None,
+           num_experts: Optional[int] = None) -> Tuple[State, Dict[str, int]]:
+    """(file name, its state dict) of ranks 0..W-1, and Swin-MoE's master file's (its replicated tensors) -> (the
+    all-in-one state dict, each layer's experts). Pure: on dicts of tensors."""
+    rank_states = [s for _, s in named_states]
     prefixes = layer_prefixes([k for _, s in named_states for k in s])
-    replicated = _replicated(named_states, prefixes)
+    if master is not None:
+        experts = [k for k in master[1] if _is_expert_key(k, prefixes)]
+        if experts:
+            raise ValueError(f"the master file {master[0]!r} holds expert tensors ({experts[0]}, ...): a master file "
+                             f"holds the replicated tensors only; the experts come from the rank files")
+        named_states = list(named_states) + [master]
+    replicated = _replicated(named_states, prefixes, len(rank_states))
     counts = {p: _experts_of(p, replicated, rank_states, num_experts) for p in prefixes}
     state = dict(replicated)
     for prefix, E in counts.items():
@@ -191,14 +203,15 @@ def _is_expert_key(key: str, prefixes: Sequence[str]) -> bool:
     return any(key.startswith(prefix + "experts.") for prefix in prefixes)
 
 
-def _replicated(named_states: Sequence[Tuple[str, State]], prefixes: Sequence[str]) -> State:
-    """Every tensor but the experts, checked to be the same in every file that holds it."""
+def _replicated(named_states: Sequence[Tuple[str, State]], prefixes: Sequence[str], ranks: int) -> State:
+    """Every tensor but the experts, checked to be the same in every file that holds it and held by every rank's
+    file or none (the first `ranks` files are the ranks'; a master file may follow)."""
     out: State = {}
     where: Dict[str, str] = {}
     held = []
-    for name, state in named_states:
+    for i, (name, state) in enumerate(named_states):
         keys = {k for k in state if not _is_expert_key(k, prefixes)}
-        if not name.endswith(".master"):
+        if i < ranks:
             held.append((name, keys))
         for key in sorted(keys):
             value = state[key]
@@ -385,10 +398,6 @@ def to_moe(checkpoint: TutelCheckpoint, gate: Optional[int] = None) -> State:
 
 def _in_layer(key: str) -> bool:
     return key == NUM_EXPERTS or key.startswith(("experts.", "gates."))
-
-
-def save_state(state: State, path: Path) -> None:
-    _save(state, Path(path))
 
 
 def _nested(state: State, namespace: str) -> Any:

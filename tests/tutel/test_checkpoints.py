@@ -13,9 +13,11 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.cli import main as cli_main
+from moe_plugin.train import load_full_state_dict
 from moe_plugin.tutel import checkpoints, names
 
 from helpers.compare import relative_error
@@ -122,7 +124,7 @@ def test_swin_moe_32_ranks_to_2_to_1_to_8_bit_exact(tmp_path, dtype):
 
 def test_more_ranks_than_experts_slice_each_expert_and_pad_fc2_bias(tmp_path):
     """2 experts on 8 ranks (4 slices each: D 6 pads fc2's bias to 8, with garbage the reader must drop) -> one file
-    -> 4 ranks (2 slices, no padding) -> 2 ranks (whole experts)."""
+    -> 4 ranks (2 slices, no padding) -> 2 ranks (whole experts) -> 8 ranks again (zeros as the padding)."""
     E, D, H = 2, 6, 12
     model = reference_model(E, D, H, prefixes=PREFIXES[:2])
     paths = []
@@ -138,6 +140,9 @@ def test_more_ranks_than_experts_slice_each_expert_and_pad_fc2_bias(tmp_path):
     two = checkpoints.write(checkpoints.read(four), str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), 2)
     for r, path in enumerate(two):
         assert_bit_equal(torch.load(path, weights_only=True), expected_rank(model, E, 2, r))
+    eight = checkpoints.write(checkpoints.read(two), str(tmp_path / "8" / "{rank}-of-{size}.ckpt"), 8)
+    for r, path in enumerate(eight):   # written back with zeros as the padding
+        assert_bit_equal(torch.load(path, weights_only=True), expected_rank(model, E, 8, r))
 
 
 def tutel_files(model: dict, E: int, W: int, folder) -> list:
@@ -203,6 +208,7 @@ def bad_inputs(model, paths, folder):
     other_run = folder / "1-of-8.ckpt"
     torch.save({}, other_run)
     (folder / "junk-0-of-1.ckpt").write_bytes(b"not a checkpoint")
+    torch.save({"model": {}, "config": torch.nn.Identity()}, folder / "objects-0-of-1.ckpt")
     out = folder / "out" / "{rank}-of-{size}.ckpt"
     (folder / "swin").mkdir()
     swin = swin_rank_files(reference_model(32, 6, 10, prefixes=PREFIXES[:1]), 32, folder / "swin")
@@ -221,6 +227,8 @@ def bad_inputs(model, paths, folder):
          "--ranks=2 is invalid with --to moe_plugin"),
         (["--from", "tutel", folder / "junk-0-of-1.ckpt", out, "--ranks", 1], "is not a checkpoint torch.load reads"),
         (["--from", "tutel", folder / "nothing-0-of-1.ckpt", out, "--ranks", 1], "does not exist"),
+        (["--from", "tutel", folder / "objects-0-of-1.ckpt", out, "--ranks", 1], "holds Python objects beside its "
+         "tensors (a training config?), which are not loaded here"),
         (["--from", "tutel", *swin[:31], swin[-1], out, "--ranks", 2], "has 32 experts, which neither divide over the "
          "files' 31 ranks nor 31 ranks over them (is a rank's file missing?)"),
         ([*paths, out], "4 sources given without --from tutel"),
@@ -290,10 +298,33 @@ def test_files_load_into_real_tutel_at_their_world_size(tmp_path):
                 assert_bit_equal(layer.state_dict(), layer_state(expected_rank(model, E, W, r), p))
 
 
+def module_tree(state: dict, make_layer) -> nn.Module:
+    """A module whose state dict has state's keys: a make_layer() at each converted MoE layer, parameters elsewhere."""
+    root = nn.Module()
+    prefixes = sorted({k[:k.index("experts.")] for k in state if ".experts." in k})
+    for prefix in prefixes:
+        *path, name = prefix[:-1].split(".")
+        _submodule(root, path).add_module(name, make_layer())
+    for key, value in state.items():
+        if not any(key.startswith(p) for p in prefixes):
+            *path, name = key.split(".")
+            _submodule(root, path).register_parameter(name, nn.Parameter(torch.empty_like(value)))
+    return root
+
+
+def _submodule(root: nn.Module, path: list) -> nn.Module:
+    for name in path:
+        if not hasattr(root, name):
+            root.add_module(name, nn.Module())
+        root = getattr(root, name)
+    return root
+
+
 def expert_parallel_from_converted(rank, world, full_path, rank_pattern, specs):
-    """On each of 2 gloo ranks: a MoELayer at ep_size 2 from the converted full state dict (load_full_state_dict) and
-    one from this rank's converted Tutel file (names.tutel_to_moe, strict): equal, and equal to one process over
-    both ranks' tokens (output, input gradient, aux loss, every gradient of this rank's share)."""
+    """On each of 2 gloo ranks: a model with MoELayers at ep_size 2 given the converted full state dict (train's
+    load_full_state_dict) and a MoELayer given this rank's converted Tutel file (names.tutel_to_moe, strict): equal,
+    and equal to one process over both ranks' tokens (output, input gradient, aux loss, every gradient of this
+    rank's share)."""
     full = torch.load(full_path, weights_only=True)
     mine = torch.load(rank_pattern.format(rank=rank, size=world), weights_only=True)["model"]
     worst = {}
@@ -301,8 +332,9 @@ def expert_parallel_from_converted(rank, world, full_path, rank_pattern, specs):
         prefix, config = spec["prefix"], dict(spec["config"], model_dim=EP_D, hidden_size=EP_H)
         reference = MoELayer(MoEConfig(**config)).double()
         reference.load_full_state_dict(layer_state(full, prefix))
-        layer = MoELayer(MoEConfig(**config, ep_size=world)).double()
-        layer.load_full_state_dict(layer_state(full, prefix))
+        model = module_tree(full, lambda: MoELayer(MoEConfig(**config, ep_size=world)).double())
+        load_full_state_dict(model, full)        # what moe-plugin train's models load with: each layer its share
+        layer = model.get_submodule(prefix[:-1])
         from_tutel = MoELayer(MoEConfig(**config, ep_size=world)).double()
         from_tutel.load_state_dict(names.tutel_to_moe(layer_state(mine, prefix)), strict=True)
         for (name, a), b in zip(layer.state_dict().items(), from_tutel.state_dict().values()):
@@ -347,3 +379,52 @@ def test_expert_parallel_over_2_ranks_from_converted_files_equals_one_process(tm
             error, where, _ = worst[spec["name"]]
             assert error < 1e-10, f"{spec['name']}: rank {rank} {where} off by {error:.3g}"
     assert results[0]["top-2 drops"][2] > 0     # the capacity really dropped tokens
+
+
+def llama_model(E: int, D: int, H: int) -> dict:
+    """One llama_ffn layer with a cosine_top gate: W_fc1, W_fc2 [E, D, H] and W_fc3 [E, H, D], flat as Tutel keeps them."""
+    return {"norm.weight": torch.randn(D), "moe.gates.0.temperature": torch.randn(1),
+            "moe.gates.0.cosine_projector.weight": torch.randn(3, D), "moe.gates.0.cosine_projector.bias": torch.randn(3),
+            "moe.gates.0.sim_matrix": torch.randn(3, E), "moe.experts.W_fc1": torch.randn(E, D, H).view(-1),
+            "moe.experts.W_fc2": torch.randn(E, D, H).view(-1), "moe.experts.W_fc3": torch.randn(E, H, D).view(-1)}
+
+
+def test_llama_ffn_with_a_cosine_gate_4_to_2_ranks_and_to_moe_layer_names(tmp_path):
+    E, D, H = 4, 6, 5
+    model = llama_model(E, D, H)
+    per_expert = D * H
+    paths = [tmp_path / f"{r}-of-4.ckpt" for r in range(4)]
+    for r, path in enumerate(paths):   # one expert each: its D*H values of every flat tensor
+        torch.save({k: (v[r * per_expert:(r + 1) * per_expert].clone() if ".experts." in k else v)
+                    for k, v in model.items()}, path)
+    full = checkpoints.read(paths)
+    assert full.num_experts == {"moe.": E}     # from the cosine gate's sim_matrix [J, E]
+    assert_bit_equal(full.state, {**model, "moe._num_global_experts": torch.tensor(E)})
+    two = checkpoints.write(full, str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), 2)
+    for r, path in enumerate(two):
+        got = torch.load(path, weights_only=True)
+        for key in ("moe.experts.W_fc1", "moe.experts.W_fc2", "moe.experts.W_fc3"):
+            assert torch.equal(got[key], model[key][r * 2 * per_expert:(r + 1) * 2 * per_expert])
+    ours = checkpoints.to_moe(checkpoints.read(two))
+    fc1, fc2 = model["moe.experts.W_fc1"].view(E, D, H), model["moe.experts.W_fc2"].view(E, D, H)
+    assert torch.equal(ours["moe.experts.w1_EDH"], torch.cat([fc1, fc2], dim=2))
+    assert torch.equal(ours["moe.experts.w2_EHD"], model["moe.experts.W_fc3"].view(E, H, D))
+    assert torch.equal(ours["moe.router.weight_ED"], model["moe.gates.0.sim_matrix"].t())
+    with pytest.raises(ValueError, match="llama_ffn experts sliced over ranks"):
+        checkpoints.write(full, str(tmp_path / "8" / "{rank}-of-{size}.ckpt"), 8)
+
+
+def test_old_files_without_expert_count_or_gate_need_num_experts(tmp_path):
+    """Swin-MoE rank files alone (no master: no gate) of 8 ranks with 2 experts each: the count must be given."""
+    E = 16
+    model = {k: v for k, v in reference_model(E, 6, 10, prefixes=PREFIXES[:1]).items() if is_expert(k)}
+    paths = []
+    for r in range(8):
+        paths.append(tmp_path / f"m.pth.rank{r}")
+        torch.save({"model": {k: (v[2 * r:2 * r + 2].clone() if v.dim() == 3 else
+                                  v[2 * r:2 * r + 2].reshape(2, 1, -1).clone()) for k, v in model.items()}}, paths[-1])
+    with pytest.raises(ValueError, match=r"says not how many experts it has .* give num_experts \(--num-experts\)"):
+        checkpoints.read(paths)
+    with pytest.raises(ValueError, match=r"\[2, 10, 6\] on each rank, but 32 experts on 8 ranks hold 4 each"):
+        checkpoints.read(paths, num_experts=32)
+    assert_bit_equal(checkpoints.read(paths, num_experts=E).state, with_counts(model, E))
