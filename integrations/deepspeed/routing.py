@@ -2,12 +2,13 @@
 steps_per_print optimizer steps (10 without it; moe_plugin/routing_metrics.py) and writes moe/<layer>/<metric>
 and moe/all/<metric> to the engine's monitor (the tensorboard, wandb, csv_monitor and comet sections of the
 DeepSpeed JSON), at DeepSpeed's own x-axis (samples seen); the routing alarm (the "moe" section's routing_alarm)
-warns through DeepSpeed's logger."""
+warns through DeepSpeed's logger, on rank 0 (every rank reads the same sums)."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Union
 
-from deepspeed.utils import logger
+from deepspeed.utils import log_dist
 
 from moe_plugin import MoELayer
 from moe_plugin.routing_alarm import RoutingAlarm
@@ -34,7 +35,7 @@ def routing_alarm(setting: Union[bool, Mapping[str, Any]]):
 def log_routing(engine, alarm) -> None:
     """Wraps engine.step so that at every steps_per_print-th optimizer step (EVERY_WITHOUT_PRINTS-th without it)
     every process reads the window (one all_reduce) and rank 0 writes it to the monitor (when the config enables
-    one); the alarm's warnings go to DeepSpeed's logger."""
+    one); the alarm's warnings go to DeepSpeed's logger on rank 0."""
     if not any(isinstance(m, MoELayer) for m in engine.module.modules()):
         return
     if not engine.monitor.enabled and alarm is None:
@@ -52,6 +53,6 @@ def log_routing(engine, alarm) -> None:
                 engine.monitor.write_events([(tag, value, engine.global_samples)
                                              for tag, value in scalars(metrics).items()])
             for message in alarm.check(metrics) if alarm is not None else []:
-                logger.warning(message)
+                log_dist(message, ranks=[0], level=logging.WARNING)
         return result
     engine.step = step_and_log

@@ -1,7 +1,10 @@
 """Routing metrics under DeepSpeed (issue 44; integrations/deepspeed/routing.py): with the JSON's csv_monitor on,
 2 gloo processes (ep_size 2, 2 micro-batches a step, steps_per_print 2) write moe/<layer>/<metric> per MoE layer
 and moe/all to DeepSpeed's own monitor files, equal to numbers recomputed from each layer's routing on both ranks
-as each forward ran (tests/helpers/routing_reference.py); a bad "moe.routing_alarm" is a one-line error."""
+as each forward ran (tests/helpers/routing_reference.py); a bad "moe.routing_alarm" is a one-line error. A router
+sending every token to one expert raises the alarm once per layer at the set window, on rank 0, through DeepSpeed's
+logger; a router balanced by construction never does, nor "routing_alarm": false; with the JSON's wandb section
+on, wandb.log gets the same numbers at DeepSpeed's x-axis, its steps never going back."""
 import csv
 
 import pytest
@@ -84,3 +87,131 @@ def test_a_bad_alarm_setting_is_one_line(setting, words):
     with pytest.raises(ValueError) as error:
         routing_alarm(setting)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+ALARM_CASES = ("collapsed", "balanced", "collapsed_alarm_off")
+
+
+def collapse(model):
+    """Every router sends every token to expert 3."""
+    from moe_plugin import MoELayer
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.weight_ED.zero_()
+                layer.router.fixed_bias = True
+                layer.router.expert_bias_E.zero_()
+                layer.router.expert_bias_E[3] = 10.0
+
+
+def balance(model):
+    """Every router sends the token at position s to expert s % 4: the blocks pass on the position embedding alone
+    (no token embedding, attention and experts giving zeros), which holds 5 at dimension s % 4, where expert e's
+    router row reads dimension e."""
+    from moe_plugin import MoELayer
+    with torch.no_grad():
+        model.token_embedding.weight.zero_()
+        positions = model.position_embedding.weight
+        positions.zero_()
+        positions[:, :4] = 5.0 * torch.eye(4)[torch.arange(positions.shape[0]) % 4]
+        for block in model.blocks:
+            block.out.weight.zero_()
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.weight_ED.zero_()
+                layer.router.weight_ED[:, :4] = torch.eye(4)
+                for weight in layer.experts.parameters():
+                    weight.zero_()
+
+
+def alarm_worker(rank, world, seed):
+    """Three engines in turn (ALARM_CASES), a window each optimizer step; the balanced one with the JSON's wandb
+    section on (wandb replaced by a recorder). Returns per case each engine.step() call's alarm warnings, the
+    forwards' reference sums and the layers' configs; and the wandb.log calls."""
+    import logging
+    import sys
+    import types
+
+    from deepspeed.utils import logger
+    from helpers.deepspeed import batches, setup_worker
+    from helpers.routing_reference import record_forwards
+
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
+    setup_worker(rank, world)
+    logger.setLevel(logging.WARNING)
+    messages, wandb_calls = [], []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+    logger.addHandler(Keep())
+    sys.modules["wandb"] = types.SimpleNamespace(
+        init=lambda **kwargs: None, log=lambda data, step=None, commit=None: wandb_calls.append((dict(data), step)))
+    results = {}
+    for case in ALARM_CASES:
+        section = {**SECTION, "top_k": 1, "capacity_factor": 2.0,
+                   "routing_alarm": False if case.endswith("off") else {"min_share": 0.05, "windows": 2}}
+        # lr 0: the routing stays as set
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
+                  "steps_per_print": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.0, "torch_adam": True}},
+                  "moe": section}
+        if case == "balanced":
+            config["wandb"] = {"enabled": True, "project": "routing"}
+        torch.manual_seed(seed)
+        engine, _, _, _ = dsi.initialize(model=MoETransformerLM(section, seed=seed), config=config)
+        if case == "balanced":
+            balance(engine.module)
+        else:
+            collapse(engine.module)
+        forwards = {}
+        layers = record_forwards(engine.module, forwards)
+        alarms = []
+        for tokens in batches(seed + 1 + rank, STEPS * ACCUMULATION, batch=4):
+            engine.backward(lm_loss(engine, tokens))
+            del messages[:]
+            engine.step()
+            alarms.append([m for m in messages if "routing alarm" in m])
+        results[case] = (alarms, forwards, {name: layer.config for name, layer in layers.items()})
+    return results, wandb_calls
+
+
+@pytest.mark.timeout(600)
+def test_the_alarm_fires_on_a_collapse_only_and_wandb_gets_the_metrics():
+    seed = torch.randint(1 << 30, ()).item()
+    (results0, wandb0), (results1, wandb1) = run_workers(alarm_worker, 2, seed, timeout=500)
+    boundaries = list(range(ACCUMULATION - 1, STEPS * ACCUMULATION, ACCUMULATION))   # engine.step() calls ending a step
+    alarms = results0["collapsed"][0]
+    fired = [i for i, found in enumerate(alarms) if found]
+    assert fired == [boundaries[1]], alarms           # at the 2nd window (windows: 2), once
+    starved = "experts 0 (0.0%), 1 (0.0%), 2 (0.0%) got under 5% of the mean load (busiest expert 4.00x the mean)"
+    dropped = 1 - 2 * 128 / 4 / 128        # capacity 2.0 * 128 tokens / 4 experts, all sent to expert 3
+    names = list(results0["collapsed"][2])
+    assert alarms[fired[0]] == [f"[Rank 0] moe_plugin routing alarm: MoE layer {name}: {starved}; dropped fraction "
+                                f"{dropped:.1%} over 20%, in each of the last 2 logging windows" for name in names]
+    assert not any(results1["collapsed"][0])          # rank 1 reads the same sums, rank 0 warns
+    for case in ("balanced", "collapsed_alarm_off"):
+        assert not any(results0[case][0]) and not any(results1[case][0]), case
+    # the balanced run is healthy by the reference's numbers; its metrics reached wandb.log at DeepSpeed's x-axis
+    _, forwards0, configs = results0["balanced"]
+    forwards1 = results1["balanced"][1]
+    assert wandb1 == []                                # DeepSpeed's monitor writes on rank 0 only
+    steps = [step for _, step in wandb0]
+    assert steps == sorted(steps)                      # wandb drops a step lower than its last
+    logged = {}
+    for data, step in wandb0:
+        for key, value in data.items():
+            logged.setdefault(key, {})[step] = value
+    for window in range(STEPS):
+        step = (window + 1) * ACCUMULATION * 4 * 2
+        want = {}
+        for name, config in configs.items():
+            sums = {}
+            for one in forwards0[name][window * ACCUMULATION:(window + 1) * ACCUMULATION] + \
+                    forwards1[name][window * ACCUMULATION:(window + 1) * ACCUMULATION]:
+                sums = add(sums, one)
+            want[name] = expected(_Layer(config), sums)
+            load = want[name].pop("tokens_per_expert")
+            assert load == [load[0]] * 4 and want[name]["dropped_fraction"] == 0      # balanced indeed
+            for key, value in want[name].items():
+                assert logged[f"moe/{name}/{key}"][step] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
+        assert logged["moe/all/max_load"][step] == pytest.approx(max(w["max_load"] for w in want.values()))
