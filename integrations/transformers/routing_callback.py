@@ -19,7 +19,8 @@ logger = logging.get_logger(__name__)
 
 class RoutingMetrics(TrainerCallback):
     """Trainer(..., callbacks=[RoutingMetrics()]). alarm: True (the default thresholds), a RoutingAlarm, or False
-    (none). Every process reads its window at each log (one all_reduce): the numbers are the whole run's."""
+    (none). Every process reads its window at each log (one all_reduce): the numbers are the whole run's; the
+    first process warns."""
 
     def __init__(self, alarm: Union[bool, RoutingAlarm] = True):
         if not isinstance(alarm, (bool, RoutingAlarm)):
@@ -42,7 +43,8 @@ class RoutingMetrics(TrainerCallback):
         logs.update(tags)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(tags)
-        for message in self.alarm.check(metrics) if self.alarm is not None and metrics else []:
+        messages = self.alarm.check(metrics) if self.alarm is not None and metrics else []
+        for message in messages if state.is_world_process_zero else []:     # every process read the same sums
             logger.warning(message)
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -1,7 +1,8 @@
 """`moe-plugin train` routing metrics (issue 44): each record of metrics.jsonl and TensorBoard holds
 moe/<layer>/<metric> per MoE layer (plus moe/all), equal to numbers recomputed from each layer's routing as each
 forward ran (tests/helpers/routing_reference.py); the expert-load heatmap is drawn from the records; a collapsed
-router raises the alarm once on stderr, and log.routing_alarm=false silences it; bad alarm settings are one line."""
+router raises the alarm once on stderr, and log.routing_alarm=false silences it, a router balanced by construction
+never raises it; bad alarm settings are one line."""
 import importlib.util
 
 import pytest
@@ -70,14 +71,45 @@ def collapse(parts):
     return parts
 
 
-@pytest.mark.parametrize("alarm", ["true", "false"])
-def test_a_collapse_raises_the_alarm_once(tmp_path, monkeypatch, capsys, alarm):
+def balance(parts):
+    """Every router sends the token at position s to expert s % 4, and keeps doing so: the blocks pass on the
+    position embedding alone (token embedding, attention output and experts zero), which holds 5 at dimension
+    s % 4, where expert e's router row reads dimension e; all of these frozen."""
+    model = parts.model
+    with torch.no_grad():
+        zeros = [model.token_embedding.weight] + [block.attn.out.weight for block in model.blocks]
+        for layer in model.moe_layers():
+            zeros += list(layer.experts.parameters())
+        for weight in zeros:
+            weight.zero_()
+        positions = model.position_embedding.weight
+        positions.zero_()
+        positions[:, :4] = 5.0 * torch.eye(4)[torch.arange(positions.shape[0]) % 4]
+        routers = [layer.router.weight_ED for layer in model.moe_layers()]
+        for weight_ED in routers:
+            weight_ED.zero_()
+            weight_ED[:, :4] = torch.eye(4)
+        for weight in zeros + [positions] + routers:
+            weight.requires_grad_(False)
+    return parts
+
+
+@pytest.mark.parametrize("case", ["collapsed", "balanced", "collapsed_alarm_off"])
+def test_a_collapse_raises_the_alarm_once(tmp_path, monkeypatch, capsys, case):
     real_build = train.loop.build
-    monkeypatch.setattr(train.loop, "build", lambda cfg, procs: collapse(real_build(cfg, procs)))
-    run(tmp_path, *TINY, "train.steps=4", "log.every=1", "train.eval_every=100", "moe.top_k=1", "model.moe_every=1",
-        "moe.capacity_factor=0", "log.plots=false", "log.alarm_windows=3", f"log.routing_alarm={alarm}")
-    alarms = [line for line in capsys.readouterr().err.splitlines() if "routing alarm" in line]
-    if alarm == "false":
+    rig = balance if case == "balanced" else collapse
+    monkeypatch.setattr(train.loop, "build", lambda cfg, procs: rig(real_build(cfg, procs)))
+    _, records = run(tmp_path, *TINY, "train.steps=4", "log.every=1", "train.eval_every=100", "moe.top_k=1",
+                     "model.moe_every=1", "moe.capacity_factor=0", "log.plots=false", "log.alarm_windows=3",
+                     f"log.routing_alarm={'false' if case.endswith('off') else 'true'}")
+    lines = capsys.readouterr().err.splitlines()
+    alarms = [line for line in lines if "routing alarm" in line]
+    if case == "balanced":
+        assert alarms == []
+        loads = [load for r in records if "loss" in r for load in r["tokens_per_expert"]]
+        assert len(loads) == 4 * 2 and all(load == [load[0]] * 4 and load[0] > 0 for load in loads)   # balanced
+        return
+    if case == "collapsed_alarm_off":
         assert alarms == []
         return
     assert len(alarms) == 2, alarms          # one per layer, at the third window
