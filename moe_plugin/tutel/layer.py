@@ -213,18 +213,18 @@ def _tutel_expert_names(layer):
 def _to_tutel_keys(layer, state, prefix, local_metadata):
     """state_dict hook: our keys under prefix -> Tutel's (names.py)."""
     ours = {key[len(prefix):]: state.pop(key) for key in list(state) if key.startswith(prefix)}
-    out = {"_num_global_experts": ours.pop("_num_global_experts")}
-    for i in range(len(layer.gates)):
-        gate = {"router." + key[len(f"gates.{i}."):]: ours.pop(key) for key in list(ours)
-                if key.startswith(f"gates.{i}.")}
-        gate.pop("router.expert_bias_E", None)         # always 0 here: the drop-in has no balancing bias
-        out.update(names.gate_to_tutel(gate, i))
+    out = {"_num_global_experts": ours.pop("_num_global_experts")}     # in Tutel's order: experts, then gates
     expert_keys = [key for key in ours if key.startswith("experts.")]
     if isinstance(layer.experts, CustomExperts):
         out.update({"experts." + key[len("experts.module."):]: ours.pop(key) for key in expert_keys})
     else:
         out.update(names.experts_to_tutel({key: ours.pop(key) for key in expert_keys},
                                           layer.expert_spec.kind == "llama_ffn"))
+    for i in range(len(layer.gates)):
+        gate = {"router." + key[len(f"gates.{i}."):]: ours.pop(key) for key in list(ours)
+                if key.startswith(f"gates.{i}.")}
+        gate.pop("router.expert_bias_E", None)         # always 0 here: the drop-in has no balancing bias
+        out.update(names.gate_to_tutel(gate, i))
     ours.pop("tuner._extra_state", None)       # the tuner's timings: not Tutel's, re-measured after loading
     if ours:
         raise ValueError(f"TutelMoELayer.state_dict: keys {sorted(ours)} have no Tutel counterpart")
