@@ -1,0 +1,98 @@
+"""The drop-in over processes: expert parallel (and experts gathered, parallel_type adaptive:0) on 2 gloo ranks equals
+one process holding every expert; examples/tutel_helloworld.py under torchrun on 2 processes (top 1 and 2, capacity
+factor 0 and negative, parallel_type data and model): its first loss on each rank equals one process's, and where
+Tutel is installed every step's loss equals real Tutel's from the same weights."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.launch import run_workers, torchrun
+from tutel_common import HAVE_TUTEL, NO_TUTEL
+
+from moe_plugin import tutel as tutel_moe
+
+D, H, LOCAL, T = 8, 6, 2, 30
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tutel_helloworld.py"
+
+
+def layer(count, rank, parallel_type="adaptive:1", cf=0.75):
+    return tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": cf}, model_dim=D,
+                               experts={"type": "ffn", "count_per_node": count, "hidden_size_per_expert": H,
+                                        "activation_fn": F.relu},
+                               seeds=(1, rank + 1, 1), parallel_type=parallel_type)
+
+
+def inputs(rank):
+    return torch.randn(T, D, generator=torch.Generator().manual_seed(50 + rank))
+
+
+def expert_parallel_worker(rank, world, parallel_type):
+    moe = layer(LOCAL, rank, parallel_type)
+    x = inputs(rank).requires_grad_()
+    y = moe(x)
+    (y.square().sum() + y.l_aux).backward()
+    grads = {name: param.grad.clone() for name, param in moe.get_parameter_iterator("local_experts")}
+    return moe.state_dict(), y.detach(), float(y.l_aux), x.grad, grads
+
+
+def merged(states):
+    """One process's state dict from each rank's: the experts concatenated in rank order, the gate rank 0's."""
+    out = dict(states[0])
+    out["_num_global_experts"] = torch.tensor(sum(s["experts.batched_fc1_w"].shape[0] for s in states))
+    for key in states[0]:
+        if key.startswith("experts."):
+            out[key] = torch.cat([s[key] for s in states])
+    assert all(torch.equal(s["gates.0.wg.weight"], out["gates.0.wg.weight"]) for s in states)
+    return out
+
+
+@pytest.mark.parametrize("parallel_type", ["adaptive:1", "adaptive:0"])
+def test_two_ranks_equal_one_process(parallel_type):
+    results = run_workers(expert_parallel_worker, 2, parallel_type)
+    whole = layer(2 * LOCAL, 0)
+    whole.load_state_dict(merged([r[0] for r in results]), strict=True)
+    expert_grads = []
+    for rank, (_, y, l_aux, x_grad, _) in enumerate(results):
+        x = inputs(rank).requires_grad_()
+        want = whole(x)
+        (want.square().sum() + want.l_aux).backward()
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-6) and abs(l_aux - float(want.l_aux)) < 1e-6
+        assert torch.allclose(x_grad, x.grad, rtol=1e-5, atol=1e-6)
+    for name, param in whole.get_parameter_iterator("local_experts"):
+        expert_grads = torch.cat([r[4][name] for r in results])   # each rank's experts got both ranks' tokens
+        assert torch.allclose(expert_grads, param.grad, rtol=1e-5, atol=1e-6), name
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("tutel_helloworld", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("top, capacity_factor, parallel_type", [(1, 0.0, "data"), (2, -0.5, "model")])
+def test_helloworld_under_torchrun(top, capacity_factor, parallel_type, tmp_path):
+    arguments = ["--top", str(top), "--capacity_factor", str(capacity_factor), "--parallel_type", parallel_type,
+                 "--num_steps", "3"]
+    torchrun(str(EXAMPLE), *arguments, "--out", str(tmp_path / "ours"))
+    losses = [json.loads((tmp_path / "ours" / f"losses_rank{r}.json").read_text()) for r in range(2)]
+    example = _example()
+    args = example.parse(arguments)
+    states = [torch.load(tmp_path / "ours" / f"init_rank{r}.pt") for r in range(2)]
+    args.num_local_experts *= 2
+    model = example.ExampleModel(tutel_moe, args, 0)
+    model.moe.load_state_dict(merged(states), strict=True)
+    for rank in range(2):
+        x, y = example.batch(args, rank)
+        first = F.nll_loss(model(x), y) + args.l_aux_wt * model.moe.l_aux
+        assert abs(float(first) - losses[rank][0]) < 1e-5 * abs(losses[rank][0]), rank
+    assert all(rank_losses[-1] < rank_losses[0] for rank_losses in losses)
+    if not HAVE_TUTEL:
+        pytest.skip(f"the comparison with real Tutel: {NO_TUTEL}")
+    torchrun(str(EXAMPLE), *arguments, "--impl", "tutel", "--out", str(tmp_path / "tutel"))
+    theirs = [json.loads((tmp_path / "tutel" / f"losses_rank{r}.json").read_text()) for r in range(2)]
+    for ours_rank, theirs_rank in zip(losses, theirs):
+        assert ours_rank == pytest.approx(theirs_rank, rel=1e-5)
