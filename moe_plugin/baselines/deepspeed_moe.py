@@ -34,7 +34,15 @@ from torch import nn
 
 __all__ = ["build_deepspeed_moe", "deepspeed_version", "DeepSpeedMoEBaseline"]
 
-_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "identity": nn.Identity}
+class SwiGLU(nn.Module):
+    """silu(gate) * up of a [..., 2H] = [gate | up] input (a gated expert: its first Linear is 2H wide)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "identity": nn.Identity, "swiglu": SwiGLU}
 _INSTALL_HINT = "pip install 'moe_plugin[deepspeed]'"
 
 
@@ -154,7 +162,7 @@ def build_deepspeed_moe(model_dim: int,
     _ensure_distributed(deepspeed)
 
     expert = nn.Sequential(
-        nn.Linear(model_dim, hidden_size, bias=bias),
+        nn.Linear(model_dim, 2 * hidden_size if activation == "swiglu" else hidden_size, bias=bias),
         _ACTIVATIONS[activation](),
         nn.Linear(hidden_size, model_dim, bias=bias),
     )

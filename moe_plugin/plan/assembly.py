@@ -47,6 +47,7 @@ class RecomputeOption:
     activations_bytes: int
     peak_bytes: int
     max_micro_batch: int
+    step_seconds: float
 
 
 @dataclass
@@ -135,8 +136,12 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
                   collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather,
                   h.parameters + h.gradients + h.optimizer + activations) for ranks, h in held]
     ep_size = max([m.config.ep_size for m in moe_layers], default=1)
-    timing = step_time(device.params, world_size, node_size, flops, [m.config for m in moe_layers], layers,
-                       dense_bytes, expert_bytes, ep_size, sharded)
+
+    def timing_of(configs) -> StepTime:
+        return step_time(device.params, world_size, node_size, flops, configs, layers, dense_bytes, expert_bytes,
+                         ep_size, sharded)
+
+    timing = timing_of([m.config for m in moe_layers])
     fixed = max(r.parameters_bytes + r.gradients_bytes + r.optimizer_bytes for r in roles)
 
     def largest_batch(activations: int, per_row: int) -> int:
@@ -151,8 +156,9 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         if mode_activations is None:
             mode_activations = activations_at(rows, mode)[0]
             mode_per_row = per_row_at(mode_activations, mode)
+        mode_timing = timing_of([m.config.replace(recompute=mode) for m in moe_layers])
         plan.recompute[mode] = RecomputeOption(mode_activations, fixed + mode_activations,
-                                               largest_batch(mode_activations, mode_per_row))
+                                               largest_batch(mode_activations, mode_per_row), mode_timing.seconds)
     peak = max(r.peak_bytes for r in roles)
     if peak > device.memory_bytes:
         fits = f"the largest micro-batch that fits is {batch_key}={max_batch}" if max_batch else \

@@ -60,7 +60,8 @@ def as_text(plan: Plan) -> str:
     if plan.recompute:
         lines.append("recompute (MoEConfig.recompute): " + "; ".join(
             f"{mode!r} keeps {size(option.activations_bytes)} of activations, peak {size(option.peak_bytes)}, largest "
-            f"micro-batch {option.max_micro_batch} rows" for mode, option in plan.recompute.items()))
+            f"micro-batch {option.max_micro_batch} rows, step {option.step_seconds * 1e3:.2f} ms"
+            for mode, option in plan.recompute.items()))
     lines.append("assumptions: " + "; ".join([plan.device.note, *step.assumptions]))
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"

@@ -2,7 +2,9 @@
 
     compute     3 x the forward's FLOPs / the device's rate: torch's FlopCounterMode on the forward without data,
                 plus the expert GEMMs it does not see (moe_plugin's grouped_mm custom op): 2 x rows kept x D x H x
-                matrices per MoE layer (3 matrices gated, 2 otherwise; cost_model.Workload.forward_flops)
+                matrices per MoE layer (3 matrices gated, 2 otherwise; cost_model.Workload.forward_flops), and with
+                MoEConfig.recompute "experts" the first projection once more in backward (2 x rows x D x H x 2
+                gated, x 1 otherwise)
     all-to-all  each MoE layer's four exchanges at balanced routing (cost_model.a2a_seconds, flat or 2dh)
     gradients   DDP: a ring all-reduce of the dense gradients over the world and of the experts' over the ranks
                 holding them; FSDP2: an all-gather of the parameters forward and backward and a reduce-scatter
@@ -44,10 +46,15 @@ def ring_node_size(group_size: int, stride: int, node_size: int) -> int:
 def step_time(params: Params, world_size: int, node_size: int, forward_flops: float, configs: List[MoEConfig],
               layers: List[LayerTraffic], dense_bytes: int, expert_bytes: int, ep_size: int,
               fsdp: bool) -> StepTime:
-    experts = sum(Workload(traffic.rows_kept, config.model_dim, config.hidden_size, config.num_experts,
-                           matrices=3 if config.activation in GATED_ACTIVATIONS else 2).forward_flops()
-                  for config, traffic in zip(configs, layers))
-    compute = 3 * (forward_flops + experts) / (params.compute_tflops * TFLOP)
+    experts = recomputed = 0.0
+    for config, traffic in zip(configs, layers):
+        matrices = 3 if config.activation in GATED_ACTIVATIONS else 2
+        flops = Workload(traffic.rows_kept, config.model_dim, config.hidden_size, config.num_experts,
+                         matrices=matrices).forward_flops()
+        experts += flops
+        if config.recompute == "experts":
+            recomputed += flops * (matrices - 1) / matrices
+    compute = (3 * (forward_flops + experts) + recomputed) / (params.compute_tflops * TFLOP)
     exchange = 0.0
     for config, traffic in zip(configs, layers):
         if traffic.bytes_balanced:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_plugin import cli, train
+from moe_plugin.activations import first_width
 from moe_plugin.layer import MoELayer
 from moe_plugin.plan import experiment, plan_experiment
 from moe_plugin.plan.assembly import forward_without_data
@@ -143,10 +144,20 @@ def test_the_plan_shows_what_each_recompute_mode_keeps(capsys):
         assert plan.recompute[mode].max_micro_batch == plan.max_micro_batch
         other = plans["experts" if mode == "none" else "none"]
         assert plan.recompute != {} and plan.recompute == other.recompute
+        assert plan.recompute[mode].step_seconds == plan.step.seconds
     none, experts = plans["none"].recompute["none"], plans["none"].recompute["experts"]
     assert experts.activations_bytes < none.activations_bytes and experts.max_micro_batch > none.max_micro_batch
+    # the first projection again in backward: 2 x rows x D x H FLOPs per MoE layer (2H gated) at the device's rate
+    cfg = train.load_config(None, TINY)
+    rows, width = plans["none"].layers[0].rows_kept, first_width(cfg.moe["activation"], cfg.moe["hidden_size"])
+    extra = len(plans["none"].layers) * 2 * rows * cfg.model.dim * width
+    rate = DEVICES["h100"].params.compute_tflops * 1e12
+    assert experts.step_seconds - none.step_seconds == pytest.approx(extra / rate, rel=1e-9)
     assert cli.main(["plan", *TINY, "--world-size", "2", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["recompute"]
-    assert set(shown) == {"none", "experts"} and all(isinstance(v, int) for o in shown.values() for v in o.values())
+    assert set(shown) == {"none", "experts"}
+    for option in shown.values():
+        assert all(isinstance(option[k], int) for k in ("activations_bytes", "peak_bytes", "max_micro_batch"))
+        assert option["step_seconds"] > 0
     assert cli.main(["plan", *TINY, "--world-size", "2"]) == 0
     assert "'experts' keeps" in capsys.readouterr().out
