@@ -85,7 +85,7 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
         raise ValueError(f"DeepSpeed config \"zero_optimization.stage\"={stage!r} is invalid: must be 0, 1, 2 or 3")
     section = read_moe_section(ds) or {"backend": "tutel"}
     ep_size = section.get("ep_size", 1)
-    check_ep_size(ep_size, "DeepSpeed config \"moe.ep_size\"", world_size)
+    check_ep_size(ep_size, "DeepSpeed config \"moe.ep_size\"", world_size, processes_from="plan with --world-size N")
     config, dtype = hf_model_config(hf_path), precision(ds)
     overrides = section_overrides(section)
 

@@ -35,12 +35,14 @@ def check_sizes(num_experts: int, hidden_size: int, ep_size: int) -> None:
         f"sizes that work: {working[:12]}{' ...' if len(working) > 12 else ''}")
 
 
-def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[int] = None, stages: int = 1) -> None:
+def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[int] = None, stages: int = 1,
+                  processes_from: str = "launch with torchrun --nproc_per_node N") -> None:
     """ValueError unless ep_size divides the number of processes that share the experts.
 
     setting: the name the user gave ep_size (`parallel.ep_size`, `DeepSpeed config "moe.ep_size"`, ...).
     world_size: default torch.distributed's (ep_size > 1 then needs it initialized). stages: pipeline stages,
-    each holding world_size / stages processes (DeepSpeed splits its expert groups inside a stage)."""
+    each holding world_size / stages processes (DeepSpeed splits its expert groups inside a stage). processes_from:
+    how the user sets the number of processes N (moe-plugin plan: its --world-size)."""
     if world_size is None:
         if ep_size == 1:
             return
@@ -54,7 +56,7 @@ def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[i
     per_stage = "" if stages == 1 else " per pipeline stage"
     stage_note = "" if stages == 1 else f"{world_size} processes in {stages} pipeline stages; "
     raise ValueError(f"{setting}={ep_size} is invalid: must divide the number of processes{per_stage}, {processes} "
-                     f"({stage_note}launch with torchrun --nproc_per_node N, N a multiple of {ep_size * stages}; "
+                     f"({stage_note}{processes_from}, N a multiple of {ep_size * stages}; "
                      f"or set it to one of {_divisors(processes)})")
 
 

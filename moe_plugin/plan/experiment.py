@@ -30,7 +30,7 @@ def check_world_size(world_size: int, node_size: int) -> None:
 def check_world(cfg, world_size: int, node_size: int) -> None:
     """The errors the run would meet at start, found before anything is built."""
     check_world_size(world_size, node_size)
-    check_ep_size(cfg.parallel.ep_size, "parallel.ep_size", world_size)
+    check_ep_size(cfg.parallel.ep_size, "parallel.ep_size", world_size, processes_from="plan with --world-size N")
     if cfg.parallel.fsdp and world_size == 1:
         raise ValueError("parallel.fsdp=true is invalid with --world-size=1: FSDP2 shards over >= 2 processes")
     if cfg.data.task != "lm":

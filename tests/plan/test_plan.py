@@ -102,7 +102,8 @@ def test_json_has_the_fields_as_integers(capsys):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--world-size", "6", "parallel.ep_size=4"],
-     "parallel.ep_size=4 is invalid: must divide the number of processes, 6"),
+     "parallel.ep_size=4 is invalid: must divide the number of processes, 6 (plan with --world-size N, N a multiple "
+     "of 4"),
     (["--world-size", "4", "parallel.ep_size=4", "moe.num_experts=6"], "ep_size=4 cannot hold num_experts=6"),
     (["--world-size", "12", "--node-size", "8"], "--node-size=8 is invalid: must divide --world-size=12"),
     (["--world-size", "0"], "--world-size=0 is invalid: must be an integer >= 1"),
