@@ -12,8 +12,9 @@ Per layer and window (sums over every training forward of the window, every micr
     balance_loss, z_loss     unweighted, as configured (aux_loss not "none"; z_loss_coef > 0), averaged over forwards
     expert_bias_spread       with expert bias balancing: max - min of the bias (when read)
 
-Entropy, balance loss and z-loss are recomputed from the router's input in the hook (one [T, E] router product,
-no noise drawn: the balance loss counts the router's noise-free choice). Shape legend: moe_plugin/shapes.py.
+Entropy and z-loss are recomputed from the router's input in the hook (one [T, E] router product, no noise drawn);
+the balance loss is the layer's own (its aux loss less the z-loss term, over aux_loss_coef), recomputed from the
+router's noise-free choice only where aux_loss_coef is 0. Shape legend: moe_plugin/shapes.py.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer import MoELayer
-from .router import balance_loss, best_groups_only, z_loss
+from .router import balance_loss, best_groups_only, load_importance_loss
 
 METRICS = ("max_load", "experts_without_tokens", "dropped_fraction", "capacity_used", "router_entropy",
            "balance_loss", "z_loss", "expert_bias_spread")
@@ -33,6 +34,7 @@ METRICS = ("max_load", "experts_without_tokens", "dropped_fraction", "capacity_u
 WORST = {"max_load": max, "expert_bias_spread": max, "experts_without_tokens": sum}
 # after each layer's load_E and kept_E (2E values), its window holds these sums
 SUMS = ("choices", "slots", "entropy", "tokens", "balance_loss", "z_loss", "forwards")
+NOT_SUMMING_TO_ONE = ("sigmoid", "sqrt_softplus")      # routers whose scores are not a softmax (router.py)
 
 
 class RoutingMonitor:
@@ -151,20 +153,26 @@ def _forward_sums(layer: MoELayer, args: tuple, kwargs: dict) -> torch.Tensor:
     routed = kwargs.get("router_input", args[4] if len(args) > 4 else None)
     routed_TD = (x if routed is None else routed).reshape(-1, cfg.model_dim)
     sequence_T = kwargs.get("sequence_T", args[3] if len(args) > 3 else None)
-    logits_TE = router.logits(routed_TD).float()
-    scores_TE = router.scores(logits_TE)
-    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
-    entropy = -(probs_TE * probs_TE.clamp(min=torch.finfo(probs_TE.dtype).tiny).log()).sum()
+    logits_TE = router.logits(routed_TD)
+    logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    # softmax pieces by hand: torch.softmax over a few experts costs ~10x these on CPU
+    shifted_TE = logits_TE - logits_TE.amax(-1, keepdim=True)
+    exp_TE = shifted_TE.exp()
+    sum_T1 = exp_TE.sum(-1, keepdim=True)
+    if cfg.router in NOT_SUMMING_TO_ONE:      # normalized, as the router does for its balance loss
+        scores_TE = router.scores(logits_TE)
+        probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
+        entropy = -(probs_TE * probs_TE.clamp(min=torch.finfo(probs_TE.dtype).tiny).log()).sum()
+    else:
+        probs_TE = exp_TE / sum_T1
+        entropy = -(probs_TE * (shifted_TE - sum_T1.log())).sum()
     balance = z = logits_TE.new_zeros(())
-    if cfg.aux_loss != "none":
-        choice_TE = scores_TE + router.expert_bias_E if router.bias_routes else scores_TE
-        if cfg.topk_groups < cfg.num_groups:
-            choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups, cfg.group_score)
-        expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
-        seq_len = x.shape[-2] if x.dim() >= 3 else None
-        balance = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
-    if cfg.z_loss_coef > 0:
-        z = z_loss(logits_TE)
+    if cfg.z_loss_coef > 0 and logits_TE.shape[0]:
+        z = (logits_TE.amax(-1) + sum_T1.squeeze(-1).log()).square().mean()       # the router's z-loss
+    if cfg.aux_loss != "none" and cfg.aux_loss_coef > 0:     # the layer's own: aux_loss_coef * balance + z-loss term
+        balance = (layer.aux_loss.detach().to(logits_TE.dtype) - cfg.z_loss_coef * z) / cfg.aux_loss_coef
+    elif cfg.aux_loss != "none":
+        balance = _noise_free_balance_loss(layer, logits_TE, probs_TE, x, sequence_T)
     largest = load_E.max()
     capacity = torch.full_like(largest, fixed) if capacity_factor > 0 else largest if capacity_factor == 0 else \
         torch.clamp(largest, max=fixed)
@@ -176,3 +184,18 @@ def _forward_sums(layer: MoELayer, args: tuple, kwargs: dict) -> torch.Tensor:
     sums = torch.stack([number(num_tokens * top_k), capacity.double() * cfg.num_experts, entropy.double(),
                         number(num_tokens), balance.double(), z.double(), number(1)])
     return torch.cat([load_E.double(), kept_E.double(), sums])
+
+
+def _noise_free_balance_loss(layer: MoELayer, logits_TE: torch.Tensor, probs_TE: torch.Tensor, x: torch.Tensor,
+                             sequence_T: Optional[torch.Tensor]) -> torch.Tensor:
+    """The balance loss of the router's noise-free choice (aux_loss_coef 0: the layer's aux loss does not hold it)."""
+    cfg, router = layer.config, layer.router
+    scores_TE = router.scores(logits_TE)
+    choice_TE = scores_TE + router.expert_bias_E if router.bias_routes else scores_TE
+    if cfg.topk_groups < cfg.num_groups:
+        choice_TE = best_groups_only(choice_TE, cfg.num_groups, cfg.topk_groups, cfg.group_score)
+    expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+    if cfg.aux_loss == "load_importance":
+        return load_importance_loss(scores_TE, logits_TE.gather(1, expert_TK[:, -1:]), cfg.gate_noise / cfg.num_experts)
+    seq_len = x.shape[-2] if x.dim() >= 3 else None
+    return balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)

@@ -19,12 +19,18 @@ LAYERS = {
                              router="sigmoid", aux_loss="gshard"),
     "biased_none": dict(model_dim=D, hidden_size=24, num_experts=4, top_k=2, capacity_factor=1.0, aux_loss="none",
                         expert_bias_update_rate=0.05),
+    # the balance loss recomputed by the monitor (aux_loss_coef 0: the layer's aux loss holds only the z-loss)
+    "unweighted_seq": dict(model_dim=D, hidden_size=24, num_experts=5, top_k=3, capacity_factor=1.0, aux_loss="seq",
+                           aux_loss_coef=0.0, z_loss_coef=0.02),
+    "switch_k3": dict(model_dim=D, hidden_size=24, num_experts=7, top_k=3, capacity_factor=1.25, aux_loss="switch",
+                      aux_loss_coef=0.1, z_loss_coef=0.001),
 }
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9, torch.bfloat16: 3e-2}
 
 
-def build(seed: int) -> torch.nn.ModuleDict:
+def build(seed: int, dtype=torch.float32) -> torch.nn.ModuleDict:
     torch.manual_seed(seed)
-    return torch.nn.ModuleDict({name: MoELayer(**kw) for name, kw in LAYERS.items()})
+    return torch.nn.ModuleDict({name: MoELayer(**kw) for name, kw in LAYERS.items()}).to(dtype)
 
 
 def micro_batches(model, inputs, sums):
@@ -36,31 +42,34 @@ def micro_batches(model, inputs, sums):
             layer(x).square().mean().backward()
 
 
-def test_window_metrics_equal_the_layers_routing():
-    model = build(seed=torch.randint(1 << 30, ()).item())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_window_metrics_equal_the_layers_routing(dtype):
+    model = build(torch.randint(1 << 30, ()).item(), dtype)
     monitor = RoutingMonitor(model)
     model.biased_none.router.expert_bias_E.copy_(torch.randn(4))      # a spread to read
-    sums = {}
-    micro_batches(model, [torch.randn(3, 7, D), torch.randn(5, D), torch.randn(2, 9, D)], sums)
+    sums, rel = {}, TOLERANCE[dtype]
+    micro_batches(model, [torch.randn(3, 7, D, dtype=dtype), torch.randn(5, D, dtype=dtype),
+                          torch.randn(2, 9, D, dtype=dtype)], sums)
     with torch.no_grad():
         model.eval()
-        model.capped(torch.randn(4, D))       # evaluation: not counted
+        model.capped(torch.randn(4, D, dtype=dtype))       # evaluation: not counted
         model.train()
-    check(monitor.read(), {name: expected(model[name], s) for name, s in sums.items()})
+    check(monitor.read(), {name: expected(model[name], s) for name, s in sums.items()}, rel)
     assert monitor.read() == {}               # a new window: nothing ran in it
 
     sums = {}
-    micro_batches(model, [torch.randn(11, D)], sums)
+    micro_batches(model, [torch.randn(11, D, dtype=dtype)], sums)
     metrics = monitor.read()
-    check(metrics, {name: expected(model[name], s) for name, s in sums.items()})
+    check(metrics, {name: expected(model[name], s) for name, s in sums.items()}, rel)
     flat = scalars(metrics)
     assert flat["moe/capped/max_load"] == metrics["capped"]["max_load"]
     assert flat["moe/all/max_load"] == max(m["max_load"] for m in metrics.values())
     assert flat["moe/all/experts_without_tokens"] == sum(m["experts_without_tokens"] for m in metrics.values())
-    assert flat["moe/all/dropped_fraction"] == pytest.approx(sum(m["dropped_fraction"] for m in metrics.values()) / 3)
+    assert flat["moe/all/dropped_fraction"] == pytest.approx(sum(m["dropped_fraction"] for m in metrics.values()) /
+                                                             len(LAYERS))
     assert "moe/dropless_sigmoid/z_loss" not in flat and "moe/biased_none/balance_loss" not in flat
     monitor.close()
-    micro_batches(model, [torch.randn(4, D)], {})
+    micro_batches(model, [torch.randn(4, D, dtype=dtype)], {})
     assert monitor.read() == {}
 
 
@@ -120,3 +129,22 @@ def test_the_window_is_summed_over_processes():
             metrics[name].pop("expert_bias_spread", None)
     check(metrics0, want)
     check(metrics1, want)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.01])
+def test_a_noisy_balance_loss_is_the_layers_own_or_noise_free(coef):
+    """Tutel's load_importance loss (its router noise drawn each training forward): with aux_loss_coef > 0 the metric
+    is the layer's own loss of each forward (its aux_loss over the weight); at 0, the router's noise-free one."""
+    layer = MoELayer(model_dim=D, hidden_size=8, num_experts=4, top_k=2, capacity_factor=1.5, gate_noise=1.0,
+                     gate_noise_kind="tutel", aux_loss="load_importance", aux_loss_coef=coef)
+    monitor = RoutingMonitor(layer)
+    want = []
+    for x in (torch.randn(9, D), torch.randn(2, 6, D)):
+        if coef == 0:
+            with torch.no_grad():
+                want.append(float(layer.router.eval()(x.reshape(-1, D)).aux_loss))
+                layer.router.train()
+        layer(x).square().mean().backward()
+        if coef > 0:
+            want.append(float(layer.aux_loss) / coef)
+    assert monitor.read()[""]["balance_loss"] == pytest.approx(sum(want) / 2, rel=1e-5)
