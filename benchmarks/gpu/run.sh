@@ -63,6 +63,7 @@ CUDA_TESTS=(
   tests/core/test_mixed_precision.py
   tests/core/test_compile.py
   tests/core/test_cuda_graph_ready.py
+  tests/core/test_recompute.py
 )
 
 step() {   # step NAME SECONDS COMMAND...

@@ -125,3 +125,16 @@ def test_experts_mode_keeps_at_most_a_quarter(dtype, one_node, monkeypatch):
         y.sum().backward()        # the saved tensors are all read: recompute did not need anything else
         kept[mode] = total["bytes"]
     assert kept["experts"] <= 0.25 * kept["none"], kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU kernels' recompute path)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_experts_recompute_equals_none_on_cuda(dtype):
+    """On the GPU's kernels (grouped_mm, Triton's gather_up where it measured faster), also under bf16 autocast."""
+    none, experts = pair(dtype, top_k=3, capacity_factor=0.8)
+    none, experts = none.cuda(), experts.cuda()
+    x, upstream = torch.randn(203, 24, dtype=dtype, device="cuda"), torch.randn(203, 24, device="cuda")
+    assert_same(run(experts, x, upstream), run(none, x, upstream), 1e-6 if dtype == torch.float32 else 1e-2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = run(experts.float(), x.float(), upstream), run(none.float(), x.float(), upstream)
+    assert_same(got, want, 1e-2)
