@@ -122,15 +122,10 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         saved, flops = forward_without_data(make_local_model, batch, seq_len, recompute)
         return saved + sum(t.kept_bytes for t in traffic(batch)), flops
 
-    def per_row_at(activations: int, recompute: Optional[str] = None) -> int:
-        """The bytes one more row adds (the activations are linear in the rows)."""
-        if rows > 1:
-            return activations - activations_at(rows - 1, recompute)[0]
-        return activations_at(2, recompute)[0] - activations
-
     layers = traffic(rows)
     activations, flops = activations_at(rows)
-    per_row = per_row_at(activations)
+    # the bytes one more row adds (the activations are linear in the rows)
+    per_row = activations - activations_at(rows - 1)[0] if rows > 1 else activations_at(2)[0] - activations
     roles = [Role(ranks, h.parameters, h.gradients, h.optimizer, activations,
                   sum(t.bytes_balanced for t in layers), sum(t.bytes_bound for t in layers),
                   collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather,
@@ -153,9 +148,9 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
     configured = {m.config.recompute for m in moe_layers}
     for mode in RECOMPUTE_MODES if moe_layers else ():
         mode_activations, mode_per_row = (activations, per_row) if configured == {mode} else (None, None)
-        if mode_activations is None:
+        if mode_activations is None:     # one forward more: what the modes keep apart is linear in the rows
             mode_activations = activations_at(rows, mode)[0]
-            mode_per_row = per_row_at(mode_activations, mode)
+            mode_per_row = per_row - round((activations - mode_activations) / rows)
         mode_timing = timing_of([m.config.replace(recompute=mode) for m in moe_layers])
         plan.recompute[mode] = RecomputeOption(mode_activations, fixed + mode_activations,
                                                largest_batch(mode_activations, mode_per_row), mode_timing.seconds)
