@@ -430,11 +430,15 @@ def test_old_files_without_expert_count_or_gate_need_num_experts(tmp_path):
     assert_bit_equal(checkpoints.read(paths, num_experts=E).state, with_counts(model, E))
 
 
-def real_tutel_from_converted(rank, world, one_file, rank_pattern, specs):
-    """Real Tutel on 2 gloo ranks, each loading its converted file, against real Tutel on a group of this rank
-    alone loading the one-file conversion: the same output and l_aux for this rank's tokens."""
+def tutel_from_converted(rank, world, one_file, rank_pattern, specs, impl):
+    """Tutel's moe_layer (impl "tutel": real Tutel; "drop-in": moe_plugin.tutel) on 2 gloo ranks, each loading its
+    converted file, against the same on a group of this rank alone loading the one-file conversion: the same
+    output, l_aux and input gradient for this rank's tokens."""
     import torch.distributed as dist
-    from tutel import moe as tutel_moe
+    if impl == "tutel":
+        from tutel import moe as tutel_moe
+    else:
+        from moe_plugin import tutel as tutel_moe
     alone = [dist.new_group([r]) for r in range(world)][rank]
     full = torch.load(one_file, weights_only=True)
     mine = torch.load(rank_pattern.format(rank=rank, size=world), weights_only=True)
@@ -442,20 +446,63 @@ def real_tutel_from_converted(rank, world, one_file, rank_pattern, specs):
     for spec in specs:
         E, prefix = spec["E"], spec["prefix"]
 
-        def build(count, group):
-            return tutel_moe.moe_layer(gate_type={"type": "top", "k": spec["k"], "capacity_factor": spec["cf"]},
-                                       model_dim=spec["D"], group=group,
-                                       experts={"type": "ffn", "count_per_node": count, "activation_fn": torch.relu,
-                                                "hidden_size_per_expert": spec["H"]})
-        parallel = build(E // world if world <= E else -(world // E), None)
-        parallel.load_state_dict(layer_state(mine, prefix), strict=True)
-        one = build(E, alone)
-        one.load_state_dict(layer_state(full, prefix), strict=True)
-        x = torch.randn(world, spec["T"], spec["D"], generator=torch.Generator().manual_seed(spec["seed"]))[rank]
-        y, y_one = parallel(x[None]), one(x[None])
-        worst[spec["name"]] = (float((y - y_one).abs().max()), float((y.l_aux - y_one.l_aux).abs()),
-                               float(y.abs().max()))
+        def run(count, group, state):
+            layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": spec["k"], "capacity_factor": spec["cf"]},
+                                        model_dim=spec["D"], group=group,
+                                        experts={"type": "ffn", "count_per_node": count, "activation_fn": torch.relu,
+                                                 "hidden_size_per_expert": spec["H"]})
+            layer.load_state_dict(layer_state(state, prefix), strict=True)
+            x = torch.randn(world, spec["T"], spec["D"], generator=torch.Generator().manual_seed(spec["seed"]))
+            x = x[rank:rank + 1].requires_grad_()
+            y = layer(x)
+            (y.square().sum() + y.l_aux).backward()
+            return y.detach(), y.l_aux.detach(), x.grad
+        (y, aux, grad), (y_one, aux_one, grad_one) = run(E // world if world <= E else -(world // E), None, mine), \
+            run(E, alone, full)
+        worst[spec["name"]] = (float((y - y_one).abs().max()), float((aux - aux_one).abs()),
+                               float((grad - grad_one).abs().max()), float(y.abs().max()), float(grad.abs().max()))
     return worst
+
+
+def assert_same_on_both(results, specs):
+    for rank, worst in enumerate(results):
+        for spec in specs:
+            dy, daux, dgrad, y_size, grad_size = worst[spec["name"]]
+            assert y_size > 0 and grad_size > 0, (rank, spec["name"])
+            assert dy <= 1e-5 * y_size and daux <= 1e-6 and dgrad <= 1e-5 * grad_size, (rank, spec["name"], worst)
+
+
+def four_rank_files(tmp_path, D, H, sliced: bool) -> list:
+    """Files of 4 ranks: a 4-expert layer, and (sliced) a 1-expert layer sliced over the 4, its fc2 bias padded."""
+    layers = [reference_model(4, D, H, prefixes=PREFIXES[:1])]
+    if sliced:
+        layers.append({k: v for k, v in reference_model(1, D, H, prefixes=PREFIXES[1:2]).items() if PREFIXES[1] in k})
+    paths = []
+    for r in range(4):
+        paths.append(tmp_path / f"{r}-of-4.ckpt")
+        state = {}
+        for layer in layers:
+            state.update(expected_rank(layer, 4 if layer is layers[0] else 1, 4, r, pad=torch.randn))
+        torch.save({k: v.clone() for k, v in state.items()}, paths[-1])
+    return paths
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="moe_plugin/tutel/layer.py's load hook (_from_tutel_keys) "
+                   "reads type(layer.tuner).get_extra_state, which OnceTuner (the tuner of every expert-parallel "
+                   "drop-in) does not have: AttributeError, so the drop-in loads no state dict at world size > 1. "
+                   "With that fixed this test passed by hand; then remove this mark")
+@pytest.mark.timeout(300)
+def test_the_drop_in_on_2_ranks_from_converted_files_equals_one_process(tmp_path):
+    """Tutel files of 4 ranks -> 2 ranks' files and one file (the command); moe_plugin.tutel's moe_layer at expert
+    parallelism over 2 gloo ranks computes what it computes on one process."""
+    D, H = 6, 12
+    paths = four_rank_files(tmp_path, D, H, sliced=False)
+    assert convert("--from", "tutel", *paths, tmp_path / "all.ckpt", "--ranks", 1) == 0
+    assert convert("--from", "tutel", *paths, tmp_path / "2" / "{rank}-of-{size}.ckpt", "--ranks", 2) == 0
+    specs = [dict(name="top-2 drops", prefix=PREFIXES[0], E=4, k=2, cf=1.0, D=D, H=H, T=10, seed=1),
+             dict(name="top-3 dropless", prefix=PREFIXES[0], E=4, k=3, cf=0.0, D=D, H=H, T=7, seed=2)]
+    assert_same_on_both(run_workers(tutel_from_converted, 2, str(tmp_path / "all.ckpt"),
+                                    str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), specs, "drop-in", timeout=240), specs)
 
 
 @pytest.mark.timeout(300)
@@ -464,22 +511,11 @@ def test_real_tutel_on_2_ranks_from_converted_files_equals_one_process(tmp_path)
     (the 1 expert sliced over 2) and one file; real Tutel computes the same from both (where Tutel is installed)."""
     pytest.importorskip("tutel", reason="real Tutel is not installed (it is not on PyPI; CI has none)")
     D, H = 6, 12
-    four_experts, one_expert = reference_model(4, D, H, prefixes=PREFIXES[:1]), \
-        {k: v for k, v in reference_model(1, D, H, prefixes=PREFIXES[1:2]).items() if PREFIXES[1] in k}
-    paths = []
-    for r in range(4):
-        paths.append(tmp_path / f"{r}-of-4.ckpt")
-        state = {**expected_rank(four_experts, 4, 4, r), **expected_rank(one_expert, 1, 4, r, pad=torch.randn)}
-        torch.save({k: v.clone() for k, v in state.items()}, paths[-1])
-    full = checkpoints.read(paths)
+    full = checkpoints.read(four_rank_files(tmp_path, D, H, sliced=True))
     assert full.num_experts == {PREFIXES[0]: 4, PREFIXES[1]: 1}
     checkpoints.write(full, str(tmp_path / "all.ckpt"), 1)
     checkpoints.write(full, str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), 2)
     specs = [dict(name="4 experts top-2 drops", prefix=PREFIXES[0], E=4, k=2, cf=1.0, D=D, H=H, T=10, seed=1),
              dict(name="1 expert sliced over 2 ranks", prefix=PREFIXES[1], E=1, k=1, cf=0.0, D=D, H=H, T=7, seed=2)]
-    results = run_workers(real_tutel_from_converted, 2, str(tmp_path / "all.ckpt"),
-                          str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), specs, timeout=240)
-    for rank, worst in enumerate(results):
-        for spec in specs:
-            dy, daux, size = worst[spec["name"]]
-            assert size > 0 and dy <= 1e-5 * size and daux <= 1e-6, (rank, spec["name"], worst[spec["name"]])
+    assert_same_on_both(run_workers(tutel_from_converted, 2, str(tmp_path / "all.ckpt"),
+                                    str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), specs, "tutel", timeout=240), specs)
