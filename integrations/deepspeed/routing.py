@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Union
 
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import log_dist
 
 from moe_plugin import MoELayer
@@ -39,6 +40,10 @@ def log_routing(engine, alarm) -> None:
     if not any(isinstance(m, MoELayer) for m in engine.module.modules()):
         return
     if not engine.monitor.enabled and alarm is None:
+        return
+    if isinstance(engine, PipelineEngine):    # train_batch steps without engine.step; its stages hold other layers
+        log_dist("moe_plugin: the routing metrics and the routing alarm do not run under pipeline parallelism "
+                 "(engine.train_batch) yet: nothing of them is logged", ranks=[0], level=logging.WARNING)
         return
     monitor = RoutingMonitor(engine.module)
     step = engine.step

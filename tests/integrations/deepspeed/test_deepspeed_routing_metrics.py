@@ -215,3 +215,32 @@ def test_the_alarm_fires_on_a_collapse_only_and_wandb_gets_the_metrics():
             for key, value in want[name].items():
                 assert logged[f"moe/{name}/{key}"][step] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
         assert logged["moe/all/max_load"][step] == pytest.approx(max(w["max_load"] for w in want.values()))
+
+
+def test_a_pipeline_engine_says_it_logs_no_routing():
+    """engine.train_batch never calls engine.step: the metrics cannot be read there, and a warning says so."""
+    import logging
+    import types
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.utils import logger
+
+    from moe_plugin import MoELayer
+    from moe_plugin.integrations.deepspeed.routing import log_routing
+    from moe_plugin.routing_alarm import RoutingAlarm
+    engine = PipelineEngine.__new__(PipelineEngine)      # what log_routing reads of one, without starting it
+    step = engine.__dict__["step"] = lambda: None
+    engine.__dict__.update(module=torch.nn.Sequential(MoELayer(model_dim=8, hidden_size=8, num_experts=2)),
+                           monitor=types.SimpleNamespace(enabled=False))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        log_routing(engine, RoutingAlarm())
+    finally:
+        logger.removeHandler(handler)
+    assert engine.step is step
+    assert [r.getMessage() for r in records] == [
+        "[Rank -1] moe_plugin: the routing metrics and the routing alarm do not run under pipeline parallelism "
+        "(engine.train_batch) yet: nothing of them is logged"]
