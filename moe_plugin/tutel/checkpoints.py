@@ -117,12 +117,12 @@ def load_file(path: Path, namespace: Optional[str]) -> Tuple[State, str, List[st
         raise ValueError(f"{str(path)!r} is not a checkpoint torch.load reads: {first}") from None
     if namespace is None:
         namespace = "" if _is_state(bundle) else "model" if isinstance(bundle, dict) and "model" in bundle else ""
-    state, left_out = bundle, []
+    state, left_out, where = bundle, [], ""
     for package in filter(None, namespace.split("/")):
         if not isinstance(state, dict) or package not in state:
             raise ValueError(f"{str(path)!r} has no {package!r} entry (namespace={namespace!r})")
-        left_out = [k for k in state if k != package]
-        state = state[package]
+        left_out += [f"{where}{k}" for k in state if k != package]
+        state, where = state[package], f"{where}{package}/"
     if not _is_state(state):
         raise ValueError(f"{str(path)!r} does not hold a state dict (name: tensor) under namespace={namespace!r}")
     return dict(state), namespace, left_out

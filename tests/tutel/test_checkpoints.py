@@ -519,3 +519,24 @@ def test_real_tutel_on_2_ranks_from_converted_files_equals_one_process(tmp_path)
              dict(name="1 expert sliced over 2 ranks", prefix=PREFIXES[1], E=1, k=1, cf=0.0, D=D, H=H, T=7, seed=2)]
     assert_same_on_both(run_workers(tutel_from_converted, 2, str(tmp_path / "all.ckpt"),
                                     str(tmp_path / "2" / "{rank}-of-{size}.ckpt"), specs, "tutel", timeout=240), specs)
+
+
+def test_a_nested_namespace_is_kept_and_what_sits_beside_the_model_is_named(tmp_path, capsys):
+    """Files holding {"run": {"model": state dict}, "epoch": ..., "max_accuracy": ...}: --namespace run/model reads
+    them, the output keeps the nesting, and the command names what it left out."""
+    E = 4
+    model = reference_model(E, 6, 10, prefixes=PREFIXES[:1])
+    paths = [tmp_path / f"{r}-of-2.ckpt" for r in range(2)]
+    for r, path in enumerate(paths):
+        torch.save({"run": {"model": {k: v.clone() for k, v in expected_rank(model, E, 2, r).items()}, "step": 7},
+                    "epoch": 3, "max_accuracy": 0.5}, path)
+    with pytest.raises(ValueError, match="does not hold a state dict"):
+        checkpoints.read(paths)
+    assert convert("--from", "tutel", *paths, tmp_path / "4" / "{rank}-of-{size}.ckpt", "--ranks", 4,
+                   "--namespace", "run/model") == 0
+    assert "left out the files' 'epoch', 'max_accuracy', 'run/step' (only the model is converted)" in \
+        capsys.readouterr().out
+    for r in range(4):
+        got = torch.load(tmp_path / "4" / f"{r}-of-4.ckpt", weights_only=True)
+        assert list(got) == ["run"] and list(got["run"]) == ["model"]
+        assert_bit_equal(got["run"]["model"], expected_rank(model, E, 4, r))
