@@ -29,7 +29,7 @@ PREFIXES = ("layers.1.blocks.1.mlp._moe_layer.", "layers.2.blocks.1.mlp._moe_lay
             "layers.2.blocks.3.mlp._moe_layer.")
 
 
-def reference_model(E: int, D: int, H: int, dtype=torch.float32, prefixes=PREFIXES, biases=True) -> dict:
+def reference_model(E: int, D: int, H: int, dtype=torch.float32, prefixes=PREFIXES) -> dict:
     """A Swin-MoE-like model, all experts in one process: {key: tensor} in Tutel's all-in-one layout."""
     def rand(*shape):
         return torch.randn(*shape, dtype=torch.float64).to(dtype)
@@ -39,9 +39,8 @@ def reference_model(E: int, D: int, H: int, dtype=torch.float32, prefixes=PREFIX
         block = p[:-len("mlp._moe_layer.")]
         model.update({block + "attn.qkv.weight": rand(3 * D, D), block + "norm2.weight": rand(D),
                       p + "gates.0.wg.weight": rand(E, D), p + "experts.batched_fc1_w": rand(E, H, D),
-                      p + "experts.batched_fc2_w": rand(E, H, D)})
-        if biases:
-            model.update({p + "experts.batched_fc1_bias": rand(E, H), p + "experts.batched_fc2_bias": rand(E, D)})
+                      p + "experts.batched_fc2_w": rand(E, H, D), p + "experts.batched_fc1_bias": rand(E, H),
+                      p + "experts.batched_fc2_bias": rand(E, D)})
     return model
 
 
@@ -52,7 +51,6 @@ def is_expert(key: str) -> bool:
 def swin_rank_files(model: dict, E: int, folder, name="swin_moe.pth") -> list:
     """Swin-MoE's published layout: rank r's file {"model": its experts only}, as [1, H, D] weights and [1, 1, H]
     biases, no _num_global_experts; NAME.master {"model": every other tensor}."""
-    assert E == len([r for r in range(E)])
     paths = []
     for r in range(E):
         experts = {k: (v[r:r + 1].clone() if v.dim() == 3 else v[r].reshape(1, 1, -1).clone())
