@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..config import RECOMPUTE_MODES
+from ..config import RECOMPUTE_MODES, MoEConfig
 from ..layer import MoELayer
 from .devices import Device
 from .state_bytes import StateBytes, nbytes, saved_for_backward
@@ -82,18 +82,13 @@ def split_bytes(model: nn.Module) -> Tuple[int, int]:
             sum(nbytes(p) for p in trainable if id(p) in experts))
 
 
-def forward_without_data(make_local_model: Callable[[], nn.Module], rows: int, seq_len: int,
-                         recompute: Optional[str] = None) -> Tuple[int, float]:
+def forward_without_data(make_local_model: Callable[[], nn.Module], rows: int, seq_len: int) -> Tuple[int, float]:
     """(bytes saved for backward, forward FLOPs) of one forward + loss on `rows` rows of seq_len tokens of the
     model make_local_model() builds (its experts local: at balanced routing each rank computes as many rows as it
     routes). The model is built on the meta device, then given CPU fake tensors (torch's FakeTensorMode: shapes,
-    no data), so that the forward takes the CPU kernels' paths and saves what they save. recompute: every MoE layer's
-    MoEConfig.recompute instead of its own."""
+    no data), so that the forward takes the CPU kernels' paths and saves what they save."""
     with torch.device("meta"):
         model = make_local_model()
-    for layer in model.modules():
-        if recompute is not None and isinstance(layer, MoELayer):
-            layer.set_recompute(recompute)
     saved: Dict[str, int] = {}
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")       # kernels without data
@@ -104,6 +99,20 @@ def forward_without_data(make_local_model: Callable[[], nn.Module], rows: int, s
             logits = getattr(output, "logits", output)      # a Hugging Face model's output holds them
             F.cross_entropy(logits.flatten(0, -2).float(), x_BS.flatten())
     return saved["bytes"], float(flops.get_total_flops())
+
+
+def moe_layer_saved_bytes(config: MoEConfig, tokens: int, dtype: torch.dtype) -> int:
+    """What one MoE layer (every expert local) keeps for backward of `tokens` tokens, as forward_without_data
+    counts it."""
+    with torch.device("meta"):
+        layer = MoELayer(config.replace(ep_size=1)).to(dtype)
+    saved: Dict[str, int] = {}
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")
+        layer.to_empty(device="cpu")
+        with saved_for_backward(layer, saved):
+            layer(torch.zeros(tokens, config.model_dim, dtype=dtype, requires_grad=True))
+    return saved["bytes"]
 
 
 def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collectives: Collectives, rows: int,
@@ -117,10 +126,25 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         return [layer_traffic(m.config, batch * seq_len, next(m.experts.parameters()).element_size(), node_size)
                 for m in moe_layers]
 
-    def activations_at(batch: int, recompute: Optional[str] = None) -> Tuple[int, float]:
+    def activations_at(batch: int) -> Tuple[int, float]:
         """(bytes kept for backward, forward FLOPs) of a micro-batch of `batch` rows."""
-        saved, flops = forward_without_data(make_local_model, batch, seq_len, recompute)
+        saved, flops = forward_without_data(make_local_model, batch, seq_len)
         return saved + sum(t.kept_bytes for t in traffic(batch)), flops
+
+    measured: Dict[str, int] = {}       # repr(config) -> its layer's saved bytes (layers alike: measured once)
+
+    def layer_saved(config: MoEConfig, dtype: torch.dtype) -> int:
+        key = f"{config!r} {dtype}"
+        if key not in measured:
+            measured[key] = moe_layer_saved_bytes(config, rows * seq_len, dtype)
+        return measured[key]
+
+    def kept_apart(mode: str) -> int:
+        """How much more the micro-batch keeps as configured than with every MoE layer at recompute `mode` (each
+        distinct layer measured alone: linear in the rows, as the activations are)."""
+        dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
+        return sum(layer_saved(m.config, dtype) - layer_saved(m.config.replace(recompute=mode), dtype)
+                   for m, dtype in zip(moe_layers, dtypes))
 
     layers = traffic(rows)
     activations, flops = activations_at(rows)
@@ -145,12 +169,9 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
 
     max_batch = largest_batch(activations, per_row)
     plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, max_batch, per_row)
-    configured = {m.config.recompute for m in moe_layers}
     for mode in RECOMPUTE_MODES if moe_layers else ():
-        mode_activations, mode_per_row = (activations, per_row) if configured == {mode} else (None, None)
-        if mode_activations is None:     # one forward more: what the modes keep apart is linear in the rows
-            mode_activations = activations_at(rows, mode)[0]
-            mode_per_row = per_row - round((activations - mode_activations) / rows)
+        apart = kept_apart(mode)
+        mode_activations, mode_per_row = activations - apart, per_row - apart // rows
         mode_timing = timing_of([m.config.replace(recompute=mode) for m in moe_layers])
         plan.recompute[mode] = RecomputeOption(mode_activations, fixed + mode_activations,
                                                largest_batch(mode_activations, mode_per_row), mode_timing.seconds)
