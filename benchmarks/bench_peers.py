@@ -15,6 +15,7 @@ bf16 parameters on the GPU. Candidates, interleaved round by round (moe_plugin/b
   hf_grouped_mm         transformers' MixtralSparseMoeBlock on grouped_mm (SwiGLU, no bias, dropless only)
   deepspeed             deepspeed.moe.layer.MoE, one process (needs a capacity: no dropless mode)
   tutel                 tutel.moe.moe_layer (ffn, or llama_ffn for SwiGLU; capacity_factor 0 is its dropless)
+  moe_plugin_tutel      our Tutel drop-in, moe_plugin.tutel.moe_layer, with the tutel row's arguments (issue 43)
   einsum_fairseq        the GShard/fairseq-style dense one-hot einsum MoE (moe_plugin/reference.py) at capacity
                         1.25 (the seed's setting, that of Tutel's "x over fairseq"), where its T x E x C masks
                         fit (the default shape; not the HF or SonicMoE shape: ~80 and ~240 GB)
@@ -53,7 +54,7 @@ SHAPES = {
                         bias=False, capacity_factor=0.0),
 }
 CANDIDATES = ("moe_plugin", "moe_plugin_graphed", "moe_plugin_compiled", "moe_plugin_fp32_amp", "floor_gated",
-              "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
+              "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "moe_plugin_tutel", "einsum_fairseq")
 EINSUM_CAPACITY_FACTOR = 1.25
 # the einsum MoE keeps about K + 4 fp32 T x E x C tensors for backward (moe_plugin/reference.py): 1 GB at the default
 # shape, ~80 GB at the HF shape, ~240 GB at SonicMoE's
@@ -120,6 +121,7 @@ def run_shape(name, shape, device, dtype, args) -> dict:
         "hf_grouped_mm": lambda: hf_block(config, x_TD, grad_TD, dtype, nothing),
         "deepspeed": lambda: bench._deepspeed_step(config, x_TD, grad_TD, dtype, nothing),
         "tutel": lambda: tutel_step(config, x_TD, grad_TD),
+        "moe_plugin_tutel": lambda: tutel_step(config, x_TD, grad_TD, drop_in=True),
         "einsum_fairseq": lambda: einsum_step(shape, T, x_TD, grad_TD, device, dtype),
     }
     assert tuple(builders) == CANDIDATES
@@ -175,10 +177,14 @@ def hf_block(config, x_TD, grad_TD, dtype, context):
     return bench._hf_step(config, x_TD, grad_TD, dtype, context)
 
 
-def tutel_step(config, x_TD, grad_TD):
-    """tutel.moe.moe_layer with the same experts, gate and capacity (0: Tutel's dynamic, dropless capacity)."""
+def tutel_step(config, x_TD, grad_TD, drop_in=False):
+    """tutel.moe.moe_layer with the same experts, gate and capacity (0: Tutel's dynamic, dropless capacity); drop_in:
+    our moe_plugin.tutel.moe_layer with the same arguments."""
     try:
-        from tutel import moe as tutel_moe
+        if drop_in:
+            from moe_plugin import tutel as tutel_moe
+        else:
+            from tutel import moe as tutel_moe
     except Exception as error:    # not installed, or its extension failed to load
         return f"skipped (tutel: {type(error).__name__}: {error})"
     if config.activation == "swiglu" and not config.bias:
@@ -190,7 +196,7 @@ def tutel_step(config, x_TD, grad_TD):
                    "has_fc2_bias": config.bias}
     else:
         return f"Tutel has no {config.activation} expert with bias={config.bias}"
-    if x_TD.device.type == "cpu" and not _tutel_has_cpu_kernels():
+    if x_TD.device.type == "cpu" and not drop_in and not _tutel_has_cpu_kernels():
         return "Tutel built without its C++ extension: no CPU kernels here (the GPU script builds it)"
     gate = {"type": "top", "k": config.top_k, "capacity_factor": config.capacity_factor, "fp32_gate": True}
     module = tutel_moe.moe_layer(gate_type=gate, model_dim=config.model_dim, experts=experts)

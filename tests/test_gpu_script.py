@@ -149,7 +149,7 @@ def smoke(tmp_path_factory):
 
 
 CANDIDATES = ("moe_plugin", "moe_plugin_graphed", "moe_plugin_compiled", "moe_plugin_fp32_amp", "floor_gated",
-              "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
+              "floor_relu", "hf_grouped_mm", "deepspeed", "tutel", "moe_plugin_tutel", "einsum_fairseq")
 
 
 def test_peers_smoke_prints_each_peers_row_or_reason(smoke):
@@ -158,7 +158,7 @@ def test_peers_smoke_prints_each_peers_row_or_reason(smoke):
     for name, shape in result["shapes"].items():
         assert set(shape["median_ms"]) | set(shape["reasons"]) == set(CANDIDATES), name
         assert not set(shape["median_ms"]) & set(shape["reasons"])
-        for timed in ("moe_plugin", "floor_gated", "floor_relu", "einsum_fairseq"):
+        for timed in ("moe_plugin", "floor_gated", "floor_relu", "einsum_fairseq", "moe_plugin_tutel"):
             assert 0 < shape["median_ms"][timed] < 1e4, (name, timed)
         assert shape["ratio_to_floor_gated"]["floor_gated"] == 1.0
         assert sum(shape["routed_rows_per_expert"]) <= shape["config"]["tokens"] * shape["config"]["top_k"]

@@ -120,6 +120,22 @@ class TutelMoELayer(MoELayer):
         self._dispatcher = self.make_dispatcher()
         self.tuner = self._make_tuner() if self.is_parallel else None
 
+    def load_full_state_dict(self, state) -> None:
+        """Load a state dict in Tutel's layout holding every expert (a one-process run's, or what `moe-plugin
+        checkpoint convert --from tutel ... --ranks 1` writes): this process keeps its own experts."""
+        if isinstance(self.experts, CustomExperts):
+            raise ValueError("TutelMoELayer.load_full_state_dict: the general path's experts (a custom module or "
+                             "activation) hold a layout of their own: load each process's state dict instead")
+        first, local = self.groups.layout.first_expert, self.num_local_experts
+        share = {}
+        for key, value in state.items():
+            if key.startswith("experts."):
+                flat = value.dim() == 1
+                value = value.reshape(self.num_global_experts, -1) if flat else value
+                value = value[first:first + local].reshape(-1) if flat else value[first:first + local]
+            share[key] = value
+        self.load_state_dict(share)
+
     def extra_repr(self) -> str:
         gates = [f"k={spec.top_k}, noise={spec.gate_noise}" for spec in self.gate_specs]
         return f"Top-K(s) = {gates}, Total-Experts = {self.num_global_experts} [managed by {self.world_size} device(s)]"
@@ -260,7 +276,7 @@ def _from_tutel_keys(layer, state, prefix, local_metadata, strict, missing_keys,
         if layer.expert_spec.kind == "llama_ffn" and all(key in experts for key in names.LLAMA_KEYS):
             experts = names.llama_shapes(experts, layer.num_local_experts, layer.model_dim)
         ours.update(names.experts_to_moe(experts))
-    if layer.tuner is not None and type(layer.tuner).get_extra_state is not nn.Module.get_extra_state:
+    if isinstance(layer.tuner, nn.Module) and type(layer.tuner).get_extra_state is not nn.Module.get_extra_state:
         ours["tuner._extra_state"] = layer.tuner.get_extra_state()
     ours.update(tutel)       # anything left is reported by load_state_dict as unexpected
     state.update({prefix + key: value for key, value in ours.items()})

@@ -18,11 +18,12 @@ D, H, LOCAL, T = 8, 6, 2, 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tutel_helloworld.py"
 
 
-def layer(count, rank, parallel_type="adaptive:1", cf=0.75):
+def layer(count, rank, parallel_type="adaptive:1", cf=0.75, kind="ffn"):
+    experts = {"type": kind, "count_per_node": count, "hidden_size_per_expert": H}
+    if kind == "ffn":
+        experts["activation_fn"] = F.relu
     return tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": cf}, model_dim=D,
-                               experts={"type": "ffn", "count_per_node": count, "hidden_size_per_expert": H,
-                                        "activation_fn": F.relu},
-                               seeds=(1, rank + 1, 1), parallel_type=parallel_type)
+                               experts=experts, seeds=(1, rank + 1, 1), parallel_type=parallel_type)
 
 
 def inputs(rank):
@@ -40,8 +41,7 @@ def expert_parallel_worker(rank, world, parallel_type):
 
 def merged(states):
     """One process's state dict from each rank's: the experts concatenated in rank order, the gate rank 0's."""
-    out = dict(states[0])
-    out["_num_global_experts"] = torch.tensor(sum(s["experts.batched_fc1_w"].shape[0] for s in states))
+    out = dict(states[0])      # _num_global_experts: every rank's counts them all
     for key in states[0]:
         if key.startswith("experts."):
             out[key] = torch.cat([s[key] for s in states])
@@ -64,6 +64,22 @@ def test_two_ranks_equal_one_process(parallel_type):
     for name, param in whole.get_parameter_iterator("local_experts"):
         expert_grads = torch.cat([r[4][name] for r in results])   # each rank's experts got both ranks' tokens
         assert torch.allclose(expert_grads, param.grad, rtol=1e-5, atol=1e-6), name
+
+
+def full_state_worker(rank, world, kind, full):
+    moe = layer(LOCAL, rank + 7, kind=kind)
+    moe.load_full_state_dict(full)
+    return moe.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["ffn", "llama_ffn"])
+def test_a_full_state_dict_splits_over_ranks(kind):
+    full = layer(2 * LOCAL, 0, kind=kind).state_dict()
+    states = run_workers(full_state_worker, 2, kind, full)
+    assert states[0]["experts." + ("batched_fc1_w" if kind == "ffn" else "W_fc1")].numel() * 2 == \
+        full["experts." + ("batched_fc1_w" if kind == "ffn" else "W_fc1")].numel()
+    together = merged(states)
+    assert list(together) == list(full) and all(torch.equal(together[key], full[key]) for key in full)
 
 
 def _example():
