@@ -73,10 +73,14 @@ class RoutingMonitor:
         return {name: metrics_from_sums(sums) for name, sums in self._take(reduce=True, group=group).items()}
 
     def take_sums(self) -> Dict[str, dict]:
-        """This process's window sums per layer (those metrics_from_sums reads; for hosts that sum them over
-        micro-batches and processes themselves, as fairseq's logging outputs), layers without a training forward
-        left out. Starts a new window."""
-        return self._take(reduce=False)
+        """This process's window sums per layer as device tensors, nothing read from the device (for hosts that
+        sum them over micro-batches and processes themselves and read them when they log, as fairseq's logging
+        outputs): "load" and "kept" of E values, the others of one. metrics_from_sums reads them as numbers.
+        Layers without a training forward are left out. Starts a new window."""
+        taken = {name: _named_sums(self.layers[name], window) for name, window in self.windows_L.items()
+                 if window is not None}
+        self.windows_L = {name: None for name in self.layers}
+        return taken
 
     def _take(self, reduce: bool, group=None) -> Dict[str, dict]:
         if not self.layers:
@@ -97,9 +101,10 @@ class RoutingMonitor:
         return taken
 
 
-def _named_sums(layer: MoELayer, window: List[float]) -> dict:
-    """One layer's window (load_E, kept_E, then SUMS) by name, the sums its configuration leaves out dropped, and
-    the bias's spread now (times the forwards, as a sum) with expert bias balancing."""
+def _named_sums(layer: MoELayer, window) -> dict:
+    """One layer's window (load_E, kept_E, then SUMS; numbers, or a device tensor left there) by name, the sums its
+    configuration leaves out dropped, and the bias's spread now (times the forwards, as a sum) with expert bias
+    balancing."""
     cfg, E = layer.config, layer.config.num_experts
     sums = {"load": window[:E], "kept": window[E:2 * E], **dict(zip(SUMS, window[2 * E:]))}
     if cfg.aux_loss == "none":
@@ -108,7 +113,9 @@ def _named_sums(layer: MoELayer, window: List[float]) -> dict:
         del sums["z_loss"]
     if layer.router.bias_routes:
         bias_E = layer.router.expert_bias_E
-        sums["expert_bias_spread"] = float((bias_E.max() - bias_E.min()).item()) * sums["forwards"]
+        spread = bias_E.max() - bias_E.min()
+        sums["expert_bias_spread"] = spread.to(window) * sums["forwards"] if torch.is_tensor(window) else \
+            float(spread.item()) * sums["forwards"]
     return sums
 
 

@@ -95,34 +95,51 @@ class GateLoss:
         return float(sum(n >= self.alarm.windows for n in self.alarm.unhealthy_in_a_row.values()))
 
     def add(self, loss: torch.Tensor, model: torch.nn.Module, sample_size, logging_output: dict) -> torch.Tensor:
-        """loss + the weighted gate loss; the MoE statistics go into logging_output."""
+        """loss + the weighted gate loss; the MoE statistics go into logging_output: in training as device tensors
+        (the monitor's sums of this forward; fairseq sums them and reduce_metrics reads them once per update), in
+        evaluation from the layers' stats."""
         layers = [m for m in model.modules() if isinstance(m, MoELayer)]
         if not layers:
             return loss
         gate_loss = sum(layer.aux_loss for layer in layers)
         if self.combine == "average":
             gate_loss = gate_loss / len(layers)
-        tokens_E = torch.tensor([layer.stats["tokens_per_expert"] for layer in layers], dtype=torch.float64).sum(0)
-        choices = float(tokens_E.sum())
-        dropped = sum(layer.stats["dropped_fraction"] * sum(layer.stats["tokens_per_expert"]) for layer in layers)
-        logging_output["moe_gate_loss"] = float(gate_loss.detach()) * sample_size
+        taken = self.monitor.take_sums() if self.monitor is not None and model.training else {}
+        if taken:
+            tokens_E = torch.stack([sums["load"] for sums in taken.values()]).sum(0)
+            choices = sum(sums["choices"] for sums in taken.values())
+            dropped = choices - sum(sums["kept"].sum() for sums in taken.values())
+            logging_output.update(routing_sums(taken))
+        else:
+            stats = [layer.stats for layer in layers]
+            tokens_E = torch.tensor([s["tokens_per_expert"] for s in stats], dtype=torch.float64).sum(0)
+            choices = float(tokens_E.sum())
+            dropped = sum(s["dropped_fraction"] * sum(s["tokens_per_expert"]) for s in stats)
+        logging_output["moe_gate_loss"] = gate_loss.detach() * sample_size
         logging_output["moe_choices"] = choices
         logging_output["moe_dropped"] = dropped
-        for e, tokens in enumerate(tokens_E.tolist()):
+        for e, tokens in enumerate(tokens_E):
             logging_output[f"moe_tokens_e{e}"] = tokens
-        if self.monitor is not None:
-            logging_output.update(routing_sums(self.monitor.take_sums()))
         return loss + self.weight * gate_loss * sample_size
 
 
 def routing_sums(taken: dict) -> dict:
-    """RoutingMonitor.take_sums() as flat logging-output keys _moe/<layer>/<sum> (a list's items as <sum>_<i>)."""
+    """RoutingMonitor.take_sums() as flat logging-output keys _moe/<layer>/<sum> (the items of load and kept as
+    <sum>_<i>)."""
     flat = {}
     for name, sums in taken.items():
         for key, value in sums.items():
-            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            items = enumerate(value) if value.dim() == 1 else [(None, value)]
             flat.update({f"_moe/{name}/{key}" + ("" if i is None else f"_{i}"): v for i, v in items})
     return flat
+
+
+def totals(logging_outputs, keys) -> dict:
+    """{key: its sum over the logging outputs, a float}; the device tensors among them read in one transfer."""
+    sums = [sum(log.get(key, 0) for log in logging_outputs) for key in keys]
+    tensors = [value for value in sums if torch.is_tensor(value)]
+    read = iter(torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist() if tensors else [])
+    return {key: next(read) if torch.is_tensor(value) else float(value) for key, value in zip(keys, sums)}
 
 
 def window_sums(sum_of, names) -> dict:
@@ -146,9 +163,9 @@ def reduce_routing_metrics(logging_outputs) -> None:
     """Each _moe/ key summed into a hidden sum meter; moe/<layer>/<metric> and moe/all/<metric> derived from the
     meters' sums over the aggregation (fairseq's log interval, epoch)."""
     names = sorted({key for log in logging_outputs for key in log if key.startswith("_moe/")})
-    total = lambda key: sum(log.get(key, 0) for log in logging_outputs)   # noqa: E731
+    total = totals(logging_outputs, names)
     for key in names:
-        metrics.log_scalar_sum(key, total(key))
+        metrics.log_scalar_sum(key, total[key])
 
     def derived(tag):
         def value(meters):
@@ -156,7 +173,7 @@ def reduce_routing_metrics(logging_outputs) -> None:
             layers = window_sums(lambda key: meters[key].sum, hidden)
             return scalars({name: metrics_from_sums(sums) for name, sums in layers.items()})[tag]
         return value
-    tags = scalars({name: metrics_from_sums(sums) for name, sums in window_sums(total, names).items()})
+    tags = scalars({name: metrics_from_sums(sums) for name, sums in window_sums(total.get, names).items()})
     for tag in tags:
         metrics.log_derived(tag, derived(tag))
 
@@ -165,12 +182,13 @@ def reduce_moe_metrics(logging_outputs) -> None:
     reduce_routing_metrics(logging_outputs)
     if not any("moe_choices" in log for log in logging_outputs):
         return
-    total = lambda key: sum(log.get(key, 0) for log in logging_outputs)   # noqa: E731
-    sample_size, choices = total("sample_size"), total("moe_choices")
-    metrics.log_scalar("moe_gate_loss", total("moe_gate_loss") / max(sample_size, 1), sample_size, round=4)
-    metrics.log_scalar("moe_dropped", total("moe_dropped") / max(choices, 1), choices, round=4)
     experts = sum(1 for key in logging_outputs[0] if key.startswith("moe_tokens_e"))
-    shares = [total(f"moe_tokens_e{e}") / max(choices, 1) for e in range(experts)]
+    total = totals(logging_outputs, ["sample_size", "moe_choices", "moe_gate_loss", "moe_dropped"] +
+                   [f"moe_tokens_e{e}" for e in range(experts)])
+    sample_size, choices = total["sample_size"], total["moe_choices"]
+    metrics.log_scalar("moe_gate_loss", total["moe_gate_loss"] / max(sample_size, 1), sample_size, round=4)
+    metrics.log_scalar("moe_dropped", total["moe_dropped"] / max(choices, 1), choices, round=4)
+    shares = [total[f"moe_tokens_e{e}"] / max(choices, 1) for e in range(experts)]
     if experts <= MAX_LOGGED_EXPERTS:
         for e, share in enumerate(shares):
             metrics.log_scalar(f"moe_share_e{e}", share, choices, round=4)

@@ -248,3 +248,26 @@ def test_fairseq_alarm_flags(fairseq_metrics):
         with pytest.raises(ValueError) as error:
             build(MoECrossEntropyCriterion, *flags)
         assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_training_forward_reads_nothing_from_the_device():
+    """The criterion's training forward (the model's, the task loss, the gate loss and every MoE statistic it logs)
+    runs no op that waits on the device; reduce_metrics reads the update's sums; evaluation logs the same keys."""
+    from helpers.host_syncs import HostSyncs
+
+    from moe_plugin.integrations.fairseq_moe.criterions import MoECrossEntropyCriterion
+    model = tiny_model()
+    task = types.SimpleNamespace(target_dictionary=types.SimpleNamespace(pad=lambda: -100))
+    criterion = MoECrossEntropyCriterion(task, False)
+    tokens = torch.randint(VOCAB, (3, 6))
+    sample = {"net_input": {"src_tokens": tokens}, "target": tokens.roll(1, 1), "ntokens": tokens.numel()}
+    criterion(model, sample)         # the first forward builds the monitor
+    with HostSyncs() as record:
+        _, _, log = criterion(model, sample)
+    assert record.seen == []
+    assert log["moe_choices"] == 18 * 2 + 18 and any(key.startswith("_moe/blocks.1/") for key in log)
+    model.eval()
+    with torch.no_grad():
+        _, _, evaluated = criterion(model, sample)
+    assert {key for key in log if key.startswith("moe_")} == {key for key in evaluated if key.startswith("moe_")}
+    assert evaluated["moe_choices"] == 18 * 2 + 18 and not any(key.startswith("_moe/") for key in evaluated)
