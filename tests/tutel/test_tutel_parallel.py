@@ -18,20 +18,21 @@ D, H, LOCAL, T = 8, 6, 2, 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tutel_helloworld.py"
 
 
-def layer(count, rank, parallel_type="adaptive:1", cf=0.75, kind="ffn"):
+def layer(count, rank, parallel_type="adaptive:1", cf=0.75, kind="ffn", is_postscore=True):
     experts = {"type": kind, "count_per_node": count, "hidden_size_per_expert": H}
     if kind == "ffn":
         experts["activation_fn"] = F.relu
     return tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": cf}, model_dim=D,
-                               experts=experts, seeds=(1, rank + 1, 1), parallel_type=parallel_type)
+                               experts=experts, seeds=(1, rank + 1, 1), parallel_type=parallel_type,
+                               is_postscore=is_postscore)
 
 
 def inputs(rank):
     return torch.randn(T, D, generator=torch.Generator().manual_seed(50 + rank))
 
 
-def expert_parallel_worker(rank, world, parallel_type):
-    moe = layer(LOCAL, rank, parallel_type)
+def expert_parallel_worker(rank, world, parallel_type, is_postscore):
+    moe = layer(LOCAL, rank, parallel_type, is_postscore=is_postscore)
     x = inputs(rank).requires_grad_()
     y = moe(x)
     (y.square().sum() + y.l_aux).backward()
@@ -49,10 +50,11 @@ def merged(states):
     return out
 
 
-@pytest.mark.parametrize("parallel_type", ["adaptive:1", "adaptive:0"])
-def test_two_ranks_equal_one_process(parallel_type):
-    results = run_workers(expert_parallel_worker, 2, parallel_type)
-    whole = layer(2 * LOCAL, 0)
+@pytest.mark.parametrize("parallel_type, is_postscore", [("adaptive:1", True), ("adaptive:0", True),
+                                                         ("adaptive:1", False)])
+def test_two_ranks_equal_one_process(parallel_type, is_postscore):
+    results = run_workers(expert_parallel_worker, 2, parallel_type, is_postscore)
+    whole = layer(2 * LOCAL, 0, is_postscore=is_postscore)
     whole.load_state_dict(merged([r[0] for r in results]), strict=True)
     expert_grads = []
     for rank, (_, y, l_aux, x_grad, _) in enumerate(results):
