@@ -80,6 +80,13 @@ class TutelMoELayer(MoELayer):
                 scan_expert_func(name, param)
             param._tutel_expert = True
 
+    def __getstate__(self):
+        """copy.deepcopy and pickling: the last forward's l_aux travels without its graph (as MoELayer's aux_loss)."""
+        state = super().__getstate__()
+        if state.get("l_aux") is not None:
+            state["l_aux"] = state["l_aux"].detach()
+        return state
+
     @property
     def router(self):
         """The gate of the call in progress (the last call's between calls); MoELayer's own while it is built."""

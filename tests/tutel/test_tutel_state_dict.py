@@ -1,5 +1,7 @@
 """State dicts: the drop-in saves Tutel's keys and layouts and loads them strictly (Swin-MoE's [E, 1, H] biases and
 legacy files without _num_global_experts too); names.py converts them to and from a plain MoELayer's."""
+import copy
+import io
 import warnings
 
 import pytest
@@ -114,3 +116,20 @@ def test_model_state_dicts_convert_every_layer():
     assert torch.equal(converted["blocks.1.mlp._moe_layer.experts.w1_EDH"],
                        model["blocks.1.mlp._moe_layer.experts.batched_fc1_w"].transpose(1, 2))
     assert not any("batched" in key for key in converted)
+
+
+@pytest.mark.parametrize("activation", [F.relu, torch.tanh])
+def test_a_layer_copies_and_pickles_after_a_forward(activation):
+    layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=D,
+                                experts={"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H,
+                                         "activation_fn": activation})
+    x = torch.randn(7, D)
+    layer(x).sum().backward()
+    copied = copy.deepcopy(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (copied, loaded):
+        assert torch.equal(other(x), layer(x))
+        assert getattr(other.experts, "ctx", other) is other     # the general path's experts see their own layer
