@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from helpers.launch import run_workers, torchrun
 from tutel_common import HAVE_TUTEL, NO_TUTEL
 
+import moe_plugin
 from moe_plugin import tutel as tutel_moe
+from moe_plugin.tutel import names
 
 D, H, LOCAL, T = 8, 6, 2, 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tutel_helloworld.py"
@@ -82,6 +84,36 @@ def test_a_full_state_dict_splits_over_ranks(kind):
         full["experts." + ("batched_fc1_w" if kind == "ffn" else "W_fc1")].numel()
     together = merged(states)
     assert list(together) == list(full) and all(torch.equal(together[key], full[key]) for key in full)
+
+
+def fsdp_worker(rank, world, drop_in):
+    """3 SGD steps of Linear -> the layer -> Linear under fully_shard_moe (expert parallel over both ranks): the
+    drop-in, or a plain MoELayer with its config and weights."""
+    from moe_plugin.parallel import fully_shard_moe
+    moe = layer(LOCAL, rank)
+    if not drop_in:
+        plain = moe_plugin.MoELayer(moe.config)
+        plain.load_state_dict(names.tutel_to_moe(moe.state_dict()), strict=True)
+        moe = plain
+    torch.manual_seed(4)
+    model = fully_shard_moe(torch.nn.Sequential(torch.nn.Linear(D, D), moe, torch.nn.Linear(D, 3)).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(60 + rank)
+    x, y = torch.randn(T, D, generator=generator, dtype=torch.float64), torch.randint(3, (T,), generator=generator)
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(model(x), y) + 0.01 * moe_plugin.aux_loss(model)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def test_fsdp2_trains_the_drop_in_as_it_trains_moe_layer():
+    drop_in, plain = (run_workers(fsdp_worker, 2, flag) for flag in (True, False))
+    assert torch.allclose(torch.tensor(drop_in), torch.tensor(plain), rtol=1e-12, atol=0)
+    assert all(losses[0] != losses[-1] for losses in drop_in)
 
 
 def _example():
