@@ -1,7 +1,8 @@
 """Routing metrics per MoE layer and logging window (issue 44): RoutingMonitor(model) hooks every MoELayer;
-each training forward adds its routing into a device tensor (no host synchronization); read() sums the window
-over the processes (one all_reduce, one device read) and returns per-layer metrics; scalars() names them
-moe/<layer>/<metric> with a whole-model summary under moe/all/<metric>.
+each training forward adds its routing in place into a device tensor (no host synchronization) and what the host
+knows (token counts) into numbers; read() sums the window over the processes (one all_reduce, one device read)
+and returns per-layer metrics; scalars() names them moe/<layer>/<metric> with a whole-model summary under
+moe/all/<metric>.
 
 Per layer and window (sums over every training forward of the window, every micro-batch, every process):
     max_load                 the busiest expert's tokens over the mean (1.0 balanced; E when one expert takes all)
@@ -32,8 +33,9 @@ METRICS = ("max_load", "experts_without_tokens", "dropped_fraction", "capacity_u
            "balance_loss", "z_loss", "expert_bias_spread")
 # the whole-model summary: the worst layer for these, the sum for experts_without_tokens, the mean for the rest
 WORST = {"max_load": max, "expert_bias_spread": max, "experts_without_tokens": sum}
-# after each layer's load_E and kept_E (2E values), its window holds these sums
-SUMS = ("choices", "slots", "entropy", "tokens", "balance_loss", "z_loss", "forwards")
+# a layer's window: on the device its load_E and kept_E (2E values) then DEVICE_SUMS; on the host HOST_SUMS
+DEVICE_SUMS = ("slots", "entropy", "balance_loss", "z_loss")
+HOST_SUMS = ("choices", "slots", "tokens", "forwards")      # slots: those of a fixed capacity
 NOT_SUMMING_TO_ONE = ("sigmoid", "sqrt_softplus")      # routers whose scores are not a softmax (router.py)
 
 
@@ -44,7 +46,7 @@ class RoutingMonitor:
 
     def __init__(self, model: nn.Module):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
-        self.windows_L: Dict[str, Optional[torch.Tensor]] = {name: None for name in self.layers}
+        self.windows = {name: None for name in self.layers}      # name: _Window, None before a forward
         # prepend: before hooks that others put on the layer, such as ZeRO-3's release of its gathered parameters
         self.handles = [layer.register_forward_hook(self._hook(name), with_kwargs=True, prepend=True)
                         for name, layer in self.layers.items()]
@@ -57,10 +59,12 @@ class RoutingMonitor:
     def _hook(self, name: str):
         def hook(layer, args, kwargs, output):
             if layer.training and layer._routing is not None and torch._C._current_graph_task_id() < 0:
+                window = self.windows[name]
+                if window is None or window.device_sums.device != layer._routing[0].device:
+                    window = self.windows[name] = _Window(layer.config.num_experts, layer._routing[0].device,
+                                                          window)
                 with torch.no_grad():
-                    sums = _forward_sums(layer, args, kwargs)
-                window = self.windows_L[name]
-                self.windows_L[name] = sums if window is None else window + sums.to(window.device)
+                    _add_forward(window, layer, args, kwargs)
         # eager under torch.compile (a graph break per layer): the window outlives the step, which a CUDA graph's
         # outputs do not (the next replay overwrites them). Only where the compiler is loaded already: its import
         # costs a second of every process's start (build the monitor after torch.compile)
@@ -70,43 +74,62 @@ class RoutingMonitor:
         """{layer name: {metric: value, "tokens_per_expert": [...]}} of the window since the last read, summed
         over the processes of group (default: all, when torch.distributed is initialized: every process must
         call it then, with the same layers); {} when no training forward ran in it anywhere. Starts a new window."""
-        return {name: metrics_from_sums(sums) for name, sums in self._take(reduce=True, group=group).items()}
-
-    def take_sums(self) -> Dict[str, dict]:
-        """This process's window sums per layer as device tensors, nothing read from the device (for hosts that
-        sum them over micro-batches and processes themselves and read them when they log, as fairseq's logging
-        outputs): "load" and "kept" of E values, the others of one. metrics_from_sums reads them as numbers.
-        Layers without a training forward are left out. Starts a new window."""
-        taken = {name: _named_sums(self.layers[name], window) for name, window in self.windows_L.items()
-                 if window is not None}
-        self.windows_L = {name: None for name in self.layers}
-        return taken
-
-    def _take(self, reduce: bool, group=None) -> Dict[str, dict]:
         if not self.layers:
             return {}
-        sizes = {name: 2 * layer.config.num_experts + len(SUMS) for name, layer in self.layers.items()}
         device = next(iter(self.layers.values())).router.weight_ED.device
-        parts = [torch.zeros(sizes[name], dtype=torch.float64, device=device) if w is None else w.to(device)
-                 for name, w in self.windows_L.items()]
-        sums = torch.cat(parts)
-        if reduce and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums, group=group)
-        self.windows_L = {name: None for name in self.layers}
-        values, start, taken = sums.tolist(), 0, {}
+        parts, sizes = [], []
         for name, layer in self.layers.items():
-            window, start = values[start:start + sizes[name]], start + sizes[name]
-            if window[-1] > 0:
-                taken[name] = _named_sums(layer, window)
+            window = self.windows[name] or _Window(layer.config.num_experts, device)
+            host = torch.tensor([window.host[key] for key in HOST_SUMS], dtype=torch.float64)
+            parts += [window.device_sums.to(device), host.to(device)]
+            sizes.append(parts[-2].numel() + len(HOST_SUMS))
+        sums = torch.cat(parts)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums, group=group)
+        self.windows = {name: None for name in self.layers}
+        values, start, read = sums.tolist(), 0, {}
+        for (name, layer), size in zip(self.layers.items(), sizes):
+            window, start = values[start:start + size], start + size
+            host = dict(zip(HOST_SUMS, window[-len(HOST_SUMS):]))
+            if host["forwards"] > 0:
+                read[name] = metrics_from_sums(_named_sums(layer, window[:-len(HOST_SUMS)], host))
+        return read
+
+    def take_sums(self) -> Dict[str, dict]:
+        """This process's window sums per layer, nothing read from the device (for hosts that sum them over
+        micro-batches and processes themselves and read them when they log, as fairseq's logging outputs): device
+        tensors ("load" and "kept" of E values, the others of one) and numbers. metrics_from_sums reads them as
+        numbers. Layers without a training forward are left out. Starts a new window."""
+        taken = {name: _named_sums(self.layers[name], window.device_sums, window.host)
+                 for name, window in self.windows.items() if window is not None}
+        self.windows = {name: None for name in self.layers}
         return taken
 
 
-def _named_sums(layer: MoELayer, window) -> dict:
-    """One layer's window (load_E, kept_E, then SUMS; numbers, or a device tensor left there) by name, the sums its
+class _Window:
+    """One layer's sums since the last read: device_sums (load_E, kept_E, DEVICE_SUMS; float64) with a view on
+    each part made once, and host, HOST_SUMS as numbers. A window moved to another device is carried over."""
+
+    def __init__(self, num_experts: int, device: torch.device, old: Optional["_Window"] = None):
+        E = num_experts
+        self.device_sums = torch.zeros(2 * E + len(DEVICE_SUMS), dtype=torch.float64, device=device)
+        self.host = dict.fromkeys(HOST_SUMS, 0.0)
+        if old is not None:
+            self.device_sums += old.device_sums.to(device)
+            self.host = dict(old.host)
+        self.load_E, self.kept_E = self.device_sums[:E], self.device_sums[E:2 * E]
+        self.slots, self.entropy, self.balance_loss, self.z_loss = self.device_sums[2 * E:].unbind()
+
+
+def _named_sums(layer: MoELayer, device_sums, host: dict) -> dict:
+    """One layer's window (device_sums: numbers, or a device tensor left there) by name, the sums its
     configuration leaves out dropped, and the bias's spread now (times the forwards, as a sum) with expert bias
     balancing."""
     cfg, E = layer.config, layer.config.num_experts
-    sums = {"load": window[:E], "kept": window[E:2 * E], **dict(zip(SUMS, window[2 * E:]))}
+    device = dict(zip(DEVICE_SUMS, device_sums[2 * E:]))
+    sums = {"load": device_sums[:E], "kept": device_sums[E:2 * E], "choices": host["choices"],
+            "slots": device["slots"] + host["slots"], "entropy": device["entropy"], "tokens": host["tokens"],
+            "balance_loss": device["balance_loss"], "z_loss": device["z_loss"], "forwards": host["forwards"]}
     if cfg.aux_loss == "none":
         del sums["balance_loss"]
     if cfg.z_loss_coef <= 0:
@@ -114,8 +137,8 @@ def _named_sums(layer: MoELayer, window) -> dict:
     if layer.router.bias_routes:
         bias_E = layer.router.expert_bias_E
         spread = bias_E.max() - bias_E.min()
-        sums["expert_bias_spread"] = spread.to(window) * sums["forwards"] if torch.is_tensor(window) else \
-            float(spread.item()) * sums["forwards"]
+        sums["expert_bias_spread"] = spread.to(device_sums) * host["forwards"] if torch.is_tensor(device_sums) \
+            else float(spread.item()) * host["forwards"]
     return sums
 
 
@@ -152,10 +175,23 @@ def _mean(values: List[float]) -> float:
     return sum(values) / len(values)
 
 
-def _forward_sums(layer: MoELayer, args: tuple, kwargs: dict) -> torch.Tensor:
-    """This forward's window sums (float64, on the layer's device): load_E, kept_E, then SUMS."""
+def _add_forward(window: _Window, layer: MoELayer, args: tuple, kwargs: dict) -> None:
+    """Adds this forward's routing to the window: on the device in place (no host synchronization, few ops),
+    what the host knows to its numbers."""
     cfg, router = layer.config, layer.router
     load_E, kept_E, capacity_factor, fixed, num_tokens, top_k = layer._routing
+    window.load_E += load_E
+    window.kept_E += kept_E
+    if capacity_factor > 0:
+        window.host["slots"] += fixed * cfg.num_experts
+    elif capacity_factor == 0:
+        window.slots.add_(load_E.max(), alpha=cfg.num_experts)
+    else:
+        window.slots.add_(load_E.max().clamp(max=fixed), alpha=cfg.num_experts)
+    window.host["choices"] += num_tokens * top_k
+    window.host["tokens"] += num_tokens
+    window.host["forwards"] += 1
+
     x = args[0] if args else kwargs["x"]
     routed = kwargs.get("router_input", args[4] if len(args) > 4 else None)
     routed_TD = (x if routed is None else routed).reshape(-1, cfg.model_dim)
@@ -169,28 +205,19 @@ def _forward_sums(layer: MoELayer, args: tuple, kwargs: dict) -> torch.Tensor:
     if cfg.router in NOT_SUMMING_TO_ONE:      # normalized, as the router does for its balance loss
         scores_TE = router.scores(logits_TE)
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(scores_TE.dtype).tiny)
-        entropy = -(probs_TE * probs_TE.clamp(min=torch.finfo(probs_TE.dtype).tiny).log()).sum()
+        window.entropy.sub_((probs_TE * probs_TE.clamp(min=torch.finfo(probs_TE.dtype).tiny).log()).sum())
     else:
         probs_TE = exp_TE / sum_T1
-        entropy = -(probs_TE * (shifted_TE - sum_T1.log())).sum()
-    balance = z = logits_TE.new_zeros(())
-    if cfg.z_loss_coef > 0 and logits_TE.shape[0]:
+        window.entropy.sub_((probs_TE * (shifted_TE - sum_T1.log())).sum())
+    z = logits_TE.new_zeros(())
+    if cfg.z_loss_coef > 0 and num_tokens:
         z = (logits_TE.amax(-1) + sum_T1.squeeze(-1).log()).square().mean()       # the router's z-loss
+        window.z_loss.add_(z)
     if cfg.aux_loss != "none" and cfg.aux_loss_coef > 0:     # the layer's own: aux_loss_coef * balance + z-loss term
-        balance = (layer.aux_loss.detach().to(logits_TE.dtype) - cfg.z_loss_coef * z) / cfg.aux_loss_coef
+        window.balance_loss.add_((layer.aux_loss.detach().to(logits_TE.dtype) - cfg.z_loss_coef * z) /
+                                 cfg.aux_loss_coef)
     elif cfg.aux_loss != "none":
-        balance = _noise_free_balance_loss(layer, logits_TE, probs_TE, x, sequence_T)
-    largest = load_E.max()
-    capacity = torch.full_like(largest, fixed) if capacity_factor > 0 else largest if capacity_factor == 0 else \
-        torch.clamp(largest, max=fixed)
-    device = load_E.device
-
-    def number(value: float) -> torch.Tensor:      # a fill on the device: no host-to-device copy to wait for
-        return torch.full((), float(value), dtype=torch.float64, device=device)
-
-    sums = torch.stack([number(num_tokens * top_k), capacity.double() * cfg.num_experts, entropy.double(),
-                        number(num_tokens), balance.double(), z.double(), number(1)])
-    return torch.cat([load_E.double(), kept_E.double(), sums])
+        window.balance_loss.add_(_noise_free_balance_loss(layer, logits_TE, probs_TE, x, sequence_T))
 
 
 def _noise_free_balance_loss(layer: MoELayer, logits_TE: torch.Tensor, probs_TE: torch.Tensor, x: torch.Tensor,

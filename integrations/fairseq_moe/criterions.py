@@ -129,7 +129,7 @@ def routing_sums(taken: dict) -> dict:
     flat = {}
     for name, sums in taken.items():
         for key, value in sums.items():
-            items = enumerate(value) if value.dim() == 1 else [(None, value)]
+            items = enumerate(value) if torch.is_tensor(value) and value.dim() == 1 else [(None, value)]
             flat.update({f"_moe/{name}/{key}" + ("" if i is None else f"_{i}"): v for i, v in items})
     return flat
 
