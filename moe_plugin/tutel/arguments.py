@@ -88,11 +88,11 @@ def _gate_spec(gate: Any, index: int) -> GateSpec:
         raise ValueError(f"moe_layer: gate_type[{index}] ({kind}) has unknown options {unknown}; allowed: "
                          f"{list(allowed)}")
     default_cf = float(os.environ.get("CAP_FACTOR", 1.0))     # Tutel's default, as Tutel reads it
-    spec = GateSpec(kind, _int(options.get("k", 1), f"gate_type[{index}]['k']", 1),
+    spec = GateSpec(kind, check_int(options.get("k", 1), f"gate_type[{index}]['k']", 1),
                     bool(options.get("fp32_gate", False)),
                     _number(options.get("capacity_factor", default_cf), f"gate_type[{index}]['capacity_factor']"),
                     _number(options.get("gate_noise", 0.0), f"gate_type[{index}]['gate_noise']"),
-                    _int(options.get("proj_dim", 256), f"gate_type[{index}]['proj_dim']", 1),
+                    check_int(options.get("proj_dim", 256), f"gate_type[{index}]['proj_dim']", 1),
                     _number(options.get("init_t", 0.5), f"gate_type[{index}]['init_t']"))
     if spec.gate_noise < 0:
         raise ValueError(f"moe_layer: gate_type[{index}]['gate_noise']={spec.gate_noise} must be >= 0")
@@ -124,7 +124,7 @@ def expert_spec(experts: Any, model_dim: int) -> ExpertSpec:
             raise ValueError("moe_layer: experts['type']='custom' needs experts['module'], a module class called as "
                              "module(model_dim=, num_experts_per_device=, sharded_count=, **other options)")
         return ExpertSpec(kind, count, module=module, options=options)
-    hidden = _int(options.pop("hidden_size_per_expert", None), "experts['hidden_size_per_expert']", 1)
+    hidden = check_int(options.pop("hidden_size_per_expert", None), "experts['hidden_size_per_expert']", 1)
     if kind == "ffn":
         return _ffn_spec(options, count, hidden, model_dim)
     return _llama_spec(options, count, hidden)
@@ -183,7 +183,7 @@ def parallel_degree(parallel_type: Any) -> int:
     if not isinstance(parallel_type, str):
         raise ValueError(f"moe_layer: parallel_type={parallel_type!r} must be 'adaptive:N', 'data', 'model' or 'auto'")
     if parallel_type.startswith("adaptive:"):
-        degree = _int(_parsed_int(parallel_type[len("adaptive:"):], parallel_type), "parallel_type's N", None)
+        degree = check_int(_parsed_int(parallel_type[len("adaptive:"):], parallel_type), "parallel_type's N", None)
         return min(max(degree, 0), 1)
     if parallel_type in ("data", "model", "auto"):
         return 1
@@ -220,7 +220,7 @@ def layer_config(model_dim: int, num_experts: int, ep_size: int, experts: Expert
         a2a="2dh" if use_2dh else "flat", gate_on_input=not is_postscore)
 
 
-def _int(value: Any, name: str, minimum: Optional[int]) -> int:
+def check_int(value: Any, name: str, minimum: Optional[int]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
         allowed = "an integer" + ("" if minimum is None else f" >= {minimum}")
         raise ValueError(f"moe_layer: {name}={value!r} is invalid: must be {allowed}")

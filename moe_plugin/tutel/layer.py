@@ -45,7 +45,7 @@ class TutelMoELayer(MoELayer):
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         num_global = expert_spec.num_local * world
         degree = arguments.parallel_degree(parallel_type)
-        overlap = arguments._int(a2a_ffn_overlap_degree, "a2a_ffn_overlap_degree", 1)
+        overlap = arguments.check_int(a2a_ffn_overlap_degree, "a2a_ffn_overlap_degree", 1)
         if seeds is not None and len(seeds) < 2:
             raise ValueError(f"moe_layer: seeds={seeds!r} must hold 2 or 3 seeds (gates, experts[, after]), or None")
         self._settings = dict(is_postscore=bool(is_postscore), normalize_gate=bool(normalize_gate),
@@ -172,7 +172,7 @@ class TutelMoELayer(MoELayer):
         if not 0 <= gate_index < len(self.gates):
             raise ValueError(f"moe_layer forward: gate_index={gate_index!r} must be in [0, {len(self.gates)})")
         if a2a_ffn_overlap_degree is not None:     # as in Tutel, it stays for later calls
-            self.a2a_ffn_overlap_degree = arguments._int(a2a_ffn_overlap_degree, "a2a_ffn_overlap_degree", 1)
+            self.a2a_ffn_overlap_degree = arguments.check_int(a2a_ffn_overlap_degree, "a2a_ffn_overlap_degree", 1)
         if adaptive_r is not None:
             if adaptive_r not in (0, 1):
                 raise ValueError(f"moe_layer forward: adaptive_r={adaptive_r!r} must be 0 or 1 (experts gathered, or "
