@@ -36,8 +36,8 @@ class RoutingMetrics(TrainerCallback):
         self.monitor = RoutingMonitor(model)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.monitor is None or logs is None:
-            return
+        if self.monitor is None or logs is None or any(key.startswith("eval_") for key in logs):
+            return      # an evaluation's log: the training window goes on to the next training log
         metrics = self.monitor.read()
         tags = scalars(metrics)
         logs.update(tags)

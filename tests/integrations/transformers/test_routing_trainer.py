@@ -17,13 +17,17 @@ pytestmark = [needs_transformers]
 STEPS, EVERY = 6, 2
 
 
-def train(model, callbacks, report_to, out_dir):
+def train(model, callbacks, report_to, out_dir, eval_steps=None):
     from transformers import Trainer, TrainingArguments
     data = [{"input_ids": row, "labels": row} for row in tokens(seed=torch.randint(1 << 30, ()).item(), batch=24)]
+    evaluation = dict(eval_strategy="steps", eval_steps=eval_steps) if eval_steps else {}
     args = TrainingArguments(output_dir=out_dir, use_cpu=True, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2, save_strategy="no",
-                             report_to=report_to, logging_steps=EVERY, disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+                             report_to=report_to, logging_steps=EVERY, disable_tqdm=True, **evaluation)
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4] if eval_steps else None,
+                      callbacks=callbacks)
+    trainer.train()
+    return trainer
 
 
 def swapped(hf_config=None, **overrides):
@@ -107,3 +111,21 @@ def test_the_alarm_fires_once_on_a_collapse_only(case, caplog):
     for name, message in zip(names, alarms):
         assert f"MoE layer {name}: experts 0 (0.0%), 1 (0.0%), 2 (0.0%), 4 (0.0%), 5 (0.0%) got under 5%" in message
         assert "busiest expert 6.00x the mean" in message and "last 2 logging windows" in message
+
+
+def test_evaluation_logs_leave_the_training_window_whole():
+    """With an evaluation every step, the training logs (every EVERY steps) still hold their whole window's routing
+    (evaluation forwards not counted) and the evaluations' logs hold none."""
+    from moe_plugin.integrations.transformers import RoutingMetrics
+    model = swapped(capacity_factor=1.0)
+    forwards = {}
+    layers = record_forwards(model, forwards)
+    history = train(model, [RoutingMetrics(alarm=False)], [], tempfile.mkdtemp(), eval_steps=1).state.log_history
+    evaluations = [log for log in history if "eval_loss" in log]
+    assert len(evaluations) == STEPS and not any(key.startswith("moe/") for log in evaluations for key in log)
+    logs = [log for log in history if "loss" in log]
+    assert [log["step"] for log in logs] == list(range(EVERY, STEPS + 1, EVERY))
+    for window, log in enumerate(logs):
+        for name, metrics in window_expected(layers, forwards, window, 2 * EVERY).items():
+            for key, value in metrics.items():
+                assert log[f"moe/{name}/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
