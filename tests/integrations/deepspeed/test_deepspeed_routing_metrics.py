@@ -3,8 +3,9 @@
 and moe/all to DeepSpeed's own monitor files, equal to numbers recomputed from each layer's routing on both ranks
 as each forward ran (tests/helpers/routing_reference.py); a bad "moe.routing_alarm" is a one-line error. A router
 sending every token to one expert raises the alarm once per layer at the set window, on rank 0, through DeepSpeed's
-logger; a router balanced by construction never does, nor "routing_alarm": false; with the JSON's wandb section
-on, wandb.log gets the same numbers at DeepSpeed's x-axis, its steps never going back."""
+logger; a router balanced by construction never does, nor "routing_alarm": false; with the JSON's wandb and
+tensorboard sections on, wandb.log and the event file get the same numbers at DeepSpeed's x-axis (wandb's steps
+never going back)."""
 import csv
 
 import pytest
@@ -124,10 +125,11 @@ def balance(model):
                     weight.zero_()
 
 
-def alarm_worker(rank, world, seed):
+def alarm_worker(rank, world, seed, board):
     """Three engines in turn (ALARM_CASES), a window each optimizer step; the balanced one with the JSON's wandb
-    section on (wandb replaced by a recorder). Returns per case each engine.step() call's alarm warnings, the
-    forwards' reference sums and the layers' configs; and the wandb.log calls."""
+    section on (wandb replaced by a recorder) and, with board (a folder), its tensorboard section. Returns per case
+    each engine.step() call's alarm warnings, the forwards' reference sums and the layers' configs; and the
+    wandb.log calls."""
     import logging
     import sys
     import types
@@ -157,6 +159,8 @@ def alarm_worker(rank, world, seed):
                   "moe": section}
         if case == "balanced":
             config["wandb"] = {"enabled": True, "project": "routing"}
+            if board:
+                config["tensorboard"] = {"enabled": True, "output_path": board, "job_name": "run"}
         torch.manual_seed(seed)
         engine, _, _, _ = dsi.initialize(model=MoETransformerLM(section, seed=seed), config=config)
         if case == "balanced":
@@ -176,9 +180,11 @@ def alarm_worker(rank, world, seed):
 
 
 @pytest.mark.timeout(600)
-def test_the_alarm_fires_on_a_collapse_only_and_wandb_gets_the_metrics():
+def test_the_alarm_fires_on_a_collapse_only_and_wandb_and_tensorboard_get_the_metrics(tmp_path):
+    import importlib.util
+    board = str(tmp_path) if importlib.util.find_spec("tensorboard") is not None else None   # else wandb's only
     seed = torch.randint(1 << 30, ()).item()
-    (results0, wandb0), (results1, wandb1) = run_workers(alarm_worker, 2, seed, timeout=500)
+    (results0, wandb0), (results1, wandb1) = run_workers(alarm_worker, 2, seed, board, timeout=500)
     boundaries = list(range(ACCUMULATION - 1, STEPS * ACCUMULATION, ACCUMULATION))   # engine.step() calls ending a step
     alarms = results0["collapsed"][0]
     fired = [i for i, found in enumerate(alarms) if found]
@@ -201,6 +207,11 @@ def test_the_alarm_fires_on_a_collapse_only_and_wandb_gets_the_metrics():
     for data, step in wandb0:
         for key, value in data.items():
             logged.setdefault(key, {})[step] = value
+    events = None
+    if board:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0})
+        events.Reload()
     for window in range(STEPS):
         step = (window + 1) * ACCUMULATION * 4 * 2
         want = {}
@@ -214,6 +225,8 @@ def test_the_alarm_fires_on_a_collapse_only_and_wandb_gets_the_metrics():
             assert load == [load[0]] * 4 and want[name]["dropped_fraction"] == 0      # balanced indeed
             for key, value in want[name].items():
                 assert logged[f"moe/{name}/{key}"][step] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
+                board_values = {e.step: e.value for e in events.Scalars(f"moe/{name}/{key}")} if events else {}
+                assert not events or board_values[step] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
         assert logged["moe/all/max_load"][step] == pytest.approx(max(w["max_load"] for w in want.values()))
 
 
