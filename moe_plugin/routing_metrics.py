@@ -11,7 +11,8 @@ Per layer and window (sums over every training forward of the window, every micr
     capacity_used            kept choices over the capacity's slots
     router_entropy           mean entropy of the router's distribution per token (nats; log(E) at most)
     balance_loss, z_loss     unweighted, as configured (aux_loss not "none"; z_loss_coef > 0), averaged over forwards
-    expert_bias_spread       with expert bias balancing: max - min of the bias (when read)
+    expert_bias_spread       with expert bias balancing: max - min of the bias when read (take_sums: when taken,
+                             so a host summing those gets the mean over its takes)
 
 Entropy and z-loss are recomputed from the router's input in the hook (one [T, E] router product, no noise drawn);
 the balance loss is the layer's own (its aux loss less the z-loss term, over aux_loss_coef), recomputed from the
