@@ -119,7 +119,10 @@ class _Window:
             self.device_sums += old.device_sums.to(device)
             self.host = dict(old.host)
         self.load_E, self.kept_E = self.device_sums[:E], self.device_sums[E:2 * E]
-        self.slots, self.entropy, self.balance_loss, self.z_loss = self.device_sums[2 * E:].unbind()
+        # slices of one value, not unbind()'s: torch.compile (a monitor compiled with the model) loses in-place adds
+        # to those after the first call
+        self.slots, self.entropy, self.balance_loss, self.z_loss = (self.device_sums[i:i + 1]
+                                                                    for i in range(2 * E, 2 * E + len(DEVICE_SUMS)))
 
 
 def _named_sums(layer: MoELayer, device_sums, host: dict) -> dict:
