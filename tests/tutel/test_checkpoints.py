@@ -485,10 +485,6 @@ def four_rank_files(tmp_path, D, H, sliced: bool) -> list:
     return paths
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="moe_plugin/tutel/layer.py's load hook (_from_tutel_keys) "
-                   "reads type(layer.tuner).get_extra_state, which OnceTuner (the tuner of every expert-parallel "
-                   "drop-in) does not have: AttributeError, so the drop-in loads no state dict at world size > 1. "
-                   "With that fixed this test passed by hand; then remove this mark")
 @pytest.mark.timeout(300)
 def test_the_drop_in_on_2_ranks_from_converted_files_equals_one_process(tmp_path):
     """Tutel files of 4 ranks -> 2 ranks' files and one file (the command); moe_plugin.tutel's moe_layer at expert
