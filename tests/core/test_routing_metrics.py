@@ -148,3 +148,42 @@ def test_a_noisy_balance_loss_is_the_layers_own_or_noise_free(coef):
         if coef > 0:
             want.append(float(layer.aux_loss) / coef)
     assert monitor.read()[""]["balance_loss"] == pytest.approx(sum(want) / 2, rel=1e-5)
+
+
+COMPILED_RUN = """
+import copy, json, sys
+import torch
+from torch import nn
+from moe_plugin import MoELayer
+from moe_plugin.routing_metrics import RoutingMonitor
+assert "torch._dynamo" not in sys.modules       # else the monitor's hooks run eagerly whenever it is built
+torch.manual_seed(int(sys.argv[1]))
+layers = [MoELayer(model_dim=16, hidden_size=24, num_experts=6, top_k=2, capacity_factor=0.8, z_loss_coef=0.01),
+          MoELayer(model_dim=16, hidden_size=24, num_experts=8, top_k=1, capacity_factor=0.0, router="sigmoid"),
+          MoELayer(model_dim=16, hidden_size=24, num_experts=7, top_k=3, capacity_factor=1.25, aux_loss="switch",
+                   aux_loss_coef=0.1, z_loss_coef=0.001)]
+model, eager = nn.Sequential(*layers), nn.Sequential(*copy.deepcopy(layers))
+monitor, eager_monitor = RoutingMonitor(model), RoutingMonitor(eager)     # built before torch.compile
+compiled = torch.compile(model)
+for _ in range(3):
+    x = torch.randn(2, 5, 16)
+    compiled(x).square().mean().backward()
+    eager(x).square().mean().backward()
+print(json.dumps([monitor.read(), eager_monitor.read()]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_monitor_compiled_with_the_model_reads_what_an_eager_one_does():
+    """A monitor built before torch.compile (default mode) has its hooks compiled with the model: it reads the same
+    window as the eager model's over several forwards (a fresh process, where the compiler is not loaded yet;
+    compiling takes seconds)."""
+    import json
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", COMPILED_RUN, str(torch.randint(1 << 30, ()).item())],
+                         capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled, eager = json.loads(run.stdout.splitlines()[-1])
+    assert len(eager) == 3
+    check(compiled, eager, rel=1e-4)
