@@ -5,8 +5,7 @@ import importlib.util
 from moe_plugin.tutel import names
 from moe_plugin.tutel.experts import CustomExperts
 
-# tests/ is on the path (pytest.ini) and holds this folder, tests/tutel: without Tutel installed, `import tutel` would
-# find it as an empty namespace package; Tutel itself is a regular package (its spec has an origin)
+# Tutel itself is a regular package (its spec has an origin), not a folder of that name on the path without one
 _SPEC = importlib.util.find_spec("tutel")
 HAVE_TUTEL = _SPEC is not None and _SPEC.origin is not None
 NO_TUTEL = "real Tutel is not installed (it is not on PyPI; CI has none): these tests compare against it where it is"
