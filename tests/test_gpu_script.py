@@ -180,6 +180,8 @@ def test_summary_turns_partial_results_into_one_table(tmp_path, smoke):
                 dict(case="bias_fixed_bf16", variant="ours", budget=40, total=41)]
     table = summary.rows(tmp_path)
     assert any("launches_graphs rc=124" in row[3] for row in table)
+    drop_in = [row for row in table if row[0] == "43.6"]      # the Tutel drop-in against our layer, per shape
+    assert len(drop_in) == len(smoke[1]["shapes"]) and all(row[4] in ("met", "MISSED") for row in drop_in), drop_in
     assert any(row[1].startswith("FSDP2") and "did not run" in row[3] for row in table)
     (tmp_path / "launches_graphs.json").write_text(json.dumps(dict(
         launches=launches, host=dict(ratio=0.7, median_ms=dict(ours=0.7, hf_grouped_mm=1.0)),

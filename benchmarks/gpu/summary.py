@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 FLOOR_TARGET, TFLOPS_TARGET, AMP_TARGET, FSDP_TARGET, HOST_TARGET, FP8_TARGET = 1.10, 550.0, 1.25, 0.90, 0.80, 1.3
+DROP_IN_TARGET = 1.03
 FUSED_DIFFERENCE = 2e-2     # bf16: a few roundings of the largest magnitude
 PEERS = ("hf_grouped_mm", "deepspeed", "tutel", "einsum_fairseq")
 
@@ -118,6 +119,11 @@ def rows(out: Path) -> list:
                 table.append(("34.1", f"{name}: TFLOP/s of {ours} (peak {peers['peak_tflops']:.0f})",
                               f">= {TFLOPS_TARGET:.0f}", f"{tf[ours]:.0f}",
                               verdict(tf[ours], TFLOPS_TARGET, lower_is_better=False)))
+            if "moe_plugin_tutel" in ms and "moe_plugin" in ms:     # issue 43: the Tutel drop-in costs nothing
+                r = ms["moe_plugin_tutel"] / ms["moe_plugin"]
+                table.append(("43.6", f"{name}: Tutel drop-in / moe_plugin", f"<= {DROP_IN_TARGET}",
+                              f"{r:.3f} ({ms['moe_plugin_tutel']:.2f} vs {ms['moe_plugin']:.2f} ms)",
+                              verdict(r, DROP_IN_TARGET)))
             if "moe_plugin_fp32_amp" in ms:
                 table.append(("34.1", f"{name}: fp32 params under autocast / floor_gated (floor has no casts)",
                               f"<= {AMP_TARGET}", f"{ratio['moe_plugin_fp32_amp']:.3f}",
