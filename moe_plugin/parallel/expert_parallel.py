@@ -24,9 +24,10 @@ def gathered_experts(experts, groups: ExpertGroups, r: int) -> ExpertWeights:
     layout = groups.layout
     group = groups.gather_groups[r]
     use_b2 = layout.computes_first_slice(r) if r else True
+    recompute = getattr(experts, "recompute", False)      # a field with a default: holders of the others may lack it
     if r == layout.slices:
         return ExpertWeights(experts.w1_EDH, experts.b1_EH, experts.w2_EHD, experts.b2_ED if use_b2 else None,
-                             experts.activation, lora_factors(experts), experts.recompute)
+                             experts.activation, lora_factors(experts), recompute)
     V = dist.get_world_size(group)
     experts_in = max(1, V // layout.slices) if layout.slices > 1 else V * layout.local_experts
     slices_in = V // experts_in if layout.slices > 1 else 1
@@ -51,7 +52,7 @@ def gathered_experts(experts, groups: ExpertGroups, r: int) -> ExpertWeights:
     lora = lora_factors(experts)     # LoRA factors come with whole experts only (lora.py refuses hidden slices)
     return ExpertWeights(join(experts.w1_EDH, -1), join(experts.b1_EH, -1), join(experts.w2_EHD, 1),
                          join(experts.b2_ED, None) if use_b2 else None, experts.activation,
-                         tuple(None if f is None else join(f, 1) for f in lora), experts.recompute)
+                         tuple(None if f is None else join(f, 1) for f in lora), recompute)
 
 
 @torch.no_grad()
