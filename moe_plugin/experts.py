@@ -354,7 +354,6 @@ class Experts(BaseExperts):
 
     init_std: Optional[float] = None
     stacked = True
-    recompute = False       # (a class default too: experts pickled before MoEConfig.recompute existed)
 
     def __init__(self, config: MoEConfig, first_expert: int = 0, local_experts: Optional[int] = None,
                  slices: int = 1, slice_index: int = 0):
@@ -363,7 +362,6 @@ class Experts(BaseExperts):
         local_experts = config.num_experts if local_experts is None else local_experts
         self.config, self.first_expert = config, first_expert
         self.activation = of_config(config)
-        self.recompute = config.recompute == "experts"
         self.slices, self.slice_index = slices, slice_index
         first_out = first_width(config.activation, H) // slices
         self.w1_EDH = nn.Parameter(torch.empty(local_experts, D, first_out))
@@ -424,6 +422,11 @@ class Experts(BaseExperts):
                                 self.w1_EDH, self.b1_EH, self.w2_EHD, self.b2_ED, *lora_factors(self), self.recompute)
 
     weights = cast_weights       # weights(dtype): the contract's, with no call in between
+
+    @property
+    def recompute(self) -> bool:
+        """MoEConfig.recompute == "experts": backward runs the first projection again."""
+        return self.config.recompute == "experts"
 
     def parameter_dtype(self, default: torch.dtype) -> torch.dtype:
         return self.w1_EDH.dtype

@@ -163,7 +163,6 @@ class MoELayer(nn.Module):
         """Sets MoEConfig.recompute on a built layer ("none" or "experts"; see MoEConfig): from its next forward on."""
         self.config = self.config.replace(recompute=mode)      # validated
         self.experts.config = self.config
-        self.experts.recompute = mode == "experts"
 
     def capacity_factor(self) -> float:
         cfg = self.config
