@@ -162,7 +162,7 @@ def unpack(data: bytes) -> Any:
 
 def rank_state(procs: Processes, parts: Parts, window: Window) -> dict:
     state = {"data": parts.data.train.state_dict(), "torch_rng": torch.get_rng_state(),
-             "python_rng": random.getstate(), "window": dataclasses.asdict(window)}
+             "python_rng": random.getstate(), "window": window.state()}
     if procs.device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(procs.device)
     return state

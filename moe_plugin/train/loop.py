@@ -266,7 +266,7 @@ def _step(cfg: ExperimentConfig, procs: Processes, parts, wrapped: torch.nn.Modu
     x, y = (t.to(procs.device) for t in data.train.next())   # x_BS, y_BS tokens; or x_BCHW, y_B images
     logits = wrapped(x)                                        # logits_BSV; or logits_BL
     task_loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
-    correct = int((logits.argmax(-1) == y).sum()) if cfg.data.task == "image" else 0
+    correct = (logits.argmax(-1) == y).sum() if cfg.data.task == "image" else None   # read when recorded
     router_loss = aux_loss(model)
     optimizer.zero_grad(set_to_none=True)
     (task_loss + router_loss).backward()
@@ -291,8 +291,8 @@ def _step(cfg: ExperimentConfig, procs: Processes, parts, wrapped: torch.nn.Modu
     optimizer.step()
     update_expert_bias(model)
     parts.scheduler.step()
-    window.add(task_loss.item(), router_loss.item(), [layer.stats for layer in model.moe_layers()],
-               items_per_step, time.perf_counter() - tick, correct)
+    window.add(task_loss, router_loss, [layer._routing for layer in model.moe_layers()], items_per_step,
+               time.perf_counter() - tick, correct)
     return window, stop
 
 

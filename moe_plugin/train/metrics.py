@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import List, Optional
 
@@ -22,7 +22,11 @@ class Window:
     `tokens` counts the step's items: tokens of a language model, images of an image classifier,
     of which `correct` were classified right. `skipped` counts the steps left out for a non-finite loss or
     gradient norm (every rank skips the same ones), `skipped_in_a_row` the run of them up to the last step
-    (it carries over into the next window)."""
+    (it carries over into the next window).
+
+    add() reads nothing from the device: each step's loss, aux loss, correct count and routing are added into
+    `pending_V` there (V: [loss, aux_loss, dropped_fraction, correct, each layer's tokens_per_expert]), which
+    settle() reads once, when the window is recorded or saved."""
     steps: int = 0
     loss: float = 0.0
     aux_loss: float = 0.0
@@ -33,27 +37,60 @@ class Window:
     correct: int = 0
     skipped: int = 0
     skipped_in_a_row: int = 0
+    pending_V: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    pending_experts: List[int] = field(default_factory=list, repr=False, compare=False)
 
     def skip(self) -> None:
         self.skipped += 1
         self.skipped_in_a_row += 1
 
-    def add(self, loss: float, aux: float, stats: List[dict], tokens: int, seconds: float, correct: int = 0) -> None:
+    def add(self, loss: torch.Tensor, aux: torch.Tensor, routings: List[tuple], tokens: int, seconds: float,
+            correct: Optional[torch.Tensor] = None) -> None:
+        """One applied step: loss, aux and correct as device tensors (not read here); routings: each MoE layer's
+        last forward's (load_E, kept_E, capacity_factor, fixed, num_tokens, top_k), MoELayer._routing."""
         self.steps += 1
         self.skipped_in_a_row = 0
-        self.loss += loss
-        self.aux_loss += aux
-        self.dropped_fraction += sum(s["dropped_fraction"] for s in stats) / max(1, len(stats))
         self.tokens += tokens
         self.seconds += seconds
-        self.correct += correct
-        loads = [s["tokens_per_expert"] for s in stats]
+        device = loss.device
+        dropped = [1.0 - kept_E.sum().to(device, torch.float64) / (num_tokens * top_k) if num_tokens * top_k
+                   else torch.zeros((), dtype=torch.float64, device=device)
+                   for _, kept_E, _, _, num_tokens, top_k in routings]
+        mean_dropped = torch.stack(dropped).mean() if dropped else torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), device=device) if correct is None else correct
+        head_4 = torch.stack([loss.detach().to(torch.float64), aux.detach().to(device, torch.float64), mean_dropped,
+                              correct.to(device, torch.float64)])
+        step_V = torch.cat([head_4] + [r[0].to(device, torch.float64) for r in routings])
+        self.pending_V = step_V if self.pending_V is None else self.pending_V + step_V
+        self.pending_experts = [r[0].numel() for r in routings]
+
+    def settle(self) -> "Window":
+        """Fold the device sums into the numbers (one device read); returns self."""
+        if self.pending_V is None:
+            return self
+        values = self.pending_V.tolist()
+        self.pending_V = None
+        self.loss += values[0]
+        self.aux_loss += values[1]
+        self.dropped_fraction += values[2]
+        self.correct += int(round(values[3]))
+        loads, start = [], 4
+        for size in self.pending_experts:
+            loads.append([int(round(v)) for v in values[start:start + size]])
+            start += size
         self.tokens_per_expert = loads if not self.tokens_per_expert else \
             [[a + b for a, b in zip(old, new)] for old, new in zip(self.tokens_per_expert, loads)]
+        return self
+
+    def state(self) -> dict:
+        """The settled numbers, as Window(**state) takes them (what a checkpoint keeps)."""
+        self.settle()
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
     def record(self, procs: Processes, step: int, lr: float, unit: str = "tokens") -> dict:
         """The window averaged over its steps and over the ranks (a collective: every rank calls it).
         unit "images" (an image classifier): images_per_s and the training accuracy instead of tokens_per_s."""
+        self.settle()
         loads = [n for layer in self.tokens_per_expert for n in layer]
         sums = torch.tensor([self.loss, self.aux_loss, self.dropped_fraction, self.tokens, self.seconds,
                              self.correct] + loads, dtype=torch.float64, device=procs.device)
