@@ -122,4 +122,5 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
     return assemble(first, [(list(range(world_size)), held)], collectives, rows, seq_len, lambda: build(1),
                     world_size, node_size, device, stage == 3, "train_micro_batch_size_per_gpu",
                     "\"moe.ep_size\" (experts over more ranks), a higher \"zero_optimization.stage\", "
-                    "bf16, \"moe.recompute\": \"experts\" (see the recompute line), a smaller \"moe.capacity_factor\"")
+                    "bf16, \"moe.recompute\": \"experts\" (see the recompute line), a smaller \"moe.capacity_factor\"",
+                    "DeepSpeed config \"moe.capacity_factor\"")

@@ -22,7 +22,7 @@ from ..layer import MoELayer
 from .devices import Device
 from .state_bytes import StateBytes, nbytes, saved_for_backward
 from .step_time import StepTime, step_time
-from .traffic import LayerTraffic, layer_traffic
+from .traffic import LayerTraffic, check_capacity, layer_traffic
 
 
 @dataclass
@@ -70,6 +70,7 @@ class Plan:
     max_micro_batch: int
     activation_bytes_per_row: int
     recompute: Dict[str, RecomputeOption] = field(default_factory=dict)     # mode -> what it gives
+    moe_activations: List[int] = field(default_factory=list)    # each MoE layer's share of the activations
     warnings: List[str] = field(default_factory=list)
 
 
@@ -117,10 +118,13 @@ def moe_layer_saved_bytes(config: MoEConfig, tokens: int, dtype: torch.dtype) ->
 
 def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collectives: Collectives, rows: int,
              seq_len: int, make_local_model: Callable[[], nn.Module], world_size: int, node_size: int,
-             device: Device, sharded: bool, batch_key: str, levers: str) -> Plan:
-    """The plan of a run whose rank-0 model (unsharded) is `first` and whose roles hold `held`."""
+             device: Device, sharded: bool, batch_key: str, levers: str, capacity_key: str) -> Plan:
+    """The plan of a run whose rank-0 model (unsharded) is `first` and whose roles hold `held`. batch_key,
+    capacity_key: the host's names of the micro-batch and capacity_factor settings (for its errors)."""
     dense_bytes, expert_bytes = split_bytes(first)
     moe_layers = [m for m in first.modules() if isinstance(m, MoELayer)]
+    for layer in moe_layers:
+        check_capacity(layer.config, rows * seq_len, capacity_key, batch_key)
 
     def traffic(batch: int) -> List[LayerTraffic]:
         return [layer_traffic(m.config, batch * seq_len, next(m.experts.parameters()).element_size(), node_size)
@@ -142,7 +146,6 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
     def kept_apart(mode: str) -> int:
         """How much more the micro-batch keeps as configured than with every MoE layer at recompute `mode` (each
         distinct layer measured alone: linear in the rows, as the activations are)."""
-        dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
         return sum(layer_saved(m.config, dtype) - layer_saved(m.config.replace(recompute=mode), dtype)
                    for m, dtype in zip(moe_layers, dtypes))
 
@@ -168,7 +171,10 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         return int(max(0, room // per_row)) if per_row > 0 else 0
 
     max_batch = largest_batch(activations, per_row)
-    plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, max_batch, per_row)
+    dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
+    moe_activations = [layer_saved(m.config, dtype) + t.kept_bytes for m, dtype, t in zip(moe_layers, dtypes, layers)]
+    plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, max_batch, per_row,
+                moe_activations=moe_activations)
     for mode in RECOMPUTE_MODES if moe_layers else ():
         apart = kept_apart(mode)
         mode_activations, mode_per_row = activations - apart, per_row - apart // rows

@@ -74,4 +74,4 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
                     world_size, node_size, device, fsdp, "train.batch_size",
                     "parallel.ep_size (experts over more ranks), parallel.fsdp=true (parameters, gradients and "
                     "optimizer state sharded), moe.recompute=experts (see the recompute line), a smaller "
-                    "moe.capacity_factor")
+                    "moe.capacity_factor", "moe.capacity_factor")

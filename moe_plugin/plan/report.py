@@ -15,13 +15,20 @@ def as_json(plan: Plan) -> dict:
     return {"world_size": plan.world_size, "node_size": plan.node_size, "device": plan.device.name,
             "micro_batch": plan.micro_batch, "tokens_per_rank": plan.tokens_per_rank,
             "roles": [dataclasses.asdict(role) for role in plan.roles],
-            "moe_layers": [dataclasses.asdict(layer) for layer in plan.layers],
+            "moe_layers": [{**dataclasses.asdict(layer), "activations_bytes": kept}
+                           for layer, kept in zip(plan.layers, plan.moe_activations)],
+            "other_activations_bytes": other_activations(plan),
             "step_seconds": plan.step.seconds,
             "step_parts": {"compute": plan.step.compute, "all_to_all": plan.step.all_to_all,
                            "gradients": plan.step.gradients},
             "max_micro_batch": plan.max_micro_batch, "activation_bytes_per_row": plan.activation_bytes_per_row,
             "recompute": {mode: dataclasses.asdict(option) for mode, option in plan.recompute.items()},
             "assumptions": [plan.device.note, *plan.step.assumptions], "warnings": plan.warnings}
+
+
+def other_activations(plan: Plan) -> int:
+    """What the rest of the model (all but the MoE layers) keeps for backward of the micro-batch."""
+    return max(0, plan.roles[0].activations_bytes - sum(plan.moe_activations))
 
 
 def ranks_text(ranks: List[int]) -> str:
@@ -52,6 +59,11 @@ def as_text(plan: Plan) -> str:
                  f"balanced, {layer.rows_bound} at the bound" for layer in plan.layers]
     for text in dict.fromkeys(described):      # layers alike: one line
         lines.append(f"MoE layers {ranks_text([i for i, d in enumerate(described) if d == text])}: {text}")
+    kept = [size(n) for n in plan.moe_activations]
+    shares = [f"MoE layers {ranks_text([i for i, k in enumerate(kept) if k == text])}: {text} each"
+              for text in dict.fromkeys(kept)]
+    lines.append(f"activations of the micro-batch: " + "; ".join(shares + [f"the rest of the model: "
+                                                                          f"{size(other_activations(plan))}"]))
     step = plan.step
     lines.append(f"step {step.seconds * 1e3:.2f} ms = compute {step.compute * 1e3:.2f} + all-to-all "
                  f"{step.all_to_all * 1e3:.2f} + gradients {step.gradients * 1e3:.2f}")

@@ -49,10 +49,24 @@ def exchanges(config: MoEConfig, node_size: int) -> int:
     return 2 if config.a2a == "2dh" and 1 < node_size < config.ep_size else 1
 
 
+def check_capacity(config: MoEConfig, tokens: int, key: str, batch_key: str) -> None:
+    """ValueError when a fixed capacity gives each expert no slot at `tokens` tokens per rank: every token
+    dropped. key: the setting of capacity_factor in the host's config, batch_key: of the micro-batch."""
+    cf, T, E, K = config.capacity_factor, tokens, config.num_experts, config.top_k
+    if not cf or fixed_capacity(abs(cf), T, E, K, config.min_capacity, config.capacity_formula,
+                                config.capacity_alignment) > 0:
+        return
+    per_expert = -(-T // E)
+    raise ValueError(f"{key}={cf} gives each expert 0 slots at {T} tokens per rank (capacity_formula="
+                     f"{config.capacity_formula!r}: {K} * int({abs(cf)} * ceil({T} / {E})) = 0, min_capacity="
+                     f"{config.min_capacity}): every token would be dropped; allowed: |{key}| >= {1 / per_expert:.4g} "
+                     f"at this micro-batch, a larger {batch_key}, or min_capacity >= 1")
+
+
 def layer_traffic(config: MoEConfig, tokens: int, element_bytes: int, node_size: int) -> LayerTraffic:
     T, K, E, W = tokens, config.top_k, config.num_experts, config.ep_size
-    capacity = fixed_capacity(abs(config.capacity_factor), T, E, K, config.min_capacity) \
-        if config.capacity_factor else T
+    capacity = fixed_capacity(abs(config.capacity_factor), T, E, K, config.min_capacity, config.capacity_formula,
+                              config.capacity_alignment) if config.capacity_factor else T
     share, extra = divmod(T * K, E)         # loads as even as whole rows allow
     balanced = extra * min(share + 1, capacity) + (E - extra) * min(share, capacity)
     local_experts = max(1, E // W)

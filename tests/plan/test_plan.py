@@ -57,6 +57,20 @@ def test_all_to_all_bytes_by_hand():
     assert plan_experiment(train.load_config(None, []), 8, 8, device("a100")).roles[0].all_to_all_bytes == 0
 
 
+@pytest.mark.parametrize("overrides", [["moe.capacity_formula=tutel", "moe.capacity_factor=0.1", "moe.min_capacity=0"],
+                                       ["moe.capacity_formula=tutel", "moe.capacity_factor=1.1",
+                                        "moe.capacity_alignment=24"],
+                                       ["moe.capacity_factor=0.3", "moe.min_capacity=100"]])
+def test_the_planned_capacity_is_the_layers(overrides):
+    """The plan's capacity per expert is what the real layer uses on that micro-batch (its formula, alignment and
+    lower bound)."""
+    cfg = train.load_config(None, ["parallel.ep_size=2", "train.batch_size=3", "model.seq_len=50", *overrides])
+    plan = plan_experiment(cfg, 2, 2, device("a100"))
+    layer = MoELayer(train.moe_config(cfg).replace(ep_size=1))
+    layer(torch.randn(150, cfg.model.dim))
+    assert [t.capacity for t in plan.layers] == [layer.stats["capacity"]] * 2
+
+
 def test_fsdp_roles_equal_every_rank_built_and_sharded_one_by_one():
     # 6 ranks, ep 2: dense tensors in 6 chunks along dim 0 (the 256-row embedding: 5 x 43 + 41), each rank's 4
     # experts over their 3 holders along dim 0 (2 + 2 + 0): several roles
@@ -107,6 +121,9 @@ def test_json_has_the_fields_as_integers(capsys):
     (["--world-size", "4", "parallel.ep_size=4", "moe.num_experts=6"], "ep_size=4 cannot hold num_experts=6"),
     (["--world-size", "12", "--node-size", "8"], "--node-size=8 is invalid: must divide --world-size=12"),
     (["--world-size", "0"], "--world-size=0 is invalid: must be an integer >= 1"),
+    # Tutel's formula: 2 * int(0.003 * ceil(2048 / 8)) = 0 slots (the "ceil" formula never gives 0 at cf > 0)
+    (["--world-size", "2", "moe.capacity_formula=tutel", "moe.capacity_factor=-0.003", "moe.min_capacity=0"],
+     "moe.capacity_factor=-0.003 gives each expert 0 slots at 2048 tokens per rank"),
     (["--world-size", "2", "--device", "tpu"], "--device='tpu' is invalid: must be one of a100, h100, cpu"),
     # 8 experts per rank over 256 holders: sharded along the model dim, 128 rows over 256 ranks, which FSDP2 refuses
     (["--world-size", "2048", "parallel.fsdp=true", "parallel.ep_size=8", "moe.num_experts=64"],
@@ -162,3 +179,38 @@ def test_the_plan_shows_what_each_recompute_mode_keeps(capsys):
         assert option["step_seconds"] > 0
     assert cli.main(["plan", *TINY, "--world-size", "2"]) == 0
     assert "'experts' keeps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides", [[], ["moe.capacity_factor=0", "moe.top_k=3", "moe.activation=swiglu"]],
+                         ids=["default", "dropless_k3_swiglu"])
+def test_each_moe_layers_activations_are_what_a_real_forward_keeps(overrides, fresh_seed):
+    """The plan splits the micro-batch's activations into each MoE layer's and the rest's: within 10% of what a
+    real forward on real data keeps for backward inside each MoE layer and outside them."""
+    from moe_plugin.plan.state_bytes import storage_key
+    cfg = train.load_config(None, ["train.batch_size=4", f"train.seed={fresh_seed}", *overrides])
+    plan = plan_experiment(cfg, 1, 1, device("a100"))
+    torch.manual_seed(fresh_seed)
+    model = build_model(cfg)
+    inside = {"layer": None}
+    kept = {name: 0 for name in [n for n, m in model.named_modules() if isinstance(m, MoELayer)] + ["rest"]}
+    seen, held = {storage_key(p) for p in model.parameters()}, []
+
+    def pack(tensor):
+        if storage_key(tensor) not in seen:
+            seen.add(storage_key(tensor))
+            held.append(tensor)
+            kept[inside["layer"] or "rest"] += tensor.untyped_storage().nbytes()
+        return tensor
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            module.register_forward_pre_hook(lambda m, args, name=name: inside.update(layer=name))
+            module.register_forward_hook(lambda m, args, out: inside.update(layer=None))
+    x_BS = torch.randint(model.token_embedding.num_embeddings, (cfg.train.batch_size, cfg.model.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(x_BS)
+        torch.nn.functional.cross_entropy(logits.flatten(0, -2), x_BS.flatten())
+    real = [kept[name] for name in kept if name != "rest"]
+    assert len(real) == len(plan.moe_activations) == 2
+    for planned, measured in zip(plan.moe_activations, real):
+        assert planned == pytest.approx(measured, rel=0.1)
+    assert plan.roles[0].activations_bytes - sum(plan.moe_activations) == pytest.approx(kept["rest"], rel=0.1)
