@@ -40,7 +40,12 @@ def assert_matches_reference(layer, x, tolerance):
     y_ref, aux_ref, grads_ref = outputs_and_grads(reference(layer), layer, x)
     assert y.shape == x.shape and y.dtype == x.dtype
     errors = {"y": relative_error(y, y_ref), "aux": relative_error(aux, aux_ref)}
-    errors.update({f"grad {name}": relative_error(grads[name], grads_ref[name]) for name in grads_ref})
+    # a one-element parameter's gradient (the cosine router's log_scale) sums terms over every token and expert that
+    # can cancel: its rounding error is measured against the layer's largest gradient, not against that sum alone
+    largest = max([float(g.detach().abs().max()) for g in grads_ref.values() if g is not None and g.numel()] + [0.0])
+    errors.update({f"grad {name}": relative_error(grads[name], grads_ref[name],
+                                                  floor=largest if g is not None and g.numel() == 1 else 1e-30)
+                   for name, g in grads_ref.items()})
     worst = max(errors, key=errors.get)
     assert errors[worst] <= tolerance, f"{worst} off by {errors[worst]:.3g} (all: {errors})"
     return errors
