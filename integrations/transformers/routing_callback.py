@@ -34,6 +34,12 @@ class RoutingMetrics(TrainerCallback):
         if self.monitor is not None:
             self.monitor.close()
         self.monitor = RoutingMonitor(model)
+        if not self.monitor.layers and state.is_world_process_zero:
+            logger.warning("RoutingMetrics: the model has no moe_plugin MoELayer, so no routing metrics are logged. "
+                           "Swap its MoE blocks with moe_plugin.integrations.transformers.swap_moe_blocks (or "
+                           "upcycle a dense model); Hugging Face's own blocks, also with experts_implementation="
+                           "\"moe_plugin\" (only the experts run on moe_plugin), route with HF's router, which this "
+                           "callback does not see")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.monitor is None or logs is None or any(key.startswith("eval_") for key in logs):

@@ -129,3 +129,21 @@ def test_evaluation_logs_leave_the_training_window_whole():
         for name, metrics in window_expected(layers, forwards, window, 2 * EVERY).items():
             for key, value in metrics.items():
                 assert log[f"moe/{name}/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+
+
+def test_a_model_without_moe_layers_is_named_in_a_warning(caplog):
+    """HF's own blocks (the experts backend too) route with HF's router: the callback says it sees no MoE layer."""
+    from transformers.utils import logging as hf_logging
+
+    from moe_plugin.integrations.transformers import RoutingMetrics
+    model = build_model("mixtral", seed=torch.randint(1 << 30, ()).item())
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            history = train(model, [RoutingMetrics()], [], tempfile.mkdtemp()).state.log_history
+    finally:
+        hf_logging.disable_propagation()
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RoutingMetrics: ")]
+    assert len(warnings) == 1 and "no moe_plugin MoELayer" in warnings[0] and "swap_moe_blocks" in warnings[0]
+    assert not any(key.startswith("moe/") for log in history for key in log)
+    assert any("loss" in log for log in history)
