@@ -38,16 +38,57 @@ CASES = {
     "per-call top_k, capacity, overlap alignment": ({"type": "top", "k": 1}, RELU, {},
                                                     {"top_k": 2, "capacity_factor": 0.6, "a2a_ffn_overlap_degree": 4},
                                                     37, False),
+    "llama_ffn with tanh (general path)": ({"type": "top", "k": 2, "capacity_factor": 0.75},
+                                           {"type": "llama_ffn", "activation_fn": torch.tanh}, {}, {}, 37, False),
+    "activation_fn_with_self (general path)": ({"type": "top", "k": 2},
+                                               {"activation_fn_with_self": lambda h, module: gelu_with_self(h, module)},
+                                               {}, {}, 37, False),
+    "custom experts": ({"type": "top", "k": 2, "capacity_factor": 0.75},
+                       {"type": "custom", "module": lambda **kw: TanhExperts(**kw), "scale": 0.5}, {}, {}, 37, False),
     "second gate of two": ([{"type": "top", "k": 1}, {"type": "cosine_top", "k": 2, "proj_dim": 3,
                                                       "capacity_factor": 0.75}], RELU, {}, {"gate_index": 1}, 37,
                            False),
 }
 
 
+class TanhExperts(torch.nn.Module):
+    """A user's expert module in Tutel's contract: every local expert at once, x [E_local, C, D] -> [E_local, C, D]."""
+
+    def __init__(self, model_dim, num_experts_per_device, sharded_count, scale=1.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(num_experts_per_device, model_dim, model_dim) * 0.3)
+        self.scale = scale
+
+    def forward(self, x, ctx):
+        return torch.tanh(torch.matmul(x, self.weight)) * self.scale * ctx.num_global_experts
+
+
+def custom_reference(state, e, x_D):
+    return torch.tanh(x_D @ state["experts.weight"][e]) * 0.5 * E
+
+
+SEEN_BY_ACTIVATION = []    # what activation_fn_with_self was called with (Tutel passes the experts module)
+
+
+def gelu_with_self(h, module):
+    SEEN_BY_ACTIVATION.append(module)
+    return F.gelu(h) + 0.1 * h
+
+
 def build(gate_type, experts, layer_args):
-    kind = "llama_ffn" if experts is None else "ffn"
-    spec = {"type": kind, "count_per_node": E, "hidden_size_per_expert": H, **(experts or {})}
+    spec = {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H,
+            **({"type": "llama_ffn"} if experts is None else experts)}
+    if spec["type"] == "custom":
+        spec.pop("hidden_size_per_expert")
     return tutel_moe.moe_layer(gate_type=gate_type, model_dim=D, experts=spec, **layer_args)
+
+
+def activation_of(experts):
+    """The activation the reference applies: the case's, or the expert type's default."""
+    experts = experts or {"type": "llama_ffn"}
+    if "activation_fn_with_self" in experts:
+        return lambda h: F.gelu(h) + 0.1 * h
+    return experts.get("activation_fn", F.silu if experts.get("type") == "llama_ffn" else F.relu)
 
 
 def reference_arguments(gate_type, experts, layer_args, forward_args):
@@ -60,7 +101,8 @@ def reference_arguments(gate_type, experts, layer_args, forward_args):
                 is_postscore=layer_args.get("is_postscore", True),
                 batch_prioritized_routing=layer_args.get("batch_prioritized_routing", False),
                 is_gshard_loss=layer_args.get("is_gshard_loss", True), gate_noise=gate.get("gate_noise", 0.0),
-                activation=(experts or {}).get("activation_fn", F.relu), llama=experts is None, alignment=overlap)
+                activation=activation_of(experts), llama=(experts or {"type": "llama_ffn"}).get("type") == "llama_ffn",
+                alignment=overlap, expert_fn=custom_reference if (experts or {}).get("type") == "custom" else None)
 
 
 def run_both(name, dtype, seed):
@@ -104,6 +146,8 @@ def test_dropin_equals_tutel_semantics_fp64(name, fresh_seed):
             assert relative(got.reshape(state[key].shape), state[key].grad) < 1e-8, key
     if any(word in name for word in ("0.75", "0.6", "negative")):
         assert not all(all(row) for row in kept), "the case must drop some choices"
+    if "with_self" in name:
+        assert SEEN_BY_ACTIVATION and all(module is layer.experts.module for module in SEEN_BY_ACTIVATION)
 
 
 def test_few_tokens_leave_experts_empty(fresh_seed):

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 
 def tutel_reference(state, x_TD, *, top_k, capacity_factor, gate=0, normalize_gate=True, is_postscore=True,
                     batch_prioritized_routing=False, is_gshard_loss=True, gate_noise=0.0, noise_TE=None,
-                    activation=torch.relu, llama=False, alignment=1):
+                    activation=torch.relu, llama=False, alignment=1, expert_fn=None):
     """(y_TD, l_aux, kept): the layer on x_TD with the parameters in state (Tutel's keys); kept[t][k] whether token
-    t's k-th choice was kept."""
+    t's k-th choice was kept. llama: SiLU-gated experts (W_fc1..3), `activation` in SiLU's place; expert_fn(state, e,
+    x_D): a custom expert (Tutel's "custom" type) in place of either."""
     T, D = x_TD.shape
     logits_TE = _logits(state, gate, x_TD)
     E = logits_TE.shape[1]
@@ -63,8 +64,8 @@ def tutel_reference(state, x_TD, *, top_k, capacity_factor, gate=0, normalize_ga
         for k in range(K):
             if kept[t][k]:
                 e, g = chosen_TK[t][k], gates[t][k]
-                y_D = y_D + (g * _expert(state, e, x_TD[t], activation, llama) if is_postscore
-                             else _expert(state, e, g * x_TD[t], activation, llama))
+                expert = expert_fn or (lambda state, e, x_D: _expert(state, e, x_D, activation, llama))
+                y_D = y_D + (g * expert(state, e, x_TD[t]) if is_postscore else expert(state, e, g * x_TD[t]))
         rows.append(y_D)
     y_TD = torch.stack(rows)
 
@@ -103,7 +104,7 @@ def _expert(state, e, x_D, activation, llama):
         H = state["experts.W_fc1"].numel() // (E * D)
         fc1, fc2 = (state[key].reshape(E, D, H)[e] for key in ("experts.W_fc1", "experts.W_fc2"))
         fc3 = state["experts.W_fc3"].reshape(E, H, D)[e]
-        return (F.silu(x_D @ fc1) * (x_D @ fc2)) @ fc3
+        return (activation(x_D @ fc1) * (x_D @ fc2)) @ fc3
     h_H = state["experts.batched_fc1_w"][e] @ x_D
     if "experts.batched_fc1_bias" in state:
         h_H = h_H + state["experts.batched_fc1_bias"][e]
