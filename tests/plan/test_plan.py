@@ -4,6 +4,7 @@ largest micro-batch, and its cost at 2,048 ranks (one build per role, not per ra
 multi-process runs are in test_plan_real_runs.py.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from moe_plugin.plan.assembly import forward_without_data
 from moe_plugin.plan.devices import DEVICES, device
 from moe_plugin.plan.state_bytes import state_bytes
 from moe_plugin.train.parts import build_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4"]
@@ -214,3 +217,14 @@ def test_each_moe_layers_activations_are_what_a_real_forward_keeps(overrides, fr
     for planned, measured in zip(plan.moe_activations, real):
         assert planned == pytest.approx(measured, rel=0.1)
     assert plan.roles[0].activations_bytes - sum(plan.moe_activations) == pytest.approx(kept["rest"], rel=0.1)
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "plans").glob("*.yaml")))
+def test_the_worked_setups_are_valid_experiments(path):
+    """docs/planning.md's setups (configs/plans/) parse and pass the plan's checks at the world sizes it names (their
+    plans take a minute, in benchmarks/RESULTS.md)."""
+    cfg = train.load_config(str(ROOT / path), [])
+    world = {"mixtral_8x7b.yaml": 8, "deepseek_v3.yaml": 2048}[Path(path).name]
+    experiment.check_world(cfg, world, 8)
+    assert cfg.hf is not None and cfg.parallel.fsdp and world % cfg.parallel.ep_size == 0
+    assert f"moe-plugin plan {path} --world-size {world} --node-size 8" in (ROOT / "docs" / "planning.md").read_text()
