@@ -10,8 +10,10 @@ dense parameters over all ranks and of the experts over the ranks holding the sa
 
     parameters    16-bit (or fp32) weights; stage 3: partitioned
     gradients     like the weights; stages 2, 3: partitioned
-    optimizer     Adam: two fp32 moments and an fp32 copy of the weights (ZeRO's optimizers keep one of fp32
-                  weights too; plain stage 0 in fp32 none); stages 1-3: partitioned; a 4-byte step per group
+    optimizer     the "optimizer" section's state (Adam, Lamb: two fp32 moments; Adagrad one; SGD its momentum
+                  buffer, if any; without a section the client's optimizer, taken as Adam) and an fp32 copy of
+                  the weights (ZeRO's optimizers keep one of fp32 weights too; plain stage 0 in fp32 none);
+                  stages 1-3: partitioned; a 4-byte step per group (not SGD's)
 
 Alignment padding is not counted. The activations, all-to-all bytes and step time come from moe_plugin.plan's
 assembly. tests/integrations/deepspeed/test_deepspeed_plan.py holds the figures to hand counts from the model's own
@@ -36,8 +38,26 @@ from moe_plugin.plan.experiment import check_world_size
 from moe_plugin.plan.fake_world import fake_world
 from moe_plugin.plan.state_bytes import ADAM_STEP_BYTES, StateBytes
 
-ADAM_MOMENTS_BYTES = 8      # exp_avg and exp_avg_sq in fp32
 MASTER_BYTES = 4            # the fp32 copy of a 16-bit weight
+# the fp32 state an optimizer of the "optimizer" section keeps per weight (SGD: its momentum buffer, if any)
+STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "onebitadam": 8, "zerooneadam": 8, "lamb": 8,
+               "onebitlamb": 8, "adagrad": 4, "sgd": 4}
+
+
+def optimizer_state(ds: Dict[str, Any]):
+    """(fp32 state bytes per weight, whether it keeps a 4-byte step per parameter group) of the config's optimizer;
+    without an "optimizer" section (the client's, e.g. HF Trainer's AdamW) Adam's. ValueError for another type."""
+    section = ds.get("optimizer")
+    if section is None:
+        return STATE_BYTES["adam"], True
+    kind = section.get("type") if isinstance(section, dict) else None
+    key = kind.lower().replace("_", "") if isinstance(kind, str) else None
+    if key not in STATE_BYTES:
+        raise ValueError(f"DeepSpeed config \"optimizer.type\"={kind!r} is not planned: allowed: Adam, AdamW, "
+                         f"FusedAdam, CPUAdam, OneBitAdam, ZeroOneAdam, Lamb, OneBitLamb, Adagrad, SGD")
+    if key == "sgd":
+        return (STATE_BYTES["sgd"] if (section.get("params") or {}).get("momentum", 0) else 0), False
+    return STATE_BYTES[key], True
 
 
 def read_json(path: str, what: str) -> Dict[str, Any]:
@@ -83,6 +103,7 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"DeepSpeed config \"zero_optimization.stage\"={stage!r} is invalid: must be 0, 1, 2 or 3")
+    state, steps = optimizer_state(ds)
     section = read_moe_section(ds) or {"backend": "tutel"}
     ep_size = section.get("ep_size", 1)
     check_ep_size(ep_size, "DeepSpeed config \"moe.ep_size\"", world_size, processes_from="plan with --world-size N")
@@ -101,7 +122,7 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
     element = torch.finfo(dtype).bits // 8
     # ZeRO's optimizers (stages 1-3, and stage 0 in 16 bits) keep an fp32 copy of their partition, fp32 weights too
     master = MASTER_BYTES if stage >= 1 or element < 4 else 0
-    optimizer_per_byte = (ADAM_MOMENTS_BYTES + master) / element
+    optimizer_per_byte = (state + master) / element
     groups = 2 if experts else 1        # DeepSpeed splits the parameter group: dense, experts (moe param groups)
     holders = world_size // ep_size
 
@@ -113,7 +134,7 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
 
     held = StateBytes(parameters=share(dense, experts, stage >= 3), gradients=share(dense, experts, stage >= 2),
                       optimizer=share(dense * optimizer_per_byte, experts * optimizer_per_byte, stage >= 1)
-                      + ADAM_STEP_BYTES * groups)
+                      + (ADAM_STEP_BYTES * groups if steps else 0))
     if stage == 0:      # DeepSpeed's data parallelism: dense gradients over all ranks, experts' over their holders
         collectives = Collectives(all_reduce=(dense if world_size > 1 else 0) + (experts if holders > 1 else 0))
     else:               # reduce-scattered gradients; updated partitions gathered (stage 3: forward and backward)

@@ -1,6 +1,6 @@
 """`moe-plugin plan --deepspeed ds.json --hf-config config.json` (integrations/deepspeed/plan.py): each rank's bytes
 under ZeRO stages 0-3 against hand counts from the Hugging Face model's own parameters (built whole, unswapped), the
-parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16), the all-to-all bytes
+parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16, ZeRO 1 with SGD), the all-to-all bytes
 by hand, the JSON on stdout alone, and its errors (one line, exit code 2)."""
 import json
 import logging
@@ -22,11 +22,11 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 64, "inte
 MOE = {"backend": "tutel", "ep_size": 2, "num_experts": 4, "top_k": 2, "capacity_factor": 1.25, "drop_tokens": True}
 
 
-def write(tmp_path, stage, bf16=True, moe=MOE):
+def write(tmp_path, stage, bf16=True, moe=MOE, optimizer=None):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
     ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "bf16": {"enabled": bf16},
           "zero_optimization": {"stage": stage},
-          "moe": moe}
+          "moe": moe, **({"optimizer": optimizer} if optimizer else {})}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     return ["plan", "--deepspeed", str(tmp_path / "ds.json"), "--hf-config", str(tmp_path / "config.json"),
             "--seq-len", "64"]
@@ -87,8 +87,7 @@ def _real_steps(rank, world, ds_paths):
     for ds_path in ds_paths:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **{k: v for k, v in MIXTRAL.items() if k != "model_type"}))
-        config = json.loads(Path(ds_path).read_text())
-        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+        config = {**json.loads(Path(ds_path).read_text()), "zero_allow_untested_optimizer": True}   # SGD
         engine = initialize(model=model, config=config)[0]
         ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 64))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -104,10 +103,15 @@ def _real_steps(rank, world, ds_paths):
 @pytest.mark.slow
 def test_parameter_and_optimizer_bytes_equal_a_real_deepspeed_run(tmp_path, capsys):
     planned, paths = [], []
-    for stage, bf16 in ((1, False), (2, True)):      # ZeRO 1 in fp32, ZeRO 2 in bf16
-        (tmp_path / str(stage)).mkdir()
-        planned.append(plan_json(capsys, [*write(tmp_path / str(stage), stage, bf16=bf16), "--world-size", "2"]))
-        paths.append(str(tmp_path / str(stage) / "ds.json"))
+    adam = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+    sgd = {"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}
+    # ZeRO 1 in fp32, ZeRO 2 in bf16 (Adam), ZeRO 1 in bf16 with SGD's momentum (one buffer, no step)
+    for i, (stage, bf16, optimizer) in enumerate(((1, False, adam), (2, True, adam), (1, True, sgd))):
+        (tmp_path / str(i)).mkdir()
+        planned.append(plan_json(capsys, [*write(tmp_path / str(i), stage, bf16=bf16, optimizer=optimizer),
+                                          "--world-size", "2"]))
+        paths.append(str(tmp_path / str(i) / "ds.json"))
+    assert planned[2]["roles"][0]["optimizer_bytes"] < planned[1]["roles"][0]["optimizer_bytes"]
     for rank, held in enumerate(run_workers(_real_steps, 2, paths, timeout=300)):
         for plan, real in zip(planned, held):
             role = plan["roles"][0]
@@ -127,6 +131,14 @@ def test_errors_are_one_line(tmp_path, capsys, change, extra, message):
     assert cli.main([*arguments, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@needs_transformers
+def test_an_optimizer_it_cannot_plan_is_named(tmp_path, capsys):
+    assert cli.main([*write(tmp_path, 1, optimizer={"type": "Muon", "params": {}}), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "DeepSpeed config \"optimizer.type\"='Muon' is not planned: allowed: Adam, AdamW" in err, err
+    assert err.count("\n") == 1
 
 
 def test_missing_flags_are_named(capsys):
