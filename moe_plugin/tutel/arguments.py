@@ -88,7 +88,7 @@ def _gate_spec(gate: Any, index: int) -> GateSpec:
         raise ValueError(f"moe_layer: gate_type[{index}] ({kind}) has unknown options {unknown}; allowed: "
                          f"{list(allowed)}")
     default_cf = float(os.environ.get("CAP_FACTOR", 1.0))     # Tutel's default, as Tutel reads it
-    spec = GateSpec(kind, check_int(options.get("k", 1), f"gate_type[{index}]['k']", 1),
+    spec = GateSpec(kind, check_int(_whole(options.get("k", 1)), f"gate_type[{index}]['k']", 1),
                     bool(options.get("fp32_gate", False)),
                     _number(options.get("capacity_factor", default_cf), f"gate_type[{index}]['capacity_factor']"),
                     _number(options.get("gate_noise", 0.0), f"gate_type[{index}]['gate_noise']"),
@@ -232,6 +232,15 @@ def _parsed_int(text: str, whole: str) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"moe_layer: parallel_type={whole!r}: N in 'adaptive:N' must be an integer") from None
+
+
+def _whole(value):
+    """Tutel takes int(k): 2.0 and "2" are 2 there too; anything else is left for check_int to refuse by name."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
 
 
 def _number(value: Any, name: str) -> float:

@@ -23,6 +23,7 @@ def build(gate_type=None, experts=None, **kwargs):
     (dict(gate_type={"type": "top", "k": 2, "temperature": 1}), ["temperature", "allowed"]),
     (dict(gate_type={"type": "cosine_top", "init_t": 0.0}), ["init_t", "0.0"]),
     (dict(gate_type={"type": "top", "k": 0}), ["['k']=0"]),
+    (dict(gate_type={"type": "top", "k": 1.5}), ["['k']=1.5"]),      # Tutel's int(k) would make it 1 silently
     (dict(gate_type=[]), ["gate_type=[]"]),
     (dict(experts={**FFN, "type": "moe"}), ["experts['type']='moe'", "'llama_ffn'"]),
     (dict(experts={**FFN, "count_per_node": -2}), ["count_per_node", "-2", "shared"]),
@@ -74,6 +75,7 @@ def test_tutels_other_forms_and_environment_are_honoured(monkeypatch):
                           "num_experts_per_device": 3}).num_global_experts == 3
     assert build(experts={**FFN, "count_per_node": -1}).num_global_experts == 1
     assert build(pad_samples=True).gate_specs[0].kind == "top"
+    assert [build(gate_type={"type": "top", "k": k}).gate_specs[0].top_k for k in (2.0, "2", 1)] == [2, 2, 1]
     monkeypatch.setenv("CAP_FACTOR", "0.5")
     monkeypatch.setenv("BATCH_PRIO", "1")
     layer = build()
@@ -94,3 +96,6 @@ def test_the_drop_in_is_a_moe_layer():
     assert all(isinstance(layer, moe_plugin.MoELayer) for layer in model)
     assert torch.allclose(moe_plugin.aux_loss(model), model[0].l_aux + model[1].l_aux)
     assert y.l_aux is model[1].l_aux
+    # as in Tutel, moe_layer is the class: code that finds its MoE layers by isinstance finds the drop-in's
+    assert all(isinstance(layer, tutel_moe.moe_layer) for layer in model)
+    assert tutel_moe.moe_layer.global_expert_count(3) == 3
