@@ -1,8 +1,9 @@
 """fairseq per-layer routing metrics (issue 44; integrations/fairseq_moe/criterions.py): moe_cross_entropy's logging
 outputs, summed by fairseq's own aggregation (two ranks' outputs joined as fairseq gathers them, 2 updates of 2
 micro-batches), give moe/<layer>/<metric> and moe/all equal to numbers recomputed from each layer's routing as each
-forward ran (tests/helpers/routing_reference.py); a fairseq-train run logs them per layer in its log lines, the
-summary's dropped fraction equal to the whole-model moe_dropped computed from the layers' stats. The routing alarm
+forward ran (tests/helpers/routing_reference.py); a fairseq-train run logs them per layer in its log lines and the
+same values in its TensorBoard output (--tensorboard-logdir), the summary's dropped fraction equal to the
+whole-model moe_dropped computed from the layers' stats. The routing alarm
 (--moe-routing-alarm-*): a collapsed router warns once per layer at the set log interval, through Python's logging,
 a balanced run and --no-moe-routing-alarm never; bad flags are one-line errors."""
 import copy
@@ -101,7 +102,8 @@ def test_fairseq_train_logs_each_layer(tmp_path, corpus):
             "64", "--sample-break-mode", "complete", "--batch-size", "4", "--max-update", "4", "--update-freq", "2",
             "--save-dir", str(tmp_path / "ckpt"), "--no-save", *CPU, "--log-format", "json", "--log-interval", "2",
             # an alarm every unbalanced layer raises at the second interval (the run is seeded: --seed 1)
-            "--moe-routing-alarm-min-share", "0.99", "--moe-routing-alarm-windows", "2"]
+            "--moe-routing-alarm-min-share", "0.99", "--moe-routing-alarm-windows", "2",
+            "--tensorboard-logdir", str(tmp_path / "tensorboard")]
     log = fairseq("train", args, cwd=str(tmp_path), timeout=500).stdout
     lines = [json.loads(line[line.index("{"):]) for line in log.splitlines() if "train_inner" in line and "{" in line]
     assert len(lines) == 2, log[-3000:]
@@ -116,6 +118,15 @@ def test_fairseq_train_logs_each_layer(tmp_path, corpus):
         assert float(line["moe/all/dropped_fraction"]) == pytest.approx(float(line["moe_dropped"]), abs=2e-4)
         for name in layers:
             assert 1.0 <= float(line[f"moe/{name}/max_load"]) <= 4.0
+    # fairseq's TensorBoard output holds the same per-layer metrics at the same updates
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "train_inner"))
+    events.Reload()
+    tags = [tag for tag in events.Tags()["scalars"] if tag.startswith("moe/")]
+    assert len([tag for tag in tags if tag.endswith("/max_load")]) == 3, tags
+    for tag in tags:
+        written = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert written == [(int(line["num_updates"]), pytest.approx(float(line[tag]), abs=1e-3)) for line in lines], tag
 
 
 def alarm_model(case):
