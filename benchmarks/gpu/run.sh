@@ -64,6 +64,7 @@ CUDA_TESTS=(
   tests/core/test_compile.py
   tests/core/test_cuda_graph_ready.py
   tests/core/test_recompute.py
+  tests/train/test_train_window.py
 )
 
 step() {   # step NAME SECONDS COMMAND...

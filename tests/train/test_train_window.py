@@ -61,11 +61,17 @@ class Logits(torch.nn.Module):
         return logits
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA device (real host syncs)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overrides", [[], ["moe.capacity_factor=0.5", "moe.num_experts=5", "moe.top_k=3"]],
                          ids=["default", "dropping_k3"])
-def test_a_step_reads_the_device_once_and_the_record_is_exact(tmp_path, fresh_seed, overrides):
-    cfg = train.load_config(None, TINY + [f"log.out_dir={tmp_path}", f"train.seed={fresh_seed}"] + overrides)
-    procs = start_processes("cpu")
+def test_a_step_reads_the_device_once_and_the_record_is_exact(tmp_path, fresh_seed, overrides, device):
+    cfg = train.load_config(None, TINY + [f"log.out_dir={tmp_path}", f"train.seed={fresh_seed}",
+                                          f"train.device={device}"] + overrides)
+    procs = start_processes(device)
     parts = build(cfg, procs)
     wrapped = Logits(data_parallel(parts.model, procs))
     layers = parts.model.moe_layers()
@@ -90,7 +96,7 @@ def test_a_step_reads_the_device_once_and_the_record_is_exact(tmp_path, fresh_se
             loads.append([s["tokens_per_expert"] for s in stats])
             dropped.append(sum(s["dropped_fraction"] for s in stats) / len(stats))
     for logits, y in zip(wrapped.seen, targets):
-        losses.append(F.cross_entropy(logits.flatten(0, -2), y.flatten()).item())
+        losses.append(F.cross_entropy(logits.flatten(0, -2), y.to(logits.device).flatten()).item())
     record = window.record(procs, steps, 0.5)
     assert record["loss"] == pytest.approx(sum(losses) / steps, rel=1e-6)
     assert record["aux_loss"] == pytest.approx(sum(auxes) / steps, rel=1e-6)
