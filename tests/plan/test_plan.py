@@ -67,7 +67,8 @@ def test_all_to_all_bytes_by_hand():
 def test_the_planned_capacity_is_the_layers(overrides):
     """The plan's capacity per expert is what the real layer uses on that micro-batch (its formula, alignment and
     lower bound)."""
-    cfg = train.load_config(None, ["parallel.ep_size=2", "train.batch_size=3", "model.seq_len=50", *overrides])
+    cfg = train.load_config(None, [*TINY, "model.layers=4", "parallel.ep_size=2", "train.batch_size=3", "model.seq_len=50",
+                                   *overrides])
     plan = plan_experiment(cfg, 2, 2, device("a100"))
     layer = MoELayer(train.moe_config(cfg).replace(ep_size=1))
     layer(torch.randn(150, cfg.model.dim))
@@ -190,7 +191,7 @@ def test_each_moe_layers_activations_are_what_a_real_forward_keeps(overrides, fr
     """The plan splits the micro-batch's activations into each MoE layer's and the rest's: within 10% of what a
     real forward on real data keeps for backward inside each MoE layer and outside them."""
     from moe_plugin.plan.state_bytes import storage_key
-    cfg = train.load_config(None, ["train.batch_size=4", f"train.seed={fresh_seed}", *overrides])
+    cfg = train.load_config(None, [*TINY, "model.layers=4", f"train.seed={fresh_seed}", *overrides])
     plan = plan_experiment(cfg, 1, 1, device("a100"))
     torch.manual_seed(fresh_seed)
     model = build_model(cfg)
