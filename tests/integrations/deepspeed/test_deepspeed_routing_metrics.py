@@ -1,7 +1,8 @@
 """Routing metrics under DeepSpeed (issue 44; integrations/deepspeed/routing.py): with the JSON's csv_monitor on,
 2 gloo processes (ep_size 2, 2 micro-batches a step, steps_per_print 2) write moe/<layer>/<metric> per MoE layer
 and moe/all to DeepSpeed's own monitor files, equal to numbers recomputed from each layer's routing on both ranks
-as each forward ran (tests/helpers/routing_reference.py); a bad "moe.routing_alarm" is a one-line error. A router
+as each forward ran (tests/helpers/routing_reference.py), and under pipeline parallelism (engine.train_batch, 2 stages x
+2 data-parallel ranks) every stage's layers likewise; a bad "moe.routing_alarm" is a one-line error. A router
 sending every token to one expert raises the alarm once per layer at the set window, on rank 0, through DeepSpeed's
 logger; a router balanced by construction never does, nor "routing_alarm": false; with the JSON's wandb and
 tensorboard sections on, wandb.log and the event file get the same numbers at DeepSpeed's x-axis (wandb's steps
@@ -230,30 +231,62 @@ def test_the_alarm_fires_on_a_collapse_only_and_wandb_and_tensorboard_get_the_me
         assert logged["moe/all/max_load"][step] == pytest.approx(max(w["max_load"] for w in want.values()))
 
 
-def test_a_pipeline_engine_says_it_logs_no_routing():
-    """engine.train_batch never calls engine.step: the metrics cannot be read there, and a warning says so."""
+PIPE_SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.0,
+                "min_capacity": 0, "aux_loss": "switch"}
+
+
+def pipeline_worker(rank, world, directory):
+    """2 stages x 2 data-parallel ranks (examples/deepspeed/pipeline_moe.py: an MoE layer in each stage),
+    engine.train_batch with the csv monitor on: each rank's forwards as they ran."""
     import logging
-    import types
+    import os
 
-    from deepspeed.runtime.pipe.engine import PipelineEngine
+    import deepspeed
     from deepspeed.utils import logger
+    from helpers.paths import load_script
+    from helpers.routing_reference import record_forwards
 
-    from moe_plugin import MoELayer
-    from moe_plugin.integrations.deepspeed.routing import log_routing
-    from moe_plugin.routing_alarm import RoutingAlarm
-    engine = PipelineEngine.__new__(PipelineEngine)      # what log_routing reads of one, without starting it
-    step = engine.__dict__["step"] = lambda: None
-    engine.__dict__.update(module=torch.nn.Sequential(MoELayer(model_dim=8, hidden_size=8, num_experts=2)),
-                           monitor=types.SimpleNamespace(enabled=False))
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
-        log_routing(engine, RoutingAlarm())
-    finally:
-        logger.removeHandler(handler)
-    assert engine.step is step
-    assert [r.getMessage() for r in records] == [
-        "[Rank -1] moe_plugin: the routing metrics and the routing alarm do not run under pipeline parallelism "
-        "(engine.train_batch) yet: nothing of them is logged"]
+    example = load_script("examples/deepspeed/pipeline_moe.py")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = example.pipeline(PIPE_SECTION, stages=2)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
+              "steps_per_print": EVERY, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "moe": PIPE_SECTION,
+              "csv_monitor": {"enabled": True, "output_path": directory, "job_name": "run"}}
+    engine, _, _, _ = dsi.initialize(model=model, config=config, model_parameters=model.parameters())
+    forwards = {}
+    layers = record_forwards(engine.module, forwards)
+    generator = torch.Generator().manual_seed(100 + engine.grid.get_data_parallel_rank())
+    for _ in range(STEPS):
+        engine.train_batch(iter([example.batch(generator, 4) for _ in range(ACCUMULATION)]))
+    return forwards, {name: layer.config for name, layer in layers.items()}
+
+
+@pytest.mark.timeout(600)
+def test_a_pipeline_logs_every_stages_layers(tmp_path):
+    """engine.train_batch (pipeline parallelism, where engine.step is never called): rank 0's monitor holds each
+    stage's MoE layers, each summed over its stage's data-parallel ranks, equal to the recomputed numbers."""
+    results = run_workers(pipeline_worker, 4, str(tmp_path), timeout=500)
+    configs = {name: config for _, named in results for name, config in named.items()}
+    assert len(configs) == 2, configs          # one MoE layer in each stage
+    per_window = EVERY * ACCUMULATION
+    samples = [EVERY * ACCUMULATION * 4 * 2, STEPS * ACCUMULATION * 4 * 2]    # 2 data-parallel ranks
+    folder = tmp_path / "run"
+    for window, step in enumerate(samples):
+        want = {}
+        for name, config in configs.items():
+            sums = {}
+            for forwards, _ in results:        # the two ranks of the layer's stage recorded it
+                for one in forwards.get(name, [])[window * per_window:(window + 1) * per_window]:
+                    sums = add(sums, one)
+            assert sums["forwards"] == 2 * per_window, (name, sums["forwards"])
+            want[name] = expected(_Layer(config), sums)
+            want[name].pop("tokens_per_expert")
+            for key, value in want[name].items():
+                got = read_csv(folder / f"moe_{name}_{key}.csv")
+                assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key, step)
+        assert read_csv(folder / "moe_all_max_load.csv")[step] == pytest.approx(max(w["max_load"]
+                                                                                    for w in want.values()))
