@@ -1,11 +1,11 @@
-"""The routing alarm (issue 44): when an expert gets under min_share of the mean load, or a layer's dropped fraction
-is over max_dropped, in each of `windows` logging windows in a row, one warning names the layer, the experts and
-the numbers. It fires once per layer until the layer is healthy again. Hosts pass read()'s metrics
+"""The routing alarm (issue 44): when an expert gets under min_share of the mean load in each of `windows` logging
+windows in a row, or a layer's dropped fraction is over max_dropped in each of them, one warning names the layer,
+the experts and the numbers. It fires once per layer until the layer is healthy again. Hosts pass read()'s metrics
 (routing_metrics.RoutingMonitor) to check() and send what it returns to their own logger.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Set
 
 
 class RoutingAlarm:
@@ -17,33 +17,52 @@ class RoutingAlarm:
         if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
             raise ValueError(f"routing alarm: windows must be an integer >= 1, got {windows!r}")
         self.min_share, self.max_dropped, self.windows = min_share, max_dropped, windows
-        self.unhealthy_in_a_row: Dict[str, int] = {}
+        self.starved_in_a_row: Dict[str, List[int]] = {}    # layer -> each expert's run of starved windows
+        self.dropping_in_a_row: Dict[str, int] = {}         # layer -> its run of windows over max_dropped
+        self.fired: Set[str] = set()                        # layers warned about and not healthy since
 
     def check(self, metrics: Dict[str, dict]) -> List[str]:
-        """One message per layer whose trouble has just lasted `windows` windows ([] otherwise)."""
+        """One message per layer whose trouble has just lasted `windows` windows ([] otherwise): the same expert
+        starved in each of them, or the drops over max_dropped in each."""
         messages = []
         for name, layer in metrics.items():
-            trouble = self.trouble(layer)
-            count = self.unhealthy_in_a_row.get(name, 0) + 1 if trouble else 0
-            self.unhealthy_in_a_row[name] = count
-            if count == self.windows:
+            shares = _shares(layer["tokens_per_expert"])
+            runs = self.starved_in_a_row.get(name) or [0] * len(shares)
+            runs = [run + 1 if share < self.min_share else 0 for run, share in zip(runs, shares)]
+            dropping = self.dropping_in_a_row.get(name, 0) + 1 if layer["dropped_fraction"] > self.max_dropped else 0
+            self.starved_in_a_row[name], self.dropping_in_a_row[name] = runs, dropping
+            if not any(runs) and not dropping:
+                self.fired.discard(name)          # healthy: armed again
+            trouble = self.trouble(layer, [e for e, run in enumerate(runs) if run >= self.windows],
+                                   dropping >= self.windows)
+            if trouble and name not in self.fired:
+                self.fired.add(name)
                 messages.append(f"moe_plugin routing alarm: MoE layer {name or '(the model)'}: {trouble}, "
                                 f"in each of the last {self.windows} logging windows")
         return messages
 
-    def trouble(self, layer: dict) -> str:
-        """What is wrong with one layer's window ('' when nothing)."""
-        load = layer["tokens_per_expert"]
-        mean = sum(load) / len(load)
-        starved = [(e, n / mean) for e, n in enumerate(load) if mean and n / mean < self.min_share]
+    def layers_in_alarm(self) -> int:
+        """How many layers' trouble has lasted `windows` windows as of the last check."""
+        return sum(any(run >= self.windows for run in self.starved_in_a_row[name]) or
+                   self.dropping_in_a_row[name] >= self.windows for name in self.starved_in_a_row)
+
+    def trouble(self, layer: dict, starved: List[int], dropping: bool) -> str:
+        """What has lasted in one layer: its starved experts (with their shares in this window) and its drops."""
+        shares = _shares(layer["tokens_per_expert"])
         found = []
         if starved:
-            shares = ", ".join(f"{e} ({share:.1%})" for e, share in starved)
-            found.append(f"experts {shares} got under {self.min_share:.0%} of the mean load "
+            named = ", ".join(f"{e} ({shares[e]:.1%})" for e in starved)
+            found.append(f"experts {named} got under {self.min_share:.0%} of the mean load "
                          f"(busiest expert {layer['max_load']:.2f}x the mean)")
-        if layer["dropped_fraction"] > self.max_dropped:
+        if dropping:
             found.append(f"dropped fraction {layer['dropped_fraction']:.1%} over {self.max_dropped:.0%}")
         return "; ".join(found)
+
+
+def _shares(load: List[float]) -> List[float]:
+    """Each expert's tokens over the mean load (1.0 each when no token was routed: nothing is starved then)."""
+    mean = sum(load) / len(load)
+    return [n / mean if mean else 1.0 for n in load]
 
 
 def _number(value) -> bool:

@@ -92,7 +92,7 @@ class GateLoss:
             if not dist.is_initialized() or dist.get_rank() == 0:    # every process holds the same sums
                 for message in messages:
                     logger.warning(message)
-        return float(sum(n >= self.alarm.windows for n in self.alarm.unhealthy_in_a_row.values()))
+        return float(self.alarm.layers_in_alarm())
 
     def add(self, loss: torch.Tensor, model: torch.nn.Module, sample_size, logging_output: dict) -> torch.Tensor:
         """loss + the weighted gate loss; the MoE statistics go into logging_output: in training as device tensors

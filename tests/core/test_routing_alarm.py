@@ -1,5 +1,5 @@
-"""RoutingAlarm (moe_plugin/routing_alarm.py): fires once per layer after `windows` unhealthy windows in a row (a
-starved expert, or too many drops), names the layer, experts and numbers, re-arms when the layer recovers; a run of
+"""RoutingAlarm (moe_plugin/routing_alarm.py): fires once per layer after `windows` unhealthy windows in a row (the
+same expert starved in each, or too many drops in each), names the layer, experts and numbers, re-arms when the layer recovers; a run of
 healthy windows, or an interrupted run of unhealthy ones, never fires; bad settings are one-line errors."""
 import pytest
 
@@ -33,6 +33,20 @@ def test_drops_fire_and_an_interrupted_run_does_not():
     assert alarm.check({"x": window([5, 5], dropped=0.3)}) == []
     assert alarm.check({"x": window([5, 5], dropped=0.3)}) == [
         "moe_plugin routing alarm: MoE layer x: dropped fraction 30.0% over 10%, in each of the last 2 logging windows"]
+
+
+def test_it_takes_the_same_expert_starved_in_every_window():
+    """Expert 0 starved, then expert 1, then 0 again: no expert was starved in 2 windows in a row, so no alarm; the
+    experts that were are named, and only they."""
+    alarm = RoutingAlarm(min_share=0.2, max_dropped=0.5, windows=2)
+    assert alarm.check({"a": window([0, 30, 30, 30])}) == []
+    assert alarm.check({"a": window([30, 0, 30, 30])}) == []
+    assert alarm.check({"a": window([0, 30, 30, 30])}) == []
+    assert alarm.check({"a": window([0, 1, 40, 40])}) == [
+        "moe_plugin routing alarm: MoE layer a: experts 0 (0.0%) got under 20% of the mean load (busiest expert "
+        "1.98x the mean), in each of the last 2 logging windows"]     # expert 1 (4.9%) starved once only
+    assert alarm.layers_in_alarm() == 1
+    assert alarm.check({"a": window([30, 30, 30, 30])}) == [] and alarm.layers_in_alarm() == 0
 
 
 @pytest.mark.parametrize("kwargs, words", [(dict(min_share=1.0), "min_share must be in [0, 1)"),
