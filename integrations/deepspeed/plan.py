@@ -13,7 +13,7 @@ dense parameters over all ranks and of the experts over the ranks holding the sa
     optimizer     the "optimizer" section's state (Adam, Lamb: two fp32 moments; Adagrad one; SGD its momentum
                   buffer, if any; without a section the client's optimizer, taken as Adam) and an fp32 copy of
                   the weights (ZeRO's optimizers keep one of fp32 weights too; plain stage 0 in fp32 none);
-                  stages 1-3: partitioned; a 4-byte step per group (not SGD's)
+                  stages 1-3: partitioned; a 4-byte step per group (stage 0: per parameter; not SGD's)
 
 Alignment padding is not counted. The activations, all-to-all bytes and step time come from moe_plugin.plan's
 assembly. tests/integrations/deepspeed/test_deepspeed_plan.py holds the figures to hand counts from the model's own
@@ -124,6 +124,7 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
     master = MASTER_BYTES if stage >= 1 or element < 4 else 0
     optimizer_per_byte = (state + master) / element
     groups = 2 if experts else 1        # DeepSpeed splits the parameter group: dense, experts (moe param groups)
+    tensors = sum(1 for p in first.parameters() if p.requires_grad)   # stage 0: torch's optimizer, a step each
     holders = world_size // ep_size
 
     def share(dense_part: float, expert_part: float, partitioned: bool) -> int:
@@ -134,7 +135,7 @@ def plan_deepspeed(ds_path: str, hf_path: str, world_size: int, node_size: int, 
 
     held = StateBytes(parameters=share(dense, experts, stage >= 3), gradients=share(dense, experts, stage >= 2),
                       optimizer=share(dense * optimizer_per_byte, experts * optimizer_per_byte, stage >= 1)
-                      + (ADAM_STEP_BYTES * groups if steps else 0))
+                      + (ADAM_STEP_BYTES * (groups if stage >= 1 else tensors) if steps else 0))
     if stage == 0:      # DeepSpeed's data parallelism: dense gradients over all ranks, experts' over their holders
         collectives = Collectives(all_reduce=(dense if world_size > 1 else 0) + (experts if holders > 1 else 0))
     else:               # reduce-scattered gradients; updated partitions gathered (stage 3: forward and backward)

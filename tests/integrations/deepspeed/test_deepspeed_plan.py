@@ -1,6 +1,7 @@
 """`moe-plugin plan --deepspeed ds.json --hf-config config.json` (integrations/deepspeed/plan.py): each rank's bytes
 under ZeRO stages 0-3 against hand counts from the Hugging Face model's own parameters (built whole, unswapped), the
-parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16, ZeRO 1 with SGD), the all-to-all bytes
+parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16, ZeRO 1 with SGD,
+stage 0 fp32), the all-to-all bytes
 by hand, the JSON on stdout alone, and its errors (one line, exit code 2)."""
 import json
 import logging
@@ -37,6 +38,10 @@ def plan_json(capsys, arguments):
     return json.loads(capsys.readouterr().out)
 
 
+TENSORS = 21     # the Mixtral's parameter tensors: 9 in each of 2 layers (attention 4, norms 2, router, 2 stacked
+                 # expert projections), the embedding, the final norm and the head
+
+
 def hf_counts():
     """(dense, all experts') parameter counts of the HF model itself."""
     with torch.device("meta"):
@@ -57,8 +62,9 @@ def test_zero_stages_by_hand(tmp_path, capsys, stage):
     assert role["ranks"] == [0, 1, 2, 3]
     assert role["parameters_bytes"] == (bf16[0] // 4 + bf16[1] // 2 if stage == 3 else sum(bf16))
     assert role["gradients_bytes"] == (bf16[0] // 4 + bf16[1] // 2 if stage >= 2 else sum(bf16))
-    adam = 12 * dense, 12 * local           # fp32 copy, exp_avg, exp_avg_sq; a 4-byte step for each of 2 groups
-    assert role["optimizer_bytes"] == (adam[0] // 4 + adam[1] // 2 if stage >= 1 else sum(adam)) + 8
+    adam = 12 * dense, 12 * local           # fp32 copy, exp_avg, exp_avg_sq
+    # a 4-byte step for each of ZeRO's 2 groups; stage 0 (torch's Adam): for each parameter tensor
+    assert role["optimizer_bytes"] == (adam[0] // 4 + adam[1] // 2 + 8 if stage >= 1 else sum(adam) + 4 * TENSORS)
     # 2 rows x 64 tokens x top-2 = 256 rows of 64 bf16 values per pass; 4 passes; 2 MoE layers
     assert role["all_to_all_bytes"] == 2 * 4 * 256 * 64 * 2
 
@@ -71,7 +77,8 @@ def test_fp32_weights_keep_an_fp32_copy_under_zero_only(tmp_path, capsys, stage,
     local = experts // 2
     assert role["parameters_bytes"] == 4 * (dense + local)
     per = 8 + copy
-    assert role["optimizer_bytes"] == (per * dense // 4 + per * local // 2 if stage else per * (dense + local)) + 8
+    assert role["optimizer_bytes"] == (per * dense // 4 + per * local // 2 + 8 if stage else
+                                       per * (dense + local) + 4 * TENSORS)
 
 
 def _real_steps(rank, world, ds_paths):
@@ -92,8 +99,9 @@ def _real_steps(rank, world, ds_paths):
         ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 64))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-        state = [t for s in engine.optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        copies = list(engine.optimizer.single_partition_of_fp32_groups)
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)     # ZeRO's wraps torch's
+        state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+        copies = list(getattr(engine.optimizer, "single_partition_of_fp32_groups", []))
         held.append({"parameters": sum(nbytes(p) for p in engine.module.parameters()),
                      "optimizer": sum(nbytes(t) for t in state + copies)})
     return held
@@ -106,7 +114,8 @@ def test_parameter_and_optimizer_bytes_equal_a_real_deepspeed_run(tmp_path, caps
     adam = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
     sgd = {"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}
     # ZeRO 1 in fp32, ZeRO 2 in bf16 (Adam), ZeRO 1 in bf16 with SGD's momentum (one buffer, no step)
-    for i, (stage, bf16, optimizer) in enumerate(((1, False, adam), (2, True, adam), (1, True, sgd))):
+    for i, (stage, bf16, optimizer) in enumerate(((1, False, adam), (2, True, adam), (1, True, sgd),
+                                                  (0, False, adam))):
         (tmp_path / str(i)).mkdir()
         planned.append(plan_json(capsys, [*write(tmp_path / str(i), stage, bf16=bf16, optimizer=optimizer),
                                           "--world-size", "2"]))
