@@ -1,7 +1,7 @@
 """`moe-plugin plan --deepspeed ds.json --hf-config config.json` (integrations/deepspeed/plan.py): each rank's bytes
 under ZeRO stages 0-3 against hand counts from the Hugging Face model's own parameters (built whole, unswapped), the
 parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16, ZeRO 1 with SGD,
-stage 0 fp32), the all-to-all bytes
+stage 0 fp32, ZeRO 3 bf16), the all-to-all bytes
 by hand, the JSON on stdout alone, and its errors (one line, exit code 2)."""
 import json
 import logging
@@ -101,8 +101,9 @@ def _real_steps(rank, world, ds_paths):
         engine.step()
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)     # ZeRO's wraps torch's
         state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
-        copies = list(getattr(engine.optimizer, "single_partition_of_fp32_groups", []))
-        held.append({"parameters": sum(nbytes(p) for p in engine.module.parameters()),
+        copies = list(getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or
+                      getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+        held.append({"parameters": sum(nbytes(getattr(p, "ds_tensor", p)) for p in engine.module.parameters()),
                      "optimizer": sum(nbytes(t) for t in state + copies)})
     return held
 
@@ -115,7 +116,7 @@ def test_parameter_and_optimizer_bytes_equal_a_real_deepspeed_run(tmp_path, caps
     sgd = {"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}
     # ZeRO 1 in fp32, ZeRO 2 in bf16 (Adam), ZeRO 1 in bf16 with SGD's momentum (one buffer, no step)
     for i, (stage, bf16, optimizer) in enumerate(((1, False, adam), (2, True, adam), (1, True, sgd),
-                                                  (0, False, adam))):
+                                                  (0, False, adam), (3, True, adam))):
         (tmp_path / str(i)).mkdir()
         planned.append(plan_json(capsys, [*write(tmp_path / str(i), stage, bf16=bf16, optimizer=optimizer),
                                           "--world-size", "2"]))
