@@ -1,9 +1,10 @@
-"""The drop-in over processes: expert parallel (and experts gathered, parallel_type adaptive:0) on 2 gloo ranks equals
-one process holding every expert; examples/tutel_helloworld.py under torchrun on 2 processes (top 1 and 2, capacity
+"""The drop-in over processes: expert parallel (also with use_2dh over two one-process nodes, and experts gathered,
+parallel_type adaptive:0) on 2 gloo ranks equals one process holding every expert; examples/tutel_helloworld.py under torchrun on 2 processes (top 1 and 2, capacity
 factor 0 and negative, parallel_type data and model): its first loss on each rank equals one process's, and where
 Tutel is installed every step's loss equals real Tutel's from the same weights."""
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,21 +21,24 @@ D, H, LOCAL, T = 8, 6, 2, 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tutel_helloworld.py"
 
 
-def layer(count, rank, parallel_type="adaptive:1", cf=0.75, kind="ffn", is_postscore=True):
+def layer(count, rank, parallel_type="adaptive:1", cf=0.75, kind="ffn", is_postscore=True, use_2dh=False):
     experts = {"type": kind, "count_per_node": count, "hidden_size_per_expert": H}
     if kind == "ffn":
         experts["activation_fn"] = F.relu
     return tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": cf}, model_dim=D,
                                experts=experts, seeds=(1, rank + 1, 1), parallel_type=parallel_type,
-                               is_postscore=is_postscore)
+                               is_postscore=is_postscore, use_2dh=use_2dh)
 
 
 def inputs(rank):
     return torch.randn(T, D, generator=torch.Generator().manual_seed(50 + rank))
 
 
-def expert_parallel_worker(rank, world, parallel_type, is_postscore):
-    moe = layer(LOCAL, rank, parallel_type, is_postscore=is_postscore)
+def expert_parallel_worker(rank, world, parallel_type, is_postscore, use_2dh=False):
+    if use_2dh:      # two nodes of one process each: Tutel's 2DH exchange takes its two steps
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+    moe = layer(LOCAL, rank, parallel_type, is_postscore=is_postscore, use_2dh=use_2dh)
+    assert moe.config.a2a == ("2dh" if use_2dh else "flat")
     x = inputs(rank).requires_grad_()
     y = moe(x)
     (y.square().sum() + y.l_aux).backward()
@@ -52,10 +56,12 @@ def merged(states):
     return out
 
 
-@pytest.mark.parametrize("parallel_type, is_postscore", [("adaptive:1", True), ("adaptive:0", True),
-                                                         ("adaptive:1", False)])
-def test_two_ranks_equal_one_process(parallel_type, is_postscore):
-    results = run_workers(expert_parallel_worker, 2, parallel_type, is_postscore)
+@pytest.mark.parametrize("parallel_type, is_postscore, use_2dh", [("adaptive:1", True, False),
+                                                                  ("adaptive:0", True, False),
+                                                                  ("adaptive:1", False, False),
+                                                                  ("adaptive:1", True, True)])
+def test_two_ranks_equal_one_process(parallel_type, is_postscore, use_2dh):
+    results = run_workers(expert_parallel_worker, 2, parallel_type, is_postscore, use_2dh)
     whole = layer(2 * LOCAL, 0, is_postscore=is_postscore)
     whole.load_state_dict(merged([r[0] for r in results]), strict=True)
     expert_grads = []
