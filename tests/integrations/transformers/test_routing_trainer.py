@@ -41,7 +41,7 @@ def moe_layers(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
 
 
-def test_trainer_tensorboard_holds_each_layers_routing():
+def test_trainer_tensorboard_holds_each_layers_routing(capsys):
     EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                            reason="tensorboard is not installed (pip install tensorboard)"
                                            ).EventAccumulator
@@ -54,6 +54,8 @@ def test_trainer_tensorboard_holds_each_layers_routing():
     out_dir = tempfile.mkdtemp()
     train(model, [RoutingMetrics()], ["tensorboard"], out_dir)
 
+    console = capsys.readouterr().out            # the Trainer's console log (PrinterCallback) shows them too
+    assert all(console.count(f"'moe/{name}/max_load'") == STEPS // EVERY for name in layers), console[-2000:]
     event_files = list(Path(out_dir).rglob("events.out.tfevents.*"))
     assert len(event_files) == 1, event_files
     events = EventAccumulator(str(event_files[0]), size_guidance={"scalars": 0})
