@@ -99,3 +99,12 @@ def test_the_drop_in_is_a_moe_layer():
     # as in Tutel, moe_layer is the class: code that finds its MoE layers by isinstance finds the drop-in's
     assert all(isinstance(layer, tutel_moe.moe_layer) for layer in model)
     assert tutel_moe.moe_layer.global_expert_count(3) == 3
+
+
+@pytest.mark.parametrize("name", ["fast_encode", "top_k_routing", "fast_dispatcher"])
+def test_tutels_routing_functions_are_named_as_not_provided(name):
+    with pytest.raises(AttributeError) as error:
+        getattr(tutel_moe, name)
+    assert f"no {name!r}" in str(error.value) and "moe_layer" in str(error.value)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_like_it'"):
+        tutel_moe.nothing_like_it
