@@ -10,7 +10,6 @@ losses of the same layers in an `nn.Sequential` trained in one process on both d
 micro-batches (rtol 1e-5, aux loss included; without the aux term they differ). DeepSpeed refuses pipeline
 parallelism with ZeRO-2/3 itself.
 """
-import os
 
 import pytest
 import torch
@@ -28,16 +27,12 @@ CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps"
 
 
 def pipeline_worker(rank, world):
-    import logging
-
-    import deepspeed
-    from deepspeed.utils import groups, logger
+    from deepspeed.utils import groups
+    from helpers.deepspeed import setup_worker
 
     example = load_script("examples/deepspeed/pipeline_moe.py")
     from moe_plugin.integrations.deepspeed import MoE, initialize
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo")
+    setup_worker(rank, world)
     torch.manual_seed(0)
     model = example.pipeline(SECTION, stages=2)
     engine, _, _, _ = initialize(model=model, config=CONFIG, model_parameters=model.parameters())

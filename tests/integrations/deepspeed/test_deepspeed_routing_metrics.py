@@ -238,18 +238,12 @@ PIPE_SECTION = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, 
 def pipeline_worker(rank, world, directory):
     """2 stages x 2 data-parallel ranks (examples/deepspeed/pipeline_moe.py: an MoE layer in each stage),
     engine.train_batch with the csv monitor on: each rank's forwards as they ran."""
-    import logging
-    import os
-
-    import deepspeed
-    from deepspeed.utils import logger
+    from helpers.deepspeed import setup_worker
     from helpers.paths import load_script
     from helpers.routing_reference import record_forwards
 
     example = load_script("examples/deepspeed/pipeline_moe.py")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo")
+    setup_worker(rank, world)
     torch.manual_seed(0)
     model = example.pipeline(PIPE_SECTION, stages=2)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
