@@ -33,7 +33,7 @@ class RoutingAlarm:
             self.starved_in_a_row[name], self.dropping_in_a_row[name] = runs, dropping
             if not any(runs) and not dropping:
                 self.fired.discard(name)          # healthy: armed again
-            trouble = self.trouble(layer, [e for e, run in enumerate(runs) if run >= self.windows],
+            trouble = self.trouble(layer, shares, [e for e, run in enumerate(runs) if run >= self.windows],
                                    dropping >= self.windows)
             if trouble and name not in self.fired:
                 self.fired.add(name)
@@ -46,9 +46,8 @@ class RoutingAlarm:
         return sum(any(run >= self.windows for run in self.starved_in_a_row[name]) or
                    self.dropping_in_a_row[name] >= self.windows for name in self.starved_in_a_row)
 
-    def trouble(self, layer: dict, starved: List[int], dropping: bool) -> str:
+    def trouble(self, layer: dict, shares: List[float], starved: List[int], dropping: bool) -> str:
         """What has lasted in one layer: its starved experts (with their shares in this window) and its drops."""
-        shares = _shares(layer["tokens_per_expert"])
         found = []
         if starved:
             named = ", ".join(f"{e} ({shares[e]:.1%})" for e in starved)

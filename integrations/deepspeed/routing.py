@@ -45,10 +45,11 @@ def log_routing(engine, alarm) -> None:
     if not engine.monitor.enabled and alarm is None:
         return
     pipeline = isinstance(engine, PipelineEngine)
-    held = [any(isinstance(m, MoELayer) for m in engine.module.modules())]
+    local = any(isinstance(m, MoELayer) for m in engine.module.modules())
+    held = [local]
     if pipeline:      # a stage may hold no MoE layer while others do: every stage then takes part
         held = [None] * dist.get_world_size()
-        dist.all_gather_object(held, any(isinstance(m, MoELayer) for m in engine.module.modules()))
+        dist.all_gather_object(held, local)
     if not any(held):
         return
     monitor = RoutingMonitor(engine.module)

@@ -123,6 +123,7 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
     capacity_key: the host's names of the micro-batch and capacity_factor settings (for its errors)."""
     dense_bytes, expert_bytes = split_bytes(first)
     moe_layers = [m for m in first.modules() if isinstance(m, MoELayer)]
+    dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
     for layer in moe_layers:
         check_capacity(layer.config, rows * seq_len, capacity_key, batch_key)
 
@@ -171,7 +172,6 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
         return int(max(0, room // per_row)) if per_row > 0 else 0
 
     max_batch = largest_batch(activations, per_row)
-    dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
     moe_activations = [layer_saved(m.config, dtype) + t.kept_bytes for m, dtype, t in zip(moe_layers, dtypes, layers)]
     plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, max_batch, per_row,
                 moe_activations=moe_activations)

@@ -49,12 +49,19 @@ def exchanges(config: MoEConfig, node_size: int) -> int:
     return 2 if config.a2a == "2dh" and 1 < node_size < config.ep_size else 1
 
 
+def capacity(config: MoEConfig, tokens: int) -> int:
+    """C at `tokens` tokens per rank, as the layer computes it (its formula, alignment, min_capacity; dropless: T)."""
+    if not config.capacity_factor:
+        return tokens
+    return fixed_capacity(abs(config.capacity_factor), tokens, config.num_experts, config.top_k, config.min_capacity,
+                          config.capacity_formula, config.capacity_alignment)
+
+
 def check_capacity(config: MoEConfig, tokens: int, key: str, batch_key: str) -> None:
     """ValueError when a fixed capacity gives each expert no slot at `tokens` tokens per rank: every token
     dropped. key: the setting of capacity_factor in the host's config, batch_key: of the micro-batch."""
     cf, T, E, K = config.capacity_factor, tokens, config.num_experts, config.top_k
-    if not cf or fixed_capacity(abs(cf), T, E, K, config.min_capacity, config.capacity_formula,
-                                config.capacity_alignment) > 0:
+    if not cf or capacity(config, T) > 0:
         return
     per_expert = -(-T // E)
     raise ValueError(f"{key}={cf} gives each expert 0 slots at {T} tokens per rank (capacity_formula="
@@ -65,15 +72,14 @@ def check_capacity(config: MoEConfig, tokens: int, key: str, batch_key: str) -> 
 
 def layer_traffic(config: MoEConfig, tokens: int, element_bytes: int, node_size: int) -> LayerTraffic:
     T, K, E, W = tokens, config.top_k, config.num_experts, config.ep_size
-    capacity = fixed_capacity(abs(config.capacity_factor), T, E, K, config.min_capacity, config.capacity_formula,
-                              config.capacity_alignment) if config.capacity_factor else T
+    C = capacity(config, T)
     share, extra = divmod(T * K, E)         # loads as even as whole rows allow
-    balanced = extra * min(share + 1, capacity) + (E - extra) * min(share, capacity)
+    balanced = extra * min(share + 1, C) + (E - extra) * min(share, C)
     local_experts = max(1, E // W)
-    bound = min(W * T * K, W * local_experts * min(capacity, T))
+    bound = min(W * T * K, W * local_experts * min(C, T))
     kept, r = balanced, parallel_degree(config)
     if W == 1 or r == 0:
         balanced = bound = 0
     scale = PASSES * r * exchanges(config, node_size) * config.model_dim * element_bytes
     saved = r * balanced * (config.model_dim * element_bytes + 2 * INDEX_BYTES)
-    return LayerTraffic(kept, balanced, bound, capacity, balanced * scale, bound * scale, saved)
+    return LayerTraffic(kept, balanced, bound, C, balanced * scale, bound * scale, saved)
