@@ -5,7 +5,8 @@ these tests.
 
 A runnable block is a fenced ```python or ```bash block right after a line `<!-- runnable -->` (invisible in
 the site). Each runs as a script file in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
-REPO in its environment (commands that need the shipped configs use $REPO).
+REPO in its environment (commands that need the shipped configs use $REPO). `<!-- runnable expect="TEXT" ... -->`
+also asks that each TEXT appear in the block's output.
 """
 import dataclasses
 import os
@@ -20,17 +21,18 @@ import pytest
 from helpers.paths import REPO, load_script
 
 DOCS = REPO / "docs"
-RUNNABLE = re.compile(r"^<!-- runnable -->\n```(python|bash)\n(.*?)^```", re.M | re.S)
+RUNNABLE = re.compile(r"^<!-- runnable((?: expect=\"[^\"]*\")*) -->\n```(python|bash)\n(.*?)^```", re.M | re.S)
+EXPECT = re.compile(r'expect="([^"]*)"')
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 
 
 def runnable_blocks():
-    """(id, language, code) of every runnable block in docs/, in page order."""
+    """(id, language, code, the texts its output must hold) of every runnable block in docs/, in page order."""
     blocks = []
     for name in PAGES:
         for number, match in enumerate(RUNNABLE.finditer((DOCS / name).read_text(encoding="utf-8")), 1):
-            blocks.append((f"{name[:-3]}-{number}", match.group(1), match.group(2)))
+            blocks.append((f"{name[:-3]}-{number}", match.group(2), match.group(3), EXPECT.findall(match.group(1))))
     return blocks
 
 
@@ -95,15 +97,15 @@ def test_docs_generated_markers_are_known():
 
 
 def test_docs_have_runnable_examples_on_the_main_pages():
-    pages = {block_id.rsplit("-", 1)[0] for block_id, _, _ in runnable_blocks()}
+    pages = {block_id.rsplit("-", 1)[0] for block_id, *_ in runnable_blocks()}
     for page in ("index", "layer", "training", "checkpoints", "expert-parallelism", "deepspeed", "huggingface",
                  "fsdp2", "fairseq", "kernels", "benchmarks"):
         assert page in pages, f"docs/{page}.md has no block marked <!-- runnable -->"
 
 
 @pytest.mark.spawns
-@pytest.mark.parametrize("block_id,language,code", runnable_blocks(), ids=[b[0] for b in runnable_blocks()])
-def test_docs_example_runs(block_id, language, code, tmp_path):
+@pytest.mark.parametrize("block_id,language,code,expected", runnable_blocks(), ids=[b[0] for b in runnable_blocks()])
+def test_docs_example_runs(block_id, language, code, expected, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", REPO=str(REPO), MPLBACKEND="Agg",   # this Python's commands first
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     script = tmp_path / ("example.py" if language == "python" else "example.sh")
@@ -112,6 +114,8 @@ def test_docs_example_runs(block_id, language, code, tmp_path):
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (f"docs example {block_id} ({language}) failed with {done.returncode}:\n{code}\n"
                                   f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}")
+    missing = [text for text in expected if text not in done.stdout + done.stderr]
+    assert not missing, f"docs example {block_id}: its output lacks {missing}:\n{done.stdout[-4000:]}"
 
 
 def _dom(page: Path, *flags: str) -> str:

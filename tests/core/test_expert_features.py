@@ -174,9 +174,11 @@ def test_hidden_slices_add_up_to_the_whole_expert(activation):
 
 @pytest.mark.parametrize("name", ["gpt-oss", "llama4", "sqrt_softplus groups"])
 def test_fullgraph_compile_equals_eager(name):
+    """Each feature's layer traced whole by dynamo and AOT autograd (aot_eager: the graph capture and the backward
+    graph, where a feature could break; inductor's code generation of the layer is tests/core/test_compile.py's)."""
     torch._dynamo.reset()
     layer = make_layer(torch.float32, capacity_factor=0.0, **FEATURES[name])
-    compiled = torch.compile(layer, fullgraph=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     x = torch.randn(37, 12)
     y, aux, grads = outputs_and_grads(lambda x: (compiled(x), layer.aux_loss), layer, x)
     y_ref, aux_ref, grads_ref = outputs_and_grads(lambda x: (layer(x), layer.aux_loss), layer, x)

@@ -295,8 +295,9 @@ def test_bias_balancing_under_gradient_checkpointing_moves_the_bias_as_without(f
 
 
 def test_torch_compile_of_a_whole_swapped_model_gives_hf_loss_and_gradients(fresh_seed):
-    """torch.compile(model) as users compile HF models (DeepSeek-V3: groups, bias, shared experts)."""
-    model = build_model("deepseek_v3", fresh_seed)
+    """torch.compile(model) as users compile HF models (DeepSeek-V3: groups, bias, shared experts; a dense layer and
+    an MoE layer, as each layer is one more copy of the code to compile)."""
+    model = build_model("deepseek_v3", fresh_seed, num_hidden_layers=2)
     swapped = swapped_copy(model)
     ids = tokens(fresh_seed + 1)
     out = torch.compile(swapped)(ids, labels=ids, use_cache=False)
