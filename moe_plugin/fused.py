@@ -124,11 +124,11 @@ def recomputed_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH, up_a_EDQ, up_
 
 def rows_of_choices(values_TK: torch.Tensor, pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """values_R[pos_TK[t, k]] = values_TK[t, k] for kept choices (the routing's scatter of a column of ones, scaled:
-    two launches, no host sync); the rows no choice names are unspecified (no consumer reads them)."""
-    return ops.scatter_rows(values_TK.new_ones(pos_TK.shape[0], 1), pos_TK, values_TK, None, num_rows)[0].squeeze(1)
+    one launch, no host sync); the rows no choice names are unspecified (no consumer reads them)."""
+    return ops.scatter_rows(ops.ones_column(values_TK, pos_TK.shape[0]), pos_TK, values_TK, None,
+                            num_rows)[0].squeeze(1)
 
 
 def choices_of_rows(values_R: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     """values_TK[t, k] = values_R[pos_TK[t, k]], 0 for dropped choices (gather_sum's dot with a column of ones)."""
-    ones_T1 = values_R.new_ones(pos_TK.shape[0], 1)
-    return ops.gather_sum(values_R.unsqueeze(1), pos_TK, None, ones_T1)[1]
+    return ops.gather_sum(values_R.unsqueeze(1), pos_TK, None, ops.ones_column(values_R, pos_TK.shape[0]))[1]

@@ -66,8 +66,9 @@ def route(layer, routed_TD: torch.Tensor, capacity_factor: float, gate_dtype: to
     """(final gates [T, K] in gate_dtype, aux loss (coefficients applied), plan)."""
     spec, cap, fixed = route_spec(layer.config, routed_TD.shape[0], capacity_factor, gate_dtype)
     # no graph recorded (eligible() has ruled out compiling and functorch): forward itself, without apply's host work
-    # the loads and kept rows go straight into the layer's persistent stats (CUDA graphs' replays write them too)
-    stats = layer._stats_rows if layer._stats_2E.device == routed_TD.device else None
+    # the loads, kept rows and aux value go straight into the layer's persistent stats (CUDA graphs' replays write
+    # them too)
+    stats = (*layer._stats_rows, layer._aux_value) if layer._stats_2E.device == routed_TD.device else None
     args = routed_TD, layer.router.weight_ED, spec, stats
     outputs = FusedRoute.apply(*args) if torch.is_grad_enabled() else FusedRoute.forward(NoGraph(), *args)
     final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E = outputs
@@ -90,7 +91,8 @@ def route_spec(cfg, T: int, capacity_factor: float, gate_dtype: torch.dtype) -> 
 class FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w_ED, spec, stats=None):
-        """stats: (load_E, kept_E) int64 tensors the Triton routing writes its loads into, or None."""
+        """stats: (load_E, kept_E, aux_value): int64 tensors the Triton routing writes its loads into, and an fp32 []
+        tensor it writes the aux loss's value into; or None."""
         kernels = _kernels(x_TD.device)
         K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = spec
         x_TD, w_ED = x_TD.contiguous(), w_ED.contiguous()

@@ -217,10 +217,10 @@ class MoELayer(nn.Module):
             self._stats_rows = tuple(self._stats_2E)
             self._aux_value = torch.zeros((), device=plan.load_E.device)
         load_E, kept_E = self._stats_rows
-        if plan.load_E is not load_E:      # the fused CUDA routing wrote them in place
+        if plan.load_E is not load_E:      # the fused CUDA routing wrote them (and the aux value) in place
             load_E.copy_(plan.load_E)
             kept_E.copy_(plan.kept_E)
-        self._aux_value.copy_(aux_loss.detach())
+            self._aux_value.copy_(aux_loss.detach())
         state["_routing"] = (load_E, kept_E, plan.capacity_factor, plan.fixed, x_TD.shape[0], cfg.top_k)
         if parallel_layer:
             self._parallel_stats = self._dispatcher.stats()

@@ -81,6 +81,25 @@ def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = No
     return like.new_empty(shape, dtype=dtype)
 
 
+def ones_column(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 1] of ones in like's dtype and device. In eager mode a view of one cached column (its fill runs once,
+    not in every backward that scatters or gathers a value per choice); fresh where a compiler or a CUDA-graph
+    capture owns the memory, or like is not a plain tensor (fake tensors, functorch's transforms)."""
+    if type(like) is not torch.Tensor or torch.compiler.is_compiling() or \
+            torch._C._functorch.peek_interpreter_stack() is not None or \
+            (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return like.new_ones(rows, 1)
+    key = (like.device, like.dtype)
+    column = _ONES.get(key)
+    if column is None or column.shape[0] < rows:
+        with torch.inference_mode(False):     # a normal tensor even if made under inference_mode
+            column = _ONES[key] = like.new_ones(max(rows, 2 * (0 if column is None else column.shape[0])), 1)
+    return column[:rows]
+
+
+_ONES: dict = {}
+
+
 def row_dot(a_RH: torch.Tensor, b_RH: torch.Tensor) -> torch.Tensor:
     """[R]: <a_RH[r], b_RH[r]>, accumulated and returned in fp32 (fp64 for fp64 rows): on CPU in eager mode in
     cache-sized chunks, elsewhere one vecdot (a compiled graph fuses its casts)."""

@@ -3,9 +3,10 @@ on the CUDA code path (choice.simulated_cuda: the Triton kernels run under the T
 TorchDispatchMode counts the aten ops that launch a kernel, and a wrapper counts each Triton kernel launch.
 
 The model of an aten op (what torch's CUDA backend does): views, allocations and metadata launch nothing;
-every other op launches one kernel. Ops known to read a device value back to the host (a host
-synchronization, which a CUDA graph cannot capture) are counted apart, in .syncs. The count is checked
-against torch.profiler's kernel count on a GPU by benchmarks/gpu (where a GPU was at hand).
+a grouped GEMM launches two (torch's CUDA _grouped_mm prepares its per-group arguments in a kernel of its own,
+then runs the GEMM: the H200's profile, 2026-11-28); every other op launches one kernel. Ops known to read a device
+value back to the host (a host synchronization, which a CUDA graph cannot capture) are counted apart, in .syncs.
+The count is checked against torch.profiler's kernel count on a GPU by benchmarks/gpu (where a GPU was at hand).
 
     with count_launches() as counter:          # TRITON_INTERPRET=1 must be set before triton is imported
         layer(x).sum().backward()
@@ -29,6 +30,8 @@ NO_LAUNCH = frozenset("""
     empty empty_like empty_strided new_empty new_empty_strided set_ resize_ sym_size sym_stride
     sym_numel sym_storage_offset is_same_size _has_compatible_shallow_copy_type result_type promote_types
 """.split())
+# aten ops that launch two kernels on CUDA: op -> the name the second is counted under
+TWO_LAUNCHES = {"_grouped_mm": "cuda.grouped_mm_arguments"}
 # aten ops that read device memory back to the host (a synchronization a CUDA graph cannot capture)
 SYNCS = frozenset("_local_scalar_dense nonzero masked_select unique _unique2 bincount repeat_interleave".split())
 
@@ -55,6 +58,8 @@ class LaunchCounter(TorchDispatchMode):
             self.syncs[f"{namespace}.{name}"] += 1
         if name not in NO_LAUNCH:
             self.by_name[f"{namespace}.{name}"] += 1
+        if name in TWO_LAUNCHES:
+            self.by_name[TWO_LAUNCHES[name]] += 1
         return func(*args, **kwargs)
 
     def count_triton(self, kernel_name: str) -> None:

@@ -65,10 +65,11 @@ def route_forward(x_TD, w_ED, K: int, normalize_before: bool, with_z: bool):
 
 
 def route_plan(hist_AE, psum_BE, zsum_B, T: int, K: int, cap: int, aux_kind: str, aux_scale: float, z_scale: float,
-               load_E=None, kept_E=None):
+               load_E=None, kept_E=None, aux_copy=None):
     """(first_AE int32, load_E int64, kept_E int64, offs_E int32, aux fp32 [], aux_grad_E fp32): aux is
     aux_scale * sum_e(probability sum_e * counted choices_e) + z_scale * sum of lse^2, and aux_grad_E its gradient
-    with respect to each token's probability of e. load_E and kept_E may be given (persistent buffers)."""
+    with respect to each token's probability of e. load_E and kept_E may be given (persistent buffers); aux_copy, a
+    persistent fp32 [] tensor, gets aux's value too (no copy kernel after)."""
     A, E = hist_AE.shape
     B = A // K
     device = hist_AE.device
@@ -80,7 +81,8 @@ def route_plan(hist_AE, psum_BE, zsum_B, T: int, K: int, cap: int, aux_kind: str
     aux_grad_E = _empty((E,), torch.float32, device)
     counted_rows = B if aux_kind == "gshard" else A
     _route_plan_kernel[(1,)](hist_AE, psum_BE, zsum_B, first_AE, load_E, kept_E, offs_E, aux, aux_grad_E,
-                             E, B, A, counted_rows, cap, aux_scale, z_scale, BLOCK_E=max(16, triton.next_power_of_2(E)))
+                             aux if aux_copy is None else aux_copy, E, B, A, counted_rows, cap, aux_scale, z_scale,
+                             BLOCK_E=max(16, triton.next_power_of_2(E)))
     return first_AE, load_E, kept_E, offs_E, aux, aux_grad_E
 
 
@@ -177,7 +179,8 @@ if triton is not None:
 
     @triton.jit
     def _route_plan_kernel(hist_ptr, psum_ptr, zsum_ptr, first_ptr, load_ptr, kept_ptr, offs_ptr, aux_ptr,
-                           aux_grad_ptr, E, B, A, counted_rows, cap, aux_scale, z_scale, BLOCK_E: tl.constexpr):
+                           aux_grad_ptr, aux_copy_ptr, E, B, A, counted_rows, cap, aux_scale, z_scale,
+                           BLOCK_E: tl.constexpr):
         e_E = tl.arange(0, BLOCK_E)
         valid_E = e_E < E
         taken_E = tl.zeros([BLOCK_E], tl.int32)
@@ -198,7 +201,9 @@ if triton is not None:
             zsum += tl.load(zsum_ptr + b)
         grad_E = aux_scale * counted_E.to(tl.float32)
         tl.store(aux_grad_ptr + e_E, grad_E, mask=valid_E)
-        tl.store(aux_ptr, tl.sum(psum_E * grad_E, axis=0) + z_scale * zsum)
+        aux = tl.sum(psum_E * grad_E, axis=0) + z_scale * zsum
+        tl.store(aux_ptr, aux)
+        tl.store(aux_copy_ptr, aux)
 
     @triton.jit
     def _route_slots_kernel(expert_ptr, gate_ptr, first_ptr, kept_ptr, offs_ptr, pos_ptr, kept_out_ptr, final_ptr,

@@ -44,6 +44,11 @@ def test_launch_budget_counter_counts_kernels_not_views_and_sees_inside_custom_o
     assert counter.by_name["triton.gather_sum_kernel"] == 1 and counter.by_name["triton.scatter_rows_kernel"] == 1
     assert counter.syncs["aten._local_scalar_dense"] == 1
 
+    a_RD, b_EDO = torch.randn(T * K, 8, dtype=torch.bfloat16), torch.randn(3, 8, 16, dtype=torch.bfloat16)
+    with count_launches() as counter:           # a grouped GEMM: its arguments' kernel and the GEMM, as on the card
+        torch.nn.functional.grouped_mm(a_RD, b_EDO, offs=torch.tensor([5, 12, T * K], dtype=torch.int32))
+    assert dict(counter.by_name) == {"aten._grouped_mm": 1, "cuda.grouped_mm_arguments": 1}
+
 
 # configuration -> (MoEConfig overrides, parameter dtype, autocast dtype, launches allowed forward + backward)
 BUDGETS = {
@@ -57,11 +62,12 @@ BUDGETS = {
 @pytest.mark.parametrize("case", sorted(BUDGETS))
 @pytest.mark.parametrize("top_k", [2, 3])
 def test_launch_budget(case, top_k, monkeypatch):
-    """One forward + backward of the layer (its output's and aux loss's gradients) on the CUDA code path launches
-    at most the budget, reads nothing back to the host, and takes the same routes as the CPU path. The up projection
+    """One forward + backward of the layer (its output's and aux loss's gradients) on the CUDA code path, after a
+    first step, launches at most the budget (a grouped GEMM counts two, as on the card), reads nothing back to the
+    host, and takes the same routes as the CPU path. The up projection
     as today (gather, grouped_mm, activation): the fused one (ops/fused_gemms.py), taken only where a GPU measured it
     faster, is not budgeted here."""
-    from moe_plugin.ops import fused_gemms
+    from moe_plugin.ops import fused_gemms, simulated_cuda
     from moe_plugin.ops.launches import count_launches
     monkeypatch.setattr(fused_gemms, "measured_faster", lambda *args: False)
     overrides, dtype, autocast_dtype, budget = BUDGETS[case]
@@ -69,6 +75,10 @@ def test_launch_budget(case, top_k, monkeypatch):
     layer = MoELayer(config).to(dtype)
     x = torch.randn(45, 40, dtype=dtype, requires_grad=True)
     autocast = torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with simulated_cuda(), autocast:    # a first step: what is made once (a cached column of ones) is not counted
+        torch.autograd.backward([layer(x), layer.aux_loss], [torch.randn(45, 40, dtype=dtype), torch.rand(())])
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
     with count_launches() as forward:
         with autocast:
             y = layer(x)
