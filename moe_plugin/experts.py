@@ -189,7 +189,8 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
     only then. A fused_gemms.RoutedRows there lets the first weight gradient read the rows from x by index instead.
 
     With gate_R1 ([R, 1], the gate each row's output is scaled by; b2_ED the second bias, if any): grad_y_RD is the
-    rows' gradient before the gate scales it (scaled here, in place), and grad_gate_R [R] is <grad_y_RD[r], expert
+    rows' gradient before the gate scales it (scaled here, in place, unless w2's gradient is its only reader: then
+    SwiGLU's kernel scales the activations it writes instead), and grad_gate_R [R] is <grad_y_RD[r], expert
     output r> = <grad_y_RD[r] W2^T (+ its LoRA term), act[r]> + <grad_y_RD[r], b2>: the down projection's own dgrad
     and the activations give it, so no caller need keep the expert outputs."""
     up_a, up_b, down_a, down_b = lora
@@ -204,12 +205,16 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         one_pass = fused_gemms.dgrad_activation(grad_y_RD, offs_E, w2_EHD, saved_RH, activation, gate_R1) \
             if gated and below and grad_ha_RQ is None else None
         grad_act_RH = None
+        act_scaled = False    # act_RH times the gate: w2's gradient from the unscaled grad_y_RD (no pass scaling it)
         if one_pass is None:
             grad_act_RH = ops.grouped_mm(grad_y_RD, w2_EHD.transpose(1, 2), offs_E)
             if grad_ha_RQ is not None:
                 add_low_rank(grad_act_RH, grad_ha_RQ, down_a.transpose(1, 2), offs_E)
-            if gated and below:
-                one_pass = fused_gemms.activation_backward_scaled(saved_RH, grad_act_RH, activation, gate_R1)
+            if gated and below:     # only w2's gradient reads grad_y_RD scaled, unless b2 or a down adapter does
+                act_scaled = not bias2 and grad_ha_RQ is None
+                one_pass = fused_gemms.activation_backward_scaled(saved_RH, grad_act_RH, activation, gate_R1,
+                                                                  act_scaled)
+                act_scaled = act_scaled and one_pass is not None
         if one_pass is not None:    # the gate scale and the gate gradient's row sums inside the activation's backward
             act_RH, grad_pre_RH, grads["gate"] = one_pass
         elif below:   # relu and identity write grad_pre_RH into grad_act_RH (the dot below is the same: 0 where act
@@ -222,7 +227,7 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
                 grads["gate"] = ops.row_dot(grad_act_RH, act_RH)
             if b2_ED is not None:
                 grads["gate"] += ops.grouped_mm(grad_y_RD, b2_ED.unsqueeze(2), offs_E).squeeze(1)
-            for unscaled in (grad_y_RD, None if one_pass else grad_pre_RH, grad_ha_RQ):
+            for unscaled in (None if act_scaled else grad_y_RD, None if one_pass else grad_pre_RH, grad_ha_RQ):
                 if unscaled is not None:
                     unscaled.mul_(gate_R1)
         del grad_act_RH

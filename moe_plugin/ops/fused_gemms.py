@@ -118,17 +118,18 @@ def seconds(run: Callable[[], object], device: torch.device) -> float:
     return statistics.median(times)
 
 
-def activation_backward_scaled(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activation, gate_R1: torch.Tensor
-                               ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(act_RH, gate_R1 * grad of the pre-activation, dot_R = <grad_act_RH[r], act_RH[r]> in fp32): SwiGLU's
-    backward (clamped or gpt-oss's too) with the gate scale and the gate gradient's row sums in one Triton kernel,
-    on eager CUDA; None elsewhere (the caller composes activation_backward, ops.row_dot and a scale)."""
+def activation_backward_scaled(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor, activation, gate_R1: torch.Tensor,
+                               scale_act: bool = False) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(act_RH (gate_R1 * act_RH with scale_act), gate_R1 * grad of the pre-activation, dot_R = <grad_act_RH[r],
+    act_RH[r]> in fp32): SwiGLU's backward (clamped or gpt-oss's too) with the gate scale and the gate gradient's row
+    sums in one Triton kernel, on eager CUDA; None elsewhere (the caller composes activation_backward, ops.row_dot
+    and a scale)."""
     name, limit, alpha = (activation, None, None) if isinstance(activation, str) else activation
     kernels = eager_triton(saved_RH.device)
     if kernels is None or name not in ("swiglu", "swiglu_oai") or saved_RH.dtype == torch.float64:
         return None
     clamp = None if limit is None else (limit, 1.0, 0.0) if name == "swiglu" else (limit, alpha, 1.0)
-    grad_pre_RH2, act_RH, dot_R = kernels.swiglu_backward_scaled(grad_act_RH, saved_RH, gate_R1, clamp)
+    grad_pre_RH2, act_RH, dot_R = kernels.swiglu_backward_scaled(grad_act_RH, saved_RH, gate_R1, clamp, scale_act)
     return act_RH, grad_pre_RH2, dot_R
 
 

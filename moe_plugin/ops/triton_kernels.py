@@ -195,11 +195,12 @@ def _swiglu(pre_RH2: torch.Tensor, grad_RH: Optional[torch.Tensor], clamp: Optio
 
 
 def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R1: torch.Tensor,
-                           clamp: Optional[Tuple[float, float, float]] = None
+                           clamp: Optional[Tuple[float, float, float]] = None, scale_act: bool = False
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scale_R1 * grad of pre [R, 2H], the activations [R, H], dot_R = <grad_RH[r], act[r]> in fp32) in one pass
-    (one program per row): SwiGLU's backward with each row's gate scale and its gate gradient (the fused layer's
-    lean backward, experts.mlp_backward). clamp: (limit, alpha, beta) as clamped_swiglu_backward, or None."""
+    """(scale_R1 * grad of pre [R, 2H], the activations [R, H] (times scale_R1 with scale_act), dot_R =
+    <grad_RH[r], act[r]> in fp32) in one pass (one program per row): SwiGLU's backward with each row's gate scale and
+    its gate gradient (the fused layer's lean backward, experts.mlp_backward). clamp: (limit, alpha, beta) as
+    clamped_swiglu_backward, or None."""
     _require_triton()
     R, H = pre_RH2.shape[0], pre_RH2.shape[1] // 2
     pre_RH2 = pre_RH2.contiguous()
@@ -209,7 +210,8 @@ def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R
     if R:
         limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
         _swiglu_scaled_kernel[(R,)](pre_RH2, grad_RH.contiguous(), scale_R1.contiguous(), act_RH, grad_pre_RH2, dot_R,
-                                    H, limit, alpha, beta, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2),
+                                    H, limit, alpha, beta, CLAMPED=clamp is not None, SCALE_ACT=scale_act,
+                                    ACC=_acc_dtype(pre_RH2),
                                     BLOCK=min(triton.next_power_of_2(max(H, 1)), _ELEMENTWISE))
     return grad_pre_RH2, act_RH, dot_R
 
@@ -378,7 +380,7 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_scaled_kernel(pre_ptr, grad_ptr, scale_ptr, act_ptr, grad_pre_ptr, dot_ptr, H, limit, alpha, beta,
-                              CLAMPED: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+                              CLAMPED: tl.constexpr, SCALE_ACT: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         scale = tl.load(scale_ptr + r).to(ACC)
         dot = tl.zeros([BLOCK], ACC)
@@ -396,7 +398,10 @@ if triton is not None:
             sig_H = 1 / (1 + tl.exp(-(alpha * g_H)))
             glu_H = g_H * sig_H
             act_H = (u_H + beta) * glu_H
-            tl.store(act_ptr + r * H + h_H, act_H.to(act_ptr.dtype.element_ty), mask=mask_H)
+            if SCALE_ACT:
+                tl.store(act_ptr + r * H + h_H, (scale * act_H).to(act_ptr.dtype.element_ty), mask=mask_H)
+            else:
+                tl.store(act_ptr + r * H + h_H, act_H.to(act_ptr.dtype.element_ty), mask=mask_H)
             grad_H = tl.load(grad_ptr + r * H + h_H, mask=mask_H, other=0).to(ACC)
             dot += grad_H * act_H       # the activations as stored would round them: the exact product
             grad_gate_H = scale * grad_H * (u_H + beta) * (sig_H + alpha * glu_H * (1 - sig_H))

@@ -232,20 +232,21 @@ def test_swiglu(kernels, R, H, dtype, clamp):
 @pytest.mark.parametrize("R, H", SWIGLU_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("clamp", [None] + CLAMPS, ids=["plain", "clamped", "gpt_oss"])
-def test_swiglu_backward_scaled(kernels, R, H, dtype, clamp):
-    """The lean backward's one pass: scale * grad of pre, the activations and <grad, act> per row (fp32), against
-    torch_ops in fp64 on the same values."""
+@pytest.mark.parametrize("scale_act", [False, True], ids=["act", "scaled_act"])
+def test_swiglu_backward_scaled(kernels, R, H, dtype, clamp, scale_act):
+    """The lean backward's one pass: scale * grad of pre, the activations (times the scale with scale_act) and
+    <grad, act> per row (fp32, of the unscaled activations), against torch_ops in fp64 on the same values."""
     module, device = kernels
     pre_RH2 = randn(R, 2 * H, dtype=dtype, device=device)
     grad_RH = randn(R, H, dtype=dtype, device=device)
     scale_R1 = torch.rand(R, 1).to(dtype=dtype, device=device)
-    grad_pre_RH2, act_RH, dot_R = module.swiglu_backward_scaled(grad_RH, pre_RH2, scale_R1, clamp)
+    grad_pre_RH2, act_RH, dot_R = module.swiglu_backward_scaled(grad_RH, pre_RH2, scale_R1, clamp, scale_act)
     wide = [t.to(torch.float64) for t in (grad_RH, pre_RH2)]
     if clamp is None:
         expected_grad_RH2, expected_act_RH = torch_ops.swiglu_backward(*wide)
     else:
         expected_grad_RH2, expected_act_RH = torch_ops.clamped_swiglu_backward(*wide, *clamp)
-    assert_matches(act_RH, expected_act_RH, dtype)
+    assert_matches(act_RH, expected_act_RH * scale_R1.to(torch.float64) if scale_act else expected_act_RH, dtype)
     assert_matches(grad_pre_RH2, expected_grad_RH2 * scale_R1.to(torch.float64), dtype)
     expected_dot_R = (wide[0] * expected_act_RH).sum(1)
     assert dot_R.dtype == torch.float32
