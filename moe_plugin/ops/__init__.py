@@ -39,9 +39,9 @@ require_torch()
 from . import torch_ops  # noqa: E402
 from .choice import (ENV, MODES, describe, device_kind, direct, eager_triton, kernels_for, mode,  # noqa: F401,E402
                      resolved, simulated_cuda)
-from .grouped import (grouped_mm, grouped_mm_loop, grouped_sum, offsets, tail_rows_unread,  # noqa: F401,E402
-                      tail_unread, zero_rows_past)
-from . import choice as _choice, grouped as _grouped  # noqa: E402
+from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401,E402
+from .tail import tail_rows_unread, tail_unread  # noqa: F401,E402
+from . import choice as _choice, tail as _tail  # noqa: E402
 
 
 def fused_call(*tensors: Optional[torch.Tensor]) -> "_FusedCall":
@@ -62,11 +62,11 @@ class _FusedCall:
     def __enter__(self) -> None:
         choice_now = (self.device.type, kernels_for(self.device))   # may raise: before any state is set
         self.before = (tail_unread(), getattr(_choice._CALL, "choice", None), getattr(_choice._CALL, "direct", None))
-        _grouped._TAIL.unread = True
+        _tail._TAIL.unread = True
         _choice._CALL.choice, _choice._CALL.direct = choice_now, self.direct_calls
 
     def __exit__(self, *exc) -> None:
-        _grouped._TAIL.unread, _choice._CALL.choice, _choice._CALL.direct = self.before
+        _tail._TAIL.unread, _choice._CALL.choice, _choice._CALL.direct = self.before
 
 
 def new_empty(like: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -18,14 +18,13 @@ torch 2.13's F.grouped_mm has three traps this op hides (all measured):
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .choice import device_kind, direct, eager_triton, kernels_for
+from .tail import tail_unread
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -54,23 +53,6 @@ def _grouped_mm_kernels(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, 
     return out
 
 
-_TAIL = threading.local()
-
-
-@contextlib.contextmanager
-def tail_rows_unread():
-    """Inside: grouped_mm and scatter_rows leave the rows past the last group / kept choice as they come (not
-    zeroed), for a caller none of whose consumers reads them (the fused layer: every grouped GEMM reads only its
-    groups' rows, gather_sum only the kept ones); in a dropless step there are none. Saves a launch per call."""
-    before, _TAIL.unread = tail_unread(), True
-    try:
-        yield
-    finally:
-        _TAIL.unread = before
-
-
-def tail_unread() -> bool:
-    return getattr(_TAIL, "unread", False)
 
 
 _grouped_mm_op = torch.library.custom_op("moe_plugin::grouped_mm", _grouped_mm_kernels, mutates_args=())

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import triton_kernels
-from .grouped import tail_unread
+from .tail import tail_unread
 from .torch_grouped import GATHER_UP_ACTIVATIONS
 
 try:
