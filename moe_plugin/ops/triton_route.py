@@ -80,9 +80,10 @@ def route_plan(hist_AE, psum_BE, zsum_B, T: int, K: int, cap: int, aux_kind: str
     aux = _empty((), torch.float32, device)
     aux_grad_E = _empty((E,), torch.float32, device)
     counted_rows = B if aux_kind == "gshard" else A
+    block_e = max(16, triton.next_power_of_2(E))
     _route_plan_kernel[(1,)](hist_AE, psum_BE, zsum_B, first_AE, load_E, kept_E, offs_E, aux, aux_grad_E,
                              aux if aux_copy is None else aux_copy, E, B, A, counted_rows, cap, aux_scale, z_scale,
-                             BLOCK_E=max(16, triton.next_power_of_2(E)))
+                             BLOCK_E=block_e, BLOCK_A=max(1, min(64, _TILE // block_e)))
     return first_AE, load_E, kept_E, offs_E, aux, aux_grad_E
 
 
@@ -180,25 +181,32 @@ if triton is not None:
     @triton.jit
     def _route_plan_kernel(hist_ptr, psum_ptr, zsum_ptr, first_ptr, load_ptr, kept_ptr, offs_ptr, aux_ptr,
                            aux_grad_ptr, aux_copy_ptr, E, B, A, counted_rows, cap, aux_scale, z_scale,
-                           BLOCK_E: tl.constexpr):
+                           BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr):
+        # one program: each expert's exclusive scan over the A = K * B histogram rows, a tile of BLOCK_A rows at a
+        # time (a row at a time was A dependent steps: 6,144 at T 24,576, K 8)
         e_E = tl.arange(0, BLOCK_E)
         valid_E = e_E < E
         taken_E = tl.zeros([BLOCK_E], tl.int32)
         counted_E = tl.zeros([BLOCK_E], tl.int32)
-        for a in range(0, A):       # visiting order: choice k's blocks after those of every k' < k
-            tl.store(first_ptr + a * E + e_E, taken_E, mask=valid_E)
-            taken_E += tl.load(hist_ptr + a * E + e_E, mask=valid_E, other=0)
-            if a == counted_rows - 1:
-                counted_E = taken_E
+        for begin in range(0, A, BLOCK_A):      # visiting order: choice k's blocks after those of every k' < k
+            a_A = begin + tl.arange(0, BLOCK_A)
+            mask_AE = (a_A < A)[:, None] & valid_E[None, :]
+            at_AE = a_A[:, None].to(tl.int64) * E + e_E[None, :]
+            hist_AE = tl.load(hist_ptr + at_AE, mask=mask_AE, other=0)
+            tl.store(first_ptr + at_AE, taken_E[None, :] + tl.cumsum(hist_AE, 0) - hist_AE, mask=mask_AE)
+            counted_E += tl.sum(tl.where((a_A < counted_rows)[:, None], hist_AE, 0), 0)
+            taken_E += tl.sum(hist_AE, 0)
         kept_E = tl.minimum(taken_E, cap)
         tl.store(load_ptr + e_E, taken_E.to(tl.int64), mask=valid_E)
         tl.store(kept_ptr + e_E, kept_E.to(tl.int64), mask=valid_E)
         tl.store(offs_ptr + e_E, tl.cumsum(kept_E, 0), mask=valid_E)
         psum_E = tl.zeros([BLOCK_E], tl.float32)
         zsum = tl.zeros([], tl.float32)
-        for b in range(0, B):
-            psum_E += tl.load(psum_ptr + b * E + e_E, mask=valid_E, other=0)
-            zsum += tl.load(zsum_ptr + b)
+        for begin in range(0, B, BLOCK_A):
+            b_A = begin + tl.arange(0, BLOCK_A)
+            mask_AE = (b_A < B)[:, None] & valid_E[None, :]
+            psum_E += tl.sum(tl.load(psum_ptr + b_A[:, None].to(tl.int64) * E + e_E[None, :], mask=mask_AE, other=0), 0)
+            zsum += tl.sum(tl.load(zsum_ptr + b_A, mask=b_A < B, other=0), 0)
         grad_E = aux_scale * counted_E.to(tl.float32)
         tl.store(aux_grad_ptr + e_E, grad_E, mask=valid_E)
         aux = tl.sum(psum_E * grad_E, axis=0) + z_scale * zsum
