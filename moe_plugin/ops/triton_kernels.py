@@ -33,7 +33,7 @@ _MAX_TILE = 4096        # elements of one [BLOCK_K, BLOCK_D] tile in scatter_row
 _ROWS = 16              # rows per step of grouped_sum
 _ZERO_ROWS = 64         # rows per program of zero_rows_past
 _COLUMNS = 256          # columns per program of zero_rows_past and grouped_sum
-_ELEMENTWISE = 1024     # columns per program of the SwiGLU kernels
+_ELEMENTWISE = 1024     # elements per program of the SwiGLU kernels (_row_tiles)
 
 
 def available() -> Tuple[bool, str]:
@@ -187,10 +187,11 @@ def _swiglu(pre_RH2: torch.Tensor, grad_RH: Optional[torch.Tensor], clamp: Optio
     grad_pre_RH2 = None if grad_RH is None else _empty((R, 2 * H), pre_RH2.dtype, pre_RH2.device)
     if R and H:
         limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
-        block = min(triton.next_power_of_2(H), _ELEMENTWISE)
-        _swiglu_kernel[(R, triton.cdiv(H, block))](
-            pre_RH2, _or(grad_RH, pre_RH2), act_RH, _or(grad_pre_RH2, act_RH), H, limit, alpha, beta,
-            BACKWARD=grad_RH is not None, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2), BLOCK=block)
+        block, block_r = _row_tiles(H)
+        _swiglu_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block))](
+            pre_RH2, _or(grad_RH, pre_RH2), act_RH, _or(grad_pre_RH2, act_RH), R, H, limit, alpha, beta,
+            BACKWARD=grad_RH is not None, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2), BLOCK=block,
+            BLOCK_R=block_r)
     return grad_pre_RH2, act_RH
 
 
@@ -209,11 +210,19 @@ def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R
     dot_R = _empty((R,), torch.float64 if pre_RH2.dtype == torch.float64 else torch.float32, pre_RH2.device)
     if R:
         limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
-        _swiglu_scaled_kernel[(R,)](pre_RH2, grad_RH.contiguous(), scale_R1.contiguous(), act_RH, grad_pre_RH2, dot_R,
-                                    H, limit, alpha, beta, CLAMPED=clamp is not None, SCALE_ACT=scale_act,
-                                    ACC=_acc_dtype(pre_RH2),
-                                    BLOCK=min(triton.next_power_of_2(max(H, 1)), _ELEMENTWISE))
+        block, block_r = _row_tiles(H)
+        _swiglu_scaled_kernel[(triton.cdiv(R, block_r),)](
+            pre_RH2, grad_RH.contiguous(), scale_R1.contiguous(), act_RH, grad_pre_RH2, dot_R, R, H, limit, alpha,
+            beta, CLAMPED=clamp is not None, SCALE_ACT=scale_act, ACC=_acc_dtype(pre_RH2), BLOCK=block,
+            BLOCK_R=block_r)
     return grad_pre_RH2, act_RH, dot_R
+
+
+def _row_tiles(H: int) -> Tuple[int, int]:
+    """(columns, rows) of a SwiGLU program's tile: up to _ELEMENTWISE elements, several rows where H is narrow (a
+    program per row of 256 columns made 196,608 tiny programs at the SonicMoE shape)."""
+    block = min(triton.next_power_of_2(max(H, 1)), _ELEMENTWISE)
+    return block, _ELEMENTWISE // block
 
 
 def _or(x: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
@@ -351,65 +360,71 @@ if triton is not None:
         tl.store(sums_ptr + e * O + o_O, acc_O.to(sums_ptr.dtype.element_ty), mask=o_O < O)
 
     @triton.jit
-    def _swiglu_kernel(pre_ptr, grad_ptr, act_ptr, grad_pre_ptr, H, limit, alpha, beta, BACKWARD: tl.constexpr,
-                       CLAMPED: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
+    def _swiglu_kernel(pre_ptr, grad_ptr, act_ptr, grad_pre_ptr, R, H, limit, alpha, beta, BACKWARD: tl.constexpr,
+                       CLAMPED: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+        r_R = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         h_H = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask_H = h_H < H
-        gate_H = tl.load(pre_ptr + r * 2 * H + h_H, mask=mask_H, other=0).to(ACC)
-        up_H = tl.load(pre_ptr + r * 2 * H + H + h_H, mask=mask_H, other=0).to(ACC)
+        mask_RH = (r_R < R)[:, None] & (h_H < H)[None, :]
+        pre_RH = r_R[:, None] * 2 * H + h_H[None, :]
+        out_RH = r_R[:, None] * H + h_H[None, :]
+        gate_RH = tl.load(pre_ptr + pre_RH, mask=mask_RH, other=0).to(ACC)
+        up_RH = tl.load(pre_ptr + pre_RH + H, mask=mask_RH, other=0).to(ACC)
         if CLAMPED:
-            g_H = tl.minimum(gate_H, limit)
-            u_H = tl.minimum(tl.maximum(up_H, -limit), limit)
+            g_RH = tl.minimum(gate_RH, limit)
+            u_RH = tl.minimum(tl.maximum(up_RH, -limit), limit)
         else:
-            g_H = gate_H
-            u_H = up_H
-        sig_H = 1 / (1 + tl.exp(-(alpha * g_H)))
-        glu_H = g_H * sig_H
-        tl.store(act_ptr + r * H + h_H, ((u_H + beta) * glu_H).to(act_ptr.dtype.element_ty), mask=mask_H)
+            g_RH = gate_RH
+            u_RH = up_RH
+        sig_RH = 1 / (1 + tl.exp(-(alpha * g_RH)))
+        glu_RH = g_RH * sig_RH
+        tl.store(act_ptr + out_RH, ((u_RH + beta) * glu_RH).to(act_ptr.dtype.element_ty), mask=mask_RH)
         if BACKWARD:
-            grad_H = tl.load(grad_ptr + r * H + h_H, mask=mask_H, other=0).to(ACC)
-            grad_gate_H = grad_H * (u_H + beta) * (sig_H + alpha * glu_H * (1 - sig_H))
-            grad_up_H = grad_H * glu_H
+            grad_RH = tl.load(grad_ptr + out_RH, mask=mask_RH, other=0).to(ACC)
+            grad_gate_RH = grad_RH * (u_RH + beta) * (sig_RH + alpha * glu_RH * (1 - sig_RH))
+            grad_up_RH = grad_RH * glu_RH
             if CLAMPED:
-                grad_gate_H = tl.where(gate_H <= limit, grad_gate_H, 0)
-                grad_up_H = tl.where((up_H >= -limit) & (up_H <= limit), grad_up_H, 0)
+                grad_gate_RH = tl.where(gate_RH <= limit, grad_gate_RH, 0)
+                grad_up_RH = tl.where((up_RH >= -limit) & (up_RH <= limit), grad_up_RH, 0)
             out_dtype = grad_pre_ptr.dtype.element_ty
-            tl.store(grad_pre_ptr + r * 2 * H + h_H, grad_gate_H.to(out_dtype), mask=mask_H)
-            tl.store(grad_pre_ptr + r * 2 * H + H + h_H, grad_up_H.to(out_dtype), mask=mask_H)
+            tl.store(grad_pre_ptr + pre_RH, grad_gate_RH.to(out_dtype), mask=mask_RH)
+            tl.store(grad_pre_ptr + pre_RH + H, grad_up_RH.to(out_dtype), mask=mask_RH)
 
     @triton.jit
-    def _swiglu_scaled_kernel(pre_ptr, grad_ptr, scale_ptr, act_ptr, grad_pre_ptr, dot_ptr, H, limit, alpha, beta,
-                              CLAMPED: tl.constexpr, SCALE_ACT: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        scale = tl.load(scale_ptr + r).to(ACC)
-        dot = tl.zeros([BLOCK], ACC)
+    def _swiglu_scaled_kernel(pre_ptr, grad_ptr, scale_ptr, act_ptr, grad_pre_ptr, dot_ptr, R, H, limit, alpha, beta,
+                              CLAMPED: tl.constexpr, SCALE_ACT: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                              BLOCK_R: tl.constexpr):
+        r_R = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        valid_R = r_R < R
+        scale_R = tl.load(scale_ptr + r_R, mask=valid_R, other=0).to(ACC)
+        dot_RH = tl.zeros([BLOCK_R, BLOCK], ACC)
         for begin in range(0, H, BLOCK):
             h_H = begin + tl.arange(0, BLOCK)
-            mask_H = h_H < H
-            gate_H = tl.load(pre_ptr + r * 2 * H + h_H, mask=mask_H, other=0).to(ACC)
-            up_H = tl.load(pre_ptr + r * 2 * H + H + h_H, mask=mask_H, other=0).to(ACC)
+            mask_RH = valid_R[:, None] & (h_H < H)[None, :]
+            pre_RH = r_R[:, None] * 2 * H + h_H[None, :]
+            out_RH = r_R[:, None] * H + h_H[None, :]
+            gate_RH = tl.load(pre_ptr + pre_RH, mask=mask_RH, other=0).to(ACC)
+            up_RH = tl.load(pre_ptr + pre_RH + H, mask=mask_RH, other=0).to(ACC)
             if CLAMPED:
-                g_H = tl.minimum(gate_H, limit)
-                u_H = tl.minimum(tl.maximum(up_H, -limit), limit)
+                g_RH = tl.minimum(gate_RH, limit)
+                u_RH = tl.minimum(tl.maximum(up_RH, -limit), limit)
             else:
-                g_H = gate_H
-                u_H = up_H
-            sig_H = 1 / (1 + tl.exp(-(alpha * g_H)))
-            glu_H = g_H * sig_H
-            act_H = (u_H + beta) * glu_H
+                g_RH = gate_RH
+                u_RH = up_RH
+            sig_RH = 1 / (1 + tl.exp(-(alpha * g_RH)))
+            glu_RH = g_RH * sig_RH
+            act_RH = (u_RH + beta) * glu_RH
             if SCALE_ACT:
-                tl.store(act_ptr + r * H + h_H, (scale * act_H).to(act_ptr.dtype.element_ty), mask=mask_H)
+                tl.store(act_ptr + out_RH, (scale_R[:, None] * act_RH).to(act_ptr.dtype.element_ty), mask=mask_RH)
             else:
-                tl.store(act_ptr + r * H + h_H, act_H.to(act_ptr.dtype.element_ty), mask=mask_H)
-            grad_H = tl.load(grad_ptr + r * H + h_H, mask=mask_H, other=0).to(ACC)
-            dot += grad_H * act_H       # the activations as stored would round them: the exact product
-            grad_gate_H = scale * grad_H * (u_H + beta) * (sig_H + alpha * glu_H * (1 - sig_H))
-            grad_up_H = scale * grad_H * glu_H
+                tl.store(act_ptr + out_RH, act_RH.to(act_ptr.dtype.element_ty), mask=mask_RH)
+            grad_RH = tl.load(grad_ptr + out_RH, mask=mask_RH, other=0).to(ACC)
+            dot_RH += grad_RH * act_RH       # the activations as stored would round them: the exact product
+            grad_gate_RH = scale_R[:, None] * grad_RH * (u_RH + beta) * (sig_RH + alpha * glu_RH * (1 - sig_RH))
+            grad_up_RH = scale_R[:, None] * grad_RH * glu_RH
             if CLAMPED:
-                grad_gate_H = tl.where(gate_H <= limit, grad_gate_H, 0)
-                grad_up_H = tl.where((up_H >= -limit) & (up_H <= limit), grad_up_H, 0)
+                grad_gate_RH = tl.where(gate_RH <= limit, grad_gate_RH, 0)
+                grad_up_RH = tl.where((up_RH >= -limit) & (up_RH <= limit), grad_up_RH, 0)
             out_dtype = grad_pre_ptr.dtype.element_ty
-            tl.store(grad_pre_ptr + r * 2 * H + h_H, grad_gate_H.to(out_dtype), mask=mask_H)
-            tl.store(grad_pre_ptr + r * 2 * H + H + h_H, grad_up_H.to(out_dtype), mask=mask_H)
-        tl.store(dot_ptr + r, tl.sum(dot, 0).to(dot_ptr.dtype.element_ty))
+            tl.store(grad_pre_ptr + pre_RH, grad_gate_RH.to(out_dtype), mask=mask_RH)
+            tl.store(grad_pre_ptr + pre_RH + H, grad_up_RH.to(out_dtype), mask=mask_RH)
+        tl.store(dot_ptr + r_R, tl.sum(dot_RH, 1).to(dot_ptr.dtype.element_ty), mask=valid_R)

@@ -197,7 +197,7 @@ def test_grouped_sum(kernels, sizes, tail, O, dtype):
 
 
 # (R, H): H = 1 and odd widths, H = 1300 over two blocks of columns, no rows
-SWIGLU_SHAPES = [(1, 1), (7, 13), (3, 1300), (0, 4)]
+SWIGLU_SHAPES = [(1, 1), (7, 13), (150, 13), (37, 200), (3, 1300), (0, 4)]   # several rows a program, or one
 # (limit, alpha, beta): SwiGLU clamped at a limit, and gpt-oss's form
 CLAMPS = [(0.5, 1.0, 0.0), (0.7, 1.702, 1.0)]
 
