@@ -13,5 +13,5 @@ inherit it, and scripts run under torchrun get it in PYTHONPATH):
     host_syncs    HostSyncs: which ops synchronized with the host
     init_checks   assert_normal, assert_uniform: a tensor drawn as an initializer draws it
     hf            tiny Hugging Face MoE models
-    fairseq       a generated corpus and fairseq's commands as subprocesses
+    fairseq       a generated corpus and fairseq's commands as subprocesses (run_modules: several in one interpreter)
 """

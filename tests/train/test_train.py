@@ -1,6 +1,7 @@
 """`moe-plugin train`: config loading and errors, learning, outputs, exact resume, two processes
 (data parallel, and expert parallel against one process on the global batch)."""
 import json
+import shutil
 import sys
 
 import pytest
@@ -248,7 +249,7 @@ def torchrun(out, *overrides, timeout=120):
 @pytest.mark.timeout(240)
 def test_two_processes_expert_parallel_learn_and_resume_bit_exactly(tmp_path, fresh_seed):
     common = ["parallel.ep_size=2", "train.steps=16", "train.eval_every=3", "train.checkpoint_every=4",
-              "log.every=2", "train.lr=0.01", "moe.gate_noise=0.5", "log.plots=false",
+              "train.keep_checkpoints=0", "log.every=2", "train.lr=0.01", "moe.gate_noise=0.5", "log.plots=false",
               f"train.seed={fresh_seed}", f"data.seed={fresh_seed}"]
     full, full_records = torchrun(tmp_path / "full", *common)
     assert full["world_size"] == 2 and full["steps"] == 16
@@ -267,8 +268,15 @@ def test_two_processes_expert_parallel_learn_and_resume_bit_exactly(tmp_path, fr
     data = make_data(cfg.data, cfg.train.batch_size, cfg.model.seq_len, cfg.train.eval_batches)
     assert train.evaluate(model, data.val, torch.device("cpu")) == pytest.approx(full["val_loss_last"], rel=1e-5)
 
-    torchrun(tmp_path / "split", *common, "train.stop_at=6")
-    resumed, split_records = torchrun(tmp_path / "split", *common, "train.resume=latest")
+    # a fresh launch resumes the run from its step-4 checkpoint (copied to a folder of its own, with the metrics the
+    # run had written by then, as a run stopped there leaves them, marked) and goes on to step 16 as the run did
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000004", split / "checkpoints" / "step_000004")
+    (split / "metrics.jsonl").write_text("".join(json.dumps({**r, "before": True}) + "\n"
+                                                 for r in full_records if r["step"] <= 4))
+    resumed, split_records = torchrun(split, *common, "train.resume=latest")
+    assert [r["step"] for r in split_records if r.get("before")] == [0, 2, 3, 4]   # resumed, not started afresh
+    assert [p.name for p in train.checkpoints(split)] == [f"step_{s:06d}" for s in (4, 8, 12, 16)]
     for key in ("loss", "aux_loss", "val_loss", "dropped_fraction", "tokens_per_expert", "lr"):
         assert [r.get(key) for r in split_records] == [r.get(key) for r in full_records], key
     assert resumed["param_sha256_per_rank"] == full["param_sha256_per_rank"]

@@ -2,7 +2,9 @@
 saving every 2, then a second Trainer resuming from the step-2 checkpoint to step 4. Writes final<rank>.pt with the
 parameters this rank holds at the end of each run.
 
-    torchrun --nproc_per_node 2 hf_trainer_resume_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 hf_trainer_resume_worker.py OUT_DIR [hf_trainer_worker.py's arguments]
+
+hf_trainer_worker.py's runs, if given, follow in the same processes (their start is most of each one's time).
 """
 import os
 import sys
@@ -10,7 +12,7 @@ import sys
 import torch
 
 import moe_plugin.integrations.transformers as hf_moe  # first: hides an unloadable torchaudio from transformers
-from helpers.workers.hf_trainer_worker import build_model, dataset
+from helpers.workers.hf_trainer_worker import build_model, dataset, runs
 
 
 def trainer(out_dir, resume):
@@ -41,3 +43,4 @@ def main(out_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    runs(sys.argv[2:])

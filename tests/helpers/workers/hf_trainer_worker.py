@@ -1,12 +1,13 @@
 """Run under torchrun by test_deepspeed_hf.py: the README's recipe (a swapped HF model, transformers.Trainer,
 TrainingArguments(deepspeed=...), CPU and gloo), with what the test checks written to OUT_DIR.
 
-    torchrun --nproc_per_node 2 hf_trainer_worker.py OUT_DIR ZERO_STAGE EP_SIZE STEPS
+    torchrun --nproc_per_node 2 hf_trainer_worker.py OUT_DIR ZERO_STAGE EP_SIZE STEPS [OUT_DIR ZERO_STAGE ...]
 
 Writes batch<rank>.pt (the first batch this rank trained on), step1.pt (every parameter after the first step in
-HF names, all experts gathered) and result<rank>.json (losses, whether the engine runs the blocks as MoE, how far
-plain transformers' load of trainer.save_model's folder is from the trained model), and params<rank>.pt (the
-parameters this rank holds at the end).
+HF names, all experts gathered) and result<rank>.json (losses, whether the engine runs the blocks as MoE, its ZeRO
+stage, the experts each block holds, how far plain transformers' load of trainer.save_model's folder is from the
+trained model), and params<rank>.pt (the parameters this rank holds at the end). Several runs (four arguments each)
+go one after another in the same processes, each from a fresh model and Trainer.
 """
 import json
 import os
@@ -81,8 +82,17 @@ def main(out_dir, stage, ep_size, steps):
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
         json.dump({"losses": losses, "has_moe_layers": trainer.model_wrapped.has_moe_layers, "reload_error": reload_error,
                    "engine": type(trainer.model_wrapped).__name__,
+                   "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
+                   "local_experts": sorted({m.moe.groups.layout.local_experts for m in model.modules()
+                                            if hasattr(m, "moe")}),
                    "blocks": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "moe")})}, file)
 
 
+def runs(arguments):
+    """main for each four of arguments (OUT_DIR ZERO_STAGE EP_SIZE STEPS) in turn."""
+    for at in range(0, len(arguments), 4):
+        main(arguments[at], int(arguments[at + 1]), int(arguments[at + 2]), int(arguments[at + 3]))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    runs(sys.argv[1:])

@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -222,19 +221,31 @@ def test_expert_bias_balancing_on_an_hf_model_updates_from_every_rank_s_choices(
         assert expected.abs().sum() > 0
 
 
-def test_hf_trainer_resumes_from_its_deepspeed_checkpoint():
-    """Trainer + DeepSpeed ZeRO-1, ep_size 2 on 2 processes: resuming at step 2 of 4 (from other starting weights)
-    ends on the same parameters, experts and Adam state included, as the run that never stopped."""
+TRAINER_RUNS = [(1, 2), (2, 1)]   # (ZeRO stage, ep_size) of test_hf_trainer_with_deepspeed_under_torchrun
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """One torchrun on 2 processes for the HF Trainer tests: the resume worker's two Trainers, then
+    hf_trainer_worker's runs for TRAINER_RUNS, one after another in the same processes (their start, importing
+    transformers and DeepSpeed, is most of each run's time). {"resume" or (stage, ep_size): its output folder}."""
     import subprocess
 
     from helpers.workers import hf_trainer_resume_worker as worker
-    with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   worker.__file__, out]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=400,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        finals = [torch.load(os.path.join(out, f"final{rank}.pt")) for rank in (0, 1)]
+    folders = {key: tmp_path_factory.mktemp("hf_trainer") for key in ["resume", *TRAINER_RUNS]}
+    runs = [str(a) for stage, ep_size in TRAINER_RUNS for a in (folders[stage, ep_size], stage, ep_size, 24)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               worker.__file__, str(folders["resume"]), *runs]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folders
+
+
+def test_hf_trainer_resumes_from_its_deepspeed_checkpoint(trainer_runs):
+    """Trainer + DeepSpeed ZeRO-1, ep_size 2 on 2 processes: resuming at step 2 of 4 (from other starting weights)
+    ends on the same parameters, experts and Adam state included, as the run that never stopped."""
+    finals = [torch.load(trainer_runs["resume"] / f"final{rank}.pt") for rank in (0, 1)]
     for final in finals:
         assert final["first"].keys() == final["resumed"].keys()
         for name, first in final["first"].items():
@@ -365,23 +376,18 @@ def test_swapped_blocks_are_deepspeed_moe_layers_with_per_expert_state_names():
     assert all(torch.equal(a, b) for a, b in zip(other.moe.state_dict().values(), block.moe.state_dict().values()))
 
 
-@pytest.mark.parametrize("stage, ep_size", [(1, 2), (2, 1)])
-def test_hf_trainer_with_deepspeed_under_torchrun(stage, ep_size, tmp_path):
+@pytest.mark.parametrize("stage, ep_size", TRAINER_RUNS)
+def test_hf_trainer_with_deepspeed_under_torchrun(stage, ep_size, trainer_runs):
     """The README recipe: swap_moe_blocks(model, ep_size=N), transformers.Trainer with TrainingArguments(deepspeed=...)
     on 2 gloo processes. The engine runs the blocks as MoE; the first step equals one process's SGD step on both
     ranks' batches (experts reduced over the expert-data group only, the rest over all ranks); the loss falls;
     with ep_size 1, plain transformers loads trainer.save_model's folder as the trained model."""
-    import subprocess
-
     from helpers.workers import hf_trainer_worker as worker
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               worker.__file__, str(tmp_path), str(stage), str(ep_size), "24"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tmp_path = trainer_runs[stage, ep_size]
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
         assert result["has_moe_layers"] and result["blocks"] == ["DeepSpeedHFMoEBlock"], result
+        assert result["zero_stage"] == stage and result["local_experts"] == [6 // ep_size], result
         losses = result["losses"]
         assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
     if ep_size == 1:

@@ -1,13 +1,14 @@
 """The fairseq adapter end to end on CPU: binarize a generated corpus, fairseq-train the MoE LM and
 translation model for 30 updates, resume, fairseq-eval-lm, fairseq-generate, fairseq-hydra-train,
-and clear errors for bad flags. fairseq runs in subprocesses (python -m fairseq_cli.*)."""
+and clear errors for bad flags. fairseq runs in a subprocess: each command as `python -m fairseq_cli.*` runs it,
+one after another in one interpreter (helpers.fairseq.run_modules)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers.fairseq import CPU, TINY_LM, TINY_MT, fairseq, needs_fairseq, train_losses, user_dir
+from helpers.fairseq import CPU, TINY_LM, TINY_MT, needs_fairseq, run_modules, train_losses, user_dir
 from helpers.paths import REPO
 
 pytestmark = needs_fairseq
@@ -34,16 +35,52 @@ def mt_args(data, save_dir, max_update):
             "--save-dir", save_dir, "--no-epoch-checkpoints", *CPU]
 
 
-@pytest.fixture(scope="module")
-def lm_run(data):
-    save_dir = os.path.join(data["root"], "lm")
-    return save_dir, fairseq("train", lm_args(data, save_dir, UPDATES), cwd=data["root"]).stdout
+BAD_FLAGS = [
+    (["--moe-second-expert-policy", "sampling"], "--moe-second-expert-policy 'sampling' is not supported"),
+    (["--moe-top-k", "5"], "--moe-top-k: MoEConfig.top_k=5 is invalid: must be between 1 and num_experts=4"),
+    (["--moe-freq", "3"], "--moe-freq 3 with --decoder-layers 2 gives no MoE layer"),
+    (["--moe-ep-size", "2"], "--moe-ep-size 2 needs a distributed run"),
+]
+
+
+def hydra_overrides(data, out):
+    return [f"task.data={data['lm']}", f"common.user_dir={user_dir()}", "common.cpu=true",
+            "optimization.max_update=3", "+model.decoder_embed_dim=32", "+model.decoder_ffn_embed_dim=64",
+            "+model.decoder_layers=2", "model.moe_expert_count=4", "task.tokens_per_sample=64",
+            f"checkpoint.save_dir={out / 'ckpt'}", "common.log_interval=1", "dataset.num_workers=0",
+            "dataset.required_batch_size_multiple=1", f"hydra.run.dir={out / 'hydra'}"]
 
 
 @pytest.fixture(scope="module")
-def mt_run(data):
-    save_dir = os.path.join(data["root"], "mt")
-    return save_dir, fairseq("train", mt_args(data, save_dir, UPDATES), cwd=data["root"]).stdout
+def runs(data, tmp_path_factory):
+    """Every fairseq command of this module's tests, in the order the tests were written, one after another in one
+    interpreter (helpers.fairseq.run_modules: fairseq imported once, not 11 times): {name: CompletedProcess}.
+    fairseq-hydra-train goes last (hydra changes the working folder)."""
+    lm, mt = os.path.join(data["root"], "lm"), os.path.join(data["root"], "mt")
+    bad = [str(tmp_path_factory.mktemp("bad_flag")) for _ in BAD_FLAGS]
+    hydra = tmp_path_factory.mktemp("hydra")
+    commands = {
+        "lm": ("fairseq_cli.train", lm_args(data, lm, UPDATES)),
+        "lm resumed": ("fairseq_cli.train", lm_args(data, lm, UPDATES + 3)),
+        "eval_lm": ("fairseq_cli.eval_lm", [data["lm"], "--user-dir", user_dir(), "--path",
+                                            os.path.join(lm, "checkpoint_best.pt"), "--tokens-per-sample", "64",
+                                            "--batch-size", "8", "--cpu", "--num-workers", "0"]),
+        "mt": ("fairseq_cli.train", mt_args(data, mt, UPDATES)),
+        "generate": ("fairseq_cli.generate", [data["mt"], "--user-dir", user_dir(), "--path",
+                                              os.path.join(mt, "checkpoint_last.pt"), "--beam", "2", "--batch-size",
+                                              "16", "--max-len-b", "20", "--cpu", "--num-workers", "0"]),
+        **{f"bad flag {i}": ("fairseq_cli.train", lm_args(data, out, 1) + flags)
+           for i, ((flags, _), out) in enumerate(zip(BAD_FLAGS, bad))},
+        "hydra": ("fairseq_cli.hydra_train", ["--config-dir", os.path.join(REPO, "configs", "fairseq"),
+                                              "--config-name", "transformer_lm_moe"] + hydra_overrides(data, hydra)),
+    }
+    done = run_modules(commands.values(), cwd=data["root"], timeout=900, check=False)
+    return {"lm dir": lm, "mt dir": mt, "hydra dir": hydra, **dict(zip(commands, done))}
+
+
+def succeeded(run):
+    assert run.returncode == 0, f"{run.args[0]} failed ({run.returncode}):\n{run.stdout[-6000:]}"
+    return run.stdout
 
 
 def test_user_dir_is_printed_and_registers_once_under_both_names(tmp_path):
@@ -67,8 +104,8 @@ def test_user_dir_is_printed_and_registers_once_under_both_names(tmp_path):
             "'moe_label_smoothed_cross_entropy']") in out.stdout
 
 
-def test_lm_loss_falls_and_gate_statistics_are_logged(lm_run):
-    save_dir, log = lm_run
+def test_lm_loss_falls_and_gate_statistics_are_logged(runs):
+    save_dir, log = runs["lm dir"], succeeded(runs["lm"])
     losses = train_losses(log)
     assert max(losses) == UPDATES
     assert losses[UPDATES] < 0.6 * losses[1], losses
@@ -78,63 +115,48 @@ def test_lm_loss_falls_and_gate_statistics_are_logged(lm_run):
     assert os.path.isfile(os.path.join(save_dir, "checkpoint_last.pt"))
 
 
-def test_lm_resumes_from_checkpoint_last(data, lm_run):
-    save_dir, _ = lm_run
-    log = fairseq("train", lm_args(data, save_dir, UPDATES + 3), cwd=data["root"]).stdout
+def test_lm_resumes_from_checkpoint_last(runs):
+    succeeded(runs["lm"])
+    log = succeeded(runs["lm resumed"])
     assert f"@ {UPDATES} updates" in log and "Loaded checkpoint" in log
     assert sorted(train_losses(log)) == [UPDATES + 1, UPDATES + 2, UPDATES + 3]
 
 
-def test_eval_lm_on_the_trained_lm(data, lm_run):
-    save_dir, _ = lm_run
-    log = fairseq("eval_lm", [data["lm"], "--user-dir", user_dir(), "--path",
-                              os.path.join(save_dir, "checkpoint_best.pt"), "--tokens-per-sample", "64",
-                              "--batch-size", "8", "--cpu", "--num-workers", "0"], cwd=data["root"]).stdout
+def test_eval_lm_on_the_trained_lm(runs):
+    succeeded(runs["lm"])
+    log = succeeded(runs["eval_lm"])
     perplexity = float(log.split("Perplexity:")[1].split()[0])
     assert 1.0 < perplexity < 8.0   # 24-word counting corpus: far below the 28 symbols of the dictionary
 
 
-def test_translation_loss_falls(mt_run):
-    save_dir, log = mt_run
+def test_translation_loss_falls(runs):
+    save_dir, log = runs["mt dir"], succeeded(runs["mt"])
     losses = train_losses(log)
     assert max(losses) == UPDATES
     assert losses[UPDATES] < losses[1] - 1.0, losses
     assert os.path.isfile(os.path.join(save_dir, "checkpoint_last.pt"))
 
 
-def test_generate_with_the_trained_translation_model(data, mt_run):
-    save_dir, _ = mt_run
-    log = fairseq("generate", [data["mt"], "--user-dir", user_dir(), "--path",
-                               os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--batch-size", "16",
-                               "--max-len-b", "20", "--cpu", "--num-workers", "0"], cwd=data["root"]).stdout
+def test_generate_with_the_trained_translation_model(runs):
+    succeeded(runs["mt"])
+    log = succeeded(runs["generate"])
     hypotheses = [line for line in log.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 40
     assert "BLEU4" in log
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--moe-second-expert-policy", "sampling"], "--moe-second-expert-policy 'sampling' is not supported"),
-    (["--moe-top-k", "5"], "--moe-top-k: MoEConfig.top_k=5 is invalid: must be between 1 and num_experts=4"),
-    (["--moe-freq", "3"], "--moe-freq 3 with --decoder-layers 2 gives no MoE layer"),
-    (["--moe-ep-size", "2"], "--moe-ep-size 2 needs a distributed run"),
-])
-def test_bad_flag_fails_before_training_with_a_clear_message(data, tmp_path, flags, message):
-    proc = fairseq("train", lm_args(data, str(tmp_path), 1) + flags, cwd=data["root"], check=False)
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[message for _, message in BAD_FLAGS])
+def test_bad_flag_fails_before_training_with_a_clear_message(runs, case):
+    proc, message = runs[f"bad flag {case}"], BAD_FLAGS[case][1]
     assert proc.returncode != 0
     assert message in proc.stdout, proc.stdout[-3000:]
     assert "Start iterating over samples" not in proc.stdout
 
 
-def test_hydra_train_with_the_lm_config(data, tmp_path):
-    overrides = [f"task.data={data['lm']}", f"common.user_dir={user_dir()}", "common.cpu=true",
-                 "optimization.max_update=3", "+model.decoder_embed_dim=32", "+model.decoder_ffn_embed_dim=64",
-                 "+model.decoder_layers=2", "model.moe_expert_count=4", "task.tokens_per_sample=64",
-                 f"checkpoint.save_dir={tmp_path / 'ckpt'}", "common.log_interval=1", "dataset.num_workers=0", "dataset.required_batch_size_multiple=1",
-                 f"hydra.run.dir={tmp_path / 'hydra'}"]
-    log = fairseq("hydra_train", ["--config-dir", os.path.join(REPO, "configs", "fairseq"),
-                                  "--config-name", "transformer_lm_moe"] + overrides, cwd=str(tmp_path)).stdout
+def test_hydra_train_with_the_lm_config(runs):
+    log = succeeded(runs["hydra"])
     assert "model: TransformerLanguageModelMoE" in log and "num_updates=3" in log
-    assert os.path.isfile(tmp_path / "ckpt" / "checkpoint_last.pt")
+    assert os.path.isfile(runs["hydra dir"] / "ckpt" / "checkpoint_last.pt")
 
 
 def test_readme_recipe_is_the_docs_runnable_recipe():

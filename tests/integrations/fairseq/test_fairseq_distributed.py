@@ -9,14 +9,12 @@ process with --update-freq 2 on the same two batches.
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.fairseq import CPU, TINY_LM, fairseq, needs_fairseq, train_distributed, user_dir
+from helpers.fairseq import CPU, TINY_LM, needs_fairseq, run_modules, train_distributed, user_dir
 from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 
@@ -41,8 +39,9 @@ def runs(tmp_path_factory, corpus):
     root, lm = str(tmp_path_factory.mktemp("fairseq_ddp")), corpus["lm"]
     dirs = {name: os.path.join(root, name) for name in ("ep", "single", "init")}
     logs = train_distributed(lm_args(lm, dirs["ep"], 1.0, 1, ["--moe-ep-size", "2"]), 2, cwd=root)
-    fairseq("train", lm_args(lm, dirs["single"], 1.0, 1, ["--update-freq", "2"]), cwd=root)
-    fairseq("train", lm_args(lm, dirs["init"], 0.0, 1), cwd=root)
+    # the one-process step and the initial weights (a step at lr 0), two fairseq-train runs in one interpreter
+    run_modules([("fairseq_cli.train", lm_args(lm, dirs["single"], 1.0, 1, ["--update-freq", "2"])),
+                 ("fairseq_cli.train", lm_args(lm, dirs["init"], 0.0, 1))], cwd=root)
     return {"root": root, "lm": lm, "logs": logs, **dirs}
 
 
@@ -84,13 +83,13 @@ def test_two_process_run_resumes_per_rank_and_consolidates_for_eval_lm(runs, tmp
     shared = "decoder.layers.0.fc1.moe.router.weight_ED"
     assert torch.equal(states[0]["model"][shared], states[1]["model"][shared])
 
+    # `python -m ...consolidate` then `python -m fairseq_cli.eval_lm` on its output, in one interpreter
     merged = str(tmp_path / "merged.pt")
-    out = subprocess.run([sys.executable, "-m", "moe_plugin.integrations.fairseq_moe.consolidate",
-                          os.path.join(save_dir, "checkpoint_last-rank-0.pt"), merged],
-                         capture_output=True, text=True, timeout=120, cwd=runs["root"])
-    assert out.returncode == 0 and "merged the experts of 2 ranks" in out.stdout, out.stderr[-3000:]
-    log = fairseq("eval_lm", [runs["lm"], "--user-dir", user_dir(), "--path", merged, "--tokens-per-sample", "64",
-                              "--batch-size", "8", "--cpu", "--num-workers", "0"], cwd=runs["root"]).stdout
+    out, log = (done.stdout for done in run_modules([
+        ("moe_plugin.integrations.fairseq_moe.consolidate", [os.path.join(save_dir, "checkpoint_last-rank-0.pt"), merged]),
+        ("fairseq_cli.eval_lm", [runs["lm"], "--user-dir", user_dir(), "--path", merged, "--tokens-per-sample", "64",
+                                 "--batch-size", "8", "--cpu", "--num-workers", "0"])], cwd=runs["root"]))
+    assert "merged the experts of 2 ranks" in out, out[-3000:]
     assert float(log.split("Perplexity:")[1].split()[0]) > 1.0
 
 
