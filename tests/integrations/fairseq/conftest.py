@@ -1,5 +1,6 @@
 """DeepSpeed's CPU comm op is built once before these tests start DeepSpeed (helpers.plugin); the generated corpus
-is binarized once for every fairseq test module (fairseq-preprocess: a fresh interpreter importing fairseq each)."""
+is binarized once for every fairseq test module (its two fairseq-preprocess commands in one interpreter, which
+imports fairseq once: helpers.fairseq.run_modules)."""
 import pytest
 
 from helpers.fairseq import binarize
