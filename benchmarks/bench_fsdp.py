@@ -113,22 +113,65 @@ def _hf_model(name, swapped, device="cpu", bf16=False):
     return fully_shard(model, **policy)
 
 
+class BlockClock:
+    """The time a step spends inside some modules' forward and backward (the MoE blocks): CUDA events on the
+    device, the host's clock on CPU, taken by module hooks (a forward's start and end, a backward's)."""
+
+    def __init__(self, blocks, device):
+        self.cuda = device != "cpu"
+        self.marks = []
+        for block in blocks:
+            block.register_forward_pre_hook(lambda *_: self._mark())
+            block.register_forward_hook(lambda *_: self._mark())
+            block.register_full_backward_pre_hook(lambda *_: self._mark())
+            block.register_full_backward_hook(lambda *_: self._mark())
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def take(self) -> float:
+        """Seconds inside the blocks since the last take (after the device has finished: call after a sync)."""
+        pairs, self.marks = list(zip(self.marks[0::2], self.marks[1::2])), []
+        if self.cuda:
+            return sum(start.elapsed_time(end) for start, end in pairs) / 1000
+        return sum(end - start for start, end in pairs)
+
+
+def _moe_blocks(model, swapped):
+    import moe_plugin.integrations.transformers as hf_moe
+    if swapped:
+        return [m for m in model.modules() if isinstance(m, hf_moe.HFMoEBlock)]
+    names = {entry.block for entry in hf_moe.FAMILIES.values()}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def _hf(rank, world, name, steps, device="cpu", bf16=False):
     """HF's own blocks and the swapped ones in the same processes, one step of each per round (the machine's
-    load moves both alike); returns the median over rounds of swapped / own, and each one's median step.
-    The first round's losses must agree (same weights, same tokens; bf16 parameters: to 1%)."""
+    load moves both alike); returns the median over rounds of swapped / own, and each one's median step and the
+    median time of it spent in the MoE blocks (forward and backward: what swapping changes; the rest of the step
+    is the same model). The first round's losses must agree (same weights, same tokens; bf16 parameters: to 1%)."""
     models = [_hf_model(name, False, device, bf16), _hf_model(name, True, device, bf16)]
+    blocks = [_moe_blocks(model, swapped) for model, swapped in zip(models, (False, True))]
+    if not all(blocks):
+        raise RuntimeError(f"no MoE block to time: {len(blocks[0])} of HF's own, {len(blocks[1])} swapped")
+    clocks = [BlockClock(found, device) for found in blocks]
     batch, seq = HF_MODELS[name][3]
     vocab = HF_MODELS[name][4]["vocab_size"]
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     generator = torch.Generator().manual_seed(rank)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-    times, first_losses = [[], []], []
+    times, in_blocks, first_losses = [[], []], [[], []], []
     for round_ in range(steps + 1):
         ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
-        for model, optimizer, spent in zip(models, optimizers, times):
+        for model, optimizer, spent, clock, blocks_spent in zip(models, optimizers, times, clocks, in_blocks):
             dist.barrier()
             sync()
+            clock.take()
             tick = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
             optimizer.zero_grad(set_to_none=True)
@@ -136,12 +179,14 @@ def _hf(rank, world, name, steps, device="cpu", bf16=False):
             optimizer.step()
             sync()
             spent.append(time.perf_counter() - tick)
+            blocks_spent.append(clock.take())
             if round_ == 0:
                 first_losses.append(loss.item())
     if abs(first_losses[0] - first_losses[1]) > (1e-2 if bf16 else 1e-4) * abs(first_losses[0]):
         raise RuntimeError(f"first losses differ: HF's own {first_losses[0]}, swapped {first_losses[1]}")
     own, swapped = times[0][1:], times[1][1:]
     return {"own_s": statistics.median(own), "swapped_s": statistics.median(swapped),
+            "own_moe_s": statistics.median(in_blocks[0][1:]), "swapped_moe_s": statistics.median(in_blocks[1][1:]),
             "ratio": statistics.median(b / a for a, b in zip(own, swapped)), "losses": first_losses,
             "ratios": [b / a for a, b in zip(own, swapped)]}
 
@@ -223,6 +268,10 @@ def main():
               f"{args.steps} interleaved rounds: HF's own "
               f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
               f"(median of the rounds' ratios); first losses {r['losses'][0]:.6f} / {r['losses'][1]:.6f}")
+        print(f"of which in the MoE blocks (forward and backward): HF's own {r['own_moe_s']:.3f} s "
+              f"({r['own_moe_s'] / r['own_s']:.0%} of its step), swapped {r['swapped_moe_s']:.3f} s "
+              f"({r['swapped_moe_s'] / r['swapped_s']:.0%}); the rest of the step: HF's own "
+              f"{r['own_s'] - r['own_moe_s']:.3f} s, swapped {r['swapped_s'] - r['swapped_moe_s']:.3f} s")
         print("rounds' ratios:", " ".join(f"{x:.3f}" for x in r["ratios"]))
 
 

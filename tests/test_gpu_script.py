@@ -192,6 +192,13 @@ def test_summary_turns_partial_results_into_one_table(tmp_path, smoke):
     assert table["launches fwd+bwd (profiler), bias_fixed_bf16"][4] == "MISSED"
     assert table["CUDA graph, tiny"][4] == "MISSED"
     assert table["host time, tiny shape on the GPU, ours / HF block"][4] == "met"
+    (tmp_path / "fsdp_mixtral_gpu.log").write_text(   # bench_fsdp.py's two lines, as it prints them
+        "MixtralForCausalLM (mixtral_gpu, 4x1024 tokens per rank) under FSDP2 ...: HF's own 0.047 s, swapped 0.046 s "
+        "(medians), swapped / HF = 0.987 (median of the rounds' ratios); first losses 10.4 / 10.4\n"
+        "of which in the MoE blocks (forward and backward): HF's own 0.012 s (26% of its step), swapped 0.011 s (24%); "
+        "the rest of the step: HF's own 0.035 s, swapped 0.035 s\n")
+    row = {row[1]: row for row in summary.rows(tmp_path)}["FSDP2 step swapped / HF's own, mixtral_gpu, eager"]
+    assert row[3] == "0.987 (MoE blocks: 26% / 24% of the steps)" and row[4] == "MISSED"
     printed = summary.format_rows(list(table.values()))
     assert printed.count("\n") == len(table)
 
