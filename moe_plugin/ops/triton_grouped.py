@@ -24,6 +24,7 @@ import torch
 
 from . import triton_kernels
 from .tail import tail_unread
+from .triton_kernels import cdiv, next_power_of_2
 from .torch_grouped import GATHER_UP_ACTIVATIONS
 
 try:
@@ -78,13 +79,13 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
     if E == 0:
         return act_RH, pre_RF
     block_m, block_n, block_k = _blocks()
-    grid = (triton.cdiv(R, block_m) + E, triton.cdiv(H, block_n))
+    grid = (cdiv(R, block_m) + E, cdiv(H, block_n))
     _gather_up_kernel[grid](
         x_TD.contiguous(), token_R.contiguous(), offs_E.contiguous(), w1_EDF,
         b1_EF.contiguous() if b1_EF is not None else w1_EDF, pre_RF, act_RH,
         D, H, F, E, w1_EDF.stride(0), w1_EDF.stride(1), w1_EDF.stride(2),
         HAS_BIAS=b1_EF is not None, ACTIVATION=_ACTIVATION_CODES[activation], IEEE=dtype == torch.float32,
-        INTERPRETED=_interpreted(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E))
+        INTERPRETED=_interpreted(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_power_of_2(E))
     return act_RH, pre_RF
 
 
@@ -105,12 +106,12 @@ def dgrad_swiglu(grad_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tens
     if R == 0 or H == 0 or E == 0:
         return grad_pre_RH2, act_RH, dot_R
     block_m, block_n, block_k = _blocks()
-    grid = (triton.cdiv(R, block_m) + E, triton.cdiv(H, block_n))
+    grid = (cdiv(R, block_m) + E, cdiv(H, block_n))
     _dgrad_swiglu_kernel[grid](
         grad_RD.contiguous(), offs_E.contiguous(), w2_EHD, pre_RH2.contiguous(), scale_R1.contiguous(),
         grad_pre_RH2, act_RH, dot_R, D, H, E, w2_EHD.stride(0), w2_EHD.stride(1), w2_EHD.stride(2),
         IEEE=dtype == torch.float32, INTERPRETED=_interpreted(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=triton.next_power_of_2(E))
+        BLOCK_E=next_power_of_2(E))
     return grad_pre_RH2, act_RH, dot_R
 
 
@@ -141,10 +142,10 @@ def wgrad_gather(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor
     flags = dict(HAS_BIAS=bias, IEEE=dtype == torch.float32, INTERPRETED=_interpreted())
     if _interpreted():
         block_m, block_n, block_k = _blocks()
-        grid = (max(1, triton.cdiv(D, block_m)) * triton.cdiv(F, block_n), E)     # D = 0: the bias gradient still
+        grid = (max(1, cdiv(D, block_m)) * cdiv(F, block_n), E)     # D = 0: the bias gradient still
         _wgrad_gather_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     else:
-        _wgrad_gather_tuned[lambda meta: (max(1, triton.cdiv(D, meta["BLOCK_M"])) * triton.cdiv(F, meta["BLOCK_N"]),
+        _wgrad_gather_tuned[lambda meta: (max(1, cdiv(D, meta["BLOCK_M"])) * cdiv(F, meta["BLOCK_N"]),
                                           E)](*args, **flags)
     return grad_w_EDF, grad_b_EF
 

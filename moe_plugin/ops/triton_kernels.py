@@ -66,7 +66,7 @@ def route_slots(expert_TK: torch.Tensor, order_T: Optional[torch.Tensor], row_st
     if T == 0:
         return pos_TK, token_R
     E = row_start_E.shape[0]
-    block = min(_ROUTE_BLOCK, triton.next_power_of_2(T * K))
+    block = min(_ROUTE_BLOCK, next_power_of_2(T * K))
     _route_slots_kernel[(E,)](expert_TK.contiguous(), _or(order_T, expert_TK), row_start_E.contiguous(),
                               pos_TK, token_R, T, K, capacity, HAS_ORDER=order_T is not None, BLOCK=block)
     return pos_TK, token_R
@@ -118,8 +118,8 @@ def zero_rows_past(out_RO: torch.Tensor, end: torch.Tensor) -> None:
     R, O = out_RO.shape
     if R == 0 or O == 0:
         return
-    block_o = min(triton.next_power_of_2(O), _COLUMNS)
-    grid = (triton.cdiv(R, _ZERO_ROWS), triton.cdiv(O, block_o))
+    block_o = min(next_power_of_2(O), _COLUMNS)
+    grid = (cdiv(R, _ZERO_ROWS), cdiv(O, block_o))
     _zero_rows_past_kernel[grid](out_RO, end, R, O, BLOCK_R=_ZERO_ROWS, BLOCK_O=block_o)
 
 
@@ -132,8 +132,8 @@ def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     sums_EO = _empty((E, O), x_RO.dtype, x_RO.device)
     if E == 0 or O == 0:
         return sums_EO
-    block_o = min(triton.next_power_of_2(O), _COLUMNS)
-    _grouped_sum_kernel[(E, triton.cdiv(O, block_o))](x_RO.contiguous(), offs_E.contiguous(), sums_EO, O,
+    block_o = min(next_power_of_2(O), _COLUMNS)
+    _grouped_sum_kernel[(E, cdiv(O, block_o))](x_RO.contiguous(), offs_E.contiguous(), sums_EO, O,
                                                       ACC=_acc_dtype(x_RO), BLOCK_R=_ROWS, BLOCK_O=block_o)
     return sums_EO
 
@@ -146,10 +146,10 @@ def add_bias_rows(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Ten
     E = offs_E.shape[0]
     if R == 0 or O == 0 or E == 0:
         return
-    block_o = min(triton.next_power_of_2(O), _COLUMNS)
-    grid = (triton.cdiv(R, _ZERO_ROWS), triton.cdiv(O, block_o))
+    block_o = min(next_power_of_2(O), _COLUMNS)
+    grid = (cdiv(R, _ZERO_ROWS), cdiv(O, block_o))
     _add_bias_rows_kernel[grid](out_RO, bias_EO.contiguous(), offs_E.contiguous(), R, O, E, BLOCK_R=_ZERO_ROWS,
-                                BLOCK_O=block_o, BLOCK_E=triton.next_power_of_2(E))
+                                BLOCK_O=block_o, BLOCK_E=next_power_of_2(E))
 
 
 def swiglu_forward(pre_RH2: torch.Tensor) -> torch.Tensor:
@@ -188,7 +188,7 @@ def _swiglu(pre_RH2: torch.Tensor, grad_RH: Optional[torch.Tensor], clamp: Optio
     if R and H:
         limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
         block, block_r = _row_tiles(H)
-        _swiglu_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block))](
+        _swiglu_kernel[(cdiv(R, block_r), cdiv(H, block))](
             pre_RH2, _or(grad_RH, pre_RH2), act_RH, _or(grad_pre_RH2, act_RH), R, H, limit, alpha, beta,
             BACKWARD=grad_RH is not None, CLAMPED=clamp is not None, ACC=_acc_dtype(pre_RH2), BLOCK=block,
             BLOCK_R=block_r)
@@ -211,7 +211,7 @@ def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R
     if R:
         limit, alpha, beta = clamp if clamp is not None else (0.0, 1.0, 0.0)
         block, block_r = _row_tiles(H)
-        _swiglu_scaled_kernel[(triton.cdiv(R, block_r),)](
+        _swiglu_scaled_kernel[(cdiv(R, block_r),)](
             pre_RH2, grad_RH.contiguous(), scale_R1.contiguous(), act_RH, grad_pre_RH2, dot_R, R, H, limit, alpha,
             beta, CLAMPED=clamp is not None, SCALE_ACT=scale_act, ACC=_acc_dtype(pre_RH2), BLOCK=block,
             BLOCK_R=block_r)
@@ -221,8 +221,19 @@ def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R
 def _row_tiles(H: int) -> Tuple[int, int]:
     """(columns, rows) of a SwiGLU program's tile: up to _ELEMENTWISE elements, several rows where H is narrow (a
     program per row of 256 columns made 196,608 tiny programs at the SonicMoE shape)."""
-    block = min(triton.next_power_of_2(max(H, 1)), _ELEMENTWISE)
+    block = min(next_power_of_2(max(H, 1)), _ELEMENTWISE)
     return block, _ELEMENTWISE // block
+
+
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv in plain Python: Triton's own is a constexpr function, 2 us a call from the host (34 calls a
+    step of the layer)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python (0 for 0, as Triton's), for the same reason."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def _or(x: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
@@ -235,8 +246,8 @@ def _acc_dtype(x: torch.Tensor):
 
 
 def _blocks(K: int, D: int) -> Tuple[int, int]:
-    block_k = triton.next_power_of_2(K)
-    return block_k, min(triton.next_power_of_2(max(D, 1)), _MAX_TILE // block_k)
+    block_k = next_power_of_2(K)
+    return block_k, min(next_power_of_2(max(D, 1)), _MAX_TILE // block_k)
 
 
 if triton is not None:

@@ -9,6 +9,7 @@ Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
 import importlib
 import importlib.util
+import random
 import sys
 
 import pytest
@@ -295,3 +296,14 @@ def test_imports_without_triton(monkeypatch):
     for call in calls:
         with pytest.raises(ImportError, match="pip install triton"):
             call()
+
+
+def test_host_side_cdiv_and_next_power_of_2_are_tritons():
+    """The launchers' plain-Python cdiv and next_power_of_2 (Triton's own cost 2 us a host call) agree with Triton's."""
+    if triton is None:
+        pytest.skip(reason=NO_TRITON)
+    from moe_plugin.ops.triton_kernels import cdiv, next_power_of_2
+    for n in [*range(0, 130), 1000, 1023, 1024, 1025, 2 ** 20 + 1, random.randrange(1, 2 ** 40)]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 32, 64):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
