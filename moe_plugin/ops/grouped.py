@@ -119,8 +119,10 @@ def _aligned_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) 
     if b.dim() == 3:
         I, O = a.shape[1], b.shape[2]
         pad_i, pad_o = -I % align, -O % align
+        if pad_i:         # a is [R, I]: copied only where its own width needs it
+            a = F.pad(a, (0, pad_i))
         if pad_i or pad_o:
-            a, b = F.pad(a, (0, pad_i)), F.pad(b, (0, pad_o, 0, pad_i))
+            b = F.pad(b, (0, pad_o, 0, pad_i))
         out = _grouped(a.contiguous(), b, offs_E)
         return out[:, :O].contiguous() if pad_o else out
     I, O = a.shape[0], b.shape[1]

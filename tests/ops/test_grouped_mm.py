@@ -32,7 +32,7 @@ def _loop_3d(a, b, counts, bias):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
-@pytest.mark.parametrize("I, O", [(16, 24), (7, 5), (9, 32)])     # odd widths take the padded path
+@pytest.mark.parametrize("I, O", [(16, 24), (7, 5), (9, 32), (16, 5)])     # odd widths: the padded path
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_rows_times_group_weights(device, dtype, tolerance, I, O, with_bias):
     E, R = 5, 43
