@@ -371,6 +371,25 @@ if triton is not None:
         tl.store(sums_ptr + e * O + o_O, acc_O.to(sums_ptr.dtype.element_ty), mask=o_O < O)
 
     @triton.jit
+    def _swiglu_parts(gate, up, limit, alpha, beta, CLAMPED: tl.constexpr):
+        """(act, d act / d gate, d act / d up) of (up + beta) * g * sigmoid(alpha * g), g the gate; clamped: the gate
+        at most limit, up within [-limit, limit], each derivative 0 where its input was clamped."""
+        if CLAMPED:
+            g = tl.minimum(gate, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+        else:
+            g = gate
+            u = up
+        sig = 1 / (1 + tl.exp(-(alpha * g)))
+        glu = g * sig
+        d_gate = (u + beta) * (sig + alpha * glu * (1 - sig))
+        d_up = glu
+        if CLAMPED:
+            d_gate = tl.where(gate <= limit, d_gate, 0)
+            d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0)
+        return (u + beta) * glu, d_gate, d_up
+
+    @triton.jit
     def _swiglu_kernel(pre_ptr, grad_ptr, act_ptr, grad_pre_ptr, R, H, limit, alpha, beta, BACKWARD: tl.constexpr,
                        CLAMPED: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
         r_R = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -380,22 +399,12 @@ if triton is not None:
         out_RH = r_R[:, None] * H + h_H[None, :]
         gate_RH = tl.load(pre_ptr + pre_RH, mask=mask_RH, other=0).to(ACC)
         up_RH = tl.load(pre_ptr + pre_RH + H, mask=mask_RH, other=0).to(ACC)
-        if CLAMPED:
-            g_RH = tl.minimum(gate_RH, limit)
-            u_RH = tl.minimum(tl.maximum(up_RH, -limit), limit)
-        else:
-            g_RH = gate_RH
-            u_RH = up_RH
-        sig_RH = 1 / (1 + tl.exp(-(alpha * g_RH)))
-        glu_RH = g_RH * sig_RH
-        tl.store(act_ptr + out_RH, ((u_RH + beta) * glu_RH).to(act_ptr.dtype.element_ty), mask=mask_RH)
+        act_RH, d_gate_RH, d_up_RH = _swiglu_parts(gate_RH, up_RH, limit, alpha, beta, CLAMPED)
+        tl.store(act_ptr + out_RH, act_RH.to(act_ptr.dtype.element_ty), mask=mask_RH)
         if BACKWARD:
             grad_RH = tl.load(grad_ptr + out_RH, mask=mask_RH, other=0).to(ACC)
-            grad_gate_RH = grad_RH * (u_RH + beta) * (sig_RH + alpha * glu_RH * (1 - sig_RH))
-            grad_up_RH = grad_RH * glu_RH
-            if CLAMPED:
-                grad_gate_RH = tl.where(gate_RH <= limit, grad_gate_RH, 0)
-                grad_up_RH = tl.where((up_RH >= -limit) & (up_RH <= limit), grad_up_RH, 0)
+            grad_gate_RH = grad_RH * d_gate_RH
+            grad_up_RH = grad_RH * d_up_RH
             out_dtype = grad_pre_ptr.dtype.element_ty
             tl.store(grad_pre_ptr + pre_RH, grad_gate_RH.to(out_dtype), mask=mask_RH)
             tl.store(grad_pre_ptr + pre_RH + H, grad_up_RH.to(out_dtype), mask=mask_RH)
@@ -415,26 +424,15 @@ if triton is not None:
             out_RH = r_R[:, None] * H + h_H[None, :]
             gate_RH = tl.load(pre_ptr + pre_RH, mask=mask_RH, other=0).to(ACC)
             up_RH = tl.load(pre_ptr + pre_RH + H, mask=mask_RH, other=0).to(ACC)
-            if CLAMPED:
-                g_RH = tl.minimum(gate_RH, limit)
-                u_RH = tl.minimum(tl.maximum(up_RH, -limit), limit)
-            else:
-                g_RH = gate_RH
-                u_RH = up_RH
-            sig_RH = 1 / (1 + tl.exp(-(alpha * g_RH)))
-            glu_RH = g_RH * sig_RH
-            act_RH = (u_RH + beta) * glu_RH
+            act_RH, d_gate_RH, d_up_RH = _swiglu_parts(gate_RH, up_RH, limit, alpha, beta, CLAMPED)
             if SCALE_ACT:
                 tl.store(act_ptr + out_RH, (scale_R[:, None] * act_RH).to(act_ptr.dtype.element_ty), mask=mask_RH)
             else:
                 tl.store(act_ptr + out_RH, act_RH.to(act_ptr.dtype.element_ty), mask=mask_RH)
             grad_RH = tl.load(grad_ptr + out_RH, mask=mask_RH, other=0).to(ACC)
             dot_RH += grad_RH * act_RH       # the activations as stored would round them: the exact product
-            grad_gate_RH = scale_R[:, None] * grad_RH * (u_RH + beta) * (sig_RH + alpha * glu_RH * (1 - sig_RH))
-            grad_up_RH = scale_R[:, None] * grad_RH * glu_RH
-            if CLAMPED:
-                grad_gate_RH = tl.where(gate_RH <= limit, grad_gate_RH, 0)
-                grad_up_RH = tl.where((up_RH >= -limit) & (up_RH <= limit), grad_up_RH, 0)
+            grad_gate_RH = scale_R[:, None] * grad_RH * d_gate_RH
+            grad_up_RH = scale_R[:, None] * grad_RH * d_up_RH
             out_dtype = grad_pre_ptr.dtype.element_ty
             tl.store(grad_pre_ptr + pre_RH, grad_gate_RH.to(out_dtype), mask=mask_RH)
             tl.store(grad_pre_ptr + pre_RH + H, grad_up_RH.to(out_dtype), mask=mask_RH)
