@@ -3,10 +3,10 @@ what the code holds, every code block marked `<!-- runnable -->` runs as written
 with their navigation in headless Chromium (the MoEConfig table with its names whole). `pytest -k docs` selects
 these tests.
 
-A runnable block is a fenced ```python or ```bash block right after a line `<!-- runnable -->` (invisible in
-the site). Each runs as a script file in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the repository root as
-REPO in its environment (commands that need the shipped configs use $REPO). `<!-- runnable expect="TEXT" ... -->`
-also asks that each TEXT appear in the block's output.
+A runnable block (helpers.docs_blocks: a fenced ```python or ```bash block right after a line `<!-- runnable -->`,
+invisible in the site) runs as a script file in a fresh process in an empty folder, with OMP_NUM_THREADS=1 and the
+repository root as REPO in its environment (commands that need the shipped configs use $REPO);
+`<!-- runnable expect="TEXT" ... -->` also asks that each TEXT appear in the block's output.
 """
 import dataclasses
 import os
@@ -18,22 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers.docs_blocks import DOCS, PAGES, runnable_blocks
 from helpers.paths import REPO, load_script
 
-DOCS = REPO / "docs"
-RUNNABLE = re.compile(r"^<!-- runnable((?: expect=\"[^\"]*\")*) -->\n```(python|bash)\n(.*?)^```", re.M | re.S)
-EXPECT = re.compile(r'expect="([^"]*)"')
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-PAGES = sorted(p.name for p in DOCS.glob("*.md"))
-
-
-def runnable_blocks():
-    """(id, language, code, the texts its output must hold) of every runnable block in docs/, in page order."""
-    blocks = []
-    for name in PAGES:
-        for number, match in enumerate(RUNNABLE.finditer((DOCS / name).read_text(encoding="utf-8")), 1):
-            blocks.append((f"{name[:-3]}-{number}", match.group(2), match.group(3), EXPECT.findall(match.group(1))))
-    return blocks
 
 
 def _hooks():

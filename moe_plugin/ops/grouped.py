@@ -53,8 +53,6 @@ def _grouped_mm_kernels(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, 
     return out
 
 
-
-
 _grouped_mm_op = torch.library.custom_op("moe_plugin::grouped_mm", _grouped_mm_kernels, mutates_args=())
 
 

@@ -134,7 +134,7 @@ def grouped_sum(x_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         return sums_EO
     block_o = min(next_power_of_2(O), _COLUMNS)
     _grouped_sum_kernel[(E, cdiv(O, block_o))](x_RO.contiguous(), offs_E.contiguous(), sums_EO, O,
-                                                      ACC=_acc_dtype(x_RO), BLOCK_R=_ROWS, BLOCK_O=block_o)
+                                               ACC=_acc_dtype(x_RO), BLOCK_R=_ROWS, BLOCK_O=block_o)
     return sums_EO
 
 
@@ -199,9 +199,9 @@ def swiglu_backward_scaled(grad_RH: torch.Tensor, pre_RH2: torch.Tensor, scale_R
                            clamp: Optional[Tuple[float, float, float]] = None, scale_act: bool = False
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scale_R1 * grad of pre [R, 2H], the activations [R, H] (times scale_R1 with scale_act), dot_R =
-    <grad_RH[r], act[r]> in fp32) in one pass (one program per row): SwiGLU's backward with each row's gate scale and
-    its gate gradient (the fused layer's lean backward, experts.mlp_backward). clamp: (limit, alpha, beta) as
-    clamped_swiglu_backward, or None."""
+    <grad_RH[r], act[r]> in fp32) in one pass (a program per tile of rows, _row_tiles): SwiGLU's backward with each
+    row's gate scale and its gate gradient (the fused layer's lean backward, experts.mlp_backward). clamp: (limit,
+    alpha, beta) as clamped_swiglu_backward, or None."""
     _require_triton()
     R, H = pre_RH2.shape[0], pre_RH2.shape[1] // 2
     pre_RH2 = pre_RH2.contiguous()
@@ -425,10 +425,8 @@ if triton is not None:
             gate_RH = tl.load(pre_ptr + pre_RH, mask=mask_RH, other=0).to(ACC)
             up_RH = tl.load(pre_ptr + pre_RH + H, mask=mask_RH, other=0).to(ACC)
             act_RH, d_gate_RH, d_up_RH = _swiglu_parts(gate_RH, up_RH, limit, alpha, beta, CLAMPED)
-            if SCALE_ACT:
-                tl.store(act_ptr + out_RH, (scale_R[:, None] * act_RH).to(act_ptr.dtype.element_ty), mask=mask_RH)
-            else:
-                tl.store(act_ptr + out_RH, act_RH.to(act_ptr.dtype.element_ty), mask=mask_RH)
+            written_RH = scale_R[:, None] * act_RH if SCALE_ACT else act_RH
+            tl.store(act_ptr + out_RH, written_RH.to(act_ptr.dtype.element_ty), mask=mask_RH)
             grad_RH = tl.load(grad_ptr + out_RH, mask=mask_RH, other=0).to(ACC)
             dot_RH += grad_RH * act_RH       # the activations as stored would round them: the exact product
             grad_gate_RH = scale_R[:, None] * grad_RH * d_gate_RH

@@ -36,6 +36,10 @@ def block_t(E: int) -> int:
     return max(16, min(BLOCK_T, _TILE // next_power_of_2(E)))
 
 
+def block_e(E: int) -> int:
+    return max(16, next_power_of_2(E))
+
+
 def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -55,14 +59,13 @@ def route_forward(x_TD, w_ED, K: int, normalize_before: bool, with_z: bool):
     psum_BE = _empty((B, E), torch.float32, device)
     zsum_B = _empty((B,), torch.float32, device)
     lse_T = _empty((T,), torch.float32, device)
-    block_e = max(16, next_power_of_2(E))
     block_d = max(16, min(64, next_power_of_2(D)))
     # bf16 / fp16 products are exact in fp32: the dot runs in the inputs' dtype, accumulating in fp32 (the same
     # sums as in fp32, in another order); the Triton interpreter's bf16 dot is wrong (triton 3.9), so there in fp32
     same = x_TD.dtype == w_ED.dtype and x_TD.dtype in (torch.bfloat16, torch.float16) and not INTERPRETER
     _route_forward_kernel[(B,)](x_TD, w_ED, expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T,
                                 T, D, E, B, K=K, BLOCK_K=next_power_of_2(K), NORMALIZE=normalize_before,
-                                WITH_Z=with_z, LOW_PRECISION=same, BLOCK_T=bt, BLOCK_E=block_e, BLOCK_D=block_d)
+                                WITH_Z=with_z, LOW_PRECISION=same, BLOCK_T=bt, BLOCK_E=block_e(E), BLOCK_D=block_d)
     return expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T
 
 
@@ -82,10 +85,9 @@ def route_plan(hist_AE, psum_BE, zsum_B, T: int, K: int, cap: int, aux_kind: str
     aux = _empty((), torch.float32, device)
     aux_grad_E = _empty((E,), torch.float32, device)
     counted_rows = B if aux_kind == "gshard" else A
-    block_e = max(16, next_power_of_2(E))
     _route_plan_kernel[(1,)](hist_AE, psum_BE, zsum_B, first_AE, load_E, kept_E, offs_E, aux, aux_grad_E,
                              aux if aux_copy is None else aux_copy, E, B, A, counted_rows, cap, aux_scale, z_scale,
-                             BLOCK_E=block_e, BLOCK_A=max(1, min(64, _TILE // block_e)))
+                             BLOCK_E=block_e(E), BLOCK_A=max(1, min(64, _TILE // block_e(E))))
     return first_AE, load_E, kept_E, offs_E, aux, aux_grad_E
 
 
@@ -101,9 +103,8 @@ def route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap: int, after_dr
     kept_TK = _empty((T, K), torch.bool, device)
     final_TK = _empty((T, K), gate_dtype, device)
     _route_slots_kernel[(cdiv(T, bt),)](expert_TK, gate_TK, first_AE, kept_E, offs_E, pos_TK, kept_TK, final_TK,
-                                               T, E, cdiv(T, bt), cap, scale, K=K,
-                                               BLOCK_K=next_power_of_2(K), AFTER_DROP=after_drop,
-                                               BLOCK_T=bt, BLOCK_E=max(16, next_power_of_2(E)))
+                                        T, E, cdiv(T, bt), cap, scale, K=K, BLOCK_K=next_power_of_2(K),
+                                        AFTER_DROP=after_drop, BLOCK_T=bt, BLOCK_E=block_e(E))
     return pos_TK, kept_TK, final_TK
 
 
@@ -119,7 +120,7 @@ def route_backward(grad_final_TK, grad_aux, expert_TK, gate_TK, pos_TK, probs_TE
         expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E, grad_TE, T, E, scale, z_scale, K=K,
         BLOCK_K=next_power_of_2(K), HAS_GRAD_GATE=grad_final_TK is not None,
         HAS_GRAD_AUX=grad_aux is not None, NORMALIZE={"none": 0, "before_drop": 1, "after_drop": 2}[normalize],
-        BLOCK_T=bt, BLOCK_E=max(16, next_power_of_2(E)))
+        BLOCK_T=bt, BLOCK_E=block_e(E))
     return grad_TE
 
 

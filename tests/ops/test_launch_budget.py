@@ -64,9 +64,8 @@ BUDGETS = {
 def test_launch_budget(case, top_k, monkeypatch):
     """One forward + backward of the layer (its output's and aux loss's gradients) on the CUDA code path, after a
     first step, launches at most the budget (a grouped GEMM counts two, as on the card), reads nothing back to the
-    host, and takes the same routes as the CPU path. The up projection
-    as today (gather, grouped_mm, activation): the fused one (ops/fused_gemms.py), taken only where a GPU measured it
-    faster, is not budgeted here."""
+    host, and takes the same routes as the CPU path. The up projection as today (gather, grouped_mm, activation):
+    the fused one (ops/fused_gemms.py), taken only where a GPU measured it faster, is not budgeted here."""
     from moe_plugin.ops import fused_gemms, simulated_cuda
     from moe_plugin.ops.launches import count_launches
     monkeypatch.setattr(fused_gemms, "measured_faster", lambda *args: False)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from helpers.docs_blocks import runnable_blocks
 from helpers.fairseq import CPU, TINY_LM, TINY_MT, needs_fairseq, run_modules, train_losses, user_dir
 from helpers.paths import REPO
 
@@ -164,8 +165,7 @@ def test_readme_recipe_is_the_docs_runnable_recipe():
     checks), apart from that block's temporary folder and its 5 updates instead of 50."""
     readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     recipe = readme.split("<!-- fairseq-recipe:start -->")[1].split("<!-- fairseq-recipe:end -->")[0]
-    page = open(os.path.join(REPO, "docs", "fairseq.md"), encoding="utf-8").read()
-    block = page.split("<!-- runnable ")[1].split("```bash\n")[1].split("```")[0].splitlines()
+    block = next(code for block_id, _, code, _ in runnable_blocks() if block_id == "fairseq-1").splitlines()
     assert block[0] == "cd $REPO && D=$(mktemp -d)" and block[-1] == "rm -rf $D", block
     docs = "\n".join(block[1:-1]).replace("$D/", "").replace("--max-update 5 ", "--max-update 50 ")
     assert recipe.split() == docs.split()

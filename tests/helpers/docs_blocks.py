@@ -1,0 +1,20 @@
+"""The documentation's runnable blocks: a fenced ```python or ```bash block right after a line `<!-- runnable -->`
+(invisible in the site), optionally `<!-- runnable expect="TEXT" ... -->` naming text its output must hold."""
+import re
+
+from helpers.paths import REPO
+
+DOCS = REPO / "docs"
+RUNNABLE = re.compile(r"^<!-- runnable((?: expect=\"[^\"]*\")*) -->\n```(python|bash)\n(.*?)^```", re.M | re.S)
+EXPECT = re.compile(r'expect="([^"]*)"')
+PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+
+
+def runnable_blocks():
+    """(id, language, code, the texts its output must hold) of every runnable block in docs/, in page order; the id
+    is the page's name and the block's number on it ("fairseq-1")."""
+    blocks = []
+    for name in PAGES:
+        for number, match in enumerate(RUNNABLE.finditer((DOCS / name).read_text(encoding="utf-8")), 1):
+            blocks.append((f"{name[:-3]}-{number}", match.group(2), match.group(3), EXPECT.findall(match.group(1))))
+    return blocks
