@@ -1,7 +1,8 @@
 """FSDP2 (fully_shard_moe) against DDP on gloo CPU processes: bytes held per rank and step time.
 
     python benchmarks/bench_fsdp.py [--worlds 2 4] [--eps 1 2] [--steps 6] [--hf [--hf-model mixtral|fine]]
-    (--worlds --hf: HF's only; on GPUs: --worlds --hf --device cuda --hf-world N --bf16 --hf-model mixtral_gpu)
+    (--worlds --hf: HF's only; on GPUs: --worlds --hf --device cuda --hf-world N --bf16 --hf-model mixtral_gpu;
+    --compile: each decoder layer torch.compile'd on both sides)
 
 For each world size W and ep_size: the moe-plugin train model (TransformerLM, the sizes below) in DDP mode
 (parts.data_parallel: DDP plus the expert-gradient hooks) and in FSDP2 mode (fully_shard_moe), one AdamW step
@@ -89,7 +90,7 @@ HF_MODELS = {
 }
 
 
-def _hf_model(name, swapped, device="cpu", bf16=False):
+def _hf_model(name, swapped, device="cpu", bf16=False, compile=False):
     import importlib
     import moe_plugin.integrations.transformers as hf_moe   # first: it hides an unloadable torchaudio
     from torch.distributed.fsdp import fully_shard
@@ -107,7 +108,12 @@ def _hf_model(name, swapped, device="cpu", bf16=False):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if swapped:
-        return fully_shard_moe(hf_moe.swap_moe_blocks(model), **policy)
+        hf_moe.swap_moe_blocks(model)
+    if compile:       # each decoder layer, then FSDP2 (torchtitan's order)
+        for layer in model.model.layers:
+            layer.compile()
+    if swapped:
+        return fully_shard_moe(model, **policy)
     for layer in model.model.layers:
         fully_shard(layer, **policy)
     return fully_shard(model, **policy)
@@ -142,6 +148,11 @@ class BlockClock:
         return sum(end - start for start, end in pairs)
 
 
+class NoClock:
+    def take(self) -> float:
+        return float("nan")
+
+
 def _moe_blocks(model, swapped):
     import moe_plugin.integrations.transformers as hf_moe
     if swapped:
@@ -150,16 +161,18 @@ def _moe_blocks(model, swapped):
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def _hf(rank, world, name, steps, device="cpu", bf16=False):
+def _hf(rank, world, name, steps, device="cpu", bf16=False, compile=False):
     """HF's own blocks and the swapped ones in the same processes, one step of each per round (the machine's
     load moves both alike); returns the median over rounds of swapped / own, and each one's median step and the
     median time of it spent in the MoE blocks (forward and backward: what swapping changes; the rest of the step
-    is the same model). The first round's losses must agree (same weights, same tokens; bf16 parameters: to 1%)."""
-    models = [_hf_model(name, False, device, bf16), _hf_model(name, True, device, bf16)]
+    is the same model). The first round's losses must agree (same weights, same tokens; bf16 parameters: to 1%).
+    compile: each decoder layer torch.compile'd on both sides (the blocks' time is then not taken: hooks inside a
+    compiled layer would break its graph)."""
+    models = [_hf_model(name, False, device, bf16, compile), _hf_model(name, True, device, bf16, compile)]
     blocks = [_moe_blocks(model, swapped) for model, swapped in zip(models, (False, True))]
     if not all(blocks):
         raise RuntimeError(f"no MoE block to time: {len(blocks[0])} of HF's own, {len(blocks[1])} swapped")
-    clocks = [BlockClock(found, device) for found in blocks]
+    clocks = [NoClock() if compile else BlockClock(found, device) for found in blocks]
     batch, seq = HF_MODELS[name][3]
     vocab = HF_MODELS[name][4]["vocab_size"]
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
@@ -191,7 +204,7 @@ def _hf(rank, world, name, steps, device="cpu", bf16=False):
             "ratios": [b / a for a, b in zip(own, swapped)]}
 
 
-def _worker(rank, world, port, cases, steps, queue, device="cpu", bf16=False):
+def _worker(rank, world, port, cases, steps, queue, device="cpu", bf16=False, compile=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cpu":
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -202,18 +215,19 @@ def _worker(rank, world, port, cases, steps, queue, device="cpu", bf16=False):
     out = []
     for kind, ep, flag in cases:
         out.append(_native(rank, world, ep, flag, steps) if kind == "native" else
-                   _hf(rank, world, flag, steps, device if device == "cpu" else f"cuda:{rank}", bf16))
+                   _hf(rank, world, flag, steps, device if device == "cpu" else f"cuda:{rank}", bf16, compile))
     queue.put((rank, out))
     dist.destroy_process_group()
 
 
-def run(world, cases, steps, device="cpu", bf16=False):
+def run(world, cases, steps, device="cpu", bf16=False, compile=False):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_worker, args=(r, world, port, cases, steps, queue, device, bf16)) for r in range(world)]
+    procs = [context.Process(target=_worker, args=(r, world, port, cases, steps, queue, device, bf16, compile))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -243,6 +257,8 @@ def main():
                         help="cuda: the --hf comparison on --hf-world GPUs over NCCL")
     parser.add_argument("--hf-world", type=int, default=2, help="processes of the --hf comparison")
     parser.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 parameters, fp32 reduction")
+    parser.add_argument("--compile", action="store_true",
+                        help="--hf: each decoder layer torch.compile'd on both sides, before FSDP2")
     args = parser.parse_args()
     mib = 2 ** 20
     if args.worlds:
@@ -261,17 +277,19 @@ def main():
                   f"{r['grads'] / mib:8.2f} {r['optimizer'] / mib:8.2f} {total / mib:8.2f} {r['step_s']:7.3f}  "
                   f"{total / ddp_total:9.3f} {r['step_s'] / ddp_step:8.3f}")
     if args.hf:
-        r = run(args.hf_world, [("hf", 1, args.hf_model)], args.steps, args.device, args.bf16)[0]
+        r = run(args.hf_world, [("hf", 1, args.hf_model)], args.steps, args.device, args.bf16, args.compile)[0]
         batch, seq = HF_MODELS[args.hf_model][3]
         print(f"{HF_MODELS[args.hf_model][2]} ({args.hf_model}, {batch}x{seq} tokens per rank) under FSDP2 on "
-              f"{args.hf_world} {args.device} processes{' (bf16 parameters)' if args.bf16 else ''}, ep_size 1, "
+              f"{args.hf_world} {args.device} processes{' (bf16 parameters)' if args.bf16 else ''}"
+              f"{', decoder layers compiled' if args.compile else ''}, ep_size 1, "
               f"{args.steps} interleaved rounds: HF's own "
               f"{r['own_s']:.3f} s, swapped {r['swapped_s']:.3f} s (medians), swapped / HF = {r['ratio']:.3f} "
               f"(median of the rounds' ratios); first losses {r['losses'][0]:.6f} / {r['losses'][1]:.6f}")
-        print(f"of which in the MoE blocks (forward and backward): HF's own {r['own_moe_s']:.3f} s "
-              f"({r['own_moe_s'] / r['own_s']:.0%} of its step), swapped {r['swapped_moe_s']:.3f} s "
-              f"({r['swapped_moe_s'] / r['swapped_s']:.0%}); the rest of the step: HF's own "
-              f"{r['own_s'] - r['own_moe_s']:.3f} s, swapped {r['swapped_s'] - r['swapped_moe_s']:.3f} s")
+        if not args.compile:
+            print(f"of which in the MoE blocks (forward and backward): HF's own {r['own_moe_s']:.3f} s "
+                  f"({r['own_moe_s'] / r['own_s']:.0%} of its step), swapped {r['swapped_moe_s']:.3f} s "
+                  f"({r['swapped_moe_s'] / r['swapped_s']:.0%}); the rest of the step: HF's own "
+                  f"{r['own_s'] - r['own_moe_s']:.3f} s, swapped {r['swapped_s'] - r['swapped_moe_s']:.3f} s")
         print("rounds' ratios:", " ".join(f"{x:.3f}" for x in r["ratios"]))
 
 

@@ -5,6 +5,7 @@ FFN alone on rows already grouped by expert), side by side, for the configuratio
     python benchmarks/count_launches.py                 # a table
     python benchmarks/count_launches.py --by-op         # and each variant's launches by kernel
     python benchmarks/count_launches.py --json
+    python benchmarks/count_launches.py --host         # host time of our CUDA code path, one node against two
 
 Sets TRITON_INTERPRET=1 itself (before triton is imported): the Triton kernels run under the interpreter.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 import moe_plugin.integrations.transformers  # noqa: E402,F401  (hides an unloadable torchaudio first)
 from moe_plugin import MoEConfig, MoELayer  # noqa: E402
 from moe_plugin.ops.choice import simulated_cuda  # noqa: E402
-from moe_plugin.ops.launches import count_launches  # noqa: E402
+from moe_plugin.ops.launches import count_launches, kernels_replaced  # noqa: E402
 
 # configuration -> (MoEConfig overrides, parameter dtype, autocast dtype or None, the budget of issue 33)
 CASES = {
@@ -41,6 +42,10 @@ def parse_args(argv=None):
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--by-op", action="store_true", help="print each variant's launches by kernel")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--host", action="store_true",
+                        help="instead: host microseconds per forward + backward of ours on the CUDA code path with "
+                             "every kernel a no-op, the one-node path (fused_layer_cuda.py) against the two-node")
+    parser.add_argument("--rounds", type=int, default=7, help="--host: interleaved rounds of 100 steps each")
     return parser.parse_args(argv)
 
 
@@ -117,8 +122,65 @@ def bare_grouped_gemms(args, dtype):
     return forward
 
 
+class NoKernel:
+    """A Triton kernel whose launches do nothing (kernel[grid](...) returns at once)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+    def __getattr__(self, attr):
+        return getattr(self.kernel, attr)
+
+
+def host_us(args) -> dict:
+    """Median microseconds of host work per forward + backward of ours (dropless SwiGLU, bf16) on the CUDA code path,
+    the Triton kernels and grouped GEMMs no-ops (what is left: our Python, autograd, torch's dispatch and the few aten
+    ops, on CPU tensors); the one-node path against the two-node one (fused_layer_cuda.ENABLED off), interleaved."""
+    import statistics
+    import time
+    from moe_plugin import fused_layer_cuda
+    forward = ours(args, dict(capacity_factor=0.0, bias=False), torch.bfloat16)
+    outputs = forward()
+    grads = [torch.randn_like(out) for out in outputs]
+    params = leaves(outputs)
+
+    def step():
+        for leaf in params:
+            leaf.grad = None
+        torch.autograd.backward(forward(), grads)
+    grouped_mm = torch._grouped_mm
+    times = {"one_node": [], "two_nodes": []}
+    with simulated_cuda():
+        step()                       # the fused kernels' one-time timings, with the kernels running
+        with kernels_replaced(lambda kernel, name: NoKernel(kernel)):
+            try:
+                torch._grouped_mm = lambda a, b, offs=None, **_: a.new_empty(a.shape[0], b.shape[-1]) \
+                    if a.dim() == 2 and b.dim() == 3 else a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+                for _ in range(args.rounds):
+                    for variant in times:
+                        fused_layer_cuda.ENABLED = variant == "one_node"
+                        step()
+                        start = time.perf_counter()
+                        for _ in range(100):
+                            step()
+                        times[variant].append((time.perf_counter() - start) / 100 * 1e6)
+            finally:
+                fused_layer_cuda.ENABLED = True
+                torch._grouped_mm = grouped_mm
+    return {variant: statistics.median(t) for variant, t in times.items()}
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.host:
+        us = host_us(args)
+        print(f"host us per forward + backward, CUDA code path with no-op kernels, T {args.tokens}, D {args.model_dim}, "
+              f"H {args.hidden_size}, E {args.num_experts}, k {args.top_k}, SwiGLU bf16: one node {us['one_node']:.0f}, "
+              f"two nodes {us['two_nodes']:.0f}, ratio {us['one_node'] / us['two_nodes']:.3f}")
+        return
     rows = []
     for name, (overrides, dtype, autocast_dtype, budget) in CASES.items():
         torch.manual_seed(0)

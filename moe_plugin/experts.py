@@ -49,6 +49,11 @@ class ExpertWeights(NamedTuple):
     lora: tuple = (None, None, None, None)     # lora_factors()
     recompute: bool = False         # MoEConfig.recompute == "experts": backward runs the first projection again
 
+    @property
+    def has_lora(self) -> bool:
+        """Whether any projection has a LoRA factor (the one-node paths take none)."""
+        return self.lora is not NO_LORA and any(f is not None for f in self.lora)
+
 
 WEIGHT_NAMES = ExpertWeights._fields[:4]     # ("w1_EDH", "b1_EH", "w2_EHD", "b2_ED")
 BIAS_NAMES = WEIGHT_NAMES[1::2]              # ("b1_EH", "b2_ED")
@@ -225,9 +230,12 @@ def mlp_backward(grad_y_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1,
         if gated:
             if one_pass is None:
                 grads["gate"] = ops.row_dot(grad_act_RH, act_RH)
-            if b2_ED is not None:
-                grads["gate"] += ops.grouped_mm(grad_y_RD, b2_ED.unsqueeze(2), offs_E).squeeze(1)
-            for unscaled in (None if act_scaled else grad_y_RD, None if one_pass else grad_pre_RH, grad_ha_RQ):
+            y_scaled = act_scaled     # grad_y_RD needs no scale pass: act_RH carries the gate, or a kernel scaled it
+            if b2_ED is not None:     # the second bias's share, and grad_y_RD's gate scale in the same pass
+                y_scaled = fused_gemms.bias_dot_and_scale(grad_y_RD, b2_ED, offs_E, gate_R1, grads["gate"])
+                if not y_scaled:
+                    grads["gate"] += ops.grouped_mm(grad_y_RD, b2_ED.unsqueeze(2), offs_E).squeeze(1)
+            for unscaled in (None if y_scaled else grad_y_RD, None if one_pass else grad_pre_RH, grad_ha_RQ):
                 if unscaled is not None:
                     unscaled.mul_(gate_R1)
         del grad_act_RH

@@ -14,6 +14,8 @@ rows, Q LoRA rank).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import experts, ops
@@ -70,47 +72,67 @@ class FusedMoE(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, x_TD, gate_TK, pos_TK, offs_E, activation: str, w1_EDH, b1_EH, w2_EHD, b2_ED,
                  up_a_EDQ=None, up_b_EQH=None, down_a_EHQ=None, down_b_EQD=None, recompute: bool = False):
-        x_TD = x_TD.contiguous()
-        R = pos_TK.numel()
-        lora = (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD)
-        # the first projection on x's rows read by index, where that kernel runs and measured faster
-        up = fused_gemms.gather_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH) if up_a_EDQ is None else None
-        x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0] if up is None else None
-        expert_y_RD, saved_RH, xa_RQ, ha_RQ = mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
-                                                          lora, up)
-        del x_RD, up
-        y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
-        del expert_y_RD
-
-        if recompute:       # backward runs the first projection again from x's rows
-            saved_RH = xa_RQ = None
-        ctx.save_for_backward(x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ,
-                              b1_EH if recompute else None, *lora)
+        y_TD, saved = experts_forward(x_TD, gate_TK, pos_TK, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
+                                      (up_a_EDQ, up_b_EQH, down_a_EHQ, down_b_EQD), recompute)
+        ctx.save_for_backward(*saved)
         ctx.activation = activation
         ctx.bias1, ctx.bias2 = b1_EH is not None, b2_ED is not None
         return y_TD
 
     @staticmethod
     def _backward(ctx, grad_y_TD, saved):
-        x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, b1_EH, *lora = saved
-        R = pos_TK.numel()
         needs = Needs.of(ctx.needs_input_grad, x=0, weights=5)
         gate_grad = ctx.needs_input_grad[1]
         if not (any(needs) or gate_grad):
             return (None,) * (5 + len(Needs._fields))     # x, gate, pos, offsets, activation, 8 weights, recompute
-        if saved_RH is None:
-            saved_RH, xa_RQ = recomputed_up(x_TD, pos_TK, offs_E, ctx.activation, w1_EDH, b1_EH, *lora[:2])
-
-        # every routed row's output gradient: scaled by its gate here, or (for the gate gradient) in mlp_backward
-        grad_RD = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, None if gate_grad else gate_TK, None, R)[0]
-        gate_R1 = rows_of_choices(gate_TK, pos_TK, R).unsqueeze(1) if gate_grad else None
-        grad_x_RD, *weight_grads, grad_gate_R = mlp_backward(
-            grad_RD, saved_RH, offs_E, ctx.activation, w1_EDH, w2_EHD, ctx.bias1, ctx.bias2,
-            fused_gemms.RoutedRows(x_TD, pos_TK, R), needs, tuple(lora), xa_RQ, ha_RQ,
-            gate_R1, b2_ED if ctx.bias2 else None)
-        grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
+        grad_x_TD, grad_gate_R, weight_grads = experts_backward(grad_y_TD, saved, ctx.activation, ctx.bias1,
+                                                                ctx.bias2, needs, gate_grad)
+        gate_TK, pos_TK = saved[2], saved[3]
         grad_gate_TK = choices_of_rows(grad_gate_R.to(gate_TK.dtype), pos_TK) if gate_grad else None
         return (grad_x_TD, grad_gate_TK, None, None, None, *weight_grads, None)
+
+
+def experts_forward(x_TD, gate_TK, pos_TK, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED, lora: tuple,
+                    recompute: bool):
+    """(y_TD, saved): FusedMoE's forward; saved, what experts_backward takes (x_TD, saved_RH, gate_TK, pos_TK, offs_E,
+    w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, b1_EH where recompute, then the four LoRA factors)."""
+    x_TD = x_TD.contiguous()
+    R = pos_TK.numel()
+    # the first projection on x's rows read by index, where that kernel runs and measured faster
+    up = fused_gemms.gather_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH) if lora[0] is None else None
+    x_RD = ops.scatter_rows(x_TD, pos_TK, None, None, R)[0] if up is None else None
+    expert_y_RD, saved_RH, xa_RQ, ha_RQ = mlp_forward(x_RD, offs_E, activation, w1_EDH, b1_EH, w2_EHD, b2_ED,
+                                                      lora, up)
+    del x_RD, up
+    y_TD = ops.gather_sum(expert_y_RD, pos_TK, gate_TK, None)[0]
+    del expert_y_RD
+
+    if recompute:       # backward runs the first projection again from x's rows
+        saved_RH = xa_RQ = None
+    return y_TD, (x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ,
+                  b1_EH if recompute else None, *lora)
+
+
+def experts_backward(grad_y_TD, saved, activation, bias1: bool, bias2: bool, needs: Needs, gate_grad: bool,
+                     gate_R1: Optional[torch.Tensor] = None):
+    """(grad_x_TD or None, grad_gate_R [R] in fp32 (each routed row's gate gradient) or None, the 8 weight
+    gradients): FusedMoE's backward from experts_forward's saved; gate_R1 [R, 1], each row's gate, where the caller
+    has it (else it is scattered from the gates)."""
+    x_TD, saved_RH, gate_TK, pos_TK, offs_E, w1_EDH, w2_EHD, b2_ED, xa_RQ, ha_RQ, b1_EH, *lora = saved
+    R = pos_TK.numel()
+    if saved_RH is None:
+        saved_RH, xa_RQ = recomputed_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH, *lora[:2])
+
+    # every routed row's output gradient: scaled by its gate here, or (for the gate gradient) in mlp_backward
+    grad_RD = ops.scatter_rows(grad_y_TD.contiguous(), pos_TK, None if gate_grad else gate_TK, None, R)[0]
+    if gate_grad and gate_R1 is None:
+        gate_R1 = rows_of_choices(gate_TK, pos_TK, R).unsqueeze(1)
+    grad_x_RD, *weight_grads, grad_gate_R = mlp_backward(
+        grad_RD, saved_RH, offs_E, activation, w1_EDH, w2_EHD, bias1, bias2,
+        fused_gemms.RoutedRows(x_TD, pos_TK, R), needs, tuple(lora), xa_RQ, ha_RQ,
+        gate_R1 if gate_grad else None, b2_ED if bias2 else None)
+    grad_x_TD = ops.gather_sum(grad_x_RD, pos_TK, None, None)[0] if needs.x else None
+    return grad_x_TD, grad_gate_R, weight_grads
 
 
 def recomputed_up(x_TD, pos_TK, offs_E, activation, w1_EDH, b1_EH, up_a_EDQ, up_b_EQH):

@@ -21,7 +21,7 @@ import torch
 from . import dispatch, fused_route, ops
 from .activations import activate, activation_backward, kept
 from .dispatchers.local import LocalDispatcher
-from .experts import NO_LORA, weight_grad
+from .experts import weight_grad
 from .fused import NoGraph
 from .ops import grouped_sum, torch_route
 from .ops.grouped import add_bias
@@ -42,11 +42,11 @@ def kernels(x_TD: torch.Tensor):
 
 
 def eligible(layer, x_TD: torch.Tensor, routed_TD: torch.Tensor, weights) -> bool:
-    """Whether this path computes what fused_route.route and the local dispatcher would (weights: the experts'
-    ExpertWeights in x's dtype, or None)."""
-    if weights is None or (weights.lora is not NO_LORA and any(f is not None for f in weights.lora)) or \
-            x_TD.dtype not in DTYPES or not isinstance(layer._dispatcher, LocalDispatcher) or \
-            not fused_route.routed_as_configured(layer, routed_TD):
+    """Whether this path computes what fused_route.route and the local dispatcher would, where
+    fused_route.routed_as_configured(layer, routed_TD) holds (weights: the experts' ExpertWeights in x's dtype, or
+    None)."""
+    if weights is None or weights.has_lora or \
+            x_TD.dtype not in DTYPES or not isinstance(layer._dispatcher, LocalDispatcher):
         return False
     align = 16 // x_TD.element_size()
     w1, w2 = weights.w1_EDH, weights.w2_EHD

@@ -94,24 +94,17 @@ class FusedRoute(torch.autograd.Function):
         """stats: (load_E, kept_E, aux_value): int64 tensors the Triton routing writes its loads into, and an fp32 []
         tensor it writes the aux loss's value into; or None."""
         kernels = _kernels(x_TD.device)
-        K, normalize, scale, cap, aux_kind, aux_scale, z_scale, gate_dtype = spec
         x_TD, w_ED = x_TD.contiguous(), w_ED.contiguous()
         ctx.spec, ctx.kernels = spec, kernels
         ctx.set_materialize_grads(False)
         if kernels.__name__.endswith("torch_route"):
             outputs, (expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E) = kernels.route(x_TD, w_ED, *spec)
-            ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, outputs[2], probs_TE, lse_T, aux_grad_E)
-            ctx.mark_non_differentiable(*outputs[2:])
-            return outputs
-        expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T = kernels.route_forward(
-            x_TD, w_ED, K, normalize == "before_drop", z_scale != 0)
-        first_AE, load_E, kept_E, offs_E, aux, aux_grad_E = kernels.route_plan(
-            hist_AE, psum_BE, zsum_B, x_TD.shape[0], K, cap, aux_kind, aux_scale, z_scale, *(stats or ()))
-        pos_TK, kept_TK, final_TK = kernels.route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap,
-                                                        normalize == "after_drop", scale, gate_dtype)
-        ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E)
-        ctx.mark_non_differentiable(pos_TK, kept_TK, load_E, kept_E, offs_E)
-        return final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E
+        else:
+            outputs, (expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E) = kernels.route(x_TD, w_ED, *spec,
+                                                                                       stats=stats or ())
+        ctx.save_for_backward(x_TD, w_ED, expert_TK, gate_TK, outputs[2], probs_TE, lse_T, aux_grad_E)
+        ctx.mark_non_differentiable(*outputs[2:])
+        return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable

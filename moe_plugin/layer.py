@@ -1,6 +1,6 @@
 """MoELayer: router -> plan -> dispatcher (the experts on the routed rows) -> shared expert, a drop-in for a
-transformer FFN block. On eager CPU with the native kernels, routing and experts run as one autograd node
-(fused_layer.py) where it covers the configuration.
+transformer FFN block. On eager CPU with the native kernels, and on eager CUDA with the Triton kernels, routing and
+experts run as one autograd node (fused_layer.py, fused_layer_cuda.py) where it covers the configuration.
 
 Shape legend: moe_plugin/shapes.py.
 """
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import dispatch, fused_layer, fused_route
+from . import dispatch, fused_layer, fused_layer_cuda, fused_route
 from .config import AUTO, MoEConfig
 from .dispatchers import Dispatcher
 from .experts import Experts
@@ -199,11 +199,14 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: router_input must have x's shape {tuple(x.shape)}, "
                              f"got {tuple(router_input.shape)}")
         routed_TD = x_TD if router_input is None else router_input.reshape(-1, cfg.model_dim)
-        native = None if autocast or parallel_layer else fused_layer.kernels(x_TD)
-        weights = None if native is None else self.experts.weights(dtype)
-        if weights is not None and fused_layer.eligible(self, x_TD, routed_TD, weights):   # CPU: one autograd node
-            y_TD, aux_loss, plan = fused_layer.moe(self, x_TD, None if router_input is None else routed_TD, weights,
-                                                   self.capacity_factor(), native)
+        one_node, kernels = (None, None) if parallel_layer else _one_node(x_TD, autocast)
+        weights = self.experts.weights(dtype) \
+            if kernels is not None and fused_route.routed_as_configured(self, routed_TD) else None
+        if weights is not None and one_node.eligible(self, x_TD, routed_TD, weights):   # one autograd node
+            # under autocast (CUDA) the experts take x in the autocast dtype, the router x as given
+            with autocast_off(x.device.type) if autocast else _NO_CONTEXT:
+                y_TD, aux_loss, plan = one_node.moe(self, x_TD.to(dtype), None if router_input is None and not autocast
+                                                    else routed_TD, weights, self.capacity_factor(), kernels)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD).to(y_TD.dtype)
         else:
@@ -273,6 +276,17 @@ class MoELayer(nn.Module):
         return (f"model_dim={cfg.model_dim}, hidden_size={cfg.hidden_size}, num_experts={cfg.num_experts}, "
                 f"top_k={cfg.top_k}, capacity_factor={cfg.capacity_factor}, router={cfg.router}, "
                 f"activation={cfg.activation}")
+
+
+def _one_node(x_TD: torch.Tensor, autocast: bool):
+    """(module, its kernels) of the one-node path for x_TD's device and mode: fused_layer (eager CPU, the native
+    kernels; not under autocast) or fused_layer_cuda (eager CUDA, the Triton kernels); (None, None) where neither
+    runs."""
+    native = None if autocast else fused_layer.kernels(x_TD)
+    if native is not None:
+        return fused_layer, native
+    route = fused_layer_cuda.kernels(x_TD)
+    return (fused_layer_cuda, route) if route is not None else (None, None)
 
 
 # On CUDA with torch 2.11 (H200, 2026-11-28) the compiled expert path with fp32 expert weights under bf16 autocast gave

@@ -6,7 +6,8 @@
    for the three configurations of `pytest -k launch_budget` (the CASES of benchmarks/count_launches.py, budgets
    30/40/45), with HF's Mixtral block on grouped_mm and the bare grouped GEMMs beside them.
 2. Host time: a synchronized forward+backward at a tiny shape (T 32, D 64, H 64, E 8, top-2, SwiGLU, bf16),
-   where the GPU work costs nothing, ours against HF's block, interleaved (target <= 0.80x).
+   where the GPU work costs nothing, ours against HF's block, interleaved (target <= 0.80x); where that time goes:
+   the host cost of one call of an aten op, a Triton kernel and a grouped GEMM, and a cProfile of ours' step.
 3. CUDA graphs: the eager step against the same step captured as one graph and replayed, at the default shape
    (fp32 parameters under bf16 autocast, ReLU with biases, capacity 1.25), the default dims dropless SwiGLU in
    bf16, and the tiny shape; each replay's outputs and gradients compared with an eager step on the same input,
@@ -18,6 +19,7 @@ Legend: T tokens, D model dim, H hidden, E experts, K top-k.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
@@ -94,13 +96,16 @@ def bare(shape, dtype):
     return module, forward, torch.randn(R, D, device="cuda", dtype=dtype)
 
 
-def profiled_launches(forward, x) -> dict:
-    """Device operations (kernels, memsets, memcpys) of one forward and one backward, by torch.profiler."""
+def profiled_launches(params, forward, x) -> dict:
+    """Device operations (kernels, memsets, memcpys) of one forward and one backward, by torch.profiler, with
+    the gradients of x and params (the leaves) unset, as in training after zero_grad."""
     x = x.detach().requires_grad_()
     outputs = forward(x)
     grads = [torch.randn_like(o) for o in outputs]
     torch.autograd.backward(list(outputs), grads)      # a warm-up step: lazy state and compiles stay out
     torch.cuda.synchronize()
+    for leaf in [x, *params]:     # as after optimizer.zero_grad(): the counted backward accumulates nothing (the
+        leaf.grad = None          # 2026-11-28 count had one add per leaf in it, which count_launches.py leaves out)
     counts = {}
     for phase in ("forward", "backward"):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -114,7 +119,7 @@ def profiled_launches(forward, x) -> dict:
         counts[phase] = len(device_events)
         counts[f"{phase}_memcpy"] = sum("memcpy" in e.name.lower() for e in device_events)
         counts[f"{phase}_memset"] = sum("memset" in e.name.lower() for e in device_events)
-        counts[f"{phase}_names"] = sorted({e.name[:80] for e in device_events})
+        counts[f"{phase}_names"] = dict(sorted(collections.Counter(e.name[:80] for e in device_events).items()))
     counts["total"] = counts["forward"] + counts["backward"]
     counts["kernels"] = counts["total"] - sum(counts[f"{p}_{kind}"] for p in ("forward", "backward")
                                               for kind in ("memcpy", "memset"))
@@ -125,14 +130,15 @@ def launches() -> list:
     rows = []
     for case, (overrides, dtype, amp, budget) in CASES.items():
         torch.manual_seed(0)
-        variants = {"ours": lambda: ours(LAUNCH_SHAPE, overrides, dtype, amp)[1:],
-                    "hf_grouped_mm": lambda: hf(LAUNCH_SHAPE, dtype, amp)[1:],
-                    "bare_grouped_gemms": lambda: bare(LAUNCH_SHAPE, amp or dtype)[1:]}
+        variants = {"ours": lambda: ours(LAUNCH_SHAPE, overrides, dtype, amp),
+                    "hf_grouped_mm": lambda: hf(LAUNCH_SHAPE, dtype, amp),
+                    "bare_grouped_gemms": lambda: bare(LAUNCH_SHAPE, amp or dtype)}
         if overrides["bias"]:        # HF's Mixtral has no expert biases: not the same layer
             del variants["hf_grouped_mm"]
         for variant, build in variants.items():
             try:
-                row = profiled_launches(*build())
+                module, forward, x = build()
+                row = profiled_launches(list(module.parameters()), forward, x)
             except Exception as error:
                 row = {"error": f"{type(error).__name__}: {error}"[:300]}
             rows.append(dict(case=case, variant=variant, budget=budget if variant == "ours" else None, **row))
@@ -169,10 +175,52 @@ def host_time() -> dict:
     layer, forward, x = ours(TINY, dict(capacity_factor=0.0, bias=False), torch.bfloat16)
     block, hf_forward, _ = hf(TINY, torch.bfloat16)
     grad = torch.randn_like(x)
-    ms = interleaved_ms({"ours": step_timer(forward, layer.parameters(), x, [grad, torch.ones((), device="cuda")]),
-                         "hf_grouped_mm": step_timer(hf_forward, block.parameters(), x, [grad])},
+    ours_step = step_timer(forward, layer.parameters(), x, [grad, torch.ones((), device="cuda")])
+    ms = interleaved_ms({"ours": ours_step, "hf_grouped_mm": step_timer(hf_forward, block.parameters(), x, [grad])},
                         warmup=20, rounds=200)
-    return {"shape": TINY, "median_ms": ms, "ratio": ms["ours"] / ms["hf_grouped_mm"], "target": 0.80}
+    return {"shape": TINY, "median_ms": ms, "ratio": ms["ours"] / ms["hf_grouped_mm"], "target": 0.80,
+            "launch_us": launch_costs(), "profile": host_profile(ours_step)}
+
+
+def launch_costs(calls: int = 2000) -> dict:
+    """Host microseconds per call, where the device work is nothing (tiny tensors, one sync after all calls): an
+    aten elementwise op, one of our Triton kernels (gather_sum, called as the layer calls it), a grouped GEMM."""
+    from moe_plugin.ops import triton_kernels
+    x_TD = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    pos_TK = torch.randperm(64, device="cuda").view(32, 2)
+    w_EDO = torch.randn(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    offs_E = torch.arange(8, 65, 8, device="cuda", dtype=torch.int32)
+    rows_RD = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    calls_of = {"aten_add": lambda: x_TD.add(1.0),
+                "triton_gather_sum": lambda: triton_kernels.gather_sum(rows_RD, pos_TK, None, None),
+                "grouped_mm": lambda: torch._grouped_mm(rows_RD, w_EDO, offs=offs_E)}
+    costs = {}
+    for name, call in calls_of.items():
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        costs[name] = 1e6 * (time.perf_counter() - start) / calls
+    return costs
+
+
+def host_profile(step, steps: int = 100, lines: int = 30) -> list:
+    """cProfile of steps synchronized steps of ours at the tiny shape: the functions of most own time (where the
+    host time goes), as "tottime_ms/steps cumtime_ms/steps calls/steps function"."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:lines]
+    return [f"{1e3 * tottime / steps:8.4f} {1e3 * cumtime / steps:8.4f} {calls / steps:6.1f} "
+            f"{Path(file).name}:{line}({function})" for (file, line, function), (_, calls, tottime, cumtime, _) in top]
 
 
 GRAPH_CASES = {    # name -> (shape, MoEConfig overrides, activation, parameter dtype, autocast dtype)
@@ -288,7 +336,8 @@ def main(argv=None) -> int:
         print("launches", {k: v for k, v in row.items() if not k.endswith("_names")})
     save()
     result["host"] = host_time()
-    print("host", result["host"])
+    print("host", {k: v for k, v in result["host"].items() if k != "profile"})
+    print("host profile (ms per step: own, cumulative; calls per step)", *result["host"]["profile"], sep="\n  ")
     save()
     result["graphs"] = graphs()
     for row in result["graphs"]:

@@ -19,8 +19,9 @@
 # (FSDP2, swapped vs HF's own); first_runs (moe-plugin train on cuda and the DeepSpeed example, each checked);
 # peers (bench_peers.py at the default, HF and SonicMoE shapes: ours eager and graphed, the floors, HF, DeepSpeed,
 # Tutel where installed, fairseq-style einsum). The slow benchmarks: the fused grouped GEMMs against today's passes
-# (fused_kernels.py), fsdp_fine_gpu, torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at
-# the HF and SonicMoE shapes, profiler tables at those two shapes. The tests: every CUDA test file (in 4 worker
+# (fused_kernels.py), fsdp_fine_gpu, fsdp_mixtral_gpu_compiled (decoder layers compiled on both sides),
+# torch.compile(mode="reduce-overhead") against eager, torch.compile'd ours at the HF and SonicMoE shapes, profiler
+# tables at those two shapes. The tests: every CUDA test file (in 4 worker
 # processes), the Triton kernels compiled; compile_amp_check (torch.compile with fp32 expert weights under
 # autocast, per gradient).
 # tests/test_gpu_script.py checks this file: every file it names exists, every step has a limit, the fast set's
@@ -63,6 +64,7 @@ CUDA_TESTS=(
   tests/core/test_mixed_precision.py
   tests/core/test_compile.py
   tests/core/test_cuda_graph_ready.py
+  tests/core/test_fused_layer_cuda.py
   tests/core/test_recompute.py
   tests/train/test_train_window.py
 )
@@ -125,20 +127,24 @@ if wants tests full; then
   # the Triton interpreter run is the CPU check of the same kernels (CI runs it); here they run compiled
   step cuda_tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile "${CUDA_TESTS[@]}" \
     --deselect tests/ops/test_triton_kernels.py::test_interpreter_run \
-    --deselect tests/ops/test_triton_grouped.py::test_interpreter_run
+    --deselect tests/ops/test_triton_grouped.py::test_interpreter_run \
+    --deselect tests/core/test_fused_layer_cuda.py::test_interpreter_run
   # torch.compile with fp32 expert weights under bf16 autocast: each variant's gradients against eager
   step compile_amp_check 90 "$PY" benchmarks/gpu/compile_amp_check.py --json "$RESULTS/compile_amp.json"
 fi
 
 if wants slow full; then
   # the fused grouped GEMMs (gather_up, dgrad_swiglu, wgrad_gather) against what each replaces, at the three shapes
-  step fused_kernels 50 "$PY" benchmarks/gpu/fused_kernels.py --rounds 7 --json "$RESULTS/fused_kernels.json"
+  step fused_kernels 45 "$PY" benchmarks/gpu/fused_kernels.py --rounds 7 --json "$RESULTS/fused_kernels.json"
   step fsdp_fine_gpu 60 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
     --hf-model fine_gpu --steps 10
-  step graphs_compiled 70 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"
-  step peers_compiled 100 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
+  # the same with each decoder layer torch.compile'd on both sides
+  step fsdp_mixtral_gpu_compiled 55 "$PY" benchmarks/bench_fsdp.py --worlds --hf --device cuda --hf-world 1 --bf16 \
+    --hf-model mixtral_gpu --steps 6 --compile
+  step graphs_compiled 60 "$PY" benchmarks/gpu/launches_graphs.py --compile --json "$RESULTS/graphs_compiled.json"
+  step peers_compiled 90 "$PY" benchmarks/bench_peers.py --device cuda --shapes hf,sonic --compile --rounds 5 \
     --warmup 2 --only moe_plugin,moe_plugin_compiled,floor_gated --json "$RESULTS/peers_compiled.json"
-  step profile_hf_shape 30 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
+  step profile_hf_shape 25 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \
     --capacity-factor 0 --model-dim 2048 --hidden-size 1408 --num-experts 64 --top-k 6 --tokens 16384
   # SonicMoE's shape: the layer at 2.12x its gated floor on the H200 (2026-11-28), where the HF shape is 1.16x
   step profile_sonic_shape 30 "$PY" benchmarks/gpu/profile_layer.py --dtype bf16 --activation swiglu --no-bias \

@@ -15,9 +15,12 @@ dense parameters over all ranks and of the experts over the ranks holding the sa
                   the weights (ZeRO's optimizers keep one of fp32 weights too; plain stage 0 in fp32 none);
                   stages 1-3: partitioned; a 4-byte step per group (stage 0: per parameter; not SGD's)
 
-Alignment padding is not counted. The activations, all-to-all bytes and step time come from moe_plugin.plan's
-assembly. tests/integrations/deepspeed/test_deepspeed_plan.py holds the figures to hand counts from the model's own
-parameters, and the parameter and optimizer bytes to a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16).
+The gradients are the most ZeRO holds: at stage 1 every full gradient, as backward hands them to ZeRO (which then
+keeps its partition only). Alignment padding and ZeRO's reduction bucket are not counted. The activations,
+all-to-all bytes and step time come from moe_plugin.plan's assembly. tests/integrations/deepspeed/test_deepspeed_plan.py
+holds the figures to hand counts from the model's own parameters, and to real DeepSpeed runs on 2 ranks (ZeRO 0 and 1
+fp32, ZeRO 1, 2 and 3 bf16) and 4 (ZeRO 2 and 3 bf16): parameter, gradient and optimizer bytes and the all-to-all
+bytes exactly, the activations within 10% (bf16; docs/planning.md says why not fp32).
 """
 from __future__ import annotations
 

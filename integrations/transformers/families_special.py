@@ -20,7 +20,6 @@ from typing import Dict, Tuple
 
 import torch
 
-from .block import HFMoEBlock
 from .family import Family, WeightMap, _common, activation, family, routed_experts, same, shared_mlp, transposed
 
 # HF mlp_hidden_act of a non-gated MLP (Nemotron-H) -> our activation
@@ -124,7 +123,8 @@ def _gemma4_text(c):
 
 
 def _gemma4_unswapped(decoder) -> bool:
-    return decoder.enable_moe_block and not isinstance(decoder.experts, HFMoEBlock)
+    """The decoder has an MoE block and its experts are still HF's (from the decoder's own modeling file)."""
+    return decoder.enable_moe_block and type(decoder.experts).__module__ == type(decoder).__module__
 
 
 CORRECTION_BIAS = (same("router.expert_bias_E", "gate.e_score_correction_bias"),)

@@ -24,6 +24,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from .families import FAMILIES
+
 PROXY = "_LoraFactorsProxy"     # peft.tuners.lora.layer's class, matched by name: peft need not be imported here
 
 
@@ -80,7 +82,7 @@ class HFExpertsHandle(nn.Module):
         self.family = family
 
     def _maps(self):
-        return {w.layer: w for w in family_table()[self.family].weights if len(w.hf) == 1}
+        return {w.layer: w for w in FAMILIES[self.family].weights if len(w.hf) == 1}
 
     def hf_names(self) -> dict:
         """HF's parameter name -> the layer's, for the expert projections."""
@@ -143,19 +145,12 @@ class HFRouterHandle(nn.Module):
         raise TypeError("HFRouterHandle computes nothing: the swapped block runs its MoELayer")
 
 
-def family_table():
-    """families.FAMILIES, read on use."""
-    from .families import FAMILIES   # families -> families_special -> block -> this file
-    return FAMILIES
-
-
 def router_handle_name(family: str) -> Optional[str]:
     """The block attribute HF keeps its router under ("gate" for HF's gate.weight), when the family's router weight
     is one level down the block; None otherwise (no handle: PEFT then finds no router there)."""
-    families = family_table()
-    if family not in families:   # an upcycled dense MLP (upcycle.py): no HF router to name
+    if family not in FAMILIES:   # an upcycled dense MLP (upcycle.py): no HF router to name
         return None
-    names = [w.hf[0] for w in families[family].weights if w.layer == "router.weight_ED" and len(w.hf) == 1]
+    names = [w.hf[0] for w in FAMILIES[family].weights if w.layer == "router.weight_ED" and len(w.hf) == 1]
     if len(names) != 1:
         return None
     module, _, param = names[0].partition(".")

@@ -30,8 +30,9 @@ def _mode(raw: str) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=None)
 def triton_modules() -> Tuple[ModuleType, ModuleType, ModuleType]:
-    """(triton_kernels, triton_route, triton_grouped), imported on first use only."""
+    """(triton_kernels, triton_route, triton_grouped), imported on first use only (a failed import is not cached)."""
     from . import triton_grouped, triton_kernels, triton_route   # import triton: slow; it reads TRITON_INTERPRET once
     return triton_kernels, triton_route, triton_grouped
 

@@ -133,6 +133,18 @@ def activation_backward_scaled(saved_RH: torch.Tensor, grad_act_RH: torch.Tensor
     return act_RH, grad_pre_RH2, dot_R
 
 
+def bias_dot_and_scale(grad_y_RD: torch.Tensor, b2_ED: torch.Tensor, offs_E: torch.Tensor, gate_R1: torch.Tensor,
+                       dot_R: torch.Tensor) -> bool:
+    """dot_R[r] += <grad_y_RD[r], b2_ED[e]> for each row r of expert e, then grad_y_RD *= gate_R1, in place, in one
+    Triton kernel (one pass over the rows, no [R, 1] grouped GEMM) on eager CUDA: True; False elsewhere (the caller
+    composes a grouped GEMM, an add and a scale)."""
+    kernels = eager_triton(grad_y_RD.device)
+    if kernels is None or not grad_y_RD.is_contiguous():
+        return False
+    kernels.bias_dot_and_scale_(grad_y_RD, b2_ED, offs_E, gate_R1, dot_R)
+    return True
+
+
 def dgrad_activation(grad_y_RD: torch.Tensor, offs_E: torch.Tensor, w2_EHD: torch.Tensor, saved_RH: torch.Tensor,
                      activation, gate_R1: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(act_RH, gate_R1 * grad of the pre-activation, dot_R): the down projection's dgrad and SwiGLU's backward in one

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Counter, Iterator
+from typing import Callable, Counter, Iterator
 
 from torch._library import custom_ops
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -97,16 +97,22 @@ class _CountedKernel:
 @contextlib.contextmanager
 def count_launches() -> Iterator[LaunchCounter]:
     """Counts, inside the context, what the CUDA code path would launch (see the module's docstring)."""
-    triton_kernels, triton_route, _ = triton_modules()
     counter = LaunchCounter()
-    kernels = [(module, name, value) for module in (triton_kernels, triton_route) for name, value in vars(module).items()
+    with simulated_cuda(), kernels_replaced(lambda kernel, name: _CountedKernel(kernel, name, counter)):
+        with counter:
+            yield counter
+
+
+@contextlib.contextmanager
+def kernels_replaced(wrap: Callable[[object, str], object]) -> Iterator[None]:
+    """Inside: each Triton kernel of ops/triton_kernels.py, triton_route.py and triton_grouped.py replaced by
+    wrap(kernel, its name) (the counter above; benchmarks/count_launches.py --host makes them no-ops)."""
+    kernels = [(module, name, value) for module in triton_modules() for name, value in vars(module).items()
                if name.startswith("_") and name.endswith("_kernel")]
-    with simulated_cuda():
-        try:
-            for module, name, kernel in kernels:
-                setattr(module, name, _CountedKernel(kernel, name.strip("_"), counter))
-            with counter:
-                yield counter
-        finally:
-            for module, name, kernel in kernels:
-                setattr(module, name, kernel)
+    try:
+        for module, name, kernel in kernels:
+            setattr(module, name, wrap(kernel, name.strip("_")))
+        yield
+    finally:
+        for module, name, kernel in kernels:
+            setattr(module, name, kernel)

@@ -68,8 +68,8 @@ def gather_up(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor, w
     gated = activation != "relu"
     H = F // 2 if gated else F
     device, dtype = x_TD.device, x_TD.dtype
-    act_RH = torch.empty(R, H, dtype=dtype, device=device)
-    pre_RF = torch.empty(R, F, dtype=dtype, device=device) if gated else act_RH
+    act_RH = triton_kernels._empty((R, H), dtype, device)
+    pre_RF = triton_kernels._empty((R, F), dtype, device) if gated else act_RH
     if R == 0 or H == 0:
         return act_RH, pre_RF
     if not tail_unread():     # the rows past the last expert's: 0 (inside the fused layer nothing reads them)
@@ -128,10 +128,10 @@ def wgrad_gather(x_TD: torch.Tensor, token_R: torch.Tensor, offs_E: torch.Tensor
     if dtype not in DTYPES or x_TD.dtype != dtype:
         raise ValueError(f"wgrad_gather: x {x_TD.dtype} and grad {dtype} not fused; both one of {DTYPES}")
     if w1_EDF.stride(1) == 1 and w1_EDF.stride(2) != 1:
-        grad_w_EDF = torch.empty(E, F, D, dtype=dtype, device=device).transpose(1, 2)
+        grad_w_EDF = triton_kernels._empty((E, F, D), dtype, device).transpose(1, 2)
     else:
-        grad_w_EDF = torch.empty(E, D, F, dtype=dtype, device=device)
-    grad_b_EF = torch.empty(E, F, dtype=dtype, device=device) if bias else None
+        grad_w_EDF = triton_kernels._empty((E, D, F), dtype, device)
+    grad_b_EF = triton_kernels._empty((E, F), dtype, device) if bias else None
     if E == 0 or F == 0:
         return grad_w_EDF, grad_b_EF
     if T == 0:   # no tokens, so no routed rows: every expert is empty

@@ -152,6 +152,24 @@ def add_bias_rows(out_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Ten
                                 BLOCK_O=block_o, BLOCK_E=next_power_of_2(E))
 
 
+def bias_dot_and_scale_(grad_RO: torch.Tensor, bias_EO: torch.Tensor, offs_E: torch.Tensor, scale_R1: torch.Tensor,
+                        dot_R: torch.Tensor) -> None:
+    """In place, in one pass over each grouped row r of group e (groups end at offs_E, int32, on the device):
+    dot_R[r] += <grad_RO[r], bias_EO[e]> (accumulated in fp32, or fp64 for fp64), then grad_RO[r] *= scale_R1[r]
+    (multiplied in fp32 and rounded once, as torch does). The expert layer's lean backward with a second bias: that
+    bias's share of the gate gradient, then the gate scale of the rows' output gradient. Rows past the last offset
+    untouched; grad_RO contiguous."""
+    _require_triton()
+    R, O = grad_RO.shape
+    E = offs_E.shape[0]
+    if R == 0 or O == 0 or E == 0:
+        return
+    block, block_r = _row_tiles(O)
+    _bias_dot_scale_kernel[(cdiv(R, block_r),)](grad_RO, bias_EO.contiguous(), offs_E.contiguous(),
+                                                 scale_R1.contiguous(), dot_R, R, O, E, ACC=_acc_dtype(grad_RO),
+                                                 BLOCK_R=block_r, BLOCK_O=block, BLOCK_E=next_power_of_2(E))
+
+
 def swiglu_forward(pre_RH2: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of rows [gate | up] [R, 2H] -> [R, H], in one pass."""
     return _swiglu(pre_RH2, None, None)[1]
@@ -355,6 +373,28 @@ if triton is not None:
             out_RO = out_RO.to(tl.float32)
         tl.store(out_ptr + r_R[:, None] * O + o_O[None, :], (out_RO + bias_RO).to(out_ptr.dtype.element_ty),
                  mask=mask_RO)
+
+    @triton.jit
+    def _bias_dot_scale_kernel(grad_ptr, bias_ptr, offs_ptr, scale_ptr, dot_ptr, R, O, E, ACC: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_E: tl.constexpr):
+        r_R = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        e_E = tl.arange(0, BLOCK_E)
+        offs_E = tl.load(offs_ptr + e_E, mask=e_E < E, other=2147483647).to(tl.int64)
+        group_R = tl.sum((offs_E[None, :] <= r_R[:, None]).to(tl.int32), axis=1)     # E past the last offset
+        valid_R = (r_R < R) & (group_R < E)
+        scale_R = tl.load(scale_ptr + r_R, mask=valid_R, other=0).to(ACC)
+        acc_R = tl.zeros([BLOCK_R], ACC)
+        for begin in range(0, O, BLOCK_O):
+            o_O = begin + tl.arange(0, BLOCK_O)
+            mask_RO = valid_R[:, None] & (o_O < O)[None, :]
+            grad_RO = tl.load(grad_ptr + r_R[:, None] * O + o_O[None, :], mask=mask_RO, other=0).to(ACC)
+            bias_RO = tl.load(bias_ptr + group_R[:, None].to(tl.int64) * O + o_O[None, :], mask=mask_RO,
+                              other=0).to(ACC)
+            acc_R += tl.sum(grad_RO * bias_RO, axis=1)
+            tl.store(grad_ptr + r_R[:, None] * O + o_O[None, :], (grad_RO * scale_R[:, None]).to(
+                grad_ptr.dtype.element_ty), mask=mask_RO)
+        dot_R = tl.load(dot_ptr + r_R, mask=valid_R, other=0)
+        tl.store(dot_ptr + r_R, dot_R + acc_R.to(dot_ptr.dtype.element_ty), mask=valid_R)
 
     @triton.jit
     def _grouped_sum_kernel(x_ptr, offs_ptr, sums_ptr, O, ACC: tl.constexpr, BLOCK_R: tl.constexpr,

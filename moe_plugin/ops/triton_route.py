@@ -16,10 +16,11 @@ Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
-from .triton_kernels import cdiv, next_power_of_2
+from .triton_kernels import _or, cdiv, next_power_of_2
 
 try:
     import triton
@@ -42,6 +43,20 @@ def block_e(E: int) -> int:
 
 def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def route(x_TD, w_ED, K: int, normalize: str, scale: float, cap: int, aux_kind: str, aux_scale: float,
+          z_scale: float, gate_dtype: torch.dtype, stats: tuple = (), final_R: Optional[torch.Tensor] = None):
+    """torch_route.route's contract in three kernels: (final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E) and
+    what route_backward needs (expert_TK, gate_TK: the gates before dropping, probs_TE, lse_T, aux_grad_E). stats:
+    route_plan's (load_E, kept_E, aux_value) to write, or (); final_R: route_slots' per-row gates to write, or None."""
+    expert_TK, gate_TK, probs_TE, hist_AE, psum_BE, zsum_B, lse_T = route_forward(
+        x_TD, w_ED, K, normalize == "before_drop", z_scale != 0)
+    first_AE, load_E, kept_E, offs_E, aux, aux_grad_E = route_plan(
+        hist_AE, psum_BE, zsum_B, x_TD.shape[0], K, cap, aux_kind, aux_scale, z_scale, *stats)
+    pos_TK, kept_TK, final_TK = route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap,
+                                            normalize == "after_drop", scale, gate_dtype, final_R)
+    return (final_TK, aux, pos_TK, kept_TK, load_E, kept_E, offs_E), (expert_TK, gate_TK, probs_TE, lse_T, aux_grad_E)
 
 
 def route_forward(x_TD, w_ED, K: int, normalize_before: bool, with_z: bool):
@@ -92,9 +107,10 @@ def route_plan(hist_AE, psum_BE, zsum_B, T: int, K: int, cap: int, aux_kind: str
 
 
 def route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap: int, after_drop: bool, scale: float,
-                gate_dtype: torch.dtype):
+                gate_dtype: torch.dtype, final_R: Optional[torch.Tensor] = None):
     """(pos_TK int64: routed row or -1, kept_TK bool, final_TK in gate_dtype: gates zeroed where dropped,
-    renormalized over the kept ones when after_drop, times scale)."""
+    renormalized over the kept ones when after_drop, times scale). final_R (gate_dtype, T*K rows), if given: each
+    kept choice's final gate is also written at its row (the rows no choice names are left as they are)."""
     T, K = expert_TK.shape
     E = offs_E.shape[0]
     device = expert_TK.device
@@ -103,14 +119,17 @@ def route_slots(expert_TK, gate_TK, first_AE, kept_E, offs_E, cap: int, after_dr
     kept_TK = _empty((T, K), torch.bool, device)
     final_TK = _empty((T, K), gate_dtype, device)
     _route_slots_kernel[(cdiv(T, bt),)](expert_TK, gate_TK, first_AE, kept_E, offs_E, pos_TK, kept_TK, final_TK,
-                                        T, E, cdiv(T, bt), cap, scale, K=K, BLOCK_K=next_power_of_2(K),
-                                        AFTER_DROP=after_drop, BLOCK_T=bt, BLOCK_E=block_e(E))
+                                        _or(final_R, final_TK), T, E, cdiv(T, bt), cap, scale, K=K,
+                                        BLOCK_K=next_power_of_2(K), AFTER_DROP=after_drop,
+                                        ROWS=final_R is not None, BLOCK_T=bt, BLOCK_E=block_e(E))
     return pos_TK, kept_TK, final_TK
 
 
 def route_backward(grad_final_TK, grad_aux, expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E,
-                   normalize: str, scale: float, z_scale: float, out_dtype: torch.dtype):
-    """grad_logits_TE in out_dtype from the final gates' gradient (None: 0) and the loss's (None: 0)."""
+                   normalize: str, scale: float, z_scale: float, out_dtype: torch.dtype, by_row: bool = False):
+    """grad_logits_TE in out_dtype from the final gates' gradient (None: 0) and the loss's (None: 0). by_row: the
+    final gates' gradient is given per routed row ([T*K], the gradient of route_slots' final_R), read at each kept
+    choice's row."""
     T, E = probs_TE.shape
     K = expert_TK.shape[1]
     bt = block_t(E)
@@ -118,7 +137,7 @@ def route_backward(grad_final_TK, grad_aux, expert_TK, gate_TK, pos_TK, probs_TE
     _route_backward_kernel[(cdiv(T, bt),)](
         grad_final_TK if grad_final_TK is not None else gate_TK, grad_aux if grad_aux is not None else gate_TK,
         expert_TK, gate_TK, pos_TK, probs_TE, lse_T, aux_grad_E, grad_TE, T, E, scale, z_scale, K=K,
-        BLOCK_K=next_power_of_2(K), HAS_GRAD_GATE=grad_final_TK is not None,
+        BLOCK_K=next_power_of_2(K), HAS_GRAD_GATE=grad_final_TK is not None, BY_ROW=by_row,
         HAS_GRAD_AUX=grad_aux is not None, NORMALIZE={"none": 0, "before_drop": 1, "after_drop": 2}[normalize],
         BLOCK_T=bt, BLOCK_E=block_e(E))
     return grad_TE
@@ -159,6 +178,8 @@ if triton is not None:
             lse_T = max_T + tl.log(sum_T)
             tl.store(lse_ptr + t_T, lse_T, mask=valid_T)
             tl.store(zsum_ptr + b, tl.sum(tl.where(valid_T, lse_T * lse_T, 0.0), axis=0))
+        else:   # route_plan adds z_scale (0) x zsum: never x garbage, which may be NaN or inf
+            tl.store(zsum_ptr + b, 0.0)
 
         # top-k, best first: the largest probability, then the largest of the rest (ties: the lower expert)
         k_K = tl.arange(0, BLOCK_K)
@@ -218,9 +239,9 @@ if triton is not None:
 
     @triton.jit
     def _route_slots_kernel(expert_ptr, gate_ptr, first_ptr, kept_ptr, offs_ptr, pos_ptr, kept_out_ptr, final_ptr,
-                            T, E, B, cap,
+                            final_rows_ptr, T, E, B, cap,
                             scale, K: tl.constexpr, BLOCK_K: tl.constexpr, AFTER_DROP: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
         b = tl.program_id(0)
         t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
         e_E = tl.arange(0, BLOCK_E)
@@ -230,6 +251,7 @@ if triton is not None:
         start_E = (tl.load(offs_ptr + e_E, mask=valid_E, other=0)
                    - tl.load(kept_ptr + e_E, mask=valid_E, other=0).to(tl.int32))
         kept_TK = tl.zeros([BLOCK_T, BLOCK_K], tl.int1)
+        row_TK = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
         for k in tl.static_range(K):
             expert_T = tl.load(expert_ptr + t_T.to(tl.int64) * K + k, mask=valid_T, other=-1).to(tl.int32)
             mine_TE = ((expert_T[:, None] == e_E[None, :]) & valid_T[:, None]).to(tl.int32)
@@ -240,19 +262,24 @@ if triton is not None:
             row_T = tl.where(kept_T, tl.sum(mine_TE * start_E[None, :], axis=1) + slot_T, -1)
             tl.store(pos_ptr + t_T.to(tl.int64) * K + k, row_T.to(tl.int64), mask=valid_T)
             kept_TK = kept_TK | ((k_K[None, :] == k) & kept_T[:, None])
+            if ROWS:
+                row_TK = tl.where(k_K[None, :] == k, row_T[:, None].to(tl.int64), row_TK)
         mask_TK = valid_T[:, None] & (k_K < K)[None, :]
         tk_TK = t_T[:, None].to(tl.int64) * K + k_K[None, :]
         tl.store(kept_out_ptr + tk_TK, kept_TK, mask=mask_TK)
         gate_TK = tl.where(kept_TK, tl.load(gate_ptr + tk_TK, mask=mask_TK, other=0), 0.0)
         if AFTER_DROP:
             gate_TK = gate_TK / tl.maximum(tl.sum(gate_TK, axis=1), 1.1920928955078125e-07)[:, None]
-        tl.store(final_ptr + tk_TK, (gate_TK * scale).to(final_ptr.dtype.element_ty), mask=mask_TK)
+        final_TK = (gate_TK * scale).to(final_ptr.dtype.element_ty)
+        tl.store(final_ptr + tk_TK, final_TK, mask=mask_TK)
+        if ROWS:
+            tl.store(final_rows_ptr + row_TK, final_TK, mask=mask_TK & kept_TK)
 
     @triton.jit
     def _route_backward_kernel(grad_final_ptr, grad_aux_ptr, expert_ptr, gate_ptr, pos_ptr, probs_ptr, lse_ptr,
                                aux_grad_ptr, grad_ptr, T, E, scale, z_scale, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                               HAS_GRAD_GATE: tl.constexpr, HAS_GRAD_AUX: tl.constexpr, NORMALIZE: tl.constexpr,
-                               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+                               HAS_GRAD_GATE: tl.constexpr, BY_ROW: tl.constexpr, HAS_GRAD_AUX: tl.constexpr,
+                               NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
         b = tl.program_id(0)
         t_T = b * BLOCK_T + tl.arange(0, BLOCK_T)
         e_E = tl.arange(0, BLOCK_E)
@@ -265,8 +292,12 @@ if triton is not None:
         if HAS_GRAD_GATE:
             mask_TK = valid_T[:, None] & (k_K < K)[None, :]
             tk_TK = t_T[:, None].to(tl.int64) * K + k_K[None, :]
-            up_TK = tl.load(grad_final_ptr + tk_TK, mask=mask_TK, other=0).to(tl.float32) * scale
-            kept_TK = tl.load(pos_ptr + tk_TK, mask=mask_TK, other=-1) >= 0
+            pos_TK = tl.load(pos_ptr + tk_TK, mask=mask_TK, other=-1)
+            kept_TK = pos_TK >= 0
+            if BY_ROW:
+                up_TK = tl.load(grad_final_ptr + pos_TK, mask=mask_TK & kept_TK, other=0).to(tl.float32) * scale
+            else:
+                up_TK = tl.load(grad_final_ptr + tk_TK, mask=mask_TK, other=0).to(tl.float32) * scale
             g_TK = tl.load(gate_ptr + tk_TK, mask=mask_TK, other=0)       # the gates before dropping
             if NORMALIZE == 2:     # after_drop: f = h / max(sum h, eps), h = gate where kept
                 h_TK = tl.where(kept_TK, g_TK, 0.0)

@@ -172,8 +172,8 @@ def allgather_seconds(gathered_bytes: float, group_size: int, node_size: int, pa
                       calls: int = 1) -> float:
     """Ring all-gathers (`calls` of them) in which every rank ends with gathered_bytes in all (its own
     1/group_size share included); the slowest link of the ring sets the pace. A reduce-scatter costs
-    the same; an all-reduce is a reduce-scatter then an all-gather."""
-    if group_size <= 1:
+    the same; an all-reduce is a reduce-scatter then an all-gather. Nothing to gather is no call."""
+    if group_size <= 1 or gathered_bytes <= 0:
         return 0.0
     inside = group_size <= node_size
     gbps = params.intra_gbps if inside else params.inter_gbps

@@ -96,7 +96,10 @@ def forward_without_data(make_local_model: Callable[[], nn.Module], rows: int, s
         model.to_empty(device="cpu")
         x_BS = torch.zeros(rows, seq_len, dtype=torch.long)
         with FlopCounterMode(display=False) as flops, saved_for_backward(model, saved):
-            output = model(x_BS)
+            hf = getattr(model, "hf", None)     # moe-plugin train's HFCausalLM, which runs hf without a cache
+            # without a cache HF reads the position ids to rule out packed sequences; it cannot read fake tensors and
+            # would build the mask the real run skips (and repeat the kv heads for it); with one it reads nothing
+            output = model(x_BS) if hf is None else hf(input_ids=x_BS, use_cache=True)
             logits = getattr(output, "logits", output)      # a Hugging Face model's output holds them
             F.cross_entropy(logits.flatten(0, -2).float(), x_BS.flatten())
     return saved["bytes"], float(flops.get_total_flops())
@@ -118,9 +121,11 @@ def moe_layer_saved_bytes(config: MoEConfig, tokens: int, dtype: torch.dtype) ->
 
 def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collectives: Collectives, rows: int,
              seq_len: int, make_local_model: Callable[[], nn.Module], world_size: int, node_size: int,
-             device: Device, sharded: bool, batch_key: str, levers: str, capacity_key: str) -> Plan:
+             device: Device, sharded: bool, batch_key: str, levers: str, capacity_key: str,
+             root_bytes: int = 0) -> Plan:
     """The plan of a run whose rank-0 model (unsharded) is `first` and whose roles hold `held`. batch_key,
-    capacity_key: the host's names of the micro-batch and capacity_factor settings (for its errors)."""
+    capacity_key: the host's names of the micro-batch and capacity_factor settings (for its errors); root_bytes:
+    the trainable bytes FSDP2 gathers forward only (step_time)."""
     dense_bytes, expert_bytes = split_bytes(first)
     moe_layers = [m for m in first.modules() if isinstance(m, MoELayer)]
     dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
@@ -162,7 +167,7 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
 
     def timing_of(configs) -> StepTime:
         return step_time(device.params, world_size, node_size, flops, configs, layers, dense_bytes, expert_bytes,
-                         ep_size, sharded)
+                         ep_size, sharded, root_bytes)
 
     timing = timing_of([m.config for m in moe_layers])
     fixed = max(r.parameters_bytes + r.gradients_bytes + r.optimizer_bytes for r in roles)

@@ -1,6 +1,7 @@
 """The plan of a `moe-plugin train` experiment at any world size: each role's model built as the run builds it
 (train/parts.py build_model, under torch.device("meta") and the fake process group; FSDP2 sharded where the run
-shards) and its bytes counted; assembly.py adds the traffic, activations and step time.
+shards) and its bytes counted; assembly.py adds the traffic, activations and step time. Under DDP the gradients
+are views into DDP's buckets (train/parts.py data_parallel): the buckets are the gradients counted, not a copy.
 """
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import copy
 import torch
 from torch import nn
 
-from ..parallel.fsdp import fully_shard_moe
+from ..parallel.fsdp import default_blocks, fully_shard_moe
 from ..parallel.groups import check_ep_size
+from ..train.checks import layer_configs
 from ..train.parts import build_model
 from .assembly import Collectives, Plan, assemble, split_bytes
 from .devices import Device
 from .fake_world import fake_world
-from .roles import fsdp_roles
-from .state_bytes import state_bytes
+from .roles import fsdp_roles, sharded_lengths
+from .state_bytes import nbytes, state_bytes
+from .traffic import check_capacity
 
 
 def check_world_size(world_size: int, node_size: int) -> None:
@@ -36,6 +39,8 @@ def check_world(cfg, world_size: int, node_size: int) -> None:
     if cfg.data.task != "lm":
         raise ValueError(f"data.task={cfg.data.task!r} is not planned: moe-plugin plan covers language models "
                          f"(data.task=lm)")
+    for config in layer_configs(cfg):
+        check_capacity(config, cfg.train.batch_size * cfg.model.seq_len, "moe.capacity_factor", "train.batch_size")
 
 
 def build_role(cfg, rank: int, world_size: int, node_size: int, shard: bool) -> nn.Module:
@@ -52,6 +57,35 @@ def build_role(cfg, rank: int, world_size: int, node_size: int, shard: bool) -> 
     return model
 
 
+def block_parameter_ids(model: nn.Module) -> set:
+    """The ids of the parameters in FSDP2's block units (parallel/fsdp.py's default_blocks); the rest is the root's."""
+    return {id(p) for block in default_blocks(model) for p in block.parameters()}
+
+
+def fsdp_collectives(model: nn.Module, world_size: int, ep_size: int) -> Collectives:
+    """The bytes FSDP2 hands to its collectives in one step on every rank, from the unsharded model (units as
+    parallel/fsdp.py makes them, fully_shard's defaults): each trainable gradient reduce-scattered once, each
+    parameter all-gathered forward and again backward, but the root unit's (torch keeps it gathered after
+    forward). Each tensor is padded as FSDP2 pads it (its sharded dim to a multiple of the ranks sharing it);
+    experts held by one rank alone (world_size == ep_size) are not exchanged."""
+    in_blocks = block_parameter_ids(model)
+    holders = world_size // ep_size
+    reduced = gathered = 0
+    for param, (length, expert) in zip(model.parameters(), sharded_lengths(model, world_size, ep_size)):
+        ranks = holders if expert else world_size
+        if ranks > 1:
+            padded = nbytes(param) // length * (-(-length // ranks) * ranks)
+            reduced += padded if param.requires_grad else 0
+            gathered += padded * (2 if id(param) in in_blocks else 1)
+    return Collectives(reduce_scatter=reduced, all_gather=gathered)
+
+
+def root_unit_bytes(model: nn.Module) -> int:
+    """The trainable bytes of FSDP2's root unit: the parameters outside the blocks."""
+    in_blocks = block_parameter_ids(model)
+    return sum(nbytes(p) for p in model.parameters() if p.requires_grad and id(p) not in in_blocks)
+
+
 def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Plan:
     check_world(cfg, world_size, node_size)
     ep_size, fsdp = cfg.parallel.ep_size, cfg.parallel.fsdp
@@ -63,8 +97,7 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
         groups = fsdp_roles(first, world_size, ep_size)
         held = [(ranks, state_bytes(build_role(cfg, ranks[0], world_size, node_size, shard=True)))
                 for ranks in groups]
-        unsharded = dense_bytes + expert_bytes
-        collectives = Collectives(reduce_scatter=unsharded, all_gather=2 * unsharded)
+        collectives = fsdp_collectives(first, world_size, ep_size)
     else:
         held = [(list(range(world_size)), state_bytes(first))]
         holders = world_size // ep_size
@@ -74,4 +107,4 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
                     world_size, node_size, device, fsdp, "train.batch_size",
                     "parallel.ep_size (experts over more ranks), parallel.fsdp=true (parameters, gradients and "
                     "optimizer state sharded), moe.recompute=experts (see the recompute line), a smaller "
-                    "moe.capacity_factor", "moe.capacity_factor")
+                    "moe.capacity_factor", "moe.capacity_factor", root_unit_bytes(first) if fsdp else 0)

@@ -25,6 +25,17 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def held_nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a rank allocates for its part of a tensor: FSDP2 keeps every rank's shard padded to ceil(rows /
+    ranks) rows of the sharded dim (its parameter and its gradient; AdamW's moments follow the unpadded shard)."""
+    from torch.distributed.tensor import DTensor, Shard
+    if isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.dim() > 0 and \
+            [type(p) for p in tensor.placements] == [Shard] and tensor.placements[0].dim == 0:
+        rows, ranks = tensor.shape[0], tensor.device_mesh.size()
+        return -(-rows // ranks) * (tensor.numel() // rows if rows else 0) * tensor.element_size()
+    return nbytes(tensor)
+
+
 @dataclass
 class StateBytes:
     parameters: int
@@ -36,8 +47,8 @@ def state_bytes(model: nn.Module) -> StateBytes:
     """Parameters (every one, tied ones once), gradients (the trainable ones) and AdamW's state (likewise)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    return StateBytes(parameters=sum(nbytes(p) for p in params),
-                      gradients=sum(nbytes(p) for p in trainable),
+    return StateBytes(parameters=sum(held_nbytes(p) for p in params),
+                      gradients=sum(held_nbytes(p) for p in trainable),
                       optimizer=sum(ADAM_MOMENTS * nbytes(p) + ADAM_STEP_BYTES for p in trainable))
 
 

@@ -7,8 +7,9 @@
                 gated, x 1 otherwise)
     all-to-all  each MoE layer's four exchanges at balanced routing (cost_model.a2a_seconds, flat or 2dh)
     gradients   DDP: a ring all-reduce of the dense gradients over the world and of the experts' over the ranks
-                holding them; FSDP2: an all-gather of the parameters forward and backward and a reduce-scatter
-                of the gradients (cost_model.allgather_seconds; an all-reduce costs two of them)
+                holding them; FSDP2: an all-gather of the parameters forward and backward (the root unit's,
+                which torch keeps gathered after forward, only forward) and a reduce-scatter of the gradients
+                (cost_model.allgather_seconds; an all-reduce costs two of them)
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def ring_node_size(group_size: int, stride: int, node_size: int) -> int:
 
 def step_time(params: Params, world_size: int, node_size: int, forward_flops: float, configs: List[MoEConfig],
               layers: List[LayerTraffic], dense_bytes: int, expert_bytes: int, ep_size: int,
-              fsdp: bool) -> StepTime:
+              fsdp: bool, root_bytes: int = 0) -> StepTime:
+    """root_bytes: with fsdp, the trainable bytes of the root unit (dense, outside the blocks)."""
     experts = recomputed = 0.0
     for config, traffic in zip(configs, layers):
         matrices = 3 if config.activation in GATED_ACTIVATIONS else 2
@@ -66,7 +68,8 @@ def step_time(params: Params, world_size: int, node_size: int, forward_flops: fl
     dense_ring = ring_node_size(world_size, 1, node_size)
     expert_ring = ring_node_size(holders, ep_size, node_size)
     if fsdp:
-        gradients = (3 * allgather_seconds(dense_bytes, world_size, dense_ring, params)
+        gradients = (2 * allgather_seconds(dense_bytes, world_size, dense_ring, params)
+                     + allgather_seconds(dense_bytes - root_bytes, world_size, dense_ring, params)
                      + 3 * allgather_seconds(expert_bytes, holders, expert_ring, params))
     else:
         gradients = (2 * allgather_seconds(dense_bytes, world_size, dense_ring, params)

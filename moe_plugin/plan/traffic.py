@@ -14,8 +14,9 @@ node, then across nodes).
     bound:    the most one rank can receive: every rank fills each of its E_local experts up to C (dropless:
               up to T), at most all W ranks' T*K rows.
 Beyond what the layer keeps for backward on one rank (every expert local: computed from the token rows), the
-exchange keeps the rows it received ([rows, D], the experts' input) and two int64 row indexes of them
-(measured on the real layer: tests/plan/test_plan_real_runs.py).
+exchange keeps the rows it received ([rows, D], the experts' input), the rows the combine brought back ([rows, D]:
+the gates' gradient reads them) and two int64 row indexes (measured on the real layer:
+tests/plan/test_plan_real_runs.py).
 """
 from __future__ import annotations
 
@@ -81,5 +82,5 @@ def layer_traffic(config: MoEConfig, tokens: int, element_bytes: int, node_size:
     if W == 1 or r == 0:
         balanced = bound = 0
     scale = PASSES * r * exchanges(config, node_size) * config.model_dim * element_bytes
-    saved = r * balanced * (config.model_dim * element_bytes + 2 * INDEX_BYTES)
+    saved = r * balanced * (2 * config.model_dim * element_bytes + 2 * INDEX_BYTES)
     return LayerTraffic(kept, balanced, bound, C, balanced * scale, bound * scale, saved)

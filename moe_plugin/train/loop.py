@@ -102,7 +102,10 @@ def train(cfg: ExperimentConfig) -> dict:
             raise ValueError("parallel.fsdp=true is invalid with 1 process: FSDP2 shards over torchrun processes "
                              "(launch with torchrun --nproc_per_node N, N >= 2), or set parallel.fsdp=false")
         check_ep_size(ep_size, "parallel.ep_size", procs.world_size)
-        return _train(cfg, procs)
+        result = _train(cfg, procs)
+        if procs.started_group:     # every rank done before any tears its connections down (not after an error:
+            dist.barrier()          # the others may never get here)
+        return result
     finally:
         if procs.started_group:
             dist.destroy_process_group()

@@ -103,8 +103,10 @@ def build(cfg: ExperimentConfig, procs: Processes) -> Parts:
 
 def data_parallel(model: TransformerLM, procs: Processes) -> torch.nn.Module:
     """DDP over the world, but for the experts of expert-parallel layers (each rank holds its own; hooked instead).
-    A model sharded by FSDP2 (build() with parallel.fsdp) is returned as it is."""
+    The gradients are views into DDP's buckets (gradient_as_bucket_view): no second copy of the dense gradients,
+    as moe-plugin plan counts them. A model sharded by FSDP2 (build() with parallel.fsdp) is returned as it is."""
     from torch.distributed.fsdp import FSDPModule
     if procs.world_size == 1 or isinstance(model, FSDPModule):
         return model
-    return ddp_moe(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+    return ddp_moe(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None,
+                   gradient_as_bucket_view=True)

@@ -108,18 +108,21 @@ def load_shares(records: List[dict]) -> List[List[List[float]]]:
             for layer in range(len(loads[0]))]
 
 
-def save_heatmap(train: List[dict], out_dir: Path) -> None:
-    """expert_load_heatmap.png: per MoE layer, each expert's share of the tokens (a row) over the steps (columns);
-    a starved expert is a pale row, a collapse one dark row."""
+def save_heatmap(train: List[dict], out_dir: Path):
+    """expert_load_heatmap.png: per MoE layer, each expert's share of the tokens (a row) over the records (columns,
+    each centred on its step where the records are evenly spaced); a starved expert is a pale row, a collapse one
+    dark row. Returns the matplotlib Figure drawn (an image per layer's axes, in layer order)."""
     shares = load_shares(train)
     steps = [r["step"] for r in train]
+    half = (steps[-1] - steps[0]) / (2 * (len(steps) - 1)) if len(steps) > 1 else 0.5   # half a column
     figure = _figure(5 * len(shares), 3.6)
     for layer, (ax, shares_ES) in enumerate(zip(figure.subplots(1, len(shares), squeeze=False)[0], shares)):
         image = ax.imshow(shares_ES, cmap="viridis", vmin=0, aspect="auto", interpolation="nearest",
-                          extent=(steps[0] - 0.5, steps[-1] + 0.5, len(shares_ES) - 0.5, -0.5))
+                          extent=(steps[0] - half, steps[-1] + half, len(shares_ES) - 0.5, -0.5))
         ax.set(title=f"MoE layer {layer + 1}: share of tokens per expert (%)", xlabel="step", ylabel="expert")
         figure.colorbar(image, ax=ax)
     figure.savefig(out_dir / "expert_load_heatmap.png")
+    return figure
 
 
 def _percent(n: int, load: List[int]) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -176,16 +176,18 @@ def activation_name(function: Any) -> Optional[str]:
         return None
 
 
-def parallel_degree(parallel_type: Any) -> int:
+def parallel_degree(parallel_type: Any) -> Union[int, str]:
     """Tutel's parallel_type where every process holds whole experts: "adaptive:0" gathers every expert on each
-    process (our parallel=0), anything else is expert parallel (1); "data" and "model" differ only for experts sliced
-    over processes."""
+    process (our parallel=0), "auto" lets our tuner choose between that and expert parallel per load ("auto"), and
+    the rest is expert parallel (1); "data" and "model" differ only for experts sliced over processes."""
     if not isinstance(parallel_type, str):
         raise ValueError(f"moe_layer: parallel_type={parallel_type!r} must be 'adaptive:N', 'data', 'model' or 'auto'")
     if parallel_type.startswith("adaptive:"):
         degree = check_int(_parsed_int(parallel_type[len("adaptive:"):], parallel_type), "parallel_type's N", None)
         return min(max(degree, 0), 1)
-    if parallel_type in ("data", "model", "auto"):
+    if parallel_type == "auto":
+        return "auto"
+    if parallel_type in ("data", "model"):
         return 1
     raise ValueError(f"moe_layer: parallel_type={parallel_type!r} is not recognized: use 'adaptive:N', 'data', "
                      f"'model' or 'auto'")
@@ -202,7 +204,7 @@ def alignment(overlap_degree: int, megablocks_size: int) -> int:
 def layer_config(model_dim: int, num_experts: int, ep_size: int, experts: ExpertSpec, gate: GateSpec, *,
                  top_k: int, capacity_factor: float, capacity_alignment: int, is_postscore: bool,
                  batch_prioritized_routing: bool, normalize_gate: bool, is_gshard_loss: bool, overlap_degree: int,
-                 use_2dh: bool, parallel: int) -> MoEConfig:
+                 use_2dh: bool, parallel: Union[int, str]) -> MoEConfig:
     """The MoEConfig of one call with gate `gate` (top_k and capacity_factor: this call's)."""
     if not is_gshard_loss and gate.gate_noise <= 0:
         raise ValueError("moe_layer: is_gshard_loss=False (Tutel's load_importance loss) needs the gate's gate_noise "

@@ -70,7 +70,9 @@ class TutelMoELayer(MoELayer):
         self.register_buffer("_num_global_experts", torch.tensor(num_global))
         self.expert_spec, self.gate_specs, self.model_dim = expert_spec, gate_specs, model_dim
         self.group, self.world_size, self.sharded_count, self.num_local_experts = group, world, 1, expert_spec.num_local
-        self.a2a_ffn_overlap_degree, self.adaptive_degree, self.megablocks_size = overlap, degree, 0
+        self.a2a_ffn_overlap_degree, self.megablocks_size = overlap, 0
+        self.auto_parallel = degree == "auto"       # our tuner picks the degree per load (as Tutel's own name)
+        self.adaptive_degree, self._tuned_overlap = (1 if self.auto_parallel else degree), overlap
         self.result_func, self.gate_index, self._configs = result_func, 0, {}
         self.l_aux: Optional[torch.Tensor] = None
         self._register_state_dict_hook(_to_tutel_keys)
@@ -177,7 +179,7 @@ class TutelMoELayer(MoELayer):
             if adaptive_r not in (0, 1):
                 raise ValueError(f"moe_layer forward: adaptive_r={adaptive_r!r} must be 0 or 1 (experts gathered, or "
                                  f"expert parallel) where every process holds whole experts")
-            self.adaptive_degree = adaptive_r
+            self.adaptive_degree, self.auto_parallel = adaptive_r, False     # a degree asked for: the tuner stops
         if megablocks_size and (self.num_local_experts <= 1 or torch.is_grad_enabled() or self.world_size > 1):
             megablocks_size = 0      # as Tutel: its inference path applies to one process, several experts, no grad
         self.megablocks_size = megablocks_size
@@ -196,9 +198,12 @@ class TutelMoELayer(MoELayer):
         gate, kept = self.gates[gate_index], (self.config, self.gates[gate_index].config, self.gate_index)
         self.config, gate.config, self.gate_index = config, config, gate_index
         try:
-            parallel = self.adaptive_degree if self.is_parallel else None
-            y = super().forward(x, parallel=parallel,
-                                overlap_degree=self.a2a_ffn_overlap_degree if self.is_parallel else None)
+            parallel = overlap = None
+            if self.is_parallel:     # under auto_parallel the tuner's choice, timed while it searches
+                parallel = None if self.auto_parallel else self.adaptive_degree
+                tuned = self.auto_parallel and self.a2a_ffn_overlap_degree == self._tuned_overlap
+                overlap = None if tuned else self.a2a_ffn_overlap_degree
+            y = super().forward(x, parallel=parallel, overlap_degree=overlap)
         finally:
             self.config, gate.config = kept[0], kept[1]
         y = y.to(input.dtype)

@@ -9,60 +9,29 @@ import copy
 import pytest
 import torch
 
-from moe_plugin import MoEConfig, MoELayer, fused_layer
+from moe_plugin import fused_layer
 from moe_plugin.lora import add_lora
 from moe_plugin.ops import kernels_for
+from helpers import one_node
 from helpers.compare import relative_error
+from helpers.one_node import count_runs, make, outputs
 from helpers.reference import assert_matches_reference
 
 pytestmark = pytest.mark.skipif(kernels_for(torch.device("cpu"))[1] != "native",
                                 reason="the one-node path runs with the native CPU kernels, which do not load here")
 
-BASE = dict(model_dim=16, hidden_size=24, num_experts=6, top_k=2, capacity_factor=0.0, min_capacity=0,
-            activation="swiglu", aux_loss="none", aux_loss_coef=0.0, bias=False)
-
 CASES = {
-    "dropless swiglu (HF's Mixtral)": dict(normalize_gate="before_drop"),
-    "drops, k 3, gshard, z-loss": dict(capacity_factor=0.6, top_k=3, aux_loss="gshard", aux_loss_coef=0.01,
-                                       z_loss_coef=0.001),
-    "biases, relu, switch loss": dict(bias=True, activation="relu", aux_loss="switch", aux_loss_coef=0.02),
-    "gelu, after-drop normalization, scale": dict(activation="gelu", capacity_factor=1.0,
-                                                  normalize_gate="after_drop", route_scale=2.5),
+    **one_node.CASES,
     "clamped gpt-oss swiglu with biases": dict(activation="swiglu_oai", activation_limit=0.5, activation_alpha=1.702,
                                                bias=True),
     "geglu, k 1, many experts (some empty)": dict(activation="geglu", top_k=1, num_experts=16),
-    "shared expert": dict(shared_hidden_size=8, shared_gate=True),
 }
-
-
-def make(dtype=torch.float32, **options) -> MoELayer:
-    layer = MoELayer(MoEConfig(**{**BASE, **options})).to(dtype)
-    with torch.no_grad():
-        for p in layer.parameters():      # biases drawn too (they start at 0)
-            p.add_(torch.randn_like(p) * 0.05)
-    return layer
-
-
-def outputs(layer, x, router_input=None, upstream=None):
-    """(y, aux, stats, {name: grad}) of one forward and the backward of <y, upstream> + aux."""
-    x = x.detach().requires_grad_(x.is_floating_point())
-    inputs = [x] + ([] if router_input is None else [router_input])
-    y = layer(x, router_input=router_input)
-    upstream = torch.randn_like(y) if upstream is None else upstream
-    wanted = [t for t in inputs + list(layer.parameters()) if t.requires_grad]
-    grads = torch.autograd.grad((y * upstream).sum() + layer.aux_loss, wanted, allow_unused=True)
-    names = ["x", "router_input"][:len(inputs)] + [n for n, p in layer.named_parameters()]
-    named = dict(zip([n for n, t in zip(names, inputs + list(layer.parameters())) if t.requires_grad], grads))
-    return y.detach(), layer.aux_loss.detach(), layer.stats, named, upstream
 
 
 @pytest.fixture
 def count_fused(monkeypatch):
     """How often the one-node path ran."""
-    calls = []
-    moe = fused_layer.moe
-    monkeypatch.setattr(fused_layer, "moe", lambda *args: calls.append(1) or moe(*args))
-    return calls
+    return count_runs(monkeypatch, fused_layer)
 
 
 def two_node(monkeypatch):
@@ -101,7 +70,7 @@ def test_router_input_gets_the_router_gradient(count_fused, monkeypatch):
         assert relative_error(grads[name], grads_ref[name]) <= 1e-5, name
 
 
-@pytest.mark.parametrize("case", ["dropless swiglu (HF's Mixtral)", "drops, k 3, gshard, z-loss"])
+@pytest.mark.parametrize("case", ["dropless swiglu", "drops, k 3, gshard, z-loss"])
 def test_bf16(case, count_fused, monkeypatch):
     layer = make(torch.bfloat16, **CASES[case])
     x = torch.randn(40, 16, dtype=torch.bfloat16)
@@ -116,14 +85,7 @@ def test_bf16(case, count_fused, monkeypatch):
 
 
 def test_no_grad_forward_is_the_graph_forward(count_fused):
-    layer = make(capacity_factor=0.8, top_k=3, aux_loss="gshard", aux_loss_coef=0.01)
-    x = torch.randn(21, 16)
-    with_graph = layer(x)
-    aux, stats = layer.aux_loss.detach(), layer.stats
-    with torch.no_grad():
-        y = layer(x)
-    assert len(count_fused) == 2 and not y.requires_grad
-    assert torch.equal(y, with_graph.detach()) and torch.equal(layer.aux_loss, aux) and layer.stats == stats
+    one_node.assert_no_grad_forward_is_the_graph_forward(count_fused)
 
 
 class CountingKernels:

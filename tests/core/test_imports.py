@@ -8,7 +8,7 @@ from pathlib import Path
 from helpers.paths import REPO
 
 ROOT = REPO
-MOST_FUNCTION_LEVEL_IMPORTS = 9   # issue 32: under 10
+MOST_FUNCTION_LEVEL_IMPORTS = 8   # issue 32: under 10; 8 since the transformers adapter's circle was untied
 HOSTS = ("transformers", "deepspeed", "fairseq", "omegaconf")
 COMPILER = ("torch._dynamo",)     # a second of every process's start (the CLI's, each rank's); loaded when compiling
 

@@ -67,5 +67,13 @@ def _run_child(files) -> tuple:
         match = _RESULT.match(line)
         if match:
             outcomes[match.group(2)][match.group(1)].append(match.group(2) + (match.group(3) or ""))
-    details = child.stdout.split("short test summary info")[0]   # the failures' tracebacks, before -rA's list
-    return outcomes, (details + child.stderr)[-8000:]
+    return outcomes, (failures(child.stdout) + child.stderr)[-8000:]
+
+
+def failures(stdout: str) -> str:
+    """The child's ERRORS and FAILURES sections (their tracebacks), without -rA's PASSES section of captured
+    output and its summary list, which would push them out of the kept tail."""
+    body = stdout.split("short test summary info")[0]
+    body = re.split(r"^=+ PASSES =+$", body, flags=re.M)[0]
+    start = re.search(r"^=+ (ERRORS|FAILURES) =+$", body, flags=re.M)
+    return body[start.start():] if start else body

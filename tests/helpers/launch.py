@@ -1,5 +1,6 @@
 """Run a function on W gloo processes started from the test, or `moe-plugin train` under torchrun; a hang or a crash
 fails the test."""
+import io
 import json
 import os
 import socket
@@ -8,6 +9,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -32,12 +34,20 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, fn(rank, world_size, *args), None))
+        queue.put((rank, _packed(fn(rank, world_size, *args)), None))
     except BaseException:  # reported to the parent, which fails the test with it
         queue.put((rank, None, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _packed(value) -> bytes:
+    """The result as bytes: a tensor put on the queue as it is travels as a handle to this process's shared memory,
+    which the parent can no longer open once this process has exited (ConnectionResetError, FileNotFoundError)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def run_workers(fn, world_size: int, *args, timeout: float = 120.0):
@@ -52,7 +62,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120.0):
     try:
         for _ in range(world_size):
             rank, value, error = queue.get(timeout=timeout)
-            results[rank] = value
+            results[rank] = None if error else torch.load(io.BytesIO(value), weights_only=False)
             if error:
                 errors.append(f"rank {rank}:\n{error}")
                 break

@@ -92,3 +92,43 @@ def window_expected(layers: dict, forwards: dict, window: int, per_window: int) 
         want[name] = expected(layer, sums)
         want[name].pop("tokens_per_expert")
     return want
+
+
+def coselection(expert_TK: torch.Tensor, num_experts: int) -> tuple:
+    """(load, both) of top-k choices expert_TK, counted by a plain loop over each token's choices: load[e] the
+    tokens choosing e, both[e][f] the tokens choosing both e and f (both[e][e] = load[e])."""
+    load, both = [0] * num_experts, [[0] * num_experts for _ in range(num_experts)]
+    for chosen in expert_TK.tolist():
+        for e in set(chosen):
+            load[e] += 1
+            for f in set(chosen):
+                both[e][f] += 1
+    return load, both
+
+
+def layer_choices(model, inputs) -> dict:
+    """{layer name: [expert_TK of each input]}: each MoELayer's top-k choices (its router in eval mode, no noise, on
+    the input the layer routes on) while model(input) runs (no grad) for each of inputs."""
+    from moe_plugin import MoELayer
+    choices, handles = {}, []
+
+    def hook(name):
+        def record(layer, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            routed = x if kwargs.get("router_input") is None else kwargs["router_input"]    # what the router reads
+            training = layer.router.training
+            choices.setdefault(name, []).append(
+                layer.router.eval()(routed.reshape(-1, layer.config.model_dim)).expert_TK)
+            layer.router.train(training)
+        return record
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoELayer):
+            handles.append(layer.register_forward_pre_hook(hook(name), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for x in inputs:
+                model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return choices

@@ -13,6 +13,7 @@ from moe_plugin import MoEConfig, MoELayer
 
 from helpers.compare import relative_error
 from helpers.interpreter import check_child_run, in_child, in_parent
+from helpers.poison import poison_triton_buffers
 
 
 # (T, D, E, K, capacity_factor, normalize_gate, aux_loss, z_loss_coef): E > T * K leaves experts without a token;
@@ -36,8 +37,10 @@ CASE_IDS = [f"T{c[0]}-E{c[2]}-K{c[3]}-cf{c[4]}" for c in CASES]
 @in_child
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_route_equals_router_plan_and_gates(case, dtype):
+def test_fused_route_equals_router_plan_and_gates(case, dtype, monkeypatch):
+    """Every buffer the routing kernels allocate starts as NaN (z_loss_coef 0 once read an unwritten z-loss sum)."""
     from moe_plugin.ops import simulated_cuda
+    poison_triton_buffers(monkeypatch)
     compare_with_reference(case, dtype, simulated_cuda)
 
 
@@ -110,14 +113,10 @@ def test_layer_on_the_cuda_path_equals_the_cpu_path_with_poisoned_memory(capacit
     """Every Triton output starts as NaN: rows past the kept ones (no longer zeroed) must never be read. fused: the
     fused grouped GEMMs (ops/fused_gemms.py) taken wherever they apply, or never (not timed: under the interpreter
     timing them was most of this test's time)."""
-    from moe_plugin.ops import fused_gemms, simulated_cuda, triton_kernels, triton_route
+    from moe_plugin.ops import fused_gemms, simulated_cuda
     from helpers.reference import outputs_and_grads
     monkeypatch.setattr(fused_gemms, "measured_faster", lambda *args: fused)
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
-    monkeypatch.setattr(triton_kernels, "_empty", poisoned)
-    monkeypatch.setattr(triton_route, "_empty", poisoned)
+    poison_triton_buffers(monkeypatch)
     config = MoEConfig(model_dim=19, hidden_size=11, num_experts=6, top_k=top_k, activation="swiglu", bias=bias,
                        capacity_factor=capacity_factor, z_loss_coef=0.01, aux_loss="switch")
     layer = MoELayer(config)

@@ -17,6 +17,7 @@ import torch
 
 from moe_plugin.ops import torch_ops
 from helpers.interpreter import INTERPRET, NO_TRITON, check_child_run, in_parent
+from helpers.poison import poisoned_empty
 from helpers.routes import random_slots
 
 try:
@@ -37,10 +38,6 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 TOLERANCES = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
               torch.float16: (2 * torch.finfo(torch.float16).eps, 1e-4),
               torch.bfloat16: (2 * torch.finfo(torch.bfloat16).eps, 1e-4)}
-
-
-def poisoned_empty(shape, dtype, device):
-    return torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
 
 
 @pytest.fixture(params=["interpreter"] if INTERPRET else ["cuda"])
@@ -195,6 +192,30 @@ def test_grouped_sum(kernels, sizes, tail, O, dtype):
     x_ref_RO = x_RO.to(reference_dtype(dtype))
     expected_EO = torch.stack([block.sum(0) for block in x_ref_RO[:sum(sizes)].split(sizes)])
     assert_matches(sums_EO, expected_EO, dtype)
+
+
+@pytest.mark.parametrize("sizes, tail, O", GROUP_SUMS + [([3, 0, 40, 1], 5, 1300)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_bias_dot_and_scale(kernels, sizes, tail, O, dtype):
+    """dot_R += <grad_RO[r], bias_EO[expert of r]> and grad_RO *= scale_R1, in place, for the grouped rows (the rows past
+    them untouched), against the same in fp64 on the same values: empty groups, a tail, O over two column blocks."""
+    module, device = kernels
+    R, E = sum(sizes) + tail, len(sizes)
+    grad_RO, bias_EO = randn(R, O, dtype=dtype, device=device), randn(E, O, dtype=dtype, device=device)
+    scale_R1 = torch.rand(R, 1).to(dtype=dtype, device=device)
+    dot_R = randn(R, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
+    offs_E = torch.tensor(sizes).cumsum(0).to(device=device, dtype=torch.int32)
+    wide = [t.to(torch.float64) for t in (grad_RO, bias_EO, scale_R1, dot_R)]
+    expert_R = torch.repeat_interleave(torch.arange(E), torch.tensor(sizes)).to(device)
+    G = sum(sizes)
+    expected_dot_R, expected_RO = wide[3].clone(), wide[0].clone()
+    expected_dot_R[:G] += (wide[0][:G] * wide[1][expert_R]).sum(1)
+    expected_RO[:G] *= wide[2][:G]
+    module.bias_dot_and_scale_(grad_RO, bias_EO, offs_E, scale_R1, dot_R)
+    assert_matches(grad_RO, expected_RO, dtype)
+    torch.testing.assert_close(dot_R.to(torch.float64), expected_dot_R, rtol=1e-5, atol=1e-4 * max(1, O / 256) ** 0.5)
+    assert torch.equal(grad_RO[G:].to(torch.float64), wide[0][G:]) and torch.equal(dot_R[G:].to(torch.float64),
+                                                                                  wide[3][G:])
 
 
 # (R, H): H = 1 and odd widths, H = 1300 over two blocks of columns, no rows

@@ -2,7 +2,10 @@
 Mixtral on 2).
 
 Each rank of a real run (train/parts.py's build, DDP or FSDP2 as `moe-plugin train` wraps it) takes one training
-step; the plan's role for that rank must hold exactly the rank's parameter, gradient and AdamW-state bytes. At a
+step; the plan's role for that rank must hold exactly the memory of the rank's parameters and gradients (their
+storages, each once: under DDP the buckets the gradients are views into and the experts' own gradients, so that a
+bucket copying the gradients would show; under FSDP2 each shard as FSDP2 pads it) and of AdamW's state, and its
+all-reduce, reduce-scatter and all-gather bytes must be exactly what the rank handed to those collectives (DDP's buckets and the experts' hooks, FSDP2's gradients and parameters). At a
 capacity every expert fills (capacity_factor 0.1: 7 rows per expert against ~64 routed to each; the worker checks
 that every slot was filled) the real all-to-all bytes are fixed: the plan's must be exactly what each rank handed
 to all_to_all_single (sent) and got back (received). Where no row is dropped (capacity_factor 2.0, or dropless),
@@ -15,11 +18,13 @@ import os
 import pytest
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from moe_plugin import aux_loss, train
 from moe_plugin.plan import plan_experiment
 from moe_plugin.plan.devices import device
-from moe_plugin.plan.state_bytes import nbytes, saved_for_backward
+from moe_plugin.plan.state_bytes import local_part, nbytes, saved_for_backward, storage_key
 from moe_plugin.train.parts import build, data_parallel
 from moe_plugin.train.processes import start_processes
 
@@ -38,24 +43,44 @@ RUNS = {2: [(None, [*TINY, FULL, "parallel.ep_size=2"]), (None, [*TINY, FULL, "p
                                                                   "parallel.fsdp=true"]),
             (None, [*TINY, KEPT]), (None, [*TINY, KEPT, "parallel.ep_size=2"]),
             (None, [*TINY, KEPT, "parallel.ep_size=2", "moe.recompute=experts"])],
-        4: [(None, [*TINY, FULL, "parallel.ep_size=4"]), (None, [*TINY, FULL, "parallel.ep_size=2",
-                                                                  "parallel.fsdp=true"]),
-            (None, [*TINY, KEPT, "parallel.ep_size=4"])],
-        "hf": [(MIXTRAL[0], [*MIXTRAL[1:], FULL]), (MIXTRAL[0], MIXTRAL[1:])]}    # mixtral_tiny: dropless
+        4: [(None, [*TINY, FULL, "parallel.ep_size=4"]),        # 30 positions: FSDP2 pads them to 4 x 8 rows
+            (None, [*TINY, FULL, "model.seq_len=30", "parallel.ep_size=2", "parallel.fsdp=true"]),
+            (None, [*TINY, KEPT, "parallel.ep_size=4"]),
+            (None, [*TINY, FULL, "parallel.ep_size=2"])],       # experts' gradients all-reduced over 2 holders
+        "hf": [(MIXTRAL[0], [*MIXTRAL[1:], FULL]), (MIXTRAL[0], MIXTRAL[1:]),     # mixtral_tiny: dropless
+               (MIXTRAL[0], [*MIXTRAL[1:-1], "parallel.ep_size=1"])]}
+
+
+# the collectives counted: dist's function -> (what it adds to, the bytes of its call)
+COUNTED = {"all_to_all_single": [("sent", lambda output, input, *_, **__: input),
+                                 ("received", lambda output, input, *_, **__: output)],
+           "all_reduce": [("all_reduce", lambda tensor, *_, **__: tensor)],
+           "reduce_scatter_single": [("reduce_scatter", lambda output, input, *_, **__: input)],     # FSDP2's
+           "all_gather_single": [("all_gather", lambda output_tensor, *_, **__: output_tensor)]}
 
 
 def _one_step(cfg, procs):
     """One training step of the run; what the rank held, sent and saved for backward."""
     parts = build(cfg, procs)
     model, wrapped = parts.model, data_parallel(parts.model, procs)
-    moved = {"sent": 0, "received": 0}
+    moved = {key: 0 for counts in COUNTED.values() for key, _ in counts}
+    buckets = []
+    if isinstance(wrapped, DistributedDataParallel):     # DDP's own all-reduce of each bucket, through dist's
 
-    def counting(output, input, *args, **kwargs):
-        moved["sent"] += nbytes(input)
-        moved["received"] += nbytes(output)
-        return exchange(output, input, *args, **kwargs)
+        def all_reduce_bucket(group, bucket):
+            buckets.append(bucket.buffer())
+            return allreduce_hook(group, bucket)
+        wrapped.register_comm_hook(None, all_reduce_bucket)
+    originals = {name: getattr(dist, name) for name in COUNTED}
 
-    exchange, dist.all_to_all_single = dist.all_to_all_single, counting
+    def counting(name):
+        def collective(*args, **kwargs):
+            for key, tensor in COUNTED[name]:
+                moved[key] += nbytes(tensor(*args, **kwargs))
+            return originals[name](*args, **kwargs)
+        return collective
+    for name in COUNTED:
+        setattr(dist, name, counting(name))
     try:
         x_BS, y_BS = parts.data.train.next()
         saved = {}
@@ -65,9 +90,12 @@ def _one_step(cfg, procs):
         (loss + aux_loss(model)).backward()
         parts.optimizer.step()
     finally:
-        dist.all_to_all_single = exchange
-    return {"parameters": sum(nbytes(p) for p in model.parameters()),
-            "gradients": sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    grads = [local_part(p.grad) for p in model.parameters() if p.grad is not None]
+    storages = {storage_key(t): t.untyped_storage().nbytes() for t in [*buckets, *grads]}   # each once
+    parameters = {storage_key(t): t.untyped_storage().nbytes() for t in map(local_part, model.parameters())}
+    return {"parameter_storage": sum(parameters.values()), "gradient_storage": sum(storages.values()),
             "optimizer": sum(nbytes(t) for state in parts.optimizer.state.values() for t in state.values()),
             "activations": saved["bytes"], "slots_filled": [m.stats["capacity_used"] for m in model.moe_layers()],
             **moved}
@@ -91,7 +119,9 @@ def test_plan_equals_what_real_ranks_hold_and_send(world, runs):
             for rank in role.ranks:
                 held, where = real[rank][run], f"{overrides[-3:]} rank {rank}"
                 assert (role.parameters_bytes, role.gradients_bytes, role.optimizer_bytes) == \
-                    (held["parameters"], held["gradients"], held["optimizer"]), where
+                    (held["parameter_storage"], held["gradient_storage"], held["optimizer"]), where
+                assert (role.all_reduce_bytes, role.reduce_scatter_bytes, role.all_gather_bytes) == \
+                    (held["all_reduce"], held["reduce_scatter"], held["all_gather"]), where
                 if FULL in overrides:
                     assert held["slots_filled"] == [1.0] * len(plan.layers), where    # the count's precondition
                     assert role.all_to_all_bytes == held["sent"] == held["received"], where

@@ -1,15 +1,18 @@
 """`moe-plugin checkpoint routing` (issue 44; moe_plugin/train/routing_report.py): on a run's checkpoint its topics'
-tokens per expert equal what the run itself counted at its end (result.json's topic_routing, the layers' own stats);
-co-selection holds each expert's load on its diagonal and (top_k - 1) times it off it; on a Hugging Face folder
-the load equals the choices of HF's own routers (router_logits of the unswapped model); pictures, text and the
-HTML page are written; bad inputs are one-line errors with exit status 2."""
+tokens per expert equal what the run itself counted at its end (result.json's topic_routing, the layers' own stats),
+and its whole co-selection matrix equals pairs counted by a plain loop over each token's top-k choice of the
+checkpoint's routers on the same topics (tests/helpers/routing_reference.py); on a Hugging Face folder the load,
+each topic's load and the co-selection matrix equal those counted from HF's own routers (router_logits of the
+unswapped model); pictures, text and the HTML page are written; bad inputs are one-line errors with exit status 2."""
 import json
 
 import pytest
 import torch
 
+from helpers.routing_reference import coselection, layer_choices
 from helpers.train import TINY, run
 from moe_plugin.cli import main
+from moe_plugin.train import routing_report
 
 
 def report(*argv):
@@ -34,6 +37,14 @@ def test_report_of_a_run_equals_the_runs_own_routing(tmp_path, fresh_seed, capsy
         for e in range(4):
             assert both[e][e] == layer["load"][e]
             assert sum(both[e]) - both[e][e] == (layer["top_k"] - 1) * layer["load"][e]
+    # the checkpoint's routers on the run's topics (the report's loader: the topics' loads above equal the run's own)
+    model, topics = routing_report.load(tmp_path / "run", None)
+    choices = layer_choices(model, topics.values())
+    assert list(choices) == list(routing)
+    for name, layer in routing.items():
+        load, both = coselection(torch.cat(choices[name]), 4)
+        assert layer["load"] == load and layer["coselection"] == both, name
+        assert any(both[e][f] for e in range(4) for f in range(4) if e != f)      # top-2: pairs to count
     assert "MoE layer blocks.1.ffn: 512 tokens, top-2 of 4 experts" in (out / "summary.txt").read_text()
 
     text = tmp_path / "notes.txt"
@@ -47,17 +58,29 @@ def test_report_of_a_hugging_face_folder_follows_hfs_routers(tmp_path):
     from helpers.hf import build_model
     model = build_model("mixtral", seed=torch.randint(1 << 30, ()).item(), vocab_size=256)
     model.save_pretrained(tmp_path / "hf")
-    data = tmp_path / "sample.txt"
-    data.write_bytes(bytes(torch.randint(256, (300,)).tolist()))
-    assert report(tmp_path / "hf", "--data", data) == 0
+    sizes = {"sample": 300, "other": 600}          # topics of one and two rows of 256 tokens
+    for topic, size in sizes.items():
+        (tmp_path / f"{topic}.txt").write_bytes(bytes(torch.randint(256, (size,)).tolist()))
+    assert report(tmp_path / "hf", "--data", *(tmp_path / f"{topic}.txt" for topic in sizes)) == 0
     routing = json.loads((tmp_path / "hf" / "routing_report" / "routing.json").read_text())["layers"]
-    ids = torch.tensor(list(data.read_bytes())[:256]).reshape(1, -1)      # one row of 256 tokens
-    with torch.no_grad():
-        logits = model.eval()(input_ids=ids, output_router_logits=True).router_logits
     k = model.config.num_experts_per_tok
-    for (name, layer), logits_TE in zip(routing.items(), logits):
-        chosen = torch.bincount(logits_TE.topk(k, dim=-1).indices.reshape(-1), minlength=layer["experts"])
-        assert layer["load"] == chosen.tolist(), name
+    logits = {}                  # per topic: each layer's router logits [T, E] from HF's own (unswapped) model
+    for topic, size in sizes.items():
+        data = list((tmp_path / f"{topic}.txt").read_bytes())
+        ids = torch.tensor(data[:size // 256 * 256]).reshape(-1, 256)
+        with torch.no_grad():
+            logits[topic] = model.eval()(input_ids=ids, output_router_logits=True).router_logits
+    assert len(routing) == model.config.num_hidden_layers
+    for index, (name, layer) in enumerate(routing.items()):
+        E = layer["experts"]
+        assert (layer["top_k"], list(layer["topics"])) == (k, list(sizes))
+        load, both = [0] * E, [[0] * E for _ in range(E)]
+        for topic in sizes:
+            topic_load, topic_both = coselection(logits[topic][index].topk(k, dim=-1).indices, E)
+            assert layer["topics"][topic] == topic_load, (name, topic)
+            load = [a + b for a, b in zip(load, topic_load)]
+            both = [[a + b for a, b in zip(row, topic_row)] for row, topic_row in zip(both, topic_both)]
+        assert layer["load"] == load and layer["coselection"] == both, name
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -56,7 +56,23 @@ def test_records_hold_each_layers_routing(tmp_path, fresh_seed, monkeypatch):
             for i, rec in enumerate(train_records):
                 load = rec["tokens_per_expert"][layer]
                 assert shares[layer][e][i] == pytest.approx(100 * load[e] / sum(load))
-    assert (tmp_path / "run" / "expert_load_heatmap.png").stat().st_size > 0
+    # the heatmap the run saved is the one drawn from these records (redrawn: the same bytes), whose image per layer
+    # holds each expert's share of the layer's recorded tokens (a row) per record (a column, centred on its step)
+    again = tmp_path / "again"
+    again.mkdir()
+    figure = plots.save_heatmap(train_records, again)
+    assert (again / "expert_load_heatmap.png").read_bytes() == (tmp_path / "run" / "expert_load_heatmap.png").read_bytes()
+    images = [image for ax in figure.axes for image in ax.get_images()]
+    assert len(images) == 2
+    for layer, image in enumerate(images):
+        drawn = image.get_array()
+        assert drawn.shape == (4, len(train_records))
+        for i, rec in enumerate(train_records):
+            load = rec["tokens_per_expert"][layer]
+            assert drawn[:, i].tolist() == pytest.approx([100 * n / sum(load) for n in load])
+        left, right, _, _ = image.get_extent()
+        width = (right - left) / len(train_records)
+        assert [left + (i + 0.5) * width for i in range(len(train_records))] == [r["step"] for r in train_records]
 
 
 def collapse(parts):
@@ -96,23 +112,34 @@ def balance(parts):
 
 @pytest.mark.parametrize("case", ["collapsed", "balanced", "collapsed_alarm_off"])
 def test_a_collapse_raises_the_alarm_once(tmp_path, monkeypatch, capsys, case):
+    """A record every step, alarm windows 3: a collapse warns once per layer at the third record's check and at no
+    other (the run's alarm recorded check by check, one check per record), on stderr; a run balanced by
+    construction and a collapse with the alarm off never warn."""
     real_build = train.loop.build
     rig = balance if case == "balanced" else collapse
     monkeypatch.setattr(train.loop, "build", lambda cfg, procs: rig(real_build(cfg, procs)))
+    checks = []         # what the run's alarm returned at each check: its warnings
+
+    class Recorded(train.loop.RoutingAlarm):
+        def check(self, metrics):
+            checks.append(super().check(metrics))
+            return checks[-1]
+    monkeypatch.setattr(train.loop, "RoutingAlarm", Recorded)
     _, records = run(tmp_path, *TINY, "train.steps=4", "log.every=1", "train.eval_every=100", "moe.top_k=1",
                      "model.moe_every=1", "moe.capacity_factor=0", "log.plots=false", "log.alarm_windows=3",
                      f"log.routing_alarm={'false' if case.endswith('off') else 'true'}")
     lines = capsys.readouterr().err.splitlines()
     alarms = [line for line in lines if "routing alarm" in line]
     if case == "balanced":
-        assert alarms == []
+        assert alarms == [] and checks == [[]] * 4
         loads = [load for r in records if "loss" in r for load in r["tokens_per_expert"]]
         assert len(loads) == 4 * 2 and all(load == [load[0]] * 4 and load[0] > 0 for load in loads)   # balanced
         return
     if case == "collapsed_alarm_off":
-        assert alarms == []
+        assert alarms == [] and checks == []
         return
-    assert len(alarms) == 2, alarms          # one per layer, at the third window
+    assert [len(messages) for messages in checks] == [0, 0, 2, 0], checks    # one per layer, at the third window
+    assert alarms == [f"moe-plugin train: {message}" for message in checks[2]]
     assert "experts 0 (0.0%), 2 (0.0%), 3 (0.0%) got under 10% of the mean load (busiest expert 4.00x" in alarms[0]
 
 

@@ -181,6 +181,22 @@ def test_parameter_iterators_give_tutel_names():
         layer.get_parameter_iterator("router")
 
 
+@pytest.mark.parametrize("experts, names", [
+    (None, ["W_fc1", "W_fc3"]),      # the fast path: W_fc1 and W_fc2 joined in one parameter [E, D, 2H]
+    ({"type": "llama_ffn", "activation_fn": torch.tanh}, ["W_fc1", "W_fc2", "W_fc3"]),     # the general path
+    ({"type": "ffn", **RELU}, ["batched_fc1_w", "batched_fc2_w", "batched_fc1_bias", "batched_fc2_bias"])])
+def test_the_expert_iterator_yields_each_expert_parameter_once(experts, names):
+    """What Tutel's users do with it (scan_expert_func marks, optimizer groups) reaches the layer's own
+    parameters: every expert parameter once, nothing else, under the names docs/tutel.md gives."""
+    layer = build({"type": "top", "k": 2}, experts, {})
+    pairs = list(layer.get_parameter_iterator("local_experts"))
+    assert [name for name, _ in pairs] == names
+    expert_params = {id(p) for name, p in layer.named_parameters() if name.startswith("experts.")}
+    assert sorted(id(p) for _, p in pairs) == sorted(expert_params)
+    gate_params = {id(p) for name, p in layer.named_parameters() if name.startswith("gates.")}
+    assert {id(p) for _, p in layer.get_parameter_iterator("gate")} == gate_params
+
+
 def test_result_func_and_scan_expert_func_are_applied():
     seen = []
     layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=D,

@@ -30,8 +30,22 @@ def layer(count, rank, parallel_type="adaptive:1", cf=0.75, kind="ffn", is_posts
                                is_postscore=is_postscore, use_2dh=use_2dh)
 
 
-def inputs(rank):
-    return torch.randn(T, D, generator=torch.Generator().manual_seed(50 + rank))
+def inputs(rank, step=0):
+    return torch.randn(T, D, generator=torch.Generator().manual_seed(50 + rank + 1000 * step))
+
+
+def one_step(moe, x):
+    """One forward and the backward of sum(y^2) + l_aux: (y, l_aux, x's gradient)."""
+    x = x.detach().requires_grad_()
+    y = moe(x)
+    (y.square().sum() + y.l_aux).backward()
+    return y.detach(), float(y.l_aux.detach()), x.grad
+
+
+def assert_same_step(got, want, where=None):
+    (y, l_aux, x_grad), (want_y, want_l_aux, want_x_grad) = got, want
+    assert torch.allclose(y, want_y, rtol=1e-5, atol=1e-6) and abs(l_aux - want_l_aux) < 1e-6, where
+    assert torch.allclose(x_grad, want_x_grad, rtol=1e-5, atol=1e-6), where
 
 
 def expert_parallel_worker(rank, world, parallel_type, is_postscore, use_2dh=False):
@@ -39,11 +53,9 @@ def expert_parallel_worker(rank, world, parallel_type, is_postscore, use_2dh=Fal
         os.environ["LOCAL_WORLD_SIZE"] = "1"
     moe = layer(LOCAL, rank, parallel_type, is_postscore=is_postscore, use_2dh=use_2dh)
     assert moe.config.a2a == ("2dh" if use_2dh else "flat")
-    x = inputs(rank).requires_grad_()
-    y = moe(x)
-    (y.square().sum() + y.l_aux).backward()
+    step = one_step(moe, inputs(rank))
     grads = {name: param.grad.clone() for name, param in moe.get_parameter_iterator("local_experts")}
-    return moe.state_dict(), y.detach(), float(y.l_aux), x.grad, grads
+    return moe.state_dict(), step, grads
 
 
 def merged(states):
@@ -64,16 +76,50 @@ def test_two_ranks_equal_one_process(parallel_type, is_postscore, use_2dh):
     results = run_workers(expert_parallel_worker, 2, parallel_type, is_postscore, use_2dh)
     whole = layer(2 * LOCAL, 0, is_postscore=is_postscore)
     whole.load_state_dict(merged([r[0] for r in results]), strict=True)
-    expert_grads = []
-    for rank, (_, y, l_aux, x_grad, _) in enumerate(results):
-        x = inputs(rank).requires_grad_()
-        want = whole(x)
-        (want.square().sum() + want.l_aux).backward()
-        assert torch.allclose(y, want, rtol=1e-5, atol=1e-6) and abs(l_aux - float(want.l_aux)) < 1e-6
-        assert torch.allclose(x_grad, x.grad, rtol=1e-5, atol=1e-6)
+    for rank, (_, step, _) in enumerate(results):
+        assert_same_step(step, one_step(whole, inputs(rank)), rank)
     for name, param in whole.get_parameter_iterator("local_experts"):
-        expert_grads = torch.cat([r[4][name] for r in results])   # each rank's experts got both ranks' tokens
+        expert_grads = torch.cat([r[2][name] for r in results])   # each rank's experts got both ranks' tokens
         assert torch.allclose(expert_grads, param.grad, rtol=1e-5, atol=1e-6), name
+
+
+def tuned_worker(rank, world, steps):
+    moe = layer(LOCAL, rank, "auto")
+    outputs = [one_step(moe, inputs(rank, step)) for step in range(steps)]
+    return moe.state_dict(), outputs, type(moe.tuner).__name__, sorted({s[0] for s in moe.tuner.issued_ever})
+
+
+def test_parallel_type_auto_lets_the_tuner_choose_and_changes_nothing():
+    """Tutel's parallel_type "auto": our tuner times experts gathered (adaptive:0) against expert parallel
+    (adaptive:1) per load on 2 gloo ranks; every step, whichever it ran, equals one process."""
+    steps = 12
+    results = run_workers(tuned_worker, 2, steps)
+    whole = layer(2 * LOCAL, 0)
+    whole.load_state_dict(merged([r[0] for r in results]), strict=True)
+    for rank, (_, outputs, tuner, tried) in enumerate(results):
+        assert tuner == "Tuner" and tried == [0, 1]
+        for step, got in enumerate(outputs):
+            assert_same_step(got, one_step(whole, inputs(rank, step)), (rank, step))
+
+
+def inequivalent_worker(rank, world):
+    moe = layer(LOCAL, rank)
+    x = inputs(rank)[: 10 + 7 * rank]       # the ranks hold different token counts
+    try:
+        moe(x, inequivalent_tokens=True)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_inequivalent_tokens_over_processes_is_refused_by_name():
+    """Tutel then takes the capacity from the largest token count over the processes; the drop-in does not, and
+    says so rather than computing another capacity. On one process it is moot and runs."""
+    for message in run_workers(inequivalent_worker, 2):
+        assert message is not None and "inequivalent_tokens=True" in message and "more than one process" in message
+    one = layer(2 * LOCAL, 0)
+    x = inputs(0)
+    assert torch.equal(one(x, inequivalent_tokens=True), one(x))
 
 
 def full_state_worker(rank, world, kind, full):

@@ -1,8 +1,9 @@
 """`moe-plugin plan --deepspeed ds.json --hf-config config.json` (integrations/deepspeed/plan.py): each rank's bytes
 under ZeRO stages 0-3 against hand counts from the Hugging Face model's own parameters (built whole, unswapped), the
-parameter and optimizer bytes against a real 2-rank DeepSpeed run (ZeRO 1 fp32, ZeRO 2 bf16, ZeRO 1 with SGD,
-stage 0 fp32, ZeRO 3 bf16), the all-to-all bytes
-by hand, the JSON on stdout alone, and its errors (one line, exit code 2)."""
+all-to-all bytes by hand; against real DeepSpeed runs on 2 ranks (stage 0 and ZeRO 1 fp32, ZeRO 1 bf16 with SGD,
+ZeRO 2 and 3 bf16, ZeRO 1 fp32 with every row kept) and 4 (ZeRO 2 and 3 bf16) the parameter, gradient, optimizer and all-to-all bytes exactly and
+the activations within 10%; the JSON on stdout alone, and its errors (one line, exit code 2)."""
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 from moe_plugin import cli  # noqa: E402
+from moe_plugin.plan.state_bytes import nbytes, saved_for_backward, storage_key  # noqa: E402
 
 from helpers.hf import needs_transformers, transformers  # noqa: E402
 from helpers.launch import run_workers  # noqa: E402
@@ -81,52 +83,145 @@ def test_fp32_weights_keep_an_fp32_copy_under_zero_only(tmp_path, capsys, stage,
                                        per * (dense + local) + 4 * TENSORS)
 
 
-def _real_steps(rank, world, ds_paths):
-    """Per DeepSpeed config, one step of DeepSpeed's engine (moe_plugin's initialize): what the rank holds."""
+FULL, KEPT = 0.1, 2.0   # "moe.capacity_factor": every expert full; every row kept (see the real-run test)
+ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+SGD = {"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}
+# the DeepSpeed configs each real rank runs in turn, by world size: (ZeRO stage, bf16, optimizer, capacity_factor)
+RUNS = {2: [(1, False, ADAM, FULL), (2, True, ADAM, KEPT), (1, True, SGD, FULL), (0, False, ADAM, FULL),
+            (3, True, ADAM, KEPT), (1, False, ADAM, KEPT)],
+        4: [(2, True, ADAM, FULL), (3, True, ADAM, KEPT)]}
+
+
+@contextlib.contextmanager
+def _saved_under_zero3(model, total):
+    """saved_for_backward's count (each storage once, the parameters not) where ZeRO-3 gathers each module's
+    parameters for its forward: autograd keeps the Parameter object itself, whose gathered data ZeRO-3 frees after
+    the module and gathers again for backward, so a saved parameter is left out by identity (its storage at the
+    start is the empty partitioned one)."""
+    params = {id(p) for p in model.parameters()}
+    seen, held = set(), []          # held: no storage freed and its key reused while counting
+    total.setdefault("bytes", 0)
+
+    def pack(tensor):
+        if id(tensor) not in params and storage_key(tensor) not in seen:
+            seen.add(storage_key(tensor))
+            held.append(tensor)
+            total["bytes"] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+def _gradient_bytes(engine, at_reduction):
+    """The gradient bytes the rank holds, in DeepSpeed's own structures (see the real-run test)."""
+    stage, optimizer = engine.zero_optimization_stage(), engine.optimizer
+    if stage == 0:
+        return sum(nbytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
+    if stage == 1:
+        return at_reduction["bytes"]
+    if stage == 2:
+        return sum(nbytes(t) for group in optimizer.averaged_gradients.values() for t in group)
+    return nbytes(optimizer.grad_partitions_flat_buffer)
+
+
+def _real_steps(rank, world, ds_paths, seed):
+    """Per DeepSpeed config, one step of DeepSpeed's engine (moe_plugin's initialize) on this rank's 2 x 64 tokens:
+    what the rank holds, hands to all_to_all_single and saves for backward."""
     import moe_plugin.integrations.transformers  # noqa: F401  (before transformers: hides an unloadable torchaudio)
     import deepspeed
+    import torch.distributed as dist
+    from moe_plugin import MoELayer
     from moe_plugin.integrations.deepspeed import initialize
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     deepspeed.utils.logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")
-    nbytes = lambda t: t.numel() * t.element_size()   # noqa: E731
     held = []
     for ds_path in ds_paths:
+        torch.manual_seed(seed + rank)
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **{k: v for k, v in MIXTRAL.items() if k != "model_type"}))
         config = {**json.loads(Path(ds_path).read_text()), "zero_allow_untested_optimizer": True}   # SGD
         engine = initialize(model=model, config=config)[0]
-        ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 64))
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)     # ZeRO's wraps torch's
+        stage, optimizer = engine.zero_optimization_stage(), engine.optimizer
+        moved, at_reduction, saved = {"sent": 0, "received": 0}, {}, {}
+
+        def counting(output, input, *args, **kwargs):
+            moved["sent"] += nbytes(input)
+            moved["received"] += nbytes(output)
+            return exchange(output, input, *args, **kwargs)
+
+        def reduce_gradients(*args, **kwargs):      # ZeRO 1: every full gradient, as backward hands them over
+            at_reduction["bytes"] = sum(nbytes(p.grad) for group in optimizer.bit16_groups for p in group
+                                        if p.grad is not None)
+            return reduce(*args, **kwargs)
+
+        exchange, dist.all_to_all_single = dist.all_to_all_single, counting
+        if stage == 1:
+            reduce, optimizer.reduce_gradients = optimizer.reduce_gradients, reduce_gradients
+        try:
+            ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 64))
+            with (saved_for_backward if stage < 3 else _saved_under_zero3)(engine.module, saved):
+                loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            gradients = _gradient_bytes(engine, at_reduction)
+            engine.step()
+        finally:
+            dist.all_to_all_single = exchange
+        inner = getattr(optimizer, "optimizer", optimizer)     # ZeRO's wraps torch's
         state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
-        copies = list(getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or
-                      getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+        copies = list(getattr(optimizer, "single_partition_of_fp32_groups", None) or
+                      getattr(optimizer, "fp32_partitioned_groups_flat", []))
+        layers = [m.stats for m in engine.module.modules() if isinstance(m, MoELayer)]
         held.append({"parameters": sum(nbytes(getattr(p, "ds_tensor", p)) for p in engine.module.parameters()),
-                     "optimizer": sum(nbytes(t) for t in state + copies)})
+                     "gradients": gradients, "optimizer": sum(nbytes(t) for t in state + copies),
+                     "activations": saved["bytes"], "capacity_used": [s["capacity_used"] for s in layers],
+                     "dropped": [s["dropped_fraction"] for s in layers], **moved})
     return held
 
 
 @needs_transformers
 @pytest.mark.slow
-def test_parameter_and_optimizer_bytes_equal_a_real_deepspeed_run(tmp_path, capsys):
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_equals_a_real_deepspeed_run(tmp_path, capsys, fresh_seed, world):
+    """Each rank of a real DeepSpeed run (2 x 64 tokens, ep_size 2) against the plan of the same config.
+
+    Exactly: the parameters (ZeRO 3: each parameter's ds_tensor partition), the optimizer state (torch's state and
+    ZeRO's fp32 partitions) and the gradients where DeepSpeed keeps them: stage 0, every p.grad after backward;
+    ZeRO 1, every p.grad as backward hands them to the ZeRO optimizer's reduce_gradients (it then keeps its own
+    partition only); ZeRO 2, the rank's partition (the optimizer's averaged_gradients) after backward; ZeRO 3,
+    its grad_partitions_flat_buffer. The all-to-all bytes: at capacity_factor 0.1 (7 slots per expert, all
+    filled: the worker checks it) what each rank handed to all_to_all_single and got back, exactly; at 2.0 (128
+    slots: a token picks an expert once, so none of its 128 tokens can be dropped) routing moves bytes between
+    ranks, and what all ranks sent and received together is exactly world x the plan's balanced figure. Within
+    10% at 2.0: the plan's activations against the bytes the real forward and HF's loss saved for backward
+    (saved_for_backward; ZeRO 3's gathered parameters left out, _saved_under_zero3)."""
     planned, paths = [], []
-    adam = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
-    sgd = {"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}
-    # ZeRO 1 in fp32, ZeRO 2 in bf16 (Adam), ZeRO 1 in bf16 with SGD's momentum (one buffer, no step)
-    for i, (stage, bf16, optimizer) in enumerate(((1, False, adam), (2, True, adam), (1, True, sgd),
-                                                  (0, False, adam), (3, True, adam))):
+    for i, (stage, bf16, optimizer, cf) in enumerate(RUNS[world]):
         (tmp_path / str(i)).mkdir()
-        planned.append(plan_json(capsys, [*write(tmp_path / str(i), stage, bf16=bf16, optimizer=optimizer),
-                                          "--world-size", "2"]))
+        planned.append(plan_json(capsys, [*write(tmp_path / str(i), stage, bf16=bf16, optimizer=optimizer,
+                                                 moe={**MOE, "capacity_factor": cf}), "--world-size", str(world)]))
         paths.append(str(tmp_path / str(i) / "ds.json"))
-    assert planned[2]["roles"][0]["optimizer_bytes"] < planned[1]["roles"][0]["optimizer_bytes"]
-    for rank, held in enumerate(run_workers(_real_steps, 2, paths, timeout=300)):
-        for plan, real in zip(planned, held):
-            role = plan["roles"][0]
-            assert (real["parameters"], real["optimizer"]) == (role["parameters_bytes"], role["optimizer_bytes"]), \
-                rank
+    if world == 2:      # SGD's one momentum buffer against Adam's two moments
+        assert planned[2]["roles"][0]["optimizer_bytes"] < planned[1]["roles"][0]["optimizer_bytes"]
+    real = run_workers(_real_steps, world, paths, fresh_seed, timeout=300)
+    for run, (plan, (stage, bf16, _, cf)) in enumerate(zip(planned, RUNS[world])):
+        role, layers = plan["roles"][0], len(plan["moe_layers"])
+        assert role["ranks"] == list(range(world))
+        if cf == KEPT:
+            assert sum(step[run]["sent"] for step in real) == sum(step[run]["received"] for step in real) == \
+                world * role["all_to_all_bytes"], (world, stage, [step[run]["sent"] for step in real])
+        for rank, held in enumerate(step[run] for step in real):
+            where = f"world {world}, ZeRO {stage}, bf16 {bf16}, capacity_factor {cf}: rank {rank}"
+            assert {k: held[k] for k in ("parameters", "gradients", "optimizer")} == {
+                k: role[f"{k}_bytes"] for k in ("parameters", "gradients", "optimizer")}, where
+            if cf == FULL:
+                assert held["capacity_used"] == [1.0] * layers, where       # the count's precondition
+                assert held["sent"] == held["received"] == role["all_to_all_bytes"], where
+            else:
+                assert held["dropped"] == [0.0] * layers, where
+                assert abs(role["activations_bytes"] - held["activations"]) <= 0.10 * held["activations"], \
+                    (where, role["activations_bytes"], held["activations"])
 
 
 @needs_transformers

@@ -6,7 +6,7 @@ as each forward ran (tests/helpers/routing_reference.py), and under pipeline par
 sending every token to one expert raises the alarm once per layer at the set window, on rank 0, through DeepSpeed's
 logger; a router balanced by construction never does, nor "routing_alarm": false; with the JSON's wandb and
 tensorboard sections on, wandb.log and the event file get the same numbers at DeepSpeed's x-axis (wandb's steps
-never going back)."""
+never going back). Without steps_per_print in the JSON the window is 10 optimizer steps."""
 import csv
 
 import pytest
@@ -77,6 +77,46 @@ def test_the_monitor_holds_each_layers_routing(tmp_path):
                 assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key, step)
         assert read_csv(folder / "moe_all_max_load.csv")[step] == pytest.approx(max(w["max_load"]
                                                                                     for w in want.values()))
+
+
+def unprinted_worker(rank, world, directory, seed, steps):
+    """One process (ep_size 1), a JSON without steps_per_print, the csv monitor on, `steps` optimizer steps of one
+    micro-batch: each forward's reference sums and the layers' configs."""
+    from helpers.deepspeed import batches, setup_worker
+    from helpers.routing_reference import record_forwards
+
+    from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
+    setup_worker(rank, world)
+    section = {**SECTION, "ep_size": 1}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2,
+                                                                                             "torch_adam": True}},
+              "csv_monitor": {"enabled": True, "output_path": directory, "job_name": "run"}, "moe": section}
+    torch.manual_seed(seed)
+    engine, _, _, _ = dsi.initialize(model=MoETransformerLM(section, seed=seed), config=config)
+    assert engine.steps_per_print() is None
+    forwards = {}
+    layers = record_forwards(engine.module, forwards)
+    for tokens in batches(seed + 1, steps, batch=2):
+        engine.backward(lm_loss(engine, tokens))
+        engine.step()
+    return forwards, {name: layer.config for name, layer in layers.items()}
+
+
+@pytest.mark.timeout(300)
+def test_without_steps_per_print_the_window_is_10_steps(tmp_path, fresh_seed):
+    """11 optimizer steps: the monitor gets one write, at the 10th step (DeepSpeed's x-axis: 20 samples), of the
+    first 10 steps' routing."""
+    (forwards, configs), = run_workers(unprinted_worker, 1, str(tmp_path), fresh_seed, 11, timeout=250)
+    assert len(configs) == 2 and all(len(forwards[name]) == 11 for name in configs)
+    for name, config in configs.items():
+        sums = {}
+        for one in forwards[name][:10]:
+            sums = add(sums, one)
+        want = expected(_Layer(config), sums)
+        want.pop("tokens_per_expert")
+        for key, value in want.items():
+            got = read_csv(tmp_path / "run" / f"moe_{name}_{key}.csv")
+            assert list(got) == [10 * 2] and got[20] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key, got)
 
 
 @pytest.mark.parametrize("setting, words", [

@@ -1,22 +1,21 @@
 """fairseq per-layer routing metrics (issue 44; integrations/fairseq_moe/criterions.py): moe_cross_entropy's logging
 outputs, summed by fairseq's own aggregation (two ranks' outputs joined as fairseq gathers them, 2 updates of 2
 micro-batches), give moe/<layer>/<metric> and moe/all equal to numbers recomputed from each layer's routing as each
-forward ran (tests/helpers/routing_reference.py); a fairseq-train run logs them per layer in its log lines and the
-same values in its TensorBoard output (--tensorboard-logdir), the summary's dropped fraction equal to the
-whole-model moe_dropped computed from the layers' stats. The routing alarm
+forward ran (tests/helpers/routing_reference.py); a fairseq-train run logs them per layer in its log lines, equal to
+those numbers recomputed from the forwards of each log interval as they ran inside the run (and the whole-model
+moe_dropped likewise), and the same values in its TensorBoard output (--tensorboard-logdir). The routing alarm
 (--moe-routing-alarm-*): a collapsed router warns once per layer at the set log interval, through Python's logging,
 a balanced run and --no-moe-routing-alarm never; bad flags are one-line errors."""
 import copy
 import math
 import json
-import re
 import types
 
 import pytest
 import torch
 
-from helpers.fairseq import CPU, TINY_LM, fairseq, needs_fairseq, user_dir
-from helpers.routing_reference import add, expected, record_forwards
+from helpers.fairseq import CPU, TINY_LM, needs_fairseq, train_recording_routing, user_dir
+from helpers.routing_reference import add, expected, record_forwards, window_expected
 
 pytestmark = needs_fairseq
 VOCAB, D = 13, 16
@@ -96,37 +95,79 @@ def test_fairseq_aggregation_gives_each_layers_routing():
 
 
 @pytest.mark.timeout(600)
-def test_fairseq_train_logs_each_layer(tmp_path, corpus):
+def test_fairseq_train_logs_each_layer(tmp_path, corpus, fresh_seed):
+    """One fairseq-train run (2 log intervals of 2 updates of 2 micro-batches) with each MoE layer's training
+    forwards recorded inside it (helpers.fairseq.train_recording_routing: a pre-hook on each layer of the model
+    moe_cross_entropy watches computes the reference sums from the layer's input and its router's weights as the
+    forward runs): each train_inner line's moe/<layer>/<metric>, moe/all and moe_dropped equal the reference of that
+    interval's forwards, its TensorBoard output holds the same values, and the alarm (min share 0.99, 2 windows)
+    warns at the second interval about exactly the experts the reference starves in both intervals."""
+    import pickle
+
+    from moe_plugin.routing_metrics import METRICS
     args = [corpus["lm"], "--user-dir", user_dir(), "--task", "language_modeling", *TINY_LM, "--criterion",
             "moe_cross_entropy", "--optimizer", "adam", "--lr", "0.005", "--dropout", "0", "--tokens-per-sample",
             "64", "--sample-break-mode", "complete", "--batch-size", "4", "--max-update", "4", "--update-freq", "2",
-            "--save-dir", str(tmp_path / "ckpt"), "--no-save", *CPU, "--log-format", "json", "--log-interval", "2",
-            # an alarm every unbalanced layer raises at the second interval (the run is seeded: --seed 1)
-            "--moe-routing-alarm-min-share", "0.99", "--moe-routing-alarm-windows", "2",
+            "--save-dir", str(tmp_path / "ckpt"), "--no-save", *CPU, "--seed", str(fresh_seed), "--log-format",
+            "json", "--log-interval", "2", "--moe-routing-alarm-min-share", "0.99", "--moe-routing-alarm-windows", "2",
             "--tensorboard-logdir", str(tmp_path / "tensorboard")]
-    log = fairseq("train", args, cwd=str(tmp_path), timeout=500).stdout
+    log = train_recording_routing(args, str(tmp_path), tmp_path / "forwards.pkl", timeout=500).stdout
+    with open(tmp_path / "forwards.pkl", "rb") as file:
+        forwards, configs = pickle.load(file)
+    layers = {name: types.SimpleNamespace(config=config) for name, config in configs.items()}   # what expected() reads
+    assert len(layers) == 2 and all(len(forwards[name]) == 8 for name in layers), {k: len(v) for k, v in
+                                                                                    forwards.items()}
     lines = [json.loads(line[line.index("{"):]) for line in log.splitlines() if "train_inner" in line and "{" in line]
-    assert len(lines) == 2, log[-3000:]
-    assert [float(line["moe/alarm_layers"]) for line in lines] == [0, 2]
+    assert [int(line["num_updates"]) for line in lines] == [2, 4], log[-3000:]
+    per_interval = 4           # 2 updates of 2 micro-batches
+    wants = [window_expected(layers, forwards, window, per_interval) for window in range(2)]
+    loads = [{name: [sum(one["load"][e] for one in forwards[name][w * per_interval:(w + 1) * per_interval])
+                     for e in range(4)] for name in layers} for w in range(2)]
+    for line, want, window in zip(lines, wants, range(2)):
+        logged = sorted(key for key in line if key.startswith("moe/") and key != "moe/alarm_layers")
+        assert logged == sorted([f"moe/{name}/{key}" for name in layers for key in want[name]] +
+                                [f"moe/all/{key}" for key in METRICS if any(key in w for w in want.values())])
+        for name, metrics in want.items():
+            for key, value in metrics.items():      # the log line's format_stat keeps 6 significant digits
+                assert float(line[f"moe/{name}/{key}"]) == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+        assert float(line["moe/all/max_load"]) == pytest.approx(max(w["max_load"] for w in want.values()), rel=1e-5)
+        assert float(line["moe/all/dropped_fraction"]) == pytest.approx(
+            sum(w["dropped_fraction"] for w in want.values()) / 2, rel=1e-5, abs=1e-6)
+        part = [one for name in layers for one in forwards[name][window * per_interval:(window + 1) * per_interval]]
+        dropped = 1 - sum(sum(one["kept"]) for one in part) / sum(one["choices"] for one in part)   # the whole model's
+        assert float(line["moe_dropped"]) == pytest.approx(dropped, abs=1e-4)          # logged to 4 decimals
+    # the alarm: an expert under 99% of the mean load in both intervals, or drops over 20% in both
+    expected_alarms = []
+    for name in layers:
+        shares = [[n * 4 / sum(load[name]) for n in load[name]] for load in loads]
+        starved = [e for e in range(4) if shares[0][e] < 0.99 and shares[1][e] < 0.99]
+        dropping = all(want[name]["dropped_fraction"] > 0.2 for want in wants)
+        trouble = []
+        if starved:
+            named = ", ".join(f"{e} ({shares[1][e]:.1%})" for e in starved)
+            trouble.append(f"experts {named} got under 99% of the mean load (busiest expert "
+                           f"{wants[1][name]['max_load']:.2f}x the mean)")
+        if dropping:
+            trouble.append(f"dropped fraction {wants[1][name]['dropped_fraction']:.1%} over 20%")
+        if trouble:
+            expected_alarms.append(f"moe_plugin routing alarm: MoE layer {name}: {'; '.join(trouble)}, in each of "
+                                   f"the last 2 logging windows")
+    assert [float(line["moe/alarm_layers"]) for line in lines] == [0, len(expected_alarms)]
     alarms = [line for line in log.splitlines() if "routing alarm: MoE layer" in line]
-    assert len(alarms) == 2 and all("got under 99% of the mean load" in line for line in alarms), alarms
+    assert len(alarms) == len(expected_alarms) and all(want in line for want, line in zip(expected_alarms, alarms)), \
+        (alarms, expected_alarms)
     order = [line for line in log.splitlines() if "routing alarm: MoE layer" in line or "train_inner" in line]
-    assert "train_inner" in order[0] and order[1:3] == alarms and "train_inner" in order[3]   # at the 2nd interval
-    for line in lines:
-        layers = sorted({m.group(1) for key in line for m in [re.match(r"moe/(.+)/max_load$", key)] if m})
-        assert len(layers) == 3 and "all" in layers, layers          # 2 MoE layers and the summary
-        assert float(line["moe/all/dropped_fraction"]) == pytest.approx(float(line["moe_dropped"]), abs=2e-4)
-        for name in layers:
-            assert 1.0 <= float(line[f"moe/{name}/max_load"]) <= 4.0
+    assert "train_inner" in order[0] and order[1:-1] == alarms and "train_inner" in order[-1]   # at the 2nd interval
     # fairseq's TensorBoard output holds the same per-layer metrics at the same updates
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     events = accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "train_inner"))
     events.Reload()
     tags = [tag for tag in events.Tags()["scalars"] if tag.startswith("moe/")]
-    assert len([tag for tag in tags if tag.endswith("/max_load")]) == 3, tags
+    assert sorted(tags) == sorted(key for key in lines[0] if key.startswith("moe/")), tags
     for tag in tags:
         written = [(e.step, e.value) for e in events.Scalars(tag)]
-        assert written == [(int(line["num_updates"]), pytest.approx(float(line[tag]), abs=1e-3)) for line in lines], tag
+        assert written == [(int(line["num_updates"]), pytest.approx(float(line[tag]), rel=1e-5, abs=1e-6))
+                           for line in lines], tag
 
 
 def alarm_model(case):

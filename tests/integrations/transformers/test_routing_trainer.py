@@ -1,8 +1,8 @@
 """HF Trainer with RoutingMetrics (issue 44): a 6-step run with report_to=["tensorboard"] (2 micro-batches a step,
 a log every 2 steps) writes moe/<layer>/<metric> per swapped layer and the moe/all summary into TensorBoard's event
 file, equal to numbers recomputed from each layer's routing as each forward ran (tests/helpers/routing_reference.py);
-a router sending every token to one expert raises the alarm once, through transformers' logger, and a healthy run
-never does; the alarm can be turned off."""
+a router sending every token to one expert raises the alarm once per layer, through transformers' logger, at the log
+that ends the set number of windows, and a run balanced by construction never does; the alarm can be turned off."""
 import tempfile
 from pathlib import Path
 
@@ -17,9 +17,11 @@ pytestmark = [needs_transformers]
 STEPS, EVERY = 6, 2
 
 
-def train(model, callbacks, report_to, out_dir, eval_steps=None):
+def train(model, callbacks, report_to, out_dir, eval_steps=None, rows=None):
+    """rows: the training token rows (default: 24 fresh random rows)."""
     from transformers import Trainer, TrainingArguments
-    data = [{"input_ids": row, "labels": row} for row in tokens(seed=torch.randint(1 << 30, ()).item(), batch=24)]
+    rows = tokens(seed=torch.randint(1 << 30, ()).item(), batch=24) if rows is None else rows
+    data = [{"input_ids": row, "labels": row} for row in rows]
     evaluation = dict(eval_strategy="steps", eval_steps=eval_steps) if eval_steps else {}
     args = TrainingArguments(output_dir=out_dir, use_cpu=True, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2, save_strategy="no",
@@ -87,29 +89,83 @@ def collapse(model):
         layer.router.expert_bias_E[3] = 10.0
 
 
-@pytest.mark.parametrize("case", ["collapsed", "healthy", "collapsed_alarm_off"])
-def test_the_alarm_fires_once_on_a_collapse_only(case, caplog):
+def balance(model):
+    """Every router sends the token at position s to expert s % E and keeps doing so, given rows whose token at
+    position s is s % E plus a multiple of E (balanced_rows): token v's embedding holds 5 at dimension v % E and
+    zeros elsewhere, which the blocks pass on unchanged (attention output and experts zero), normalized to
+    sqrt(D) by the post-attention RMSNorm, where expert e's router row reads dimension e; only lm_head trains."""
+    layers = moe_layers(model)
+    E = next(iter(layers.values())).config.num_experts
+    with torch.no_grad():
+        embedding = model.model.embed_tokens.weight
+        embedding.zero_()
+        embedding[:, :E] = 5.0 * torch.eye(E)[torch.arange(embedding.shape[0]) % E]
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        for layer in layers.values():
+            for weight in layer.experts.parameters():
+                weight.zero_()
+            layer.router.weight_ED.zero_()
+            layer.router.weight_ED[:, :E] = torch.eye(E)
+        for weight in model.parameters():
+            weight.requires_grad_(False)
+        model.lm_head.weight.requires_grad_(True)
+    return E
+
+
+def balanced_rows(E, batch=24, length=13):
+    """Fresh random rows whose token at position s is s % E plus a random multiple of E (below the vocabulary)."""
+    from helpers.hf import VOCAB
+    return E * torch.randint(VOCAB // E, (batch, length)) + torch.arange(length) % E
+
+
+@pytest.mark.parametrize("case", ["collapsed", "balanced", "collapsed_alarm_off"])
+def test_the_alarm_fires_once_on_a_collapse_only(case, caplog, fresh_seed):
+    """Windows of EVERY steps, alarm windows 2: a collapse warns once per layer, at the second log (step 2 * EVERY),
+    and at no other; a run balanced by construction (position s to expert s % E, its load checked) and a collapse
+    with the alarm off never warn."""
+    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     from moe_plugin.integrations.transformers import RoutingMetrics
     from moe_plugin.routing_alarm import RoutingAlarm
     model = swapped({"num_experts_per_tok": 1}, capacity_factor=0.0)     # top-1: a collapse can take every token
-    if case != "healthy":
+    names = list(moe_layers(model))
+    rows = None
+    if case == "balanced":
+        E = balance(model)
+        rows = balanced_rows(E)
+    else:
         collapse(model)
     callback = RoutingMetrics(alarm=False if case == "collapsed_alarm_off" else RoutingAlarm(min_share=0.05,
                                                                                              windows=2))
+    seen = []         # at each training log: (step, its moe/ values, the alarm warnings logged so far)
+
+    class Seen(TrainerCallback):      # after RoutingMetrics, which moves itself to the front
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            alarms = [r.getMessage() for r in caplog.records if "routing alarm" in r.getMessage()]
+            seen.append((state.global_step, {k: v for k, v in logs.items() if k.startswith("moe/")}, alarms))
     hf_logging.enable_propagation()       # transformers' logger reaches caplog's handler
     try:
         with caplog.at_level("WARNING"):
-            train(model, [callback], [], tempfile.mkdtemp())
+            train(model, [callback, Seen()], [], tempfile.mkdtemp(), rows=rows)
     finally:
         hf_logging.disable_propagation()
-    alarms = [r.getMessage() for r in caplog.records if "routing alarm" in r.getMessage()]
+    seen = [entry for entry in seen if entry[1]]          # the training logs (the last one, train's summary, has none)
+    assert [step for step, _, _ in seen] == list(range(EVERY, STEPS + 1, EVERY))
+    fired = [len(alarms) for _, _, alarms in seen]
+    if case == "balanced":
+        # each window: 2 steps x 2 micro-batches x 2 rows of 13 positions, position s to expert s % 6
+        load = [sum(1 for s in range(13) if s % 6 == e) * 8 for e in range(6)]
+        for _, logs, _ in seen:
+            for name in names:
+                assert logs[f"moe/{name}/max_load"] == pytest.approx(max(load) / (sum(load) / 6))
+                assert logs[f"moe/{name}/experts_without_tokens"] == 0
     if case != "collapsed":
-        assert alarms == []
+        assert fired == [0] * len(seen)
         return
-    names = list(moe_layers(model))
-    assert len(alarms) == 2, alarms                        # one per layer, though 3 windows were unhealthy
+    assert fired == [0, 2, 2], fired             # at the 2nd window (windows=2), once per layer, not again at the 3rd
+    alarms = seen[-1][2]
     for name, message in zip(names, alarms):
         assert f"MoE layer {name}: experts 0 (0.0%), 1 (0.0%), 2 (0.0%), 4 (0.0%), 5 (0.0%) got under 5%" in message
         assert "busiest expert 6.00x the mean" in message and "last 2 logging windows" in message
