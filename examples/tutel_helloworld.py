@@ -92,6 +92,7 @@ def main(argv=None):
         with open(os.path.join(args.out, f"losses_rank{rank}.json"), "w") as file:
             json.dump(losses, file)
     if dist.is_initialized():
+        dist.barrier()     # no process leaves while another still uses the group (gloo may abort at exit then)
         dist.destroy_process_group()
     return losses
 
