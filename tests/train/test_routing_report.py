@@ -74,13 +74,34 @@ def test_report_of_a_hugging_face_folder_follows_hfs_routers(tmp_path):
     for index, (name, layer) in enumerate(routing.items()):
         E = layer["experts"]
         assert (layer["top_k"], list(layer["topics"])) == (k, list(sizes))
-        load, both = [0] * E, [[0] * E for _ in range(E)]
+        load, both, ties = [0] * E, [[0] * E for _ in range(E)], 0
         for topic in sizes:
-            topic_load, topic_both = coselection(logits[topic][index].topk(k, dim=-1).indices, E)
-            assert layer["topics"][topic] == topic_load, (name, topic)
+            logits_TE = logits[topic][index]
+            topic_load, topic_both = coselection(logits_TE.topk(k, dim=-1).indices, E)
+            topic_ties = near_ties(logits_TE, k)
+            assert_counts(layer["topics"][topic], topic_load, topic_ties, (name, topic))
             load = [a + b for a, b in zip(load, topic_load)]
             both = [[a + b for a, b in zip(row, topic_row)] for row, topic_row in zip(both, topic_both)]
-        assert layer["load"] == load and layer["coselection"] == both, name
+            ties += topic_ties
+        assert_counts(layer["load"], load, ties, name)
+        assert_counts(sum(layer["coselection"], []), sum(both, []), ties, name)
+
+
+def near_ties(logits_TE, k, margin=1e-6):
+    """The tokens whose k-th and (k+1)-th best logits are within margin: past the first layer the report's (swapped)
+    model computes the router's input in another order than HF's, so such a token's choice may go either way (the
+    second layer's logits differ by up to 6e-8 at this size; the logits' spread is about 0.12)."""
+    if k >= logits_TE.shape[-1]:
+        return 0
+    top_TK = logits_TE.topk(k + 1, dim=-1).values
+    return int((top_TK[:, k - 1] - top_TK[:, k] < margin).sum())
+
+
+def assert_counts(got, want, ties, where):
+    """Equal, but for at most one count per near-tied token in each entry (a token changing its choice moves each
+    load and co-selection count by at most one); exactly equal where no token is near a tie."""
+    assert len(got) == len(want) and all(abs(a - b) <= ties for a, b in zip(got, want)), (where, got, want, ties)
+    assert sum(got) == sum(want), (where, got, want)
 
 
 @pytest.mark.parametrize("argv, words", [
