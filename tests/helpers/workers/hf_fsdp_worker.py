@@ -81,8 +81,6 @@ def main(out_dir, ep_size, steps, save_model):
         result["export_logits_diff"] = loaded_logits_diff(model, os.path.join(out_dir, "exported"))
     with open(os.path.join(out_dir, f"result{rank}.json"), "w") as file:
         json.dump(result, file)
-    dist.barrier()   # no rank leaves while another still uses the process group (gloo aborts then)
-    dist.destroy_process_group()
 
 
 def checkpointed_run(out_dir, ep_size, resume, state_dict_type="SHARDED_STATE_DICT"):
@@ -139,4 +137,6 @@ def loaded_logits_diff(model, directory):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    leave_together()

@@ -108,4 +108,6 @@ def load_saved_adapter(model, folder, final):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     main(sys.argv[1], int(sys.argv[2]), *[int(a) for a in sys.argv[3:]])
+    leave_together()

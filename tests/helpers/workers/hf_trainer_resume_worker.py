@@ -42,5 +42,7 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     main(sys.argv[1])
     runs(sys.argv[2:])
+    leave_together()

@@ -95,4 +95,6 @@ def runs(arguments):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     runs(sys.argv[1:])
+    leave_together()

@@ -45,5 +45,7 @@ def main(out_dir, mode, steps):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     for mode in sys.argv[2].split(","):
         main(os.path.join(sys.argv[1], mode), mode, int(sys.argv[3]))
+    leave_together()

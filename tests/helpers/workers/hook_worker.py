@@ -98,4 +98,6 @@ def main(out_dir, ds_json, how, steps):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    leave_together()

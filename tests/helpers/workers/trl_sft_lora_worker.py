@@ -68,4 +68,6 @@ def main(out_dir, steps):
 
 
 if __name__ == "__main__":
+    from helpers.workers import leave_together
     main(sys.argv[1], int(sys.argv[2]))
+    leave_together()
