@@ -16,3 +16,17 @@ def load_script(relative_path: str):
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)
     return sys.modules[path.stem]
+
+
+def package_path(filename: str):
+    """filename relative to the installed moe_plugin package (moe_plugin.__file__'s folder, or the integrations
+    folder it installs), as "ops/grouped.py" or "integrations/deepspeed/hook.py"; None for any other file. Never by
+    path text: a clone named moe_plugin holds torch's own files under .../moe_plugin/.venv/."""
+    import moe_plugin
+    import moe_plugin.integrations
+    path = Path(filename).resolve()
+    for root, prefix in ((Path(moe_plugin.integrations.__file__).resolve().parent, "integrations/"),
+                         (Path(moe_plugin.__file__).resolve().parent, "")):
+        if path.is_relative_to(root):
+            return prefix + path.relative_to(root).as_posix()
+    return None

@@ -29,6 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from helpers.compare import relative_error
 from helpers.expert_parallel import expected_shard, single_process_grads
 from helpers.launch import run_workers
+from helpers.paths import package_path
 from moe_plugin import MoEConfig, MoELayer
 
 D, H = 6, 8
@@ -115,8 +116,8 @@ class HostReads(TorchDispatchMode):
         """The CPU branches of moe_plugin/ops read offsets on the host by design; their device branches
         do not (test_compile.py checks those on CUDA)."""
         frames = traceback.extract_stack()[:-2]
-        if not any("/moe_plugin/ops/" in frame.filename for frame in frames):
-            ours = [frame for frame in frames if "/moe_plugin/" in frame.filename] or frames
+        if not any((package_path(frame.filename) or "").startswith("ops/") for frame in frames):
+            ours = [frame for frame in frames if package_path(frame.filename)] or frames
             self.seen.append(f"{what} at {ours[-1].filename}:{ours[-1].lineno}")
 
     def on_device(self, tensors):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.host_syncs import HostSyncs
+from helpers.paths import package_path
 from helpers.train import TINY
 
 from moe_plugin import aux_loss, train
@@ -40,7 +41,7 @@ class DeviceReads(HostSyncs):
 
     def _note(self):
         caller = [f.filename for f in traceback.extract_stack() if f.filename != __file__][-1]
-        self.asked.append(caller.split("/moe_plugin/")[-1] if "/moe_plugin/" in caller else "elsewhere")
+        self.asked.append(package_path(caller) or "elsewhere")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.ops:
