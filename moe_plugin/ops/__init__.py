@@ -39,7 +39,8 @@ require_torch()
 from . import torch_ops  # noqa: E402
 from .choice import (ENV, MODES, describe, device_kind, direct, eager_triton, kernels_for, mode,  # noqa: F401,E402
                      resolved, simulated_cuda)
-from .grouped import grouped_mm, grouped_mm_loop, grouped_sum, offsets, zero_rows_past  # noqa: F401,E402
+from .grouped import grouped_mm, grouped_sum, offsets, zero_rows_past  # noqa: F401,E402
+from .torch_grouped import grouped_mm_loop  # noqa: F401,E402
 from .tail import tail_rows_unread, tail_unread  # noqa: F401,E402
 from . import choice as _choice, tail as _tail  # noqa: E402
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .choice import device_kind, direct, eager_triton, kernels_for
 from .tail import tail_unread
+from .torch_grouped import grouped_mm_loop
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -92,23 +93,6 @@ def offsets(counts_E, device=None) -> torch.Tensor:
     """int32 end offsets from per-group row counts (a list or a tensor)."""
     counts_E = torch.as_tensor(counts_E, device=device)
     return counts_E.cumsum(0).to(torch.int32)
-
-
-def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """The per-expert torch.mm loop (the reference; fp64). Reads the offsets on the host."""
-    ends = offs_E.tolist()
-    starts = [0] + ends[:-1]
-    if b.dim() == 3:
-        out = a.new_zeros(a.shape[0], b.shape[2])
-        for e, (start, end) in enumerate(zip(starts, ends)):
-            if end > start:
-                torch.mm(a[start:end], b[e], out=out[start:end])
-        return out
-    out = a.new_zeros(len(ends), a.shape[0], b.shape[1])
-    for e, (start, end) in enumerate(zip(starts, ends)):
-        if end > start:
-            torch.mm(a[:, start:end], b[start:end], out=out[e])
-    return out
 
 
 def _aligned_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,25 @@ from typing import Optional, Tuple
 
 import torch
 
-from .grouped import grouped_mm_loop
-
 # the activations the fused up projection takes in its epilogue
 GATHER_UP_ACTIVATIONS = ("relu", "swiglu", "geglu")
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """The per-expert torch.mm loop (the reference; fp64). Reads the offsets on the host."""
+    ends = offs_E.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e, (start, end) in enumerate(zip(starts, ends)):
+            if end > start:
+                torch.mm(a[start:end], b[e], out=out[start:end])
+        return out
+    out = a.new_zeros(len(ends), a.shape[0], b.shape[1])
+    for e, (start, end) in enumerate(zip(starts, ends)):
+        if end > start:
+            torch.mm(a[:, start:end], b[start:end], out=out[e])
+    return out
 
 
 def tokens_of_rows(pos_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
