@@ -37,7 +37,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,8 +52,6 @@ from .manifest import verify
 from .metrics import Window
 from .processes import Processes
 
-if TYPE_CHECKING:
-    from .parts import Parts   # annotations only: parts.py builds hf models, which read checkpoints
 
 FORMAT = "moe_plugin sharded checkpoint v1"
 
@@ -160,7 +158,8 @@ def unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def rank_state(procs: Processes, parts: Parts, window: Window) -> dict:
+def rank_state(procs: Processes, parts: Any, window: Window) -> dict:
+    """What this process alone holds of a run (parts: the run's train.parts.Parts): data position, RNGs, window."""
     state = {"data": parts.data.train.state_dict(), "torch_rng": torch.get_rng_state(),
              "python_rng": random.getstate(), "window": window.state()}
     if procs.device.type == "cuda":
@@ -173,7 +172,7 @@ def _barrier(procs: Processes) -> None:
         dist.barrier()
 
 
-def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int,
+def save(parts: Any, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int,
          window: Window) -> Dict[str, float]:
     """A collective: each process writes its share into step_NNNNNN.tmp; rank 0 writes manifest.json, renames
     the folder into place, then removes checkpoints beyond train.keep_checkpoints.
@@ -208,7 +207,7 @@ def save(parts: Parts, procs: Processes, cfg: ExperimentConfig, out_dir: Path, s
     return {"seconds": time.perf_counter() - start, "checksum_seconds": summed}
 
 
-def restore(parts: Parts, procs: Processes, cfg: ExperimentConfig, path: Path) -> Tuple[int, Window]:
+def restore(parts: Any, procs: Processes, cfg: ExperimentConfig, path: Path) -> Tuple[int, Window]:
     """Load a checkpoint written by any number of processes and ep_size (a collective); returns (step, window)."""
     try:
         meta = read_meta(path)
