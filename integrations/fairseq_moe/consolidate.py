@@ -19,10 +19,16 @@ experts: rank R gets block R % M. Optimizer state is left out (its expert moment
 fairseq keys them by parameter position), so fairseq-train resumes such a checkpoint with the
 weights only: a fresh optimizer, LR schedule and update count, as with --reset-optimizer.
 (`moe-plugin train` checkpoints reshard with their optimizer state: moe_plugin/train/checkpoint.py.)
+
+It writes no file that exists unless given --overwrite, and never over the run's own per-rank checkpoints
+(the <name>-rank-<R>.pt beside the source, which hold the optimizer state): reshard into another folder. Each file
+is written to a temporary file beside it, then renamed into place. A missing, truncated or foreign rank file, or a
+destination refused, ends in one line and exit status 2.
 """
 import argparse
 import copy
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -42,16 +48,37 @@ def rank_paths(rank0_path: str, ep_size: int) -> List[str]:
     return [f"{match.group(1)}{rank}{match.group(2)}" for rank in range(ep_size)]
 
 
+def load(path: str) -> dict:
+    """A fairseq checkpoint of an MoE model; ValueError naming the file and what is wrong with it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file (every rank's checkpoint of the run is needed)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as error:
+        reason = str(error).split(". ")[0].strip() or type(error).__name__
+        raise ValueError(f"{path}: cannot be read as a checkpoint, it may be truncated or not a torch file "
+                         f"({reason})") from None
+    cfg = state.get("cfg") if isinstance(state, dict) and "model" in state else None
+    model_args = cfg.get("model") if hasattr(cfg, "get") else None
+    if getattr(model_args, "moe_ep_size", None) is None:
+        raise ValueError(f"{path}: not a fairseq checkpoint of an MoE model (no model with cfg.model.moe_ep_size)")
+    return state
+
+
 def merged(rank0_path: str):
     """(rank 0's checkpoint, its model with every expert, the ep_size merged over)."""
-    first = torch.load(rank0_path, map_location="cpu", weights_only=False)
+    first = load(rank0_path)
     model_args = first["cfg"]["model"]
     ep_size, num_experts = model_args.moe_ep_size, model_args.moe_expert_count
     if ep_size > num_experts:
         raise ValueError(f"--moe-ep-size {ep_size} > --moe-expert-count {num_experts} slices each expert over "
                          f"ranks; merging sliced experts is not supported")
-    states = [first["model"]] + [torch.load(path, map_location="cpu", weights_only=False)["model"]
-                                 for path in rank_paths(rank0_path, ep_size)[1:]]
+    others = rank_paths(rank0_path, ep_size)[1:]
+    for path in others:     # every file there before any is read: a missing one is named at once
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file (the run had --moe-ep-size {ep_size}: every rank's checkpoint "
+                             f"is needed)")
+    states = [first["model"]] + [load(path)["model"] for path in others]
     merged_model = {}
     for key, value in first["model"].items():
         if key.endswith(EXPERT_TENSORS):
@@ -61,16 +88,37 @@ def merged(rank0_path: str):
     return first, merged_model, ep_size
 
 
-def consolidate(rank0_path: str, out_path: str) -> int:
+def check_destinations(rank0_path: str, paths: List[str], overwrite: bool = False) -> None:
+    """ValueError unless every path may be written: none is one of the source run's per-rank checkpoints (the
+    <name>-rank-<R>.pt beside rank0_path), and none exists unless overwrite."""
+    prefix = os.path.realpath(rank0_path)[:-len("0.pt")]
+    for path in paths:
+        real = os.path.realpath(path)
+        if re.fullmatch(re.escape(prefix) + r"\d+\.pt", real):
+            raise ValueError(f"{path} is one of the source run's checkpoints (which hold its optimizer state); "
+                             f"write to another file or folder")
+        if os.path.isdir(path):
+            raise ValueError(f"{path} is a folder; give a file name (or --ep-size M > 1 to write per-rank files)")
+        if os.path.exists(path) and not overwrite:
+            raise ValueError(f"{path} exists; pass --overwrite to replace it, or write elsewhere")
+
+
+def consolidate(rank0_path: str, out_path: str, overwrite: bool = False) -> int:
     """Write the merged checkpoint; returns the ep_size merged over."""
+    rank_paths(rank0_path, 1)
+    check_destinations(rank0_path, [out_path], overwrite)
     first, model, ep_size = merged(rank0_path)
     _write(first, model, 1, "", out_path)
     return ep_size
 
 
-def reshard(rank0_path: str, out_dir: str, new_ep_size: int, world_size: Optional[int] = None) -> List[str]:
+def reshard(rank0_path: str, out_dir: str, new_ep_size: int, world_size: Optional[int] = None,
+            overwrite: bool = False) -> List[str]:
     """Write the per-rank checkpoints of a run with --moe-ep-size new_ep_size on world_size processes."""
     world_size = world_size or new_ep_size
+    name = os.path.basename(rank_paths(rank0_path, 1)[0])[:-len("-rank-0.pt")]
+    suffixes = [f"-rank-{rank}" for rank in range(world_size)] if new_ep_size > 1 else [""]
+    check_destinations(rank0_path, [os.path.join(out_dir, f"{name}{suffix}.pt") for suffix in suffixes], overwrite)
     first, model, _ = merged(rank0_path)
     num_experts = first["cfg"]["model"].moe_expert_count
     if new_ep_size < 1 or num_experts % new_ep_size:
@@ -78,7 +126,6 @@ def reshard(rank0_path: str, out_dir: str, new_ep_size: int, world_size: Optiona
                          f"(ep sizes above the expert count slice experts, which resharding does not do)")
     if world_size % new_ep_size:
         raise ValueError(f"--world-size {world_size} is invalid: must be a multiple of --ep-size {new_ep_size}")
-    name = os.path.basename(rank_paths(rank0_path, 1)[0])[:-len("-rank-0.pt")]
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for rank in range(world_size):
@@ -102,9 +149,13 @@ def _write(first: dict, model: dict, ep_size: int, suffix: str, path: str) -> No
     state["cfg"]["checkpoint"]["checkpoint_suffix"] = suffix
     state.pop("last_optimizer_state", None)
     handle, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(handle, "wb") as file:
-        torch.save(state, file)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(state, file)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -114,13 +165,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ep-size", type=int, default=1, help="the --moe-ep-size to reshard to (default 1: merge)")
     parser.add_argument("--world-size", type=int, default=None, help="the processes of the resumed run "
                                                                         "(a multiple of --ep-size; default: --ep-size)")
+    parser.add_argument("--overwrite", action="store_true", help="replace destination files that exist (never the "
+                                                                 "source run's own checkpoints)")
     args = parser.parse_args(argv)
     try:
         if args.ep_size == 1 and args.world_size in (None, 1):
-            ep_size = consolidate(args.rank0_checkpoint, args.out)
+            ep_size = consolidate(args.rank0_checkpoint, args.out, args.overwrite)
             print(f"merged the experts of {ep_size} ranks into {args.out}")
         else:
-            paths = reshard(args.rank0_checkpoint, args.out, args.ep_size, args.world_size)
+            paths = reshard(args.rank0_checkpoint, args.out, args.ep_size, args.world_size, args.overwrite)
             print(f"resharded the experts to --moe-ep-size {args.ep_size}: {len(paths)} checkpoints in {args.out}")
     except ValueError as error:
         print(f"consolidate: {error}", file=sys.stderr)
