@@ -4,10 +4,14 @@ The flags keep the names of fairseq's MoE branch where it has one (--moe-expert-
 --moe-gating-use-fp32, --moe-second-expert-policy, --moe-normalize-gate-prob-before-dropping,
 --moe-batch-prioritized-routing, --moe-expert-ffn-dim, --moe-eval-capacity-token-fraction) and with
 their semantics there; the rest map one to one onto MoEConfig fields. All checking of values is the
-core's (MoEConfig, check_sizes); this module only renames, and names the flag in the error.
+core's (MoEConfig, check_sizes); this module only renames, and names the flag in the error. Inside a
+fairseq command such an error ends it as argparse's own errors do (flag_errors).
 """
 
+import contextlib
+import os
 import re
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
@@ -114,6 +118,29 @@ FLAG_OF_FIELD = {
 }
 
 
+@contextlib.contextmanager
+def flag_errors():
+    """with flag_errors(): checks of the flags. Inside a fairseq command (fairseq-train, python -m fairseq_cli.train,
+    ...) a ValueError from them ends the command as argparse's own errors do: one line `prog: error: message` on
+    stderr, exit status 2, no traceback. Called from Python (tests, a script building a model), the ValueError
+    stays."""
+    try:
+        yield
+    except ValueError as error:
+        if not in_fairseq_command():
+            raise
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def in_fairseq_command() -> bool:
+    """Whether this process runs one of fairseq's commands: the console scripts fairseq-* (also under torchrun),
+    or python -m fairseq_cli.*."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return (getattr(spec, "name", None) or "").startswith("fairseq_cli.") or \
+        os.path.basename(sys.argv[0] if sys.argv else "").startswith("fairseq-")
+
+
 def add_moe_args(parser) -> None:
     """Add the --moe-* flags (no defaults: the arch functions fill them in, see set_moe_defaults)."""
     gen_parser_from_dataclass(parser, MoEArgs(), delete_default=True)
@@ -178,6 +205,11 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
     except ValueError as error:
         raise ValueError(f"{_flag_of(str(error))}: {error}") from error
     return config
+
+
+def single_process_error(ep_size: int) -> str:
+    return (f"--moe-ep-size {ep_size} needs a distributed run of at least that many processes "
+            f"(--distributed-world-size); this one is a single process")
 
 
 def moe_layer_indices(args, num_layers: int, where: str) -> list:

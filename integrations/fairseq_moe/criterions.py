@@ -30,7 +30,7 @@ from fairseq.logging import metrics
 from moe_plugin import MoELayer
 from moe_plugin.routing_metrics import RoutingMonitor, metrics_from_sums, scalars
 
-from .config import RoutingAlarmArgs, routing_alarm_from_args
+from .config import RoutingAlarmArgs, flag_errors, routing_alarm_from_args
 from .registration import criterion
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,14 @@ class MoECrossEntropyConfig(CrossEntropyCriterionConfig, MoEGateLossConfig):
 @dataclass
 class MoELabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig, MoEGateLossConfig):
     pass
+
+
+def check_gate_loss_flags(args) -> None:
+    """The MoE criterions' flags (--moe-gate-loss-*, --moe-routing-alarm-*) in fairseq-train's parsed args, checked
+    as the criterions will check them: the archs run this as fairseq-train parses the flags."""
+    GateLoss(args.moe_gate_loss_wt, args.moe_gate_loss_combine_method, routing_alarm_from_args(
+        args.moe_routing_alarm_min_share, args.moe_routing_alarm_max_dropped, args.moe_routing_alarm_windows,
+        args.no_moe_routing_alarm))
 
 
 class GateLoss:
@@ -203,9 +211,10 @@ class MoECrossEntropyCriterion(CrossEntropyCriterion):
                  moe_routing_alarm_min_share=0.1, moe_routing_alarm_max_dropped=0.2, moe_routing_alarm_windows=3,
                  no_moe_routing_alarm=False):
         super().__init__(task, sentence_avg)
-        self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
-            moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
-            no_moe_routing_alarm))
+        with flag_errors():
+            self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
+                moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
+                no_moe_routing_alarm))
 
     def forward(self, model, sample, reduce=True):
         self.gate_loss.watch(model)
@@ -225,9 +234,10 @@ class MoELabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  moe_routing_alarm_min_share=0.1, moe_routing_alarm_max_dropped=0.2, moe_routing_alarm_windows=3,
                  no_moe_routing_alarm=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
-            moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
-            no_moe_routing_alarm))
+        with flag_errors():
+            self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
+                moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
+                no_moe_routing_alarm))
 
     def forward(self, model, sample, reduce=True):
         self.gate_loss.watch(model)

@@ -23,7 +23,7 @@ from fairseq.distributed import fsdp_wrap
 
 from moe_plugin import MoEConfig, MoELayer
 
-from .config import moe_config_from_args, moe_layer_indices
+from .config import moe_config_from_args, moe_layer_indices, single_process_error
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,7 @@ def _wrap(layer: nn.Module, cfg) -> nn.Module:
 
 def _check_supported(cfg, args) -> None:
     if args.moe_ep_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"--moe-ep-size {args.moe_ep_size} needs a distributed run of at least that many "
-                         f"processes (--distributed-world-size); this one is a single process")
+        raise ValueError(single_process_error(args.moe_ep_size))
     if cfg.quant_noise.pq > 0:
         raise ValueError(f"--quant-noise-pq {cfg.quant_noise.pq} is not supported with MoE layers; use 0")
     if getattr(args, "scale_fc", False):

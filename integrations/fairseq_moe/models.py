@@ -24,7 +24,9 @@ from fairseq.utils import safe_getattr
 
 from moe_plugin import update_expert_bias
 
-from .config import add_moe_args, moe_config_from_args, moe_layer_indices, set_moe_defaults
+from .config import (add_moe_args, flag_errors, moe_config_from_args, moe_layer_indices, set_moe_defaults,
+                     single_process_error)
+from .criterions import check_gate_loss_flags
 from .distributed import prepare_expert_parameters
 from .layers import use_moe_layers
 from .registration import architecture, model
@@ -55,8 +57,9 @@ class TransformerLanguageModelMoE(_UpdatesExpertBias, TransformerLanguageModel):
         set_moe_defaults(args)
         with _without_base_layers(args):
             lm = super().build_model(args, task)
-        use_moe_layers(lm.decoder, args, "decoder", no_encoder_attn=True)
-        prepare_expert_parameters(lm, args)
+        with flag_errors():
+            use_moe_layers(lm.decoder, args, "decoder", no_encoder_attn=True)
+            prepare_expert_parameters(lm, args)
         return lm
 
 
@@ -72,9 +75,10 @@ class TransformerModelMoE(_UpdatesExpertBias, TransformerModel):
         set_moe_defaults(args)
         with _without_base_layers(args):
             seq2seq = super().build_model(args, task)
-        use_moe_layers(seq2seq.encoder, args, "encoder")
-        use_moe_layers(seq2seq.decoder, args, "decoder")
-        prepare_expert_parameters(seq2seq, args)
+        with flag_errors():
+            use_moe_layers(seq2seq.encoder, args, "encoder")
+            use_moe_layers(seq2seq.decoder, args, "decoder")
+            prepare_expert_parameters(seq2seq, args)
         return seq2seq
 
 
@@ -90,7 +94,13 @@ def _without_base_layers(args):
 
 
 def _moe_defaults_and_checks(args, parts) -> None:
-    """parts: "encoder" and/or "decoder", the stacks whose layers get MoE FFNs."""
+    """parts: "encoder" and/or "decoder", the stacks whose layers get MoE FFNs. fairseq-train runs this as it
+    parses the flags: a bad value ends it there, in one line (config.flag_errors)."""
+    with flag_errors():
+        _check_flags(args, parts)
+
+
+def _check_flags(args, parts) -> None:
     set_moe_defaults(args)
     per_rank_checkpoints = 1 if args.moe_ep_size > 1 else 0   # see the module docstring
     if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -105,6 +115,18 @@ def _moe_defaults_and_checks(args, parts) -> None:
     for part in parts:
         moe_config_from_args(args, getattr(args, f"{part}_embed_dim"), getattr(args, f"{part}_ffn_embed_dim"))
         moe_layer_indices(args, getattr(args, f"{part}_layers"), part)
+    if args.moe_ep_size > 1 and _one_process(args):
+        raise ValueError(single_process_error(args.moe_ep_size))
+    if safe_getattr(args, "moe_gate_loss_wt", None) is not None:   # fairseq-train with an MoE criterion
+        check_gate_loss_flags(args)
+
+
+def _one_process(args) -> bool:
+    """Whether fairseq will run these flags on one process: --distributed-world-size 1 and no init method (fairseq's
+    infer_init_method then starts no distributed run, whatever the environment). Unknown (None) under
+    fairseq-hydra-train, whose model config lacks these; layers.py checks again once the world is up."""
+    return (safe_getattr(args, "distributed_world_size", None) == 1 and not safe_getattr(args, "tpu", False)
+            and safe_getattr(args, "distributed_init_method", None) is None)
 
 
 @architecture("transformer_lm_moe", "transformer_lm_moe")

@@ -36,12 +36,19 @@ def mt_args(data, save_dir, max_update):
             "--save-dir", save_dir, "--no-epoch-checkpoints", *CPU]
 
 
+# each ends fairseq-train as argparse's own errors do: `prog: error: message`, one line, exit status 2
 BAD_FLAGS = [
     (["--moe-second-expert-policy", "sampling"], "--moe-second-expert-policy 'sampling' is not supported"),
-    (["--moe-top-k", "5"], "--moe-top-k: MoEConfig.top_k=5 is invalid: must be between 1 and num_experts=4"),
+    (["--moe-top-k", "9"], "--moe-top-k: MoEConfig.top_k=9 is invalid: must be between 1 and num_experts=4"),
     (["--moe-freq", "3"], "--moe-freq 3 with --decoder-layers 2 gives no MoE layer"),
     (["--moe-ep-size", "2"], "--moe-ep-size 2 needs a distributed run"),
+    (["--moe-expert-count", "0"], "--moe-expert-count: MoEConfig.num_experts=0 is invalid"),
+    (["--moe-capacity-factor", "nan"], "--moe-capacity-factor: MoEConfig.capacity_factor=nan is invalid"),
+    (["--moe-router", "foo"], "--moe-router: MoEConfig.router='foo' is invalid"),
+    (["--moe-ep-size", "3"], "--moe-ep-size: ep_size=3 cannot hold num_experts=4"),
+    (["--moe-gate-loss-wt", "-1"], "--moe-gate-loss-wt -1.0 is invalid"),
 ]
+ONE_LINE_CASES = (3, 5)   # also run as the console script fairseq-train, its stderr alone: --moe-ep-size 2, nan
 
 
 def hydra_overrides(data, out):
@@ -149,9 +156,21 @@ def test_generate_with_the_trained_translation_model(runs):
 @pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[message for _, message in BAD_FLAGS])
 def test_bad_flag_fails_before_training_with_a_clear_message(runs, case):
     proc, message = runs[f"bad flag {case}"], BAD_FLAGS[case][1]
-    assert proc.returncode != 0
-    assert message in proc.stdout, proc.stdout[-3000:]
-    assert "Start iterating over samples" not in proc.stdout
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert f"train.py: error: {message}" in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert "Start iterating over samples" not in proc.stdout and "model: " not in proc.stdout
+
+
+@pytest.mark.parametrize("case", ONE_LINE_CASES, ids=[BAD_FLAGS[case][1] for case in ONE_LINE_CASES])
+def test_bad_flag_ends_fairseq_train_in_one_line_with_exit_status_2(data, case, tmp_path):
+    """The console script as a user runs it: stderr is the one line `fairseq-train: error: ...` (fairseq's log
+    goes to stdout)."""
+    command = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+    flags, message = BAD_FLAGS[case]
+    done = subprocess.run([command, *lm_args(data, str(tmp_path), "1"), *flags], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"fairseq-train: error: {message}"), done.stderr
 
 
 def test_hydra_train_with_the_lm_config(runs):
