@@ -178,9 +178,11 @@ def _with_lora(out_RO, in_RI, a_EIQ, b_EQO, offs_E):
 
 
 def register() -> None:
-    """Adds "moe_plugin" to HF's ExpertsInterface (idempotent)."""
+    """Adds "moe_plugin" to HF's ExpertsInterface (idempotent), and PEFT's two hooks of peft.py (shape checks,
+    target_parameters by the layer's own names refused)."""
     ExpertsInterface.register(NAME, moe_plugin_experts_forward)
     peft_lora.answer_shape_checks_cheaply()
+    peft_lora.refuse_layer_names_in_target_parameters()
 
 
 register()

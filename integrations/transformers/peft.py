@@ -24,9 +24,27 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from moe_plugin.config import GATED_ACTIVATIONS
+
 from .families import FAMILIES
+from . import family as hf_family
 
 PROXY = "_LoraFactorsProxy"     # peft.tuners.lora.layer's class, matched by name: peft need not be imported here
+UPCYCLED = " (upcycled)"         # upcycle.py names its blocks' family "<dense model_type> (upcycled)"
+# An upcycled block's HF names: Mixtral's for gated experts (what export_hf writes of an upcycled llama or mistral:
+# gate_up_proj [E, 2H, D], down_proj [E, D, H], gate.weight [E, D]); up_proj [E, H, D] for the others (as nemotron_h)
+UPCYCLED_NAMES = {True: hf_family.routed_experts(),
+                  False: (hf_family.same("router.weight_ED", "gate.weight"),
+                          hf_family.transposed("experts.w1_EDH", "experts.up_proj"),
+                          hf_family.transposed("experts.w2_EHD", "experts.down_proj"))}
+
+
+def hf_weight_maps(family: str, gated: bool = True) -> Tuple[hf_family.WeightMap, ...]:
+    """The weight maps giving a swapped block's tensors their HF names: the family's; an upcycled block's, those of
+    UPCYCLED_NAMES (gated: whether its experts are); none for any other block."""
+    if family in FAMILIES:
+        return FAMILIES[family].weights
+    return UPCYCLED_NAMES[gated] if family.endswith(UPCYCLED) else ()
 
 
 def factors(experts: nn.Module, name: str, transposed: bool
@@ -82,7 +100,8 @@ class HFExpertsHandle(nn.Module):
         self.family = family
 
     def _maps(self):
-        return {w.layer: w for w in FAMILIES[self.family].weights if len(w.hf) == 1}
+        gated = self._experts.config.activation in GATED_ACTIVATIONS
+        return {w.layer: w for w in hf_weight_maps(self.family, gated) if len(w.hf) == 1}
 
     def hf_names(self) -> dict:
         """HF's parameter name -> the layer's, for the expert projections."""
@@ -148,9 +167,7 @@ class HFRouterHandle(nn.Module):
 def router_handle_name(family: str) -> Optional[str]:
     """The block attribute HF keeps its router under ("gate" for HF's gate.weight), when the family's router weight
     is one level down the block; None otherwise (no handle: PEFT then finds no router there)."""
-    if family not in FAMILIES:   # an upcycled dense MLP (upcycle.py): no HF router to name
-        return None
-    names = [w.hf[0] for w in FAMILIES[family].weights if w.layer == "router.weight_ED" and len(w.hf) == 1]
+    names = [w.hf[0] for w in hf_weight_maps(family) if w.layer == "router.weight_ED" and len(w.hf) == 1]
     if len(names) != 1:
         return None
     module, _, param = names[0].partition(".")
@@ -243,6 +260,57 @@ def answer_shape_checks_cheaply() -> None:
         return merged(self, W)
     forward._moe_plugin = True
     proxy.forward = forward
+
+
+def check_target_parameters(model: nn.Module, targets) -> None:
+    """ValueError if PEFT's target_parameters name a tensor of a swapped block's MoELayer by the layer's own name
+    (moe.experts.w1_EDH, moe.router.weight_ED, ...): PEFT's ParamWrapper cannot wrap the layer's parts (it failed at
+    the first forward); the block shows PEFT its experts and router under HF's names instead."""
+    targets = list(targets or ())
+    if not targets:
+        return
+    from .block import HFMoEBlock     # (block.py imports this module)
+    for block_name, block in model.named_modules():
+        if not isinstance(block, HFMoEBlock):
+            continue
+        for name, _ in block.moe.named_parameters():
+            key = f"{block_name}.moe.{name}"
+            for target in targets:
+                if key == target or key.endswith(f".{target}"):
+                    raise ValueError(f"moe_plugin: LoraConfig target_parameters {target!r} names the swapped layer's "
+                                     f"own tensor {key}, which PEFT cannot adapt; target it by HF's names: "
+                                     f"{', '.join(hf_parameter_names(block, block_name))}")
+
+
+def hf_parameter_names(block: nn.Module, block_name: str) -> list:
+    """The names target_parameters can give a swapped block's tensors: HF's (e.g. mlp.experts.gate_up_proj)."""
+    prefix = block_name.rpartition(".")[2]
+    names = []
+    handle = block._modules.get("experts")
+    if isinstance(handle, HFExpertsHandle):
+        names += [f"{prefix}.experts.{hf}" for hf in handle.hf_names()]
+    router = router_handle_name(block.family)
+    if router is not None and isinstance(block._modules.get(router), HFRouterHandle):
+        names.append(f"{prefix}.{router}.weight")
+    return names
+
+
+def refuse_layer_names_in_target_parameters() -> None:
+    """Makes PEFT's get_peft_model (and PeftModel.from_pretrained, load_adapter: every injection of an adapter with
+    target_parameters) run check_target_parameters first. Installed once, when peft is importable."""
+    try:
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:
+        return
+    inject = BaseTuner._inject_parameters
+    if getattr(inject, "_moe_plugin", False):
+        return
+
+    def _inject_parameters(self, peft_config, model, *args, **kwargs):
+        check_target_parameters(model, getattr(peft_config, "target_parameters", None))
+        return inject(self, peft_config, model, *args, **kwargs)
+    _inject_parameters._moe_plugin = True
+    BaseTuner._inject_parameters = _inject_parameters
 
 
 PAIRS = {"gate_up_proj": (0, 1), "up_proj": (0, 1), "down_proj": (2, 3)}   # -> positions in the factors
