@@ -6,10 +6,11 @@ import functools
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoEConfig, MoELayer
-from moe_plugin.parallel.groups import check_ep_size
+from moe_plugin.parallel.groups import check_ep_size, check_sizes
 
 from .block import (HFMoEBlock, RouterInputTap, RouterLogits, init_blocks_in_init_weights, router_logits_class,
                     router_logits_name)
@@ -62,8 +63,9 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, block_class: Optional[type]
         raise ValueError(f"swap_moe_blocks: the {hf_config_of(model).model_type} model has no {names} "
                          f"(already swapped, or no MoE layer in this config)")
     if ep_group is None:   # before any block changes
-        for ep_size in sorted({config.ep_size for _, _, _, config, _ in swaps}):
-            check_ep_size(ep_size, "swap_moe_blocks: ep_size")
+        for ep_size, E, H in sorted({(c.ep_size, c.num_experts, c.hidden_size) for _, _, _, c, _ in swaps}):
+            check_ep_size(ep_size, "swap_moe_blocks: ep_size", num_experts=E, hidden_size=H)
+            check_sizes(E, H, ep_size, dist.get_world_size() if ep_size > 1 else None)
     for name, hf_block, family, config, hf_config in swaps:
         parent, _, attr = name.rpartition(".")
         with _whole_parameters(hf_block):

@@ -20,29 +20,42 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_sizes(num_experts: int, hidden_size: int, ep_size: int) -> None:
-    """ValueError for an ep_size that cannot hold num_experts experts of hidden_size."""
+def _holds(E: int, H: int, W: int) -> bool:
+    """Whether W ranks can hold E experts of hidden size H: W divides E, or E divides W and W / E divides H."""
+    return (E >= W and E % W == 0) or (E < W and W % E == 0 and H % (W // E) == 0)
+
+
+def ep_sizes_that_work(num_experts: int, hidden_size: int, processes: Optional[int] = None) -> List[int]:
+    """The ep_sizes that hold num_experts experts of hidden_size and (processes given) divide processes."""
+    E, H = num_experts, hidden_size
+    candidates = _divisors(processes) if processes else range(1, 4 * max(E, 1) + 1)
+    return [w for w in candidates if _holds(E, H, w)]
+
+
+def check_sizes(num_experts: int, hidden_size: int, ep_size: int, processes: Optional[int] = None) -> None:
+    """ValueError for an ep_size that cannot hold num_experts experts of hidden_size; the sizes it suggests also
+    divide processes (the number of processes sharing the experts), when given."""
     E, H, W = num_experts, hidden_size, ep_size
-    if E >= W and E % W == 0:
+    if _holds(E, H, W):
         return
-    if E < W and W % E == 0 and H % (W // E) == 0:
-        return
-    working = [w for w in range(1, 4 * max(E, 1) + 1)
-               if (E >= w and E % w == 0) or (E < w and w % E == 0 and H % (w // E) == 0)]
+    working = ep_sizes_that_work(E, H, processes)
+    on = "" if not processes else f" on {processes} processes"
     raise ValueError(
         f"ep_size={W} cannot hold num_experts={E} with hidden_size={H}: ep_size must divide num_experts, "
         f"or be a multiple of it that divides each expert's hidden_size into equal slices; "
-        f"sizes that work: {working[:12]}{' ...' if len(working) > 12 else ''}")
+        f"sizes that work{on}: {working[:12]}{' ...' if len(working) > 12 else ''}")
 
 
 def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[int] = None, stages: int = 1,
-                  processes_from: str = "launch with torchrun --nproc_per_node N") -> None:
+                  processes_from: str = "launch with torchrun --nproc_per_node N", num_experts: Optional[int] = None,
+                  hidden_size: Optional[int] = None) -> None:
     """ValueError unless ep_size divides the number of processes that share the experts.
 
     setting: the name the user gave ep_size (`parallel.ep_size`, `DeepSpeed config "moe.ep_size"`, ...).
     world_size: default torch.distributed's (ep_size > 1 then needs it initialized). stages: pipeline stages,
     each holding world_size / stages processes (DeepSpeed splits its expert groups inside a stage). processes_from:
-    how the user sets the number of processes N (moe-plugin plan: its --world-size)."""
+    how the user sets the number of processes N (moe-plugin plan: its --world-size). num_experts, hidden_size: the
+    layer's, when known; the sizes suggested then also hold its experts (check_sizes)."""
     if world_size is None:
         if ep_size == 1:
             return
@@ -55,9 +68,11 @@ def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[i
         return
     per_stage = "" if stages == 1 else " per pipeline stage"
     stage_note = "" if stages == 1 else f"{world_size} processes in {stages} pipeline stages; "
+    suggested = _divisors(processes) if num_experts is None or hidden_size is None else \
+        ep_sizes_that_work(num_experts, hidden_size, processes)
     raise ValueError(f"{setting}={ep_size} is invalid: must divide the number of processes{per_stage}, {processes} "
                      f"({stage_note}{processes_from}, N a multiple of {ep_size * stages}; "
-                     f"or set it to one of {_divisors(processes)})")
+                     f"or set it to one of {suggested})")
 
 
 @dataclass
@@ -147,9 +162,10 @@ def build_groups(num_experts: int, hidden_size: int, ep_size: int, node_size: Op
 
     Every rank must call this in the same order: torch.distributed.new_group is collective.
     """
-    check_sizes(num_experts, hidden_size, ep_size)
+    world = dist.get_world_size() if ep_group is None and dist.is_available() and dist.is_initialized() else None
+    check_sizes(num_experts, hidden_size, ep_size, world)
     if ep_group is None:
-        check_ep_size(ep_size)
+        check_ep_size(ep_size, num_experts=num_experts, hidden_size=hidden_size)
     if ep_size == 1 and ep_group is None:
         return ExpertGroups(None, ExpertLayout(num_experts, hidden_size, 1, 0), 1)
     world, rank = dist.get_world_size(), dist.get_rank()
