@@ -59,6 +59,17 @@ WEIGHT_NAMES = ExpertWeights._fields[:4]     # ("w1_EDH", "b1_EH", "w2_EHD", "b2
 BIAS_NAMES = WEIGHT_NAMES[1::2]              # ("b1_EH", "b2_ED")
 
 
+RECORD = "moe_plugin_experts"    # an MoELayer's entry in a state dict's metadata: expert_record of what it holds
+
+
+def expert_record(layout) -> dict:
+    """Which experts a rank's expert stacks hold: global experts [lo, hi) (their hidden slice `slice` of `slices`)
+    of num_experts, and the layout that wrote them."""
+    first = layout.first_expert
+    return {"num_experts": layout.num_experts, "ep_size": layout.ep_size, "ep_rank": layout.ep_rank,
+            "experts": [first, first + layout.local_experts], "slices": layout.slices, "slice": layout.slice_index}
+
+
 def short_name(name: str) -> str:
     """"w1" for "w1_EDH": the key of one expert's tensors (Experts.full_expert, take_slice)."""
     return name.split("_")[0]
@@ -320,7 +331,8 @@ class BaseExperts(nn.Module):
                                                 experts.<WEIGHT_NAMES>)
     parallel_degrees(layout), check_degree(layout, r)
                                                 the expert-parallel degrees r they allow (any overlap degree)
-    local_share(state, prefix)                  a state dict holding every expert cut to this rank's share
+    local_share(state, prefix, first)           a state dict holding every expert (or whole experts from `first` on)
+                                                cut to this rank's share
     parameter_dtype(default)                    the dtype inputs must have outside autocast
 
     Parameters keep the attributes hosts set on them across to_empty."""
@@ -339,7 +351,7 @@ class BaseExperts(nn.Module):
     def parameter_dtype(self, default: torch.dtype) -> torch.dtype:
         return next((p.dtype for p in self.parameters() if p.is_floating_point()), default)
 
-    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> dict:
+    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.", first: int = 0) -> dict:
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
@@ -444,20 +456,21 @@ class Experts(BaseExperts):
     def parameter_dtype(self, default: torch.dtype) -> torch.dtype:
         return self.w1_EDH.dtype
 
-    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> dict:
+    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.", first: int = 0) -> dict:
         """From a state dict holding every expert whole (`<prefix>w1_EDH` [num_experts, ...], ...; a LoRA adapter's
-        `<prefix>lora.<factor>` [num_experts, ...] too): this rank's experts (its hidden slice of them), the rest of
-        the state as given."""
+        `<prefix>lora.<factor>` [num_experts, ...] too), or whole experts first, first + 1, ... including this rank's:
+        this rank's experts (its hidden slice of them), the rest of the state as given."""
         names = {short_name(name): prefix + name for name in WEIGHT_NAMES if prefix + name in state}
-        first, count = self.first_expert, self.w1_EDH.shape[0]
+        count = self.w1_EDH.shape[0]
+        start = self.first_expert - first       # this rank's first expert in the state's stacks
         shards = [self.take_slice({key: state[name][e] for key, name in names.items()}, self.slices,
-                                  self.slice_index) for e in range(first, first + count)]
+                                  self.slice_index) for e in range(start, start + count)]
         share = {**state, **{name: torch.stack([shard[key] for shard in shards]) for key, name in names.items()}}
         adapter = [key for key in state if key.startswith(prefix + "lora.")]
         if adapter and getattr(self, "lora", None) is None:
             raise ValueError(f"the state dict holds a LoRA adapter ({adapter[0]}, ...), but this layer has none: call "
                              f"add_lora on the model (same rank and targets) before loading it")
-        share.update({key: state[key][first:first + count] for key in adapter})
+        share.update({key: state[key][start:start + count] for key in adapter})
         return share
 
 

@@ -16,9 +16,10 @@ from torch import nn
 from . import dispatch, fused_layer, fused_layer_cuda, fused_route
 from .config import AUTO, MoEConfig
 from .dispatchers import Dispatcher
-from .experts import Experts
+from .experts import RECORD, WEIGHT_NAMES, Experts, expert_record
 from .guards import check_expert_sharding, check_plain_ddp
 from .module_experts import ModuleExperts
+from .parallel import fsdp_state_dict
 from .parallel.groups import ExpertGroups, build_groups
 from .parallel.tuner import OnceTuner, Tuner
 from .router import Router, autocast_off, autocast_on
@@ -157,7 +158,20 @@ class MoELayer(nn.Module):
         local = self.experts.local_share(state)
         if isinstance(self.tuner, Tuner) and "tuner._extra_state" not in state:
             local["tuner._extra_state"] = self.tuner.get_extra_state()
-        self.load_state_dict(local)
+        self.load_state_dict(with_record(local, "", self.groups.layout))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Also records which experts this rank's stacks hold (expert_record), in the state dict's metadata: the
+        dict Module.state_dict keeps per module in state_dict._metadata, which torch.save and torch.load keep
+        and key lists never show."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][RECORD] = expert_record(self.groups.layout)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        place_experts(self, state_dict, prefix, local_metadata.get(RECORD))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
     def set_recompute(self, mode: str) -> None:
         """Sets MoEConfig.recompute on a built layer ("none" or "experts"; see MoEConfig): from its next forward on."""
@@ -340,6 +354,81 @@ def _stats(load_E: torch.Tensor, kept_E: torch.Tensor, capacity_factor: float, f
         "capacity": capacity,
         "capacity_used": kept / slots if slots else 0.0,
     }
+
+
+def with_record(state: Mapping[str, Any], prefix: str, layout) -> dict:
+    """state as an OrderedDict whose metadata says that the layer at prefix holds this rank's own experts."""
+    from collections import OrderedDict
+    out = OrderedDict(state)
+    out._metadata = OrderedDict({prefix[:-1]: {RECORD: expert_record(layout)}})
+    return out
+
+
+def _expert_keys(layer: MoELayer, state: Mapping[str, Any], prefix: str) -> list:
+    """The keys of state under prefix that hold the layer's experts under its own names (stacks, LoRA factors,
+    or expert modules)."""
+    names = tuple(f"experts.{n}" for n in WEIGHT_NAMES) if layer.experts.stacked else ()
+    starts = ("experts.lora.",) if layer.experts.stacked else ("experts.local.",)
+    return [k for k in state if k.startswith(prefix) and (k[len(prefix):] in names or k[len(prefix):].startswith(starts))]
+
+
+def _held(layer: MoELayer, state: Mapping[str, Any], prefix: str, keys: list, record: Optional[dict]) -> Optional[dict]:
+    """What state's expert tensors hold (an expert_record): every expert when they have the whole stack's shape
+    (or, for expert modules, one entry per expert), else what the record says (None: nothing known)."""
+    layout = layer.groups.layout
+    E = layout.num_experts
+    whole = {"num_experts": E, "ep_size": 1, "ep_rank": 0, "experts": [0, E], "slices": 1, "slice": 0}
+    if layer.experts.stacked:
+        w1, own = state.get(prefix + "experts.w1_EDH"), layer.experts.w1_EDH
+        shape = (E, own.shape[1], own.shape[2] * layout.slices)
+        if torch.is_tensor(w1) and tuple(w1.shape) == shape != tuple(own.shape):
+            return whole
+    else:
+        indices = {int(k[len(prefix + "experts.local."):].split(".", 1)[0]) for k in keys}
+        if indices == set(range(E)) and len(layer.experts.local) != E:
+            return whole
+    return record
+
+
+def place_experts(layer: MoELayer, state: dict, prefix: str, record: Optional[dict]) -> None:
+    """Before a layer loads state (in place): its expert tensors made this rank's own, or a ValueError.
+
+    The record (expert_record, from the state dict's metadata) or the tensors' shapes say which experts state
+    holds: this rank's -> loaded as they are; every expert (a whole [num_experts, ...] stack, what one process
+    holding all experts saves) or whole experts including this rank's -> this rank's share is taken; others ->
+    refused. With no record and the rank's own shapes (a state dict rebuilt as a plain dict, or built by a host:
+    DCP, FSDP2's set_model_state_dict, DeepSpeed's and fairseq's per-rank files) they load as this rank's own."""
+    keys = _expert_keys(layer, state, prefix)
+    if not keys or _placed_by_host(layer):
+        return
+    layout = layer.groups.layout
+    mine, held = expert_record(layout), _held(layer, state, prefix, keys, record)
+    fields = ("num_experts", "experts", "slices", "slice")
+    if held is None or all(held.get(f) == mine[f] for f in fields):
+        return
+    (lo, hi), (my_lo, my_hi) = held["experts"], mine["experts"]
+    if held.get("num_experts") == layout.num_experts and held.get("slices") == 1 and lo <= my_lo and my_hi <= hi:
+        share = layer.experts.local_share({k[len(prefix):]: state.pop(k) for k in keys}, first=lo)
+        state.update({prefix + k: v for k, v in share.items()})
+        return
+    part = "" if held.get("slices", 1) == 1 else f" (hidden slice {held['slice']} of {held['slices']})"
+    my_part = "" if mine["slices"] == 1 else f" (hidden slice {mine['slice']} of {mine['slices']})"
+    raise ValueError(
+        f"MoELayer {prefix.rstrip('.') or '(the model)'}: the state dict holds experts {lo}..{hi - 1}{part} of "
+        f"{held.get('num_experts')} (saved by ep_rank {held.get('ep_rank')} of ep_size {held.get('ep_size')}), but this "
+        f"process (ep_rank {layout.ep_rank} of ep_size {layout.ep_size}) needs experts {my_lo}..{my_hi - 1}{my_part} of "
+        f"{layout.num_experts}: a process's state dict holds only its own experts. Save on every rank and load each "
+        f"rank's own file, or save moe_plugin.train.full_state_dict(model) (every expert; call it on every rank) and "
+        f"load it with moe_plugin.train.load_full_state_dict(model, state)")
+
+
+def _placed_by_host(layer: MoELayer) -> bool:
+    """Whether a host puts each expert where it belongs in this load: torch's state-dict API on an FSDP2-sharded
+    layer (parallel/fsdp_state_dict.py places every expert by its place in the whole stack), or DeepSpeed's
+    engine (it reads each rank's experts from the files of their global indices)."""
+    sharded = any(type(p).__name__ == "DTensor" for p in layer.experts.parameters())
+    return bool((sharded and fsdp_state_dict._torch_state_dict_api_frames())
+                or fsdp_state_dict._frames("deepspeed.runtime.engine", "load_module_state_dict"))
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

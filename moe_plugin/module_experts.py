@@ -95,10 +95,10 @@ class ModuleExperts(BaseExperts):
             outputs.append(x_RD.new_zeros(x_RD.shape[0] - start, x_RD.shape[1]))
         return torch.cat(outputs)
 
-    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> dict:
-        """From a state dict holding every expert (`<prefix>local.<global i>.*`): this rank's experts under
-        their local indices, the rest of the state as given."""
-        own = range(self.first_expert, self.first_expert + len(self.local))
+    def local_share(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.", first: int = 0) -> dict:
+        """From a state dict holding every expert (`<prefix>local.<global i>.*`; or experts first, first + 1, ... as
+        `local.0`, `local.1`, ...): this rank's experts under their local indices, the rest of the state as given."""
+        own = range(self.first_expert - first, self.first_expert - first + len(self.local))
         share = {}
         for key, value in state.items():
             if not key.startswith(prefix + "local."):
@@ -106,7 +106,7 @@ class ModuleExperts(BaseExperts):
                 continue
             index, rest = key[len(prefix + "local."):].split(".", 1)
             if int(index) in own:
-                share[f"{prefix}local.{int(index) - self.first_expert}.{rest}"] = value
+                share[f"{prefix}local.{int(index) - own.start}.{rest}"] = value
         return share
 
 

@@ -26,6 +26,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from ..experts import RECORD
 from .expert_parallel import whole_experts
 from .groups import ep_blocks
 
@@ -135,10 +136,12 @@ def _model_state_dict_hook(layer, state, prefix, local_metadata) -> None:
     if forms and None not in forms.values():
         for name, form in forms.items():
             state[prefix + "experts." + name] = form.whole(state[prefix + "experts." + name], full)
+        local_metadata.pop(RECORD, None)    # the experts are no longer this rank's stacks: each has its place
         return
     loading = any(f.f_code.co_name.startswith(("set_", "_load")) for f in frames)
     if not loading and full and layer.experts.stacked:
         state.update({prefix + "experts." + name: tensor for name, tensor in whole_experts(layer).items()})
+        local_metadata.pop(RECORD, None)
         return
     _refuse(layer, prefix)
 

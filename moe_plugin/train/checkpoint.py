@@ -140,7 +140,15 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
-    """Load a state dict holding every expert: each expert-parallel layer keeps its own share."""
+    """Load a state dict holding every expert (full_state_dict's, or one process's model.state_dict()): each
+    expert-parallel layer keeps its own share. A model sharded by FSDP2 (fully_shard_moe) loads through torch's
+    set_model_state_dict(full_state_dict=True), which hands each rank its shard (parallel/fsdp_state_dict.py)."""
+    from torch.distributed.tensor import DTensor
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        extra = {k: v for k, v in model.state_dict().items() if k.endswith("._extra_state") and k not in state}
+        set_model_state_dict(model, {**state, **extra}, options=StateDictOptions(full_state_dict=True))
+        return
     local = dict(state)
     for prefix, layer in expert_layers(model):
         layer.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
