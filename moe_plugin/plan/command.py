@@ -9,7 +9,7 @@ import sys
 
 from ..train import load_config, split_arguments
 from .devices import DEVICES, device
-from .experiment import plan_experiment
+from .experiment import DEFAULT_NODE_SIZE, node_size_of, plan_experiment
 from .report import as_json, as_text
 
 
@@ -18,7 +18,8 @@ def add_arguments(parser) -> None:
                         help="the experiment as `moe-plugin train` takes it (default: the built-in default "
                              "experiment) and overrides such as parallel.ep_size=8")
     parser.add_argument("--world-size", type=int, required=True, metavar="N", help="processes of the run")
-    parser.add_argument("--node-size", type=int, default=8, metavar="M", help="processes per node (default 8)")
+    parser.add_argument("--node-size", type=int, metavar="M",
+                        help=f"processes per node (default {DEFAULT_NODE_SIZE}, or --world-size when smaller)")
     parser.add_argument("--device", default="h100", metavar="NAME",
                         help=f"the device profile: {', '.join(DEVICES)} (default h100)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -50,15 +51,15 @@ def plan_deepspeed_run(args, profile, node_size):
 def main(args) -> int:
     try:
         profile = device(args.device)
-        node_size = min(args.node_size, args.world_size) if args.world_size >= 1 else args.node_size
+        node_size = node_size_of(args.world_size, args.node_size)
         if args.deepspeed is not None:
             plan = plan_deepspeed_run(args, profile, node_size)
         else:
             if args.hf_config is not None or args.seq_len is not None:
                 raise ValueError("--hf-config and --seq-len go with --deepspeed; a train experiment sets the model "
                                  "in its hf section and model.seq_len")
-            plan = plan_experiment(load_config(*split_arguments(args.arguments)), args.world_size, node_size,
-                                   profile)
+            cfg = load_config(*split_arguments(args.arguments), world=(args.world_size, "plan with --world-size N"))
+            plan = plan_experiment(cfg, args.world_size, node_size, profile)
     except ValueError as error:
         print(f"moe-plugin plan: {error}", file=sys.stderr)
         return 2

@@ -71,6 +71,57 @@ def remove_checkpoints(out_dir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def out_dir_of(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.log.out_dir or Path("runs") / cfg.log.name)
+
+
+def _out_dir_setting(cfg: ExperimentConfig) -> str:
+    return f"log.out_dir={cfg.log.out_dir!r}" if cfg.log.out_dir else \
+        f"log.out_dir=null ({out_dir_of(cfg)}, from log.name={cfg.log.name!r})"
+
+
+def held_run(out_dir: Path) -> List[str]:
+    """What out_dir holds of a run: its checkpoint folders (finished or not) and metrics.jsonl, by name."""
+    held = sorted(p.name for p in (out_dir / "checkpoints").glob("step_*"))
+    return held + (["metrics.jsonl"] if (out_dir / "metrics.jsonl").exists() else [])
+
+
+def check_out_dir(cfg: ExperimentConfig) -> None:
+    """ValueError when a fresh run (train.resume null) would replace the run in log.out_dir (its checkpoints,
+    metrics.jsonl), unless log.overwrite=true says to. Reads the folder only: what `moe-plugin train` checks
+    before any process starts; rank 0 checks again before anything is written. A run with train.resume set
+    continues (check_fresh_start: when auto finds nothing to resume)."""
+    out_dir = out_dir_of(cfg)
+    if cfg.log.overwrite or cfg.train.resume is not None:
+        return
+    held = held_run(out_dir)
+    if held:
+        names = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ValueError(f"{_out_dir_setting(cfg)} holds another run ({names}): add train.resume=auto to continue "
+                         f"it, log.overwrite=true to replace it (its checkpoints are deleted), or give another "
+                         f"log.out_dir")
+
+
+def check_fresh_start(cfg: ExperimentConfig) -> None:
+    """ValueError when train.resume=auto found no whole checkpoint, and starting fresh would delete finished
+    checkpoint folders that fail their check (damaged, or written without a manifest), unless log.overwrite=true.
+    The remains of unfinished saves (.tmp, .old) and metrics.jsonl are a fresh start's to replace."""
+    out_dir = out_dir_of(cfg)
+    finished = [path.name for path in checkpoints(out_dir)]
+    if finished and not cfg.log.overwrite:
+        raise ValueError(f"train.resume={cfg.train.resume!r} found no whole checkpoint in {out_dir / 'checkpoints'}, "
+                         f"and starting fresh there would delete {', '.join(finished)}: add log.overwrite=true to "
+                         f"start fresh anyway, resume one by name (train.resume=FOLDER), or give another "
+                         f"log.out_dir")
+
+
+def remove_run(out_dir: Path) -> None:
+    """What a fresh run replaces: every checkpoint of the run in out_dir and the remains of unfinished saves, and
+    its metrics.jsonl."""
+    remove_checkpoints(out_dir)
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
 def step_of(path: Path) -> int:
     return int(path.name[5:].split(".")[0])
 
@@ -181,9 +232,10 @@ def _barrier(procs: Processes) -> None:
 
 
 def save(parts: Any, procs: Processes, cfg: ExperimentConfig, out_dir: Path, step: int,
-         window: Window) -> Dict[str, float]:
+         window: Window, segments: Optional[List[dict]] = None) -> Dict[str, float]:
     """A collective: each process writes its share into step_NNNNNN.tmp; rank 0 writes manifest.json, renames
-    the folder into place, then removes checkpoints beyond train.keep_checkpoints.
+    the folder into place, then removes checkpoints beyond train.keep_checkpoints. segments: what each segment of
+    the run up to this step did (see segments_of), kept in the meta.
     Returns {"seconds": the whole save, "checksum_seconds": writing the manifest (0 but on rank 0)}."""
     start = time.perf_counter()
     final = checkpoint_path(out_dir, step)
@@ -193,7 +245,7 @@ def save(parts: Any, procs: Processes, cfg: ExperimentConfig, out_dir: Path, ste
         tmp.mkdir(parents=True)
     _barrier(procs)
     meta = {"format": FORMAT, "step": step, "world_size": procs.world_size, "ep_size": cfg.parallel.ep_size,
-            "config": dataclasses.asdict(cfg)}
+            "config": dataclasses.asdict(cfg), "segments": segments or []}
     state = sharded.sharded_state(parts.model, parts.optimizer, writing=True)
     state.update({"meta": json.dumps(meta), "scheduler": pack(parts.scheduler.state_dict()),
                   "optimizer_param_groups": pack([{k: v for k, v in group.items() if k != "params"}
@@ -213,6 +265,19 @@ def save(parts: Any, procs: Processes, cfg: ExperimentConfig, out_dir: Path, ste
                 shutil.rmtree(old)
     _barrier(procs)
     return {"seconds": time.perf_counter() - start, "checksum_seconds": summed}
+
+
+def segments_of(path: Path) -> List[dict]:
+    """The segments of the run that led to a checkpoint (each start or resume up to the save that the next one
+    resumed from), oldest first: {"steps", "processes", "items" (tokens or images), "seconds"}. A checkpoint
+    written before segments were kept gives one segment of its step and layout, its time unknown (None)."""
+    meta = read_meta(path)
+    if "segments" in meta:
+        return meta["segments"]
+    steps, processes = meta["step"], meta["world_size"]
+    cfg = meta["config"]
+    per_step = cfg["train"]["batch_size"] * (1 if cfg["data"]["task"] == "image" else cfg["model"]["seq_len"])
+    return [{"steps": steps, "processes": processes, "items": steps * per_step * processes, "seconds": None}]
 
 
 def restore(parts: Any, procs: Processes, cfg: ExperimentConfig, path: Path) -> Tuple[int, Window]:

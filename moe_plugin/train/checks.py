@@ -3,7 +3,7 @@ checks each section on its own; this file adds the MoE layers of the model the r
 read through transformers: hf_model.py, hf_image.py), their sizes against parallel.ep_size."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..config import MoEConfig
 from ..parallel.groups import check_sizes
@@ -12,9 +12,16 @@ from .hf_image import IMAGE_MODEL_TYPES, image_moe_configs
 from .hf_model import hf_moe_configs
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """The defaults, then the YAML file, then the key=value overrides; ValueError on any bad key or value."""
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
+                world: Optional[Tuple[int, str]] = None) -> ExperimentConfig:
+    """The defaults, then the YAML file, then the key=value overrides; ValueError on any bad key or value.
+    world: (the number of processes, how the user sets it) where it is known before they start (`moe-plugin train
+    --nproc-per-node`, `moe-plugin plan --world-size`): parallel.ep_size is checked against it first (check_world),
+    so that the values an error suggests are the ones that world accepts."""
     cfg = parse_config(path, overrides)
+    if world is not None:
+        check_sections(cfg)
+        check_world(cfg, *world)
     check_config(cfg)
     return cfg
 
@@ -26,6 +33,42 @@ def check_config(cfg: ExperimentConfig) -> None:
             check_sizes(moe.num_experts, moe.hidden_size, moe.ep_size)
         except ValueError as error:
             raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} is invalid: {error}") from None
+
+
+def _refusing(layers: List[MoEConfig], ep_size: int) -> Optional[MoEConfig]:
+    """The first of the layers that cannot be spread over ep_size processes, or None."""
+    for moe in layers:
+        try:
+            check_sizes(moe.num_experts, moe.hidden_size, ep_size)
+        except ValueError:
+            return moe
+    return None
+
+
+def ep_sizes(cfg: ExperimentConfig, world_size: int) -> List[int]:
+    """The parallel.ep_size values a run of world_size processes accepts: the divisors of world_size that every
+    MoE layer's num_experts and hidden_size take."""
+    layers = layer_configs(cfg)
+    return [w for w in range(1, world_size + 1) if world_size % w == 0 and _refusing(layers, w) is None]
+
+
+def check_world(cfg: ExperimentConfig, world_size: int, processes_from: str) -> None:
+    """ValueError unless parallel.ep_size suits a run of world_size processes: it divides world_size and every MoE
+    layer takes it. processes_from: how the user sets the number of processes N. Every value the message suggests
+    is then accepted."""
+    ep_size = cfg.parallel.ep_size
+    layers = layer_configs(cfg)
+    refusing = _refusing(layers, ep_size)
+    if world_size % ep_size == 0 and refusing is None:
+        return
+    working = ep_sizes(cfg, world_size)
+    if refusing is not None:
+        raise ValueError(f"parallel.ep_size={ep_size} cannot hold num_experts={refusing.num_experts} with "
+                         f"hidden_size={refusing.hidden_size}: it must divide num_experts, or be a multiple of it "
+                         f"that divides each expert's hidden_size into equal slices; at {world_size} processes "
+                         f"set it to one of {working}")
+    raise ValueError(f"parallel.ep_size={ep_size} is invalid: must divide the number of processes, {world_size} "
+                     f"({processes_from}, N a multiple of {ep_size}; or set parallel.ep_size to one of {working})")
 
 
 def layer_configs(cfg: ExperimentConfig) -> List[MoEConfig]:

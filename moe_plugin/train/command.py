@@ -11,7 +11,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .checks import load_config
+from .checkpoint import check_out_dir
+from .checks import check_world, load_config
 from .config import to_yaml
 from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
 from .hf_model import hf_moe_config
@@ -80,9 +81,24 @@ def forwarding_signals():
             signal.signal(number, handler)
 
 
+def check_launch(cfg, nproc_per_node: int) -> None:
+    """What the ranks would refuse at start, found before torchrun starts them (--nproc-per-node on one node: the
+    world is nproc_per_node processes): parallel.ep_size and parallel.fsdp against the world, and log.out_dir."""
+    check_world(cfg, nproc_per_node, f"--nproc-per-node {nproc_per_node}; start N with --nproc-per-node N")
+    if cfg.parallel.fsdp and nproc_per_node == 1:
+        raise ValueError("parallel.fsdp=true is invalid with --nproc-per-node 1: FSDP2 shards over >= 2 processes; "
+                         "give --nproc-per-node N, N >= 2, or set parallel.fsdp=false")
+    check_out_dir(cfg)
+
+
 def main(args) -> int:
     try:
-        cfg = load_config(*split_arguments(args.arguments))
+        launching = args.nproc_per_node is not None and not args.print_config
+        # torchrun's flags first, then the config against the world they make (one node: nproc_per_node processes)
+        command = torchrun_command(args.nproc_per_node, args.numa_binding, args.arguments, args.max_restarts) \
+            if launching else None
+        world = (args.nproc_per_node, f"--nproc-per-node {args.nproc_per_node}; start N with --nproc-per-node N")
+        cfg = load_config(*split_arguments(args.arguments), world=world if launching else None)
         if args.print_config:
             print(to_yaml(with_effective_moe(cfg)), end="")
             return 0
@@ -94,10 +110,10 @@ def main(args) -> int:
             raise ValueError(f"--max-restarts={args.max_restarts} is applied by torchrun: add --nproc-per-node N, "
                              f"or launch `torchrun --max-restarts {args.max_restarts} --nproc-per-node N -m "
                              f"moe_plugin.cli train ... train.resume=auto` yourself")
-        if args.nproc_per_node is not None:
+        if launching:
+            check_launch(cfg, args.nproc_per_node)
             with forwarding_signals():
-                return subprocess.call(torchrun_command(args.nproc_per_node, args.numa_binding, args.arguments,
-                                                        args.max_restarts))
+                return subprocess.call(command)
     except ValueError as error:
         print(f"moe-plugin train: {error}", file=sys.stderr)
         return 2

@@ -58,6 +58,9 @@ class ParallelConfig:
 class LogConfig:
     name: str = "default"
     out_dir: Optional[str] = None    # null: runs/<name>
+    overwrite: bool = False          # a fresh run into an out_dir that holds another run's checkpoints or metrics
+                                     # replaces them (deletes its checkpoints); false: it refuses (train.resume=auto
+                                     # continues that run instead)
     every: int = 10                  # a metrics record every n steps
     progress: bool = True            # a progress bar on rank 0
     plots: bool = True               # loss.png, expert_load.png and expert_load_heatmap.png at the end

@@ -43,14 +43,46 @@ def to_full(folder: Path) -> Dict[str, Any]:
             "scheduler": unpack(nested["scheduler"]), "ranks": ranks, "meta": json.loads(nested["meta"])}
 
 
+def check_target(source: Path, target: Path, overwrite: bool) -> None:
+    """ValueError unless convert may write target: nothing there (or, with overwrite, a file where a file is
+    written, a checkpoint folder where a folder is), and never the source itself, a place inside it or a folder
+    that holds it."""
+    src, dst = source.resolve(), target.resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        where = "is" if dst == src else "is inside" if src in dst.parents else "holds"
+        raise ValueError(f"{str(target)!r} {where} the source {str(source)!r}: convert never writes over its own "
+                         f"source (--overwrite included); give another target")
+    if not target.exists() and not target.is_symlink():
+        return
+    kind = "folder" if target.is_dir() else "file"
+    if not overwrite:
+        raise ValueError(f"{str(target)!r} exists (a {kind}): convert does not replace it unless asked; add "
+                         f"--overwrite to replace it, or give another target")
+    writes = "file" if source.is_dir() else "folder"
+    if kind != writes:
+        raise ValueError(f"{str(target)!r} is a {kind}, and convert writes a {writes} there: --overwrite replaces a "
+                         f"{writes} only; remove it yourself or give another target")
+    if kind == "folder" and any(target.iterdir()) and not (target / "meta.json").is_file():
+        raise ValueError(f"{str(target)!r} is a folder that is not a checkpoint of `moe-plugin train` (no meta.json): "
+                         f"--overwrite replaces a checkpoint folder only; give another target")
+
+
 def write_full(folder: Path, file: Path) -> None:
-    """The sharded checkpoint folder as one full state-dict file, written atomically."""
+    """The sharded checkpoint folder as one full state-dict file, written atomically (a temporary file in the same
+    folder, renamed over the target only once whole)."""
     full = to_full(folder)
     file.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
-    with os.fdopen(handle, "wb") as out:
-        torch.save(full, out)
-    os.replace(tmp, file)
+    handle, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            torch.save(full, out)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)    # as open() would make it, not mkstemp's 0600
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_full(file: Path) -> Dict[str, Any]:
@@ -130,6 +162,8 @@ def add_arguments(parser) -> None:
                          "NAME.pth.master)")
     convert.add_argument("target", help="the full checkpoint file, or the checkpoint folder, to write; with --from "
                          "tutel a file pattern with {rank} and {size} (one file when --ranks 1)")
+    convert.add_argument("--overwrite", action="store_true", help="replace the target if it exists (a file, or a "
+                         "checkpoint folder); never the source itself")
     tutel = convert.add_argument_group("Tutel and Swin-MoE checkpoints (docs/tutel.md)")
     tutel.add_argument("--from", dest="from_format", choices=["tutel"], help="the sources are Tutel's per-rank files")
     tutel.add_argument("--ranks", type=int, help="write one Tutel file per rank of a run of RANKS ranks")
@@ -156,9 +190,11 @@ def main(args) -> int:
         if args.action == "inspect":
             print(describe(source), end="")
         elif source.is_dir():
+            check_target(source, Path(args.target), args.overwrite)
             write_full(source, Path(args.target))
             print(f"wrote {args.target}: every tensor of {source} whole, in one file")
         else:
+            check_target(source, Path(args.target), args.overwrite)
             write_folder(source, Path(args.target))
             print(f"wrote {args.target}: a sharded checkpoint that resumes on any number of processes and ep_size")
     except ValueError as error:

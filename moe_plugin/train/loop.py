@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -16,12 +15,12 @@ import torch.nn.functional as F
 from ..balancing import update_expert_bias
 from ..layer import aux_loss
 from ..parallel.expert_grads import expert_parameters
-from ..parallel.groups import check_ep_size
 from ..routing_alarm import RoutingAlarm
 from ..routing_metrics import RoutingMonitor, scalars
 from . import plots
-from .checkpoint import checkpoint_path, remove_checkpoints, resolve_resume, restore, save
-from .checks import check_config
+from .checkpoint import (check_fresh_start, check_out_dir, checkpoint_path, out_dir_of, remove_run,
+                         resolve_resume, restore, save, segments_of)
+from .checks import check_config, check_world
 from .config import ExperimentConfig, to_yaml
 from .faults import NonFiniteStep, Preempted, Signals, any_signal, step_verdict
 from .hf_image import export_image_model
@@ -97,11 +96,10 @@ def train(cfg: ExperimentConfig) -> dict:
     check_config(cfg)
     procs = start_processes(cfg.train.device)
     try:
-        ep_size = cfg.parallel.ep_size
         if cfg.parallel.fsdp and procs.world_size == 1:
             raise ValueError("parallel.fsdp=true is invalid with 1 process: FSDP2 shards over torchrun processes "
                              "(launch with torchrun --nproc_per_node N, N >= 2), or set parallel.fsdp=false")
-        check_ep_size(ep_size, "parallel.ep_size", procs.world_size)
+        check_world(cfg, procs.world_size, "launch with torchrun --nproc_per_node N")
         result = _train(cfg, procs)
         if procs.started_group:     # every rank done before any tears its connections down (not after an error:
             dist.barrier()          # the others may never get here)
@@ -147,11 +145,19 @@ def clip_gradients(model: TransformerLM, max_norm: float, procs: Processes, ep_s
 
 
 def _resume_path(cfg: ExperimentConfig, out_dir: Path, procs: Processes, say) -> Optional[Path]:
-    """train.resume resolved by rank 0 (it reads every file of the checkpoint it picks) and sent to all."""
+    """train.resume resolved by rank 0 (it reads every file of the checkpoint it picks) and sent to all, after
+    rank 0 has checked that the run replaces nothing in out_dir unasked (log.overwrite), and removed what it
+    replaces."""
     answer = [None]
     if procs.rank == 0:
         try:
-            answer = [("ok", resolve_resume(cfg.train.resume, out_dir, say))]
+            check_out_dir(cfg)
+            path = resolve_resume(cfg.train.resume, out_dir, say) if cfg.train.resume else None
+            if path is None and cfg.train.resume == "auto":
+                check_fresh_start(cfg)
+            if path is None:
+                remove_run(out_dir)   # a fresh run replaces what out_dir holds (checked above: asked for, or leftovers)
+            answer = [("ok", path)]
         except ValueError as error:
             answer = [("error", str(error))]
     if procs.world_size > 1:
@@ -166,18 +172,18 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     from tqdm import tqdm
 
     is_main = procs.rank == 0
-    out_dir = Path(cfg.log.out_dir or os.path.join("runs", cfg.log.name))
+    out_dir = out_dir_of(cfg)
 
     def say(message: str) -> None:
         if is_main:
             print(f"moe-plugin train: {message}", file=sys.stderr, flush=True)
 
-    resume_path = _resume_path(cfg, out_dir, procs, say) if cfg.train.resume else None
+    resume_path = _resume_path(cfg, out_dir, procs, say)
     parts = build(cfg, procs)
     model, optimizer, data = parts.model, parts.optimizer, parts.data
     step, window = restore(parts, procs, cfg, resume_path) if resume_path else (0, Window())
-    if is_main and resume_path is None:
-        remove_checkpoints(out_dir)  # a fresh run replaces an old run's checkpoints
+    earlier = segments_of(resume_path) if resume_path else []   # what the run did before this segment
+    first_step = step
     wrapped = data_parallel(model, procs)
     if cfg.train.compile:    # reduce-overhead: CUDA graphs (the MoE layers read nothing back; README)
         wrapped = torch.compile(wrapped, mode=cfg.train.compile)
@@ -203,6 +209,14 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     unit, items_per_step = ("images", cfg.train.batch_size) if task == "image" else \
         ("tokens", cfg.train.batch_size * cfg.model.seq_len)
     saves = []
+
+    def segments_to(step: int) -> List[dict]:
+        """The run's segments up to `step`: the earlier ones and this one so far (zero-step segments left out)."""
+        done = step - first_step
+        this = [{"steps": done, "processes": procs.world_size, "items": done * items_per_step * procs.world_size,
+                 "seconds": time.perf_counter() - start}] if done or not earlier else []
+        return earlier + this
+
     with Signals() as signals:
         while step < last:
             step += 1
@@ -222,7 +236,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
                 bar.set_postfix_str(_progress(record, unit), refresh=False)
             bar.update(1)
             if stop or step == last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                saves.append(save(parts, procs, cfg, out_dir, step, window))
+                saves.append(save(parts, procs, cfg, out_dir, step, window, segments_to(step)))
                 stop = stop or any_signal(procs, signals, procs.device)   # a signal during the save: stop with it
             if stop and step < last:
                 bar.close()
@@ -243,7 +257,7 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     if not is_main:
         return {}
     log.close()
-    result = _result(cfg, procs, log.records, hashes, time.perf_counter() - start, out_dir)
+    result = _result(cfg, procs, log.records, hashes, segments_to(step), out_dir)
     result["checkpoint_seconds"] = [t["seconds"] for t in saves]
     result["checksum_seconds"] = [t["checksum_seconds"] for t in saves]
     result["topic_routing"] = routing
@@ -317,16 +331,22 @@ def _faults_summary(result: dict) -> str:
 
 
 def _result(cfg: ExperimentConfig, procs: Processes, records: List[dict], hashes: List[Tuple[str, str]],
-            seconds: float, out_dir: Path) -> dict:
+            segments: List[dict], out_dir: Path) -> dict:
+    """The run's result. Its steps, items (tokens or images), processes and seconds are the whole run's, summed
+    over its segments (each start and resume; `segments` lists them): `world_size` is this segment's processes,
+    `processes` each segment's."""
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     train_records = [r for r in records if "loss" in r]
     image = cfg.data.task == "image"
-    unit, per_row = ("images", 1) if image else ("tokens", cfg.model.seq_len)
+    unit = "images" if image else "tokens"
     val_accuracy = [r["val_accuracy"] for r in records if "val_accuracy" in r]
     accuracy = {"val_accuracy_first": val_accuracy[0], "val_accuracy_last": val_accuracy[-1]} if image else {}
     return {"name": cfg.log.name, "task": cfg.data.task, "out_dir": str(out_dir), "plots": cfg.log.plots,
-            "world_size": procs.world_size, "steps": records[-1]["step"], "seconds": seconds,
-            unit: records[-1]["step"] * cfg.train.batch_size * per_row * procs.world_size,
+            "world_size": procs.world_size, "steps": records[-1]["step"],
+            "seconds": sum(s["seconds"] for s in segments if s["seconds"] is not None),
+            "seconds_complete": all(s["seconds"] is not None for s in segments),
+            unit: sum(s["items"] for s in segments), "processes": [s["processes"] for s in segments],
+            "segments": segments,
             "val_loss_first": val[0][1], "val_loss_last": val[-1][1], **accuracy,
             "loss_first": train_records[0]["loss"] if train_records else None,
             "loss_last": train_records[-1]["loss"] if train_records else None,

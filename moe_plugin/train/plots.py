@@ -129,15 +129,32 @@ def _percent(n: int, load: List[int]) -> float:
     return 100 * n / max(1, sum(load))
 
 
+UNTIMED = " (and the segments before, whose checkpoint kept no time)"
+
+
+def _segments(result: dict) -> str:
+    """' in N segments' when the run was resumed (its figures are summed over them)."""
+    count = len(result.get("segments", []))
+    return f" in {count} segments (resumed {count - 1} time{'s' if count > 2 else ''})" if count > 1 else ""
+
+
+def _processes(result: dict) -> str:
+    """The processes of each segment where they changed: '2', or '2 then 1'."""
+    changes = [p for i, p in enumerate(result.get("processes", [])) if i == 0 or p != result["processes"][i - 1]]
+    return " then ".join(map(str, changes)) if changes else str(result["world_size"])
+
+
 def summary(name: str, result: dict, records: List[dict], routing: Dict[str, List[List[int]]]) -> str:
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
     last = train[-1]
     image = result.get("task") == "image"
     unit = "images" if image else "tokens"
+    seconds = f"{result['seconds']:.0f} s" + ("" if result.get("seconds_complete", True) else UNTIMED)
     lines = [
-        f"run {name}: {result['steps']} steps, {result['world_size']} process(es), "
-        f"{result[unit]:,} {unit}, {result['seconds']:.0f} s ({last[unit + '_per_s']:,.0f} {unit}/s at the end)",
+        f"run {name}: {result['steps']} steps{_segments(result)}, {_processes(result)} process(es), "
+        f"{result[unit]:,} {unit}, {seconds} "
+        f"({last[unit + '_per_s']:,.0f} {unit}/s at the end)",
         f"validation loss {val[0]['val_loss']:.3f} (step {val[0]['step']}) -> {val[-1]['val_loss']:.3f} "
         f"(step {val[-1]['step']}); train loss {train[0]['loss']:.3f} -> {last['loss']:.3f}",
     ]

@@ -90,7 +90,8 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 def torchrun_command(nproc_per_node: int, numa_binding: Optional[str], train_arguments: Sequence[str],
                      max_restarts: Optional[int] = None) -> List[str]:
     """The torchrun command line that runs `moe-plugin train train_arguments` on nproc_per_node local
-    processes (one node; torchrun picks a free port); max_restarts: torchrun's --max-restarts."""
+    processes (one node; torchrun picks a free port); max_restarts: torchrun's --max-restarts. torchrun is run
+    through moe_plugin.train.torchrun, which ends in the ranks' one line where they stopped on purpose."""
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={nproc_per_node} is invalid: must be an integer >= 1")
     if "WORLD_SIZE" in os.environ:
@@ -99,7 +100,7 @@ def torchrun_command(nproc_per_node: int, numa_binding: Optional[str], train_arg
     if max_restarts is not None and (isinstance(max_restarts, bool) or not isinstance(max_restarts, int)
                                      or max_restarts < 0):
         raise ValueError(f"--max-restarts={max_restarts} is invalid: must be an integer >= 0")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--signals-to-handle", TORCHRUN_SIGNALS,
+    command = [sys.executable, "-m", "moe_plugin.train.torchrun", "--standalone", "--signals-to-handle", TORCHRUN_SIGNALS,
                "--nproc-per-node", str(nproc_per_node)]
     if max_restarts is not None:
         command += ["--max-restarts", str(max_restarts)]

@@ -152,6 +152,49 @@ def test_errors_are_one_line_naming_the_setting(capsys, arguments, message):
     assert message in err and err.count("\n") == 1, err
 
 
+def suggested(err: str) -> list:
+    """The values an error message offers: the list after its last 'one of '."""
+    return json.loads(err.rsplit("one of ", 1)[1].split("]")[0] + "]")
+
+
+@pytest.mark.parametrize("arguments", [
+    ["parallel.ep_size=8", "moe.num_experts=16", "--world-size", "12", "--node-size", "4"],   # the issue's
+    ["parallel.ep_size=4", "moe.num_experts=6", "--world-size", "4"],    # 4 divides the world, not the 6 experts
+    ["parallel.ep_size=16", "moe.num_experts=8", "--world-size", "24", "--node-size", "8"],   # slices: 48 / 2, / 3
+])
+def test_every_ep_size_an_error_suggests_is_then_accepted(capsys, arguments):
+    """Issue 58 item 10: ep_size values that divide the world AND that every MoE layer takes, nothing else."""
+    assert cli.main(["plan", *TINY, *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.ep_size" in err, err
+    values = suggested(err)
+    world = int(arguments[arguments.index("--world-size") + 1])
+    assert values and all(world % v == 0 for v in values)
+
+    def plan(ep_size):
+        return cli.main(["plan", *TINY, *arguments[:2], f"parallel.ep_size={ep_size}", *arguments[2:]])
+    for value in values:
+        assert plan(value) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    others = [v for v in range(1, world + 1) if world % v == 0 and v not in values]   # the divisors left out fail
+    for value in others:
+        assert plan(value) == 2
+    assert len(capsys.readouterr().err.splitlines()) == len(others)
+
+
+def test_a_default_is_blamed_by_name_never_as_a_flag_the_user_gave(capsys):
+    assert cli.main(["plan", *TINY, "--world-size", "12"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--node-size=8" not in err, err
+    assert "--world-size=12 is not a multiple of the default --node-size, 8 processes per node" in err
+    for node_size in suggested(err):
+        assert cli.main(["plan", *TINY, "--world-size", "12", "--node-size", str(node_size)]) == 0
+    capsys.readouterr()
+    assert cli.main(["plan", *TINY, "--world-size", "12", "--node-size", "8"]) == 2    # given: named as given
+    assert "--node-size=8 is invalid: must divide --world-size=12" in capsys.readouterr().err
+    assert cli.main(["plan", *TINY, "--world-size", "4"]) == 0     # under 8 processes: one node of 4
+
+
 def test_step_time_by_hand():
     # 2 gloo ranks on this host's fitted profile, ep 2, one MoE layer: T = 4 x 32 tokens, K 2, every row kept
     # (capacity 2.0): each rank sends S = 256 rows x 32 x 4 bytes per pass, half of it to the other rank; gloo's

@@ -106,3 +106,52 @@ def test_checkpoints_that_cannot_resume_say_why(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="is not a checkpoint of `moe-plugin train`: it has no meta.json"):
         run(tmp_path, "other", f"train.resume={tmp_path / 'empty'}")
+
+
+def _files(path):
+    """{relative path: bytes} of every file under a folder, or the bytes of a file."""
+    if path.is_file():
+        return path.read_bytes()
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_convert_replaces_nothing_unasked_and_never_its_source(tmp_path, capsys):
+    """Issue 58 item 2: an existing target (a text file, another checkpoint) is refused without --overwrite, in one
+    line with exit status 2, every byte as it was; the source never, even with --overwrite."""
+    run(tmp_path, "run", "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0")
+    two, four = (tmp_path / "run" / "checkpoints" / f"step_00000{s}" for s in (2, 4))
+    full = tmp_path / "full.pt"
+    assert main(["checkpoint", "convert", str(two), str(full)]) == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    capsys.readouterr()
+
+    refused = [(four, notes, "exists (a file)"), (four, full, "exists (a file)"), (full, four, "exists (a folder)"),
+               (four, four, "is the source"), (four, four / "full.pt", "is inside the source"),
+               (full, tmp_path, "holds the source")]
+    for source, target, why in refused:
+        before = {p: _files(p) for p in (source, target, two, four, full, notes) if p.exists()}
+        for overwrite in ([], ["--overwrite"]):
+            if overwrite and why.startswith("exists"):
+                continue
+            assert main(["checkpoint", "convert", str(source), str(target), *overwrite]) == 2, (source, target)
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"'{target}' {why}" in err, err
+            assert {p: _files(p) for p in before} == before
+            assert not (four / "full.pt").exists()
+
+    # --overwrite on a kind convert does not write, or a folder that is no checkpoint: refused as well
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("keep\n")
+    for source, target in ((four, two), (full, notes), (full, tmp_path / "mine")):
+        before = _files(target)
+        assert main(["checkpoint", "convert", str(source), str(target), "--overwrite"]) == 2
+        assert capsys.readouterr().err.count("\n") == 1 and _files(target) == before
+
+    # asked by name: the target replaced, written whole (no temporary file left beside it)
+    assert main(["checkpoint", "convert", str(four), str(notes), "--overwrite"]) == 0
+    assert torch.load(notes, weights_only=True)["meta"]["step"] == 4
+    assert main(["checkpoint", "convert", str(notes), str(two), "--overwrite"]) == 0
+    assert train.read_meta(two)["step"] == 4 and train.verify(two) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "mine", "notes.txt", "run"]
+    assert sorted(p.name for p in two.parent.iterdir()) == ["step_000002", "step_000004"]

@@ -23,7 +23,7 @@ from moe_plugin.train import command, processes
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.hidden_size=48", "moe.num_experts=4", "train.batch_size=4", "train.eval_batches=2",
         "train.warmup_steps=2", "log.progress=false", "log.plots=false"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--signals-to-handle",
+TORCHRUN = [sys.executable, "-m", "moe_plugin.train.torchrun", "--standalone", "--signals-to-handle",
             "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 
 

@@ -86,6 +86,40 @@ def test_command_line_reports_config_errors(capsys):
     assert "num_experts: 16" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--nproc-per-node", "2", "parallel.ep_size=4"],
+     "parallel.ep_size=4 is invalid: must divide the number of processes, 2 (--nproc-per-node 2; start N with "
+     "--nproc-per-node N, N a multiple of 4; or set parallel.ep_size to one of [1, 2])"),
+    (["--nproc-per-node", "6", "parallel.ep_size=3"],    # 3 divides 6, but not the 4 experts
+     "parallel.ep_size=3 cannot hold num_experts=4 with hidden_size=48"),
+    (["--nproc-per-node", "1", "parallel.fsdp=true"], "parallel.fsdp=true is invalid with --nproc-per-node 1"),
+])
+def test_the_launcher_checks_the_config_against_its_world_before_torchrun_starts(monkeypatch, capsys, tmp_path,
+                                                                                 arguments, message):
+    """Issue 58 item 6: one line, exit status 2, and torchrun never started; the values suggested are accepted."""
+    from moe_plugin.train import command
+    monkeypatch.setattr(command.subprocess, "call", lambda argv: pytest.fail(f"torchrun was started: {argv}"))
+    assert main(["train", *arguments[:2], *TINY, *arguments[2:], f"log.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    if "one of" in err:
+        nproc = int(arguments[1])
+        for ep_size in json.loads(err.rsplit("one of ", 1)[1].split("]")[0] + "]"):
+            cfg = train.load_config(None, [*TINY, f"parallel.ep_size={ep_size}"])
+            command.check_launch(cfg, nproc)      # accepted
+
+
+def test_the_launcher_refuses_in_one_line_in_a_real_process(tmp_path):
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "moe_plugin.cli", "train", "--nproc-per-node", "2", *TINY,
+                           "parallel.ep_size=4", f"log.out_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("moe-plugin train: parallel.ep_size=4 is invalid: must divide the number of "
+                                  "processes, 2 (--nproc-per-node 2;")
+    assert not (tmp_path / "run").exists()
+
+
 def test_default_config_learns_and_writes_its_outputs(tmp_path, fresh_seed):
     """The default model and corpus for a few steps: validation loss falls well below its start."""
     result, records = run(tmp_path, "train.steps=24", "train.warmup_steps=4", "train.eval_every=12",

@@ -549,7 +549,8 @@ def test_upcycling_takes_the_newest_whole_dense_checkpoint(tmp_path, fresh_seed)
 
     def upcycle(where):
         cfg = train.load_config(str(configs / "llama_upcycled.yaml"),
-                                [*hf, f"log.out_dir={tmp_path / 'up'}", f"upcycle.checkpoint={where}", "train.steps=1"])
+                                [*hf, f"log.out_dir={tmp_path / 'up'}", f"upcycle.checkpoint={where}", "train.steps=1",
+                                 "log.overwrite=true"])   # each call a fresh run into the same out_dir
         return train.train(cfg)
     # step 0 of the upcycled run is the dense model of step 2 (exact copies, normalized top-2, dropless)
     assert upcycle(dense)["val_loss_first"] == pytest.approx(val[2], abs=1e-5) != pytest.approx(val[4], abs=1e-5)
