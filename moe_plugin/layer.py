@@ -380,9 +380,10 @@ def _held(layer: MoELayer, state: Mapping[str, Any], prefix: str, keys: list, re
     whole = {"num_experts": E, "ep_size": 1, "ep_rank": 0, "experts": [0, E], "slices": 1, "slice": 0}
     if layer.experts.stacked:
         w1, own = state.get(prefix + "experts.w1_EDH"), layer.experts.w1_EDH
-        shape = (E, own.shape[1], own.shape[2] * layout.slices)
-        if torch.is_tensor(w1) and tuple(w1.shape) == shape != tuple(own.shape):
-            return whole
+        if own.dim() == 3 and torch.is_tensor(w1):      # (ZeRO-3 leaves a partitioned parameter 1-D and empty)
+            shape = (E, own.shape[1], own.shape[2] * layout.slices)
+            if tuple(w1.shape) == shape != tuple(own.shape):
+                return whole
     else:
         indices = {int(k[len(prefix + "experts.local."):].split(".", 1)[0]) for k in keys}
         if indices == set(range(E)) and len(layer.experts.local) != E:
@@ -414,7 +415,7 @@ def place_experts(layer: MoELayer, state: dict, prefix: str, record: Optional[di
     part = "" if held.get("slices", 1) == 1 else f" (hidden slice {held['slice']} of {held['slices']})"
     my_part = "" if mine["slices"] == 1 else f" (hidden slice {mine['slice']} of {mine['slices']})"
     raise ValueError(
-        f"MoELayer {prefix.rstrip('.') or '(the model)'}: the state dict holds experts {lo}..{hi - 1}{part} of "
+        f"MoELayer{' ' + prefix.rstrip('.') if prefix else ''}: the state dict holds experts {lo}..{hi - 1}{part} of "
         f"{held.get('num_experts')} (saved by ep_rank {held.get('ep_rank')} of ep_size {held.get('ep_size')}), but this "
         f"process (ep_rank {layout.ep_rank} of ep_size {layout.ep_size}) needs experts {my_lo}..{my_hi - 1}{my_part} of "
         f"{layout.num_experts}: a process's state dict holds only its own experts. Save on every rank and load each "
@@ -426,7 +427,8 @@ def _placed_by_host(layer: MoELayer) -> bool:
     """Whether a host puts each expert where it belongs in this load: torch's state-dict API on an FSDP2-sharded
     layer (parallel/fsdp_state_dict.py places every expert by its place in the whole stack), or DeepSpeed's
     engine (it reads each rank's experts from the files of their global indices)."""
-    sharded = any(type(p).__name__ == "DTensor" for p in layer.experts.parameters())
+    from torch.distributed.tensor import DTensor
+    sharded = any(isinstance(p, DTensor) for p in layer.experts.parameters())
     return bool((sharded and fsdp_state_dict._torch_state_dict_api_frames())
                 or fsdp_state_dict._frames("deepspeed.runtime.engine", "load_module_state_dict"))
 
