@@ -6,7 +6,8 @@ groups and calls deepspeed.initialize.
 
 One job per file: section.py (the "moe" section's keys and validation), native.py (the native layer `MoE`
 and swap_moe_layers), hf.py (Hugging Face blocks under DeepSpeed), zero3.py (ZeRO stage 3 placement),
-model.py (a small native-MoE demo model and its synthetic task).
+model.py (a small native-MoE demo model and its synthetic task), layout.py (checkpoints' layout, checked at load),
+consolidate.py (zero_to_fp32 for expert-parallel checkpoints).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from moe_plugin import MoELayer, update_expert_bias
 from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, MoE, hf_support, moe_config, swap_moe_layers
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
+from moe_plugin.integrations.deepspeed.layout import check_layout_on_load
 from moe_plugin.integrations.deepspeed.routing import log_routing, routing_alarm
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, check_ep_size_under_deepspeed, read_moe_section
 from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
@@ -129,6 +131,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                                          mesh_param=mesh_param, config_params=config_params)
     update_bias_every_step(engine)
+    if has_moe:
+        check_layout_on_load(engine)
     log_routing(engine, alarm)
     if stage3:
         gather_every_expert_on_16bit_save(engine)

@@ -14,7 +14,6 @@ The zero_to_fp32.py that DeepSpeed copies next to a checkpoint is DeepSpeed's ow
 `python -m moe_plugin.integrations.deepspeed.zero_to_fp32`) takes its arguments instead.
 """
 import argparse
-import glob
 import math
 import os
 import re
@@ -26,17 +25,35 @@ import torch
 from moe_plugin.checkpoint import expert_pieces
 from moe_plugin.parallel.groups import ExpertLayout
 
-__all__ = ["expert_partitioned_state_dict", "patch_zero_to_fp32", "unpatch_zero_to_fp32", "main"]
+__all__ = ["expert_partitioned_state_dict", "zero12_moe_state_dict", "patch_zero_to_fp32", "unpatch_zero_to_fp32", "main"]
 
 EXPERT_FAMILY = "autoep_expert"        # zero3.EXPERT_FAMILY (not imported: this module must not need deepspeed)
 _ORIGINAL = "_moe_plugin_original"
-_LOCAL_EXPERT = re.compile(r"^(?P<layer>.*)experts\.local\.(?P<index>\d+)\.(?P<rest>.+)$")   # the general path
+# one module per local expert: moe_plugin's general path (experts.local.<i>), DeepSpeed's native layer (ZeRO 1/2)
+_LOCAL_EXPERT = re.compile(r"^(?P<layer>.*)experts\.(?P<list>local|deepspeed_experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
-def _files(ds_checkpoint_dir: str, pattern: str) -> List[str]:
-    def rank(path):
-        return int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
-    return sorted(glob.glob(os.path.join(ds_checkpoint_dir, pattern)), key=rank)
+# DeepSpeed 0.19.8's file names in a tag folder (engine._get_ckpt_name, _get_zero_ckpt_name, _get_expert_ckpt_name)
+_ZERO_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")   # ZeRO 1-3, per dp rank
+_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")           # ZeRO-3, per dp rank
+_EXPERT_MODEL = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")   # ZeRO 0-2 MoE
+_MODEL_12 = "mp_rank_00_model_states.pt"                                                   # ZeRO 0-2, dp rank 0
+
+
+def _files(ds_checkpoint_dir: str, pattern: "re.Pattern") -> List[str]:
+    """The files of the tag folder whose names match pattern, by data-parallel rank (tensor-parallel rank 0 only;
+    _tensor_parallel tells whether there are others)."""
+    found = []
+    for name in os.listdir(ds_checkpoint_dir) if os.path.isdir(ds_checkpoint_dir) else ():
+        match = pattern.match(name)
+        if match and int(match.group(2)) == 0:
+            found.append((int(match.group(1)), os.path.join(ds_checkpoint_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def _tensor_parallel(ds_checkpoint_dir: str) -> bool:
+    return any((_ZERO_OPTIM.match(n) or _ZERO3_MODEL.match(n)) and not n.split("_mp_rank_")[1].startswith("00_")
+               for n in os.listdir(ds_checkpoint_dir))
 
 
 def _partition_groups(optim_file: str) -> Optional[list]:
@@ -46,9 +63,9 @@ def _partition_groups(optim_file: str) -> Optional[list]:
 
 def _is_expert_partitioned(ds_checkpoint_dir: str) -> bool:
     """A ZeRO-3 checkpoint of moe_plugin's layers with a sub-group split over fewer than all ranks."""
-    optim_files = _files(ds_checkpoint_dir, "*_optim_states.pt")
-    model_files = _files(ds_checkpoint_dir, "*_model_states.pt")
-    if not optim_files or not model_files:
+    optim_files = _files(ds_checkpoint_dir, _ZERO_OPTIM)
+    model_files = _files(ds_checkpoint_dir, _ZERO3_MODEL)
+    if not optim_files or not model_files or _tensor_parallel(ds_checkpoint_dir):
         return False
     groups = _partition_groups(optim_files[0]) or []
     split = any(EXPERT_FAMILY in g.get("families", ()) and g["partition_count"] < len(optim_files) for g in groups)
@@ -58,11 +75,22 @@ def _is_expert_partitioned(ds_checkpoint_dir: str) -> bool:
     return "ds_autoep_layers" not in model_state   # DeepSpeed's AutoEP: DeepSpeed's own conversion answers
 
 
+def _is_zero12_moe(ds_checkpoint_dir: str) -> bool:
+    """A ZeRO-1/2 checkpoint of DeepSpeed MoE layers (per-expert model files beside the dp-rank-0 model file).
+    DeepSpeed's own consolidation reads an expert file as the model file there and stops ("... is not a model state
+    checkpoint"), whatever the ep_size."""
+    if not os.path.isdir(ds_checkpoint_dir) or _tensor_parallel(ds_checkpoint_dir):
+        return False
+    names = os.listdir(ds_checkpoint_dir)
+    return (_MODEL_12 in names and any(_EXPERT_MODEL.match(n) for n in names)
+            and bool(_files(ds_checkpoint_dir, _ZERO_OPTIM)))
+
+
 def expert_partitioned_state_dict(ds_checkpoint_dir: str, exclude_frozen_parameters: bool = False
                                   ) -> Dict[str, torch.Tensor]:
     """The fp32 state dict of a ZeRO-3 checkpoint (the tag folder) with experts split over expert-data groups."""
-    model_files = _files(ds_checkpoint_dir, "*_model_states.pt")
-    optim_files = _files(ds_checkpoint_dir, "*_optim_states.pt")
+    model_files = _files(ds_checkpoint_dir, _ZERO3_MODEL)
+    optim_files = _files(ds_checkpoint_dir, _ZERO_OPTIM)
     world = len(optim_files)
     if len(model_files) != world:
         raise ValueError(f"{ds_checkpoint_dir} has {len(model_files)} model-state files and {world} optimizer-state "
@@ -98,6 +126,75 @@ def expert_partitioned_state_dict(ds_checkpoint_dir: str, exclude_frozen_paramet
         if name in state:
             state[alias] = state[name]
     return state
+
+
+def zero12_moe_state_dict(ds_checkpoint_dir: str, exclude_frozen_parameters: bool = False
+                          ) -> Dict[str, torch.Tensor]:
+    """The fp32 state dict of a ZeRO-1/2 checkpoint (the tag folder) of DeepSpeed MoE layers, every expert whole.
+
+    Each optimizer group's flat fp32 partitions are merged over the ranks it was split over: all ranks for a dense
+    group, each expert-data-parallel group for an expert group (partition_count = world / ep_size). Expert tensors
+    are then put together over the expert-parallel ranks as at ZeRO-3 (the names are rank 0's, which every
+    expert-parallel rank shares)."""
+    optim_files = _files(ds_checkpoint_dir, _ZERO_OPTIM)
+    model = torch.load(os.path.join(ds_checkpoint_dir, _MODEL_12), map_location="cpu", weights_only=False)
+    dims = model.get("checkpoint_parallel_dimensions", {})
+    if dims.get("pp_degree", 1) != 1 or model.get("mp_world_size", 1) != 1:
+        raise ValueError(f"consolidating ZeRO-1/2 MoE checkpoints supports data and expert parallelism only; this "
+                         f"one has {dims} (mp_world_size {model.get('mp_world_size')})")
+    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+              for f in optim_files]
+    world = len(optims)
+    counts = optims[0]["partition_count"]
+    counts = counts if isinstance(counts, list) else [counts] * len(model["param_shapes"])
+    if max(counts) != world:
+        raise ValueError(f"{ds_checkpoint_dir} has {world} optimizer-state files, but its dense groups were split "
+                         f"over {max(counts)} ranks: a file is missing or left from another run")
+    paddings = optims[0].get("param_alignment_paddings") or [None] * len(counts)
+    state = {name: tensor.float() if tensor.is_floating_point() else tensor
+             for name, tensor in model["module"].items() if name in model["buffer_names"]}
+    shapes = {name: shape for group in model["param_shapes"] for name, shape in group.items()}
+    local_experts: Dict[str, Dict[int, torch.Tensor]] = {}   # name -> {ep_rank: this ep rank's tensor}
+    for g, (group_shapes, count) in enumerate(zip(model["param_shapes"], counts)):
+        if world % count:
+            raise ValueError(f"optimizer group {g} was split over {count} ranks, which does not divide {world}")
+        ep_size = world // count
+        if ep_size == 1:
+            state.update(_merge_flat(g, list(range(world)), optims, group_shapes, paddings[g]))
+            continue
+        from deepspeed.utils.groups import _get_expert_parallel_ranks
+        for members in _get_expert_parallel_ranks(world, 1, ep_size)[1]:
+            ep_rank = _ep_rank(members[0], members, world, ep_size)
+            for name, tensor in _merge_flat(g, sorted(members), optims, group_shapes, paddings[g]).items():
+                local_experts.setdefault(name, {})[ep_rank] = tensor
+    for name, by_rank in local_experts.items():
+        state.update(_whole_experts(name, by_rank, shapes))
+    if not exclude_frozen_parameters:
+        layers = {_layer_prefix(name) for name in local_experts}
+        for name in (model.get("frozen_param_shapes") or {}):
+            if any(name.startswith(layer) for layer in layers):
+                raise ValueError(f"frozen expert parameter {name!r}: a ZeRO-1/2 checkpoint keeps only rank 0's "
+                                 f"frozen parameters, so it cannot be consolidated at ep_size > 1; pass "
+                                 f"exclude_frozen_parameters=True, or train it")
+            state[name] = model["frozen_param_fragments"][name]
+    for alias, name in model.get("shared_params", {}).items():
+        if name in state:
+            state[alias] = state[name]
+    return state
+
+
+def _merge_flat(g: int, members: List[int], optims, shapes, paddings) -> Dict[str, torch.Tensor]:
+    """ZeRO-1/2 group g's parameters from the fp32 partitions of members (in partition order)."""
+    flat = torch.cat([optims[r]["single_partition_of_fp32_groups"][g] for r in members])
+    merged, offset = {}, 0
+    for i, (name, shape) in enumerate(shapes.items()):
+        numel = math.prod(shape)
+        if offset + numel > flat.numel():
+            raise ValueError(f"optimizer group {g} of ranks {members} holds {flat.numel()} elements, too few for "
+                             f"its parameters; it was not written by this layout")
+        merged[name] = flat[offset:offset + numel].view(tuple(shape)).clone()
+        offset += numel + (paddings[i] if paddings else 0)
+    return merged
 
 
 def _merge_sub_group(g: int, members: List[int], metas, flat_groups, models) -> Dict[str, torch.Tensor]:
@@ -143,15 +240,15 @@ def _whole_experts(name: str, by_rank: Dict[int, torch.Tensor], shapes) -> Dict[
     each rank's local expert modules renumbered to their global index)."""
     ep_size = len(by_rank)
     local = _LOCAL_EXPERT.match(name)
-    layer_prefix = local["layer"] if local else name.rsplit("experts.", 1)[0]
-    router = shapes.get(f"{layer_prefix}router.weight_ED")
+    layer_prefix = _layer_prefix(name)
+    router = shapes.get(f"{layer_prefix}router.weight_ED", shapes.get(f"{layer_prefix}gate.wg.weight"))
     if router is None:
         raise ValueError(f"expert parameter {name!r}: no {layer_prefix}router.weight_ED in the checkpoint to tell "
                          f"its layer's number of experts")
     num_experts = router[0]
     if local:
         per_rank = num_experts // ep_size
-        return {f"{layer_prefix}experts.local.{r * per_rank + int(local['index'])}.{local['rest']}": t
+        return {f"{layer_prefix}experts.{local['list']}.{r * per_rank + int(local['index'])}.{local['rest']}": t
                 for r, t in by_rank.items()}
     tensor_name = name.rsplit(".", 1)[1]
     hidden = shapes[f"{layer_prefix}experts.w2_EHD"][1] * max(1, ep_size // num_experts)   # local slice * slices
@@ -169,6 +266,11 @@ def _whole_experts(name: str, by_rank: Dict[int, torch.Tensor], shapes) -> Dict[
         raise ValueError(f"expert parameter {name!r}: the checkpoint's {ep_size} expert-parallel ranks do not hold "
                          f"all of it")
     return {name: whole}
+
+
+def _layer_prefix(name: str) -> str:
+    local = _LOCAL_EXPERT.match(name)
+    return local["layer"] if local else name.rsplit("experts.", 1)[0]
 
 
 def _frozen(models, local_experts) -> Dict[str, torch.Tensor]:
@@ -200,6 +302,8 @@ def patch_zero_to_fp32() -> None:
     def consolidate(ds_checkpoint_dir, exclude_frozen_parameters):
         if _is_expert_partitioned(ds_checkpoint_dir):
             return expert_partitioned_state_dict(ds_checkpoint_dir, exclude_frozen_parameters)
+        if _is_zero12_moe(ds_checkpoint_dir):
+            return zero12_moe_state_dict(ds_checkpoint_dir, exclude_frozen_parameters)
         return original(ds_checkpoint_dir, exclude_frozen_parameters)
 
     setattr(consolidate, _ORIGINAL, original)
