@@ -13,6 +13,7 @@ GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai")   # the firs
 LIMITED_ACTIVATIONS = ("swiglu", "swiglu_oai")                         # those activation_limit applies to
 GROUP_SCORES = ("top2_sum", "max")
 AUX_LOSSES = ("gshard", "switch", "none", "seq", "load_importance")
+AUX_LOSS_SCOPES = ("local", "global")
 CAPACITY_FORMULAS = ("ceil", "tutel")
 GATE_NOISE_KINDS = ("choice", "tutel")
 GATE_NORMALIZATIONS = ("before_drop", "after_drop", "none")
@@ -72,6 +73,10 @@ class MoEConfig:
       sequence-wise loss (switch per sequence of an input [..., S, D], averaged over sequences);
       "load_importance" is Tutel's (Shazeer et al.'s importance and load losses, averaged; needs gate_noise > 0
       with gate_noise_kind "tutel").
+    aux_loss_scope: "local" counts the balance loss's expert frequencies over this process's tokens; "global"
+      over every process's (gshard, switch, seq; all-reduced in training, no gradient through the counts), so that
+      under data parallelism with gradients averaged over processes the router's gradient from the balance loss
+      equals one process's on all processes' tokens together (router.global_balance_loss).
     expert_bias_update_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias
       (router.expert_bias_E) is added to the scores to choose experts, never to the gates;
       moe_plugin.update_expert_bias(model) moves it by rate * sign(mean load - load) once per step.
@@ -150,6 +155,7 @@ class MoEConfig:
     capacity_alignment: int = 1
     gate_noise_kind: str = "choice"
     router_proj_dim: int = 0
+    aux_loss_scope: str = "local"
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -177,6 +183,10 @@ class MoEConfig:
         _check_choice("router", self.router, ROUTERS)
         _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)
+        _check_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
+        if self.aux_loss_scope == "global" and self.aux_loss == "load_importance":
+            raise ValueError("MoEConfig.aux_loss_scope='global' is invalid with aux_loss='load_importance': global "
+                             "counts apply to the gshard, switch and seq losses; use aux_loss_scope='local'")
         _check_int("ep_size", self.ep_size, minimum=1)
         _check_int_or_auto("parallel", self.parallel, minimum=0)
         _check_int_or_auto("overlap_degree", self.overlap_degree, minimum=1)

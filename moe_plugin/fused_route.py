@@ -16,7 +16,7 @@ from .fused import NoGraph
 from .ops import torch_route
 from .ops.choice import device_kind, eager_triton, triton_modules
 from .ops.launches import LaunchCounter
-from .router import finalize_gates
+from .router import counts_globally, finalize_gates
 
 MAX_EXPERTS = 512
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,7 +28,9 @@ def eligible(layer, routed_TD: torch.Tensor) -> bool:
 
 
 def routed_as_configured(layer, routed_TD: torch.Tensor) -> bool:
-    """eligible's checks of the layer, its router and the input (a caller that has chosen the kernels already)."""
+    """eligible's checks of the layer, its router and the input (a caller that has chosen the kernels already).
+    A balance loss counted over every process (aux_loss_scope "global", counts_globally) takes the reference path,
+    whose router all-reduces its counts (the kernels count this process's)."""
     cfg, router = layer.config, layer.router
     if routed_TD.shape[0] == 0:
         return False
@@ -40,7 +42,7 @@ def routed_as_configured(layer, routed_TD: torch.Tensor) -> bool:
             and cfg.aux_loss in ("gshard", "switch", "none") and not cfg.batch_prioritized_routing
             and not cfg.gate_on_input and not layer.is_parallel and cfg.num_experts <= MAX_EXPERTS
             and routed_TD.dtype == router.weight_ED.dtype and routed_TD.dtype in DTYPES
-            and (cfg.fp32_router or routed_TD.dtype == torch.float32))
+            and (cfg.fp32_router or routed_TD.dtype == torch.float32) and not counts_globally(router))
 
 
 def _kernels(device: torch.device):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree
 import torch.nn.functional as F
 from torch import nn
@@ -48,11 +49,16 @@ class Router(nn.Module):
     init_std) (what Hugging Face's _init_weights gives its routers, gpt-oss's bias included; set by
     swap_moe_blocks).
 
-    noise_policy: a host's router noise in training (NOISE_POLICIES; set by the DeepSpeed adapter)."""
+    noise_policy: a host's router noise in training (NOISE_POLICIES; set by the DeepSpeed adapter).
+
+    aux_loss_group: with aux_loss_scope "global", the processes whose tokens the balance loss counts (None: the
+    world). Every process of it must run the layer's training forwards alike; a host whose layer lives on only some
+    processes (a pipeline stage) sets the group of those."""
 
     fixed_bias = False                    # class defaults: also for modules pickled before these existed
     init_std: Optional[float] = None
     noise_policy: Optional[str] = None    # a host's router noise in training (NOISE_POLICIES), set by its adapter
+    aux_loss_group = None                 # aux_loss_scope "global": the processes counted (None: the world)
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -173,6 +179,9 @@ class Router(nn.Module):
         if cfg.aux_loss == "load_importance":
             aux = load_importance_loss(self.scores(clean_TE), logits_TE.gather(1, expert_TK[:, -1:]),
                                        cfg.gate_noise / cfg.num_experts)
+        elif counts_globally(self):
+            aux = global_balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T,
+                                      self.aux_loss_group)
         else:
             aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())
@@ -301,6 +310,12 @@ def balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num
 
 def _ragged_sequence_loss(probs_TE, expert_TK, num_experts, sequence_T):
     """The seq loss over sequences of any lengths (indices below T; unused ones are empty and skipped)."""
+    total, count = _ragged_sequence_terms(probs_TE, expert_TK, num_experts, sequence_T)
+    return total / count
+
+
+def _ragged_sequence_terms(probs_TE, expert_TK, num_experts, sequence_T):
+    """(the sum of the non-empty sequences' seq-loss terms, how many there are)."""
     T, K = expert_TK.shape
     length_N = torch.zeros(T, dtype=probs_TE.dtype, device=probs_TE.device).index_add_(
         0, sequence_T, torch.ones_like(sequence_T, dtype=probs_TE.dtype))
@@ -309,7 +324,55 @@ def _ragged_sequence_loss(probs_TE, expert_TK, num_experts, sequence_T):
         0, (sequence_T[:, None] * num_experts + expert_TK).reshape(-1),
         probs_TE.new_ones(T * K)).view(T, num_experts)
     per_N = (probs_NE * choices_NE).sum(-1) / (length_N.square() * K).clamp(min=1)
-    return num_experts * per_N.sum() / (length_N > 0).sum()
+    return num_experts * per_N.sum(), (length_N > 0).sum()
+
+
+def counts_globally(router: "Router") -> bool:
+    """Whether this forward's balance loss counts over every process of router.aux_loss_group (aux_loss_scope
+    "global", a gshard, switch or seq loss that weighs in, training, more than one process); else it is the local
+    one (which it equals on one process)."""
+    cfg = router.config
+    return (cfg.aux_loss_scope == "global" and cfg.aux_loss in ("gshard", "switch", "seq") and cfg.aux_loss_coef > 0
+            and router.training and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(router.aux_loss_group) > 1)
+
+
+def global_balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num_experts: int,
+                        seq_len: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None,
+                        group=None) -> torch.Tensor:
+    """This process's share of the balance loss counted over every process of group (default: the world): one
+    all_reduce of the counts (no gradient through them); every process of group must call it.
+
+    gshard, switch: E * sum_e(P * this process's probability sum of e / T_all * C_e / (T_all * K')) with C_e the
+    choices of e counted over all processes, T_all their tokens, P the processes, K' 1 (gshard) or K (switch).
+    seq: P * the sum of this process's sequences' terms / N_all, the sequences of all processes. Its mean over the
+    processes is the loss of one process on all their tokens together, and so is the mean of its gradients (as
+    data parallelism averages them), whatever each process's share of the tokens."""
+    T, K = expert_TK.shape
+    P = dist.get_world_size(group)
+    if kind == "seq":
+        if sequence_T is not None:
+            total, count = _ragged_sequence_terms(probs_TE, expert_TK, num_experts, sequence_T)
+        elif T == 0:
+            total, count = probs_TE.new_zeros(()), 0
+        else:
+            rows = T // seq_len if seq_len is not None else 1
+            probs_NSE, counted_NX = probs_TE.view(rows, -1, num_experts), expert_TK.reshape(rows, -1)
+            fraction_NE = _choices_per_expert(counted_NX, num_experts, probs_TE.dtype) / counted_NX.shape[1]
+            total, count = num_experts * (probs_NSE.mean(1) * fraction_NE).sum(), rows
+        count_1 = torch.as_tensor(count, dtype=torch.float64, device=probs_TE.device).reshape(1).clone()
+        dist.all_reduce(count_1, group=group)
+        return P * total / count_1[0].clamp(min=1).to(total.dtype)
+    counted_TX = expert_TK[:, :1] if kind == "gshard" else expert_TK
+    counts_E1 = torch.zeros(num_experts + 1, dtype=torch.float64, device=probs_TE.device)
+    counts_E1.scatter_add_(0, counted_TX.reshape(-1), torch.ones(counted_TX.numel(), dtype=torch.float64,
+                                                                  device=probs_TE.device))
+    counts_E1[num_experts] = T
+    dist.all_reduce(counts_E1, group=group)
+    tokens = counts_E1[num_experts].clamp(min=1)
+    scale = num_experts * P / (tokens * tokens * counted_TX.shape[1])
+    weights_E = (counts_E1[:num_experts] * scale).to(probs_TE.dtype)
+    return (probs_TE.sum(0) * weights_E).sum()
 
 
 def load_importance_loss(clean_TE: torch.Tensor, threshold_T1: torch.Tensor, noise_std: float) -> torch.Tensor:

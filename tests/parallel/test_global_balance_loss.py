@@ -1,0 +1,129 @@
+"""aux_loss_scope="global" (issue 55 item 3) on 2 and 4 gloo processes, with and without expert parallelism, against
+one process on all processes' tokens together (aux_loss_scope "local" there: one process's batch is the whole):
+with the router's gradients averaged over the processes (as data parallelism does), the router's gradient equals
+the one process's (fp64 1e-12; fp32 1e-5, where the fused routing would run), the processes' mean aux loss equals
+its aux loss, and each process's input gradient is P times the one process's on its rows. The gshard, switch and
+seq losses; unequal token counts and a process without tokens. Single-process checks at the end."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.compare import relative_error
+from helpers.launch import run_workers
+from moe_plugin import MoEConfig, MoELayer, fused_route
+from moe_plugin.router import counts_globally
+
+D, H = 6, 8
+
+
+def build(spec, dtype, **more):
+    config = dict(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"], capacity_factor=0.0,
+                  aux_loss=spec["aux"], aux_loss_coef=0.3, **more)
+    return MoELayer(MoEConfig(**config)).to(dtype)
+
+
+def compare_global(rank, world, specs):
+    errors = {}
+    for spec in specs:
+        dtype = spec.get("dtype", torch.float64)
+        torch.manual_seed(spec["seed"])
+        reference = build(spec, dtype)                       # one process: aux_loss_scope "local"
+        layer = build(spec, dtype, aux_loss_scope="global", ep_size=spec.get("ep", 1))
+        layer.load_full_state_dict(reference.state_dict())
+        generator = torch.Generator().manual_seed(spec["seed"] + 1)
+        S = spec.get("seq", 1)
+        xs = [torch.randn(n, S, D, generator=generator, dtype=dtype) for n in spec["tokens"]]
+        ups = [torch.randn(x.shape, generator=generator, dtype=dtype) for x in xs]
+        # a random router, skewed a little, so that the global counts differ from each process's
+        with torch.no_grad():
+            layer.router.weight_ED.mul_(3.0)
+            reference.router.weight_ED.mul_(3.0)
+
+        x_all = torch.cat(xs).requires_grad_()
+        y_all = reference(x_all)
+        # the one process's loss: each process's task term averaged, plus the balance loss on all tokens
+        ((y_all * torch.cat(ups)).sum() / world + reference.aux_loss).backward()
+
+        x = xs[rank].clone().requires_grad_()
+        if dtype == torch.float32 and spec.get("ep", 1) == 1:
+            # where the fused routing (and the one-node path) would run, the global count takes the reference path
+            assert counts_globally(layer.router) and not fused_route.routed_as_configured(layer, x.reshape(-1, D))
+        y = layer(x)
+        ((y * ups[rank]).sum() + layer.aux_loss).backward()
+        grad_ED = layer.router.weight_ED.grad.clone()
+        dist.all_reduce(grad_ED)
+        grad_ED /= world                          # data parallelism averages the router's gradient
+        aux = layer.aux_loss.detach().clone()
+        dist.all_reduce(aux)
+        start = sum(spec["tokens"][:rank])
+        rows = slice(start, start + spec["tokens"][rank])
+        errors[spec["name"]] = {
+            "router grad": relative_error(grad_ED, reference.router.weight_ED.grad, floor=1e-12),
+            "aux": relative_error(aux / world, reference.aux_loss.detach(), floor=1e-12),
+            "x.grad": relative_error(x.grad, world * x_all.grad[rows], floor=1e-12),
+            "local differs": relative_error(_local_aux(spec, dtype, layer, x), layer.aux_loss.detach()),
+        }
+    return errors
+
+
+def _local_aux(spec, dtype, layer, x):
+    """This process's aux loss counted locally: the global one must differ from it (the check means something)."""
+    local = build(spec, dtype, ep_size=spec.get("ep", 1))
+    local.load_state_dict(layer.state_dict())
+    local(x.detach())
+    return local.aux_loss.detach()
+
+
+def _check(results, specs):
+    for spec in specs:
+        for rank, errors in enumerate(results):
+            got = errors[spec["name"]]
+            tol = 1e-5 if spec.get("dtype") == torch.float32 else 1e-12
+            for what in ("router grad", "aux", "x.grad"):
+                assert got[what] <= tol, f"{spec['name']}: rank {rank} {what} relative error {got[what]:.3g}"
+        assert max(errors[spec["name"]]["local differs"] for errors in results) > 1e-3, spec["name"]
+
+
+SPECS_2 = [
+    dict(name="gshard data parallel", E=4, k=2, aux="gshard", tokens=[7, 4], seed=1),
+    dict(name="switch ep2", E=4, k=2, aux="switch", ep=2, tokens=[5, 9], seed=2),
+    dict(name="seq ep2", E=8, k=3, aux="seq", ep=2, tokens=[3, 2], seq=5, seed=3),
+    dict(name="gshard fp32 fused path skipped", E=8, k=2, aux="gshard", tokens=[16, 24], seed=4,
+         dtype=torch.float32),
+]
+SPECS_4 = [
+    dict(name="switch data parallel empty rank", E=4, k=2, aux="switch", tokens=[6, 0, 9, 3], seed=11),
+    dict(name="gshard ep4", E=8, k=2, aux="gshard", ep=4, tokens=[5, 8, 2, 7], seed=12),
+    dict(name="switch ep2 x dp2", E=4, k=3, aux="switch", ep=2, tokens=[4, 6, 5, 3], seed=13),
+    dict(name="seq data parallel", E=4, k=2, aux="seq", tokens=[2, 3, 1, 2], seq=4, seed=14),
+]
+
+
+@pytest.mark.timeout(900)
+def test_global_balance_loss_two_processes_match_one_process():
+    _check(run_workers(compare_global, 2, SPECS_2, timeout=800), SPECS_2)
+
+
+@pytest.mark.timeout(900)
+def test_global_balance_loss_four_processes_match_one_process():
+    _check(run_workers(compare_global, 4, SPECS_4, timeout=800), SPECS_4)
+
+
+def test_global_scope_on_one_process_is_the_local_loss():
+    torch.manual_seed(0)
+    spec = dict(E=4, k=2, aux="switch")
+    local, glob = build(spec, torch.float64), build(spec, torch.float64, aux_loss_scope="global")
+    glob.load_state_dict(local.state_dict())
+    x = torch.randn(10, D, dtype=torch.float64)
+    local(x)
+    glob(x)
+    assert not counts_globally(glob.router)
+    assert torch.equal(local.aux_loss, glob.aux_loss)
+
+
+def test_aux_loss_scope_is_checked():
+    with pytest.raises(ValueError, match="aux_loss_scope='world'.*'local', 'global'"):
+        MoEConfig(model_dim=D, hidden_size=H, aux_loss_scope="world")
+    with pytest.raises(ValueError, match="aux_loss_scope='global' is invalid with aux_loss='load_importance'"):
+        MoEConfig(model_dim=D, hidden_size=H, aux_loss="load_importance", gate_noise=1.0, gate_noise_kind="tutel",
+                  aux_loss_scope="global")
