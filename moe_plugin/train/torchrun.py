@@ -10,6 +10,7 @@ a rank killed) keeps torchrun's own report.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from typing import Dict, List, Optional
 
@@ -43,16 +44,21 @@ def _quiet_torchrun_logs() -> None:
     and a failure they did not report raises torchrun's ChildFailedError with its table of failures. A second
     signal that arrives while torchrun logs the first leaves no "Logging error" trace either."""
     logging.raiseExceptions = False
-    for logger in (logging.getLogger(), logging.getLogger("torch")):
+    loggers = [logging.getLogger()] + [logger for name, logger in logging.root.manager.loggerDict.items()
+                                       if name.startswith("torch") and isinstance(logger, logging.Logger)]
+    for logger in loggers:       # torch's logging gives torch and torch.distributed handlers of their own
         for handler in logger.handlers:
             handler.addFilter(_quiet)
 
 
-def status(codes: List[Optional[int]]) -> Optional[int]:
-    """The status to exit with when every rank stopped on purpose (each said why), else None."""
+def status(codes: List[Optional[int]], first: Optional[int] = None) -> Optional[int]:
+    """The status to exit with when the ranks stopped on purpose, each saying why, else None. first: the status of
+    the rank that failed first (torchrun then ends the others with SIGTERM, or SIGKILL after its timeout)."""
     failed = [code for code in codes if code != 0]
-    if failed and all(code in SAID for code in failed):
-        return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in failed else max(failed)
+    ended = (-signal.SIGTERM, -signal.SIGKILL) if first in SAID else ()
+    if failed and all(code in SAID or code in ended for code in failed):
+        said = [code for code in failed if code in SAID]
+        return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in said else first if first in SAID else max(said)
     return None
 
 
@@ -67,7 +73,8 @@ def main(argv: List[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as error:
-        code = status([failure.exitcode for failure in error.failures.values()])
+        _, root = error.get_first_failure()
+        code = status([failure.exitcode for failure in error.failures.values()], root.exitcode)
         if code is None:
             raise
         return code

@@ -440,11 +440,15 @@ def test_preemption_under_torchrun(tmp_path, fresh_seed, layout, number):
     while last_step(tmp_path / "split") < target and proc.poll() is None:
         time.sleep(0.01)
     proc.send_signal(number)
-    assert finish(proc) != 0   # torchrun's own status after a signal (1); each rank exits 75
+    assert finish(proc) == train.PREEMPTED_EXIT_CODE   # each rank's, not torchrun's traceback (issue 58 item 9)
     log = (tmp_path / "split.log").read_text()
     name = signal.Signals(number).name
     stopped = re.search(f"preempted by {name}: stopped after step (\\d+)", log)
     assert stopped, log[-3000:]
+    # the run ends with the one line saying where it saved and how to resume: no torchrun traceback or log lines
+    last = log.splitlines()[-1]
+    assert last.startswith("moe-plugin train: " + stopped.group(0)) and last.endswith("train.resume=auto to go on"), log[-3000:]
+    assert "Traceback" not in log and "torch/distributed/elastic" not in log, log[-3000:]
     step = int(stopped.group(1))
     assert step >= target
     assert train.checkpoints(tmp_path / "split")[-1].name == f"step_{step:06d}"
@@ -453,6 +457,18 @@ def test_preemption_under_torchrun(tmp_path, fresh_seed, layout, number):
     assert f"resuming from {tmp_path / 'split' / 'checkpoints'}/step_{step:06d}" in \
         (tmp_path / "split.log").read_text()
     assert_same_run(tmp_path / "split", tmp_path / "full")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_an_error_the_ranks_find_ends_in_their_line_not_torchruns_traceback(tmp_path):
+    """A ValueError found once the processes run (train.resume=latest with nothing to resume): exit status 2 and
+    the ranks' one line (each rank says it), without torchrun's ChildFailedError."""
+    out = tmp_path / "empty"
+    assert finish(launch(out, "train.resume=latest")) == 2
+    lines = set(Path(f"{out}.log").read_text().splitlines())
+    assert lines == {f"moe-plugin train: train.resume='latest' is invalid: no checkpoints in {out / 'checkpoints'} "
+                     f"(train.resume=auto starts fresh then)"}, lines
 
 
 def _nan_on_one_rank(rank, world_size, out, seed):
