@@ -10,6 +10,10 @@ and load_optimizer_states=False (layout.py). None is silent.
 The ZeRO-1/2 checkpoints at ep_size 2 consolidate (DeepSpeed's get_fp32_state_dict_from_zero_checkpoint with the hook
 on, and `python -m moe_plugin.integrations.deepspeed.zero_to_fp32`) into every expert whole, equal to the weights
 gathered from the ranks at save.
+
+A dense model (no "moe" section) gets exactly DeepSpeed's own results with the hook on as with it off, at ZeRO 0-3:
+deepspeed.initialize, training, the checkpoint's files, a load, and zero_to_fp32 (the same tensors, or at ZeRO 0 the
+same error).
 """
 import os
 
@@ -158,3 +162,86 @@ def test_zero12_expert_checkpoints_consolidate_into_the_gathered_experts(runs, s
     consolidate.main([source, str(tmp_path / "out")])   # python -m moe_plugin.integrations.deepspeed.zero_to_fp32
     written = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(written[name], tensor) for name, tensor in want.items())
+
+
+def _dense_engine(stage, seed=5):
+    import deepspeed
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 16))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, optimizer
+
+
+def _dense_step(engine, rank, step):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 16, generator=generator), torch.randn(4, 16, generator=generator)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def dense_worker(rank, world, directory):
+    """A dense model through plain deepspeed.initialize at ZeRO 0-3, the hook on and off: training, the checkpoint's
+    files, and a load that trains on."""
+    from helpers.deepspeed import setup_worker
+
+    from moe_plugin.integrations.deepspeed import hook
+    setup_worker(rank, world)
+    report = {}
+    for stage in STAGES:
+        for on in (True, False):
+            hook.enable() if on else hook.disable()
+            engine, optimizer = _dense_engine(stage)
+            losses = [_dense_step(engine, rank, step) for step in range(3)]
+            folder = os.path.join(directory, f"dense_zero{stage}_hook_{'on' if on else 'off'}")
+            engine.save_checkpoint(folder, tag="global_step3")
+            loaded, _ = _dense_engine(stage, seed=6)
+            loaded.load_checkpoint(folder)
+            losses.append(_dense_step(loaded, rank, 3))
+            report[stage, on] = {"engine": type(engine).__name__, "optimizer": type(optimizer).__name__,
+                                 "wrapped": sorted({"save_checkpoint", "load_checkpoint", "step"} & set(vars(engine))),
+                                 "losses": losses, "files": sorted(os.listdir(os.path.join(folder, "global_step3")))}
+    hook.enable()
+    return report
+
+
+def _consolidated(folder):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    try:
+        return get_fp32_state_dict_from_zero_checkpoint(folder)
+    except Exception as error:   # DeepSpeed's own answer, compared as it is
+        return f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.timeout(400)
+def test_dense_models_get_exactly_deepspeed_s_own_results_with_the_hook_on(tmp_path):
+    """Issue 58 item 5: initialize, save/load and zero_to_fp32 with the hook on against the hook off, ZeRO 0-3."""
+    import deepspeed
+    from deepspeed.utils import zero_to_fp32
+
+    from moe_plugin.integrations.deepspeed import hook
+    reports = run_workers(dense_worker, 2, str(tmp_path), timeout=300)
+    before = deepspeed.initialize, zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint
+    try:
+        for stage in STAGES:
+            for report in reports:
+                assert report[stage, True] == report[stage, False], stage
+                assert report[stage, True]["wrapped"] == [], stage
+            answers = {}
+            for on in (True, False):
+                hook.enable() if on else hook.disable()
+                answers[on] = [_consolidated(str(tmp_path / f"dense_zero{stage}_hook_{side}")) for side in ("on", "off")]
+            for got, want in zip(answers[True], answers[False]):
+                if isinstance(want, str):
+                    assert stage == 0 and got == want, (stage, want, got)
+                    continue
+                assert got.keys() == want.keys() and len(want) == 6, stage
+                assert all(torch.equal(got[name], want[name]) for name in want), stage
+            if stage:   # the checkpoints of both runs consolidate to the same weights
+                assert all(torch.equal(answers[False][0][k], answers[False][1][k]) for k in answers[False][1])
+    finally:
+        deepspeed.initialize, zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint = before
