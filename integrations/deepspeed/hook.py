@@ -15,7 +15,7 @@ import functools
 import inspect
 import sys
 
-__all__ = ["enable", "disable", "is_enabled"]
+__all__ = ["enable", "disable", "is_enabled", "near_moe_keys"]
 
 _ORIGINAL = "_moe_plugin_original"   # attribute of the wrapper: the deepspeed.initialize it wraps
 
@@ -74,7 +74,8 @@ def _holds_moe_plugin_layers(original, args: tuple, kwargs: dict) -> bool:
 
 def _has_moe_section(original, args: tuple, kwargs: dict) -> bool:
     """Whether the config this deepspeed.initialize call reads (config, config_params or args.deepspeed_config, as
-    DeepSpeed looks them up) has a "moe" key. False where DeepSpeed itself will refuse the call."""
+    DeepSpeed looks them up) has a "moe" key, or a near miss of it (then moe_plugin's initialize refuses it). False
+    where DeepSpeed itself will refuse the call."""
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
     try:
         given = inspect.signature(original).bind(*args, **kwargs).arguments
@@ -85,6 +86,16 @@ def _has_moe_section(original, args: tuple, kwargs: dict) -> bool:
     if config is None:
         config = getattr(cli_args, "deepspeed_config", None) or getattr(cli_args, "deepscale_config", None)
     try:
-        return config is not None and "moe" in load_ds_config(config)
+        loaded = load_ds_config(config) if config is not None else {}
     except ValueError:
         return False
+    return "moe" in loaded or bool(near_moe_keys(loaded))
+
+
+def near_moe_keys(config) -> list:
+    """Top-level keys of a DeepSpeed config that look meant as "moe" ("MoE", "moe_config", "moe-section",
+    "mixture_of_experts"), which DeepSpeed would ignore without a word: read_moe_section refuses them."""
+    def near(key):
+        flat = key.lower().replace("-", "_").replace(" ", "")
+        return key != "moe" and (flat.startswith("moe") or flat.replace("_", "") == "mixtureofexperts")
+    return [key for key in config if isinstance(key, str) and near(key)] if isinstance(config, dict) else []

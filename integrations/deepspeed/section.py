@@ -48,10 +48,12 @@ SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
                     "a finite number > 0 (backend tutel)"),
     "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
     "recompute": (lambda v: v in ("none", "experts"), "\"none\" or \"experts\" (backend tutel)"),
+    "aux_loss_scope": (lambda v: v in ("local", "global"), "\"local\" or \"global\" (backend tutel)"),
     # not a layer setting: checked by routing.routing_alarm, left out of read_moe_section's dict
     "routing_alarm": (lambda v: True, "true, false or an object (routing.py)"),
 }
-TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss", "recompute")
+TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss", "recompute",
+                   "aux_loss_scope")
 
 
 def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
@@ -59,6 +61,11 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
     Only the keys given are returned, but routing_alarm (not a layer setting: routing.py); "backend" is required.
     """
+    from moe_plugin.integrations.deepspeed.hook import near_moe_keys
+    near = near_moe_keys(config)
+    if near:
+        raise ValueError(f"DeepSpeed config has a top-level key {near[0]!r}, which DeepSpeed ignores; moe_plugin reads "
+                         f"its MoE settings from \"moe\" (lower case): rename {near[0]!r} to \"moe\"")
     section = config.get("moe")
     if section is None:
         return None
@@ -75,6 +82,10 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
                          "\"deepspeed\" (DeepSpeed's native layer)")
     for key, value in section.items():
         check, allowed = SECTION_KEYS[key]
+        if key in ("capacity_factor", "eval_capacity_factor") and _is_number(value, positive=False) and value == 0:
+            raise ValueError(f"DeepSpeed config \"moe.{key}\"={value!r} is invalid: must be {allowed}; for dropless "
+                             f"routing set \"moe.drop_tokens\": false (DeepSpeed's own key; moe_plugin's "
+                             f"capacity_factor 0 elsewhere)")
         if not check(value):
             raise ValueError(f"DeepSpeed config \"moe.{key}\"={value!r} is invalid: must be {allowed}")
     if section["backend"] == "deepspeed" and section.get("router", "softmax") != "softmax":

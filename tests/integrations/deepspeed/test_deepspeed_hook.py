@@ -143,12 +143,26 @@ def test_calls_are_routed_by_their_config_and_moe_plugin_s_own_calls_pass_throug
 
 @pytest.mark.parametrize("section, match", [({"backend": "tutl"}, r"moe\.backend.*'tutl'"),
                                             ({"backend": "tutel", "top_k": 0}, r"moe\.top_k.*0"),
-                                            ({"backend": "tutel", "topk": 2}, r"no key 'topk'.*did you mean 'top_k'")])
+                                            ({"backend": "tutel", "topk": 2}, r"no key 'topk'.*did you mean 'top_k'"),
+                                            ({"backend": "tutel", "capacity_factor": 0},
+                                             r'"moe\.capacity_factor"=0 .*> 0; for dropless.*"moe\.drop_tokens": false'),
+                                            ({"backend": "tutel", "eval_capacity_factor": 0.0},
+                                             r'"moe\.eval_capacity_factor"=0\.0 .*"moe\.drop_tokens": false')])
 def test_a_bad_section_fails_with_moe_plugin_s_error_through_plain_deepspeed_initialize(hook_state, section, match):
     import deepspeed
     hook_state.enable()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 2, "moe": section})
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("key", ["MoE", "MOE", "Moe", "moe_config", "moe-section", "mixture_of_experts"])
+def test_a_near_miss_of_the_moe_key_is_refused_naming_moe(hook_state, key):
+    """DeepSpeed ignores unknown top-level keys: a section under a near miss of "moe" would be dropped silently."""
+    import deepspeed
+    hook_state.enable()
+    with pytest.raises(ValueError, match=rf"top-level key '{key}', which DeepSpeed ignores.*rename '{key}' to \"moe\"$"):
+        deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 2, key: {"backend": "tutel"}})
 
 
 # a plain script on 2 gloo processes: deepspeed.initialize(args=--deepspeed_config JSON) on a native-MoE model
