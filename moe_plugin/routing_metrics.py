@@ -6,6 +6,10 @@ moe/all/<metric>.
 
 Per layer and window (sums over every training forward of the window, every micro-batch, every process):
     max_load                 the busiest expert's tokens over the mean (1.0 balanced; E when one expert takes all)
+    max_rank_load            the busiest expert-parallel rank's routed rows over the mean rank's (1.0 balanced and
+                             at ep_size 1; ep_size when one rank takes all): each expert's routed choices (before
+                             capacity drops) go to the ranks that compute it by rank_shares (an expert sliced over
+                             ranks gives each its share); per rank position of the ep group, summed over the ep groups
     experts_without_tokens   how many experts got no token
     dropped_fraction         routed choices dropped by capacity, over all choices
     capacity_used            kept choices over the capacity's slots
@@ -20,6 +24,7 @@ router's noise-free choice only where aux_loss_coef is 0. Shape legend: moe_plug
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Dict, List, Optional
 
@@ -28,15 +33,17 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer import MoELayer
+from .parallel.groups import ExpertLayout
 from .router import balance_loss, best_groups_only, load_importance_loss
 
-METRICS = ("max_load", "experts_without_tokens", "dropped_fraction", "capacity_used", "router_entropy",
+METRICS = ("max_load", "max_rank_load", "experts_without_tokens", "dropped_fraction", "capacity_used", "router_entropy",
            "balance_loss", "z_loss", "expert_bias_spread")
 # the whole-model summary: the worst layer for these, the sum for experts_without_tokens, the mean for the rest
-WORST = {"max_load": max, "expert_bias_spread": max, "experts_without_tokens": sum}
+WORST = {"max_load": max, "max_rank_load": max, "expert_bias_spread": max, "experts_without_tokens": sum}
 # a layer's window: on the device its load_E and kept_E (2E values) then DEVICE_SUMS; on the host HOST_SUMS
 DEVICE_SUMS = ("slots", "entropy", "balance_loss", "z_loss")
 HOST_SUMS = ("choices", "slots", "tokens", "forwards")      # slots: those of a fixed capacity
+VECTOR_SUMS = ("load", "kept", "rank_rows")    # the sums of several values (E, E, ep_size): summed item by item
 NOT_SUMMING_TO_ONE = ("sigmoid", "sqrt_softplus")      # routers whose scores are not a softmax (router.py)
 
 
@@ -131,7 +138,11 @@ def _named_sums(layer: MoELayer, device_sums, host: dict) -> dict:
     balancing."""
     cfg, E = layer.config, layer.config.num_experts
     device = dict(zip(DEVICE_SUMS, device_sums[2 * E:]))
-    sums = {"load": device_sums[:E], "kept": device_sums[E:2 * E], "choices": host["choices"],
+    load = device_sums[:E]
+    layout = layer.groups.layout
+    shares_EW = _shares(E, layout.ep_size, load.device if torch.is_tensor(load) else torch.device("cpu"))
+    sums = {"load": load, "kept": device_sums[E:2 * E], "rank_rows": rank_rows(load, shares_EW),
+            "choices": host["choices"],
             "slots": device["slots"] + host["slots"], "entropy": device["entropy"], "tokens": host["tokens"],
             "balance_loss": device["balance_loss"], "z_loss": device["z_loss"], "forwards": host["forwards"]}
     if cfg.aux_loss == "none":
@@ -152,6 +163,7 @@ def metrics_from_sums(sums: dict) -> dict:
     mean = sum(load) / len(load)
     metrics = {
         "max_load": max(load) / mean if mean else 0.0,
+        "max_rank_load": max_rank_load(sums["rank_rows"]),
         "experts_without_tokens": float(sum(n == 0 for n in load)),
         "dropped_fraction": 1.0 - sum(kept) / sums["choices"] if sums["choices"] else 0.0,
         "capacity_used": sum(kept) / sums["slots"] if sums["slots"] else 0.0,
@@ -162,6 +174,43 @@ def metrics_from_sums(sums: dict) -> dict:
             metrics[key] = sums[key] / sums["forwards"]
     metrics["tokens_per_expert"] = [int(n) for n in load]
     return metrics
+
+
+def rank_shares(layout: ExpertLayout) -> torch.Tensor:
+    """[E, W] float64: the share of expert e's routed rows that ep rank w computes (each row sums to 1). A whole
+    expert is its one holder's; an expert sliced over `slices` ranks (E < W) gives each holder 1 / slices (each
+    computes its hidden slice of all the expert's rows). A plan that splits an expert's rows among copies on other
+    ranks is one more such matrix."""
+    return _shares(layout.num_experts, layout.ep_size, torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=64)
+def _shares(E: int, W: int, device: torch.device) -> torch.Tensor:
+    """rank_shares' matrix, made once per device (a device's copy is no host-to-device copy per forward)."""
+    if device.type != "cpu":
+        return _shares(E, W, torch.device("cpu")).to(device)
+    shares_EW = torch.zeros(E, W, dtype=torch.float64)
+    if E >= W:
+        shares_EW[torch.arange(E), torch.arange(E) // (E // W)] = 1.0
+    else:
+        slices = W // E
+        for e in range(E):
+            shares_EW[e, e * slices:(e + 1) * slices] = 1.0 / slices
+    return shares_EW
+
+
+def rank_rows(load, shares_EW: torch.Tensor):
+    """The routed rows each ep rank computes ([W]) of a load per expert ([E]): a device tensor (stays there, no
+    host read) or numbers (a list back)."""
+    if torch.is_tensor(load):
+        return load.to(torch.float64) @ shares_EW.to(load.device)     # no copy where shares_EW is there
+    return (torch.tensor(load, dtype=torch.float64) @ shares_EW).tolist()
+
+
+def max_rank_load(rows) -> float:
+    """The busiest rank's rows over the mean rank's: 1.0 when every rank has as many (no row at all included)."""
+    mean = sum(rows) / len(rows)
+    return max(rows) / mean if mean else 1.0
 
 
 def scalars(metrics: Dict[str, dict]) -> Dict[str, float]:

@@ -110,6 +110,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     elif section is not None:
         model, replaced = swap_moe_layers(model, section)
     check_expert_parallel_layers(model)
+    count_balance_in_stage(model)
     if stage3:
         model = to_zero3(model)
     if has_moe:
@@ -198,6 +199,16 @@ def split_client_optimizer(optimizer: torch.optim.Optimizer) -> None:
                          "see. Build the scheduler after initialize (accelerator.prepare), or let DeepSpeed build "
                          "the optimizer (an \"optimizer\" section)")
     optimizer.param_groups[:] = groups
+
+
+def count_balance_in_stage(model: nn.Module) -> None:
+    """A PipelineModule's MoE layers live on one stage: aux_loss_scope "global" counts over that stage's
+    data-parallel group (the processes that hold the layer, feeding it different tokens), not the world."""
+    from deepspeed.pipe import PipelineModule
+    if isinstance(model, PipelineModule):
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.aux_loss_group = model.mpu().get_data_parallel_group()
 
 
 def use_pipeline_topology(model: nn.Module) -> None:

@@ -17,7 +17,7 @@ from moe_plugin import MoELayer
 from moe_plugin.routing_alarm import RoutingAlarm
 from moe_plugin.routing_metrics import RoutingMonitor, scalars
 
-ALARM_KEYS = ("min_share", "max_dropped", "windows")
+ALARM_KEYS = ("min_share", "max_dropped", "windows", "max_rank_load")
 EVERY_WITHOUT_PRINTS = 10      # the window, in optimizer steps, of a config without steps_per_print (DeepSpeed's None)
 
 

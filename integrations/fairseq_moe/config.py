@@ -58,6 +58,9 @@ class MoEArgs(FairseqDataclass):
     moe_aux_loss: str = field(default="gshard", metadata={
         "help": "load-balancing loss: gshard (first choices), switch (all k choices), seq (DeepSeek-V3's "
                 "per-sequence loss) or none"})
+    moe_aux_loss_scope: str = field(default="local", metadata={
+        "help": "local: the balance loss counts each process's tokens; global: every process's (all-reduced), so "
+                "that the router's gradient is one process's on the whole batch (small batches per process)"})
     moe_expert_bias_update_rate: float = field(default=0.0, metadata={
         "help": "> 0: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the choice scores, "
                 "moved by this much per update towards the under-loaded experts"})
@@ -85,18 +88,22 @@ class RoutingAlarmArgs(FairseqDataclass):
     moe_routing_alarm_windows: int = field(default=3, metadata={
         "help": "routing alarm: warn once a layer has been starved or dropping for this many log intervals in a row"})
     no_moe_routing_alarm: bool = field(default=False, metadata={"help": "turn the routing alarm off"})
+    moe_routing_alarm_max_rank_load: Optional[float] = field(default=None, metadata={
+        "help": "routing alarm: warn when the busiest expert-parallel rank computes over this many times the mean "
+                "rank's routed rows (>= 1; default: not watched)"})
 
 
 ALARM_FLAGS = {"min_share": "--moe-routing-alarm-min-share", "max_dropped": "--moe-routing-alarm-max-dropped",
-               "windows": "--moe-routing-alarm-windows"}
+               "windows": "--moe-routing-alarm-windows", "max_rank_load": "--moe-routing-alarm-max-rank-load"}
 
 
-def routing_alarm_from_args(min_share: Any, max_dropped: Any, windows: Any, off: bool) -> Optional[RoutingAlarm]:
+def routing_alarm_from_args(min_share: Any, max_dropped: Any, windows: Any, off: bool,
+                            max_rank_load: Any = None) -> Optional[RoutingAlarm]:
     """The RoutingAlarm of the --moe-routing-alarm-* flags, None with --no-moe-routing-alarm. ValueError names
     the flag and the value given."""
     if off:
         return None
-    values = {"min_share": min_share, "max_dropped": max_dropped, "windows": windows}
+    values = {"min_share": min_share, "max_dropped": max_dropped, "windows": windows, "max_rank_load": max_rank_load}
     try:
         return RoutingAlarm(**values)
     except ValueError as error:
@@ -111,7 +118,7 @@ FLAG_OF_FIELD = {
     "eval_capacity_factor": "--moe-eval-capacity-token-fraction", "hidden_size": "--moe-expert-ffn-dim",
     "router": "--moe-router", "ep_size": "--moe-ep-size", "parallel": "--moe-parallel",
     "overlap_degree": "--moe-overlap-degree", "a2a": "--moe-a2a", "activation": "--activation-fn",
-    "aux_loss": "--moe-aux-loss", "expert_bias_update_rate": "--moe-expert-bias-update-rate",
+    "aux_loss": "--moe-aux-loss", "aux_loss_scope": "--moe-aux-loss-scope", "expert_bias_update_rate": "--moe-expert-bias-update-rate",
     "num_groups": "--moe-num-groups", "topk_groups": "--moe-topk-groups", "route_scale": "--moe-route-scale",
     "shared_hidden_size": "--moe-shared-hidden-size", "shared_gate": "--moe-shared-gate",
     "recompute": "--moe-recompute",
@@ -185,6 +192,7 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
         "before_drop" if args.moe_normalize_gate_prob_before_dropping else "after_drop",
         batch_prioritized_routing=bool(args.moe_batch_prioritized_routing),
         aux_loss=args.moe_aux_loss,
+        aux_loss_scope=getattr(args, "moe_aux_loss_scope", "local"),   # checkpoints' args from before the flag
         aux_loss_coef=1.0,   # the criterion weighs it (--moe-gate-loss-wt)
         activation=ACTIVATIONS[activation],
         ep_size=args.moe_ep_size,

@@ -28,7 +28,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 
 from moe_plugin import MoELayer
-from moe_plugin.routing_metrics import RoutingMonitor, metrics_from_sums, scalars
+from moe_plugin.routing_metrics import VECTOR_SUMS, RoutingMonitor, metrics_from_sums, scalars
 
 from .config import RoutingAlarmArgs, flag_errors, routing_alarm_from_args
 from .registration import criterion
@@ -63,7 +63,7 @@ def check_gate_loss_flags(args) -> None:
     as the criterions will check them: the archs run this as fairseq-train parses the flags."""
     GateLoss(args.moe_gate_loss_wt, args.moe_gate_loss_combine_method, routing_alarm_from_args(
         args.moe_routing_alarm_min_share, args.moe_routing_alarm_max_dropped, args.moe_routing_alarm_windows,
-        args.no_moe_routing_alarm))
+        args.no_moe_routing_alarm, getattr(args, "moe_routing_alarm_max_rank_load", None)))
 
 
 class GateLoss:
@@ -156,13 +156,13 @@ def window_sums(sum_of, names) -> dict:
     for key in names:
         _, name, entry = key.split("/")
         base, _, index = entry.rpartition("_")
-        sums = layers.setdefault(name, {"load": {}, "kept": {}})
-        if base in ("load", "kept") and index.isdigit():
+        sums = layers.setdefault(name, {part: {} for part in VECTOR_SUMS})
+        if base in VECTOR_SUMS and index.isdigit():
             sums[base][int(index)] = sum_of(key)
         else:
             sums[entry] = sum_of(key)
     for sums in layers.values():
-        for part in ("load", "kept"):
+        for part in VECTOR_SUMS:
             sums[part] = [sums[part][i] for i in sorted(sums[part])]
     return layers
 
@@ -209,12 +209,12 @@ def reduce_moe_metrics(logging_outputs) -> None:
 class MoECrossEntropyCriterion(CrossEntropyCriterion):
     def __init__(self, task, sentence_avg, moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="average",
                  moe_routing_alarm_min_share=0.1, moe_routing_alarm_max_dropped=0.2, moe_routing_alarm_windows=3,
-                 no_moe_routing_alarm=False):
+                 no_moe_routing_alarm=False, moe_routing_alarm_max_rank_load=None):
         super().__init__(task, sentence_avg)
         with flag_errors():
             self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
                 moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
-                no_moe_routing_alarm))
+                no_moe_routing_alarm, moe_routing_alarm_max_rank_load))
 
     def forward(self, model, sample, reduce=True):
         self.gate_loss.watch(model)
@@ -232,12 +232,12 @@ class MoELabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="average",
                  moe_routing_alarm_min_share=0.1, moe_routing_alarm_max_dropped=0.2, moe_routing_alarm_windows=3,
-                 no_moe_routing_alarm=False):
+                 no_moe_routing_alarm=False, moe_routing_alarm_max_rank_load=None):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         with flag_errors():
             self.gate_loss = GateLoss(moe_gate_loss_wt, moe_gate_loss_combine_method, routing_alarm_from_args(
                 moe_routing_alarm_min_share, moe_routing_alarm_max_dropped, moe_routing_alarm_windows,
-                no_moe_routing_alarm))
+                no_moe_routing_alarm, moe_routing_alarm_max_rank_load))
 
     def forward(self, model, sample, reduce=True):
         self.gate_loss.watch(model)

@@ -68,6 +68,8 @@ class LogConfig:
     alarm_min_share: float = 0.1     # this share of the mean load, or a layer drops more than
     alarm_max_dropped: float = 0.2   # this fraction of its choices
     alarm_windows: int = 3
+    alarm_max_rank_load: Optional[float] = None  # or its busiest ep rank computes over this many times the mean
+                                                 # rank's routed rows (>= 1; null: not watched)
 
 
 @dataclass
@@ -240,6 +242,8 @@ def check_sections(cfg: ExperimentConfig) -> None:
     require("log.alarm_min_share", 0 <= cfg.log.alarm_min_share < 1, "in [0, 1) (a share of the mean load)")
     require("log.alarm_max_dropped", 0 <= cfg.log.alarm_max_dropped < 1, "in [0, 1) (a fraction)")
     require("log.alarm_windows", cfg.log.alarm_windows >= 1, ">= 1")
+    require("log.alarm_max_rank_load", cfg.log.alarm_max_rank_load is None or cfg.log.alarm_max_rank_load >= 1,
+            "null or a number >= 1 (the busiest ep rank's rows over the mean rank's)")
     check_data_config(cfg.data)
     check_lora(cfg)
 

@@ -188,8 +188,8 @@ def _train(cfg: ExperimentConfig, procs: Processes) -> dict:
     if cfg.train.compile:    # reduce-overhead: CUDA graphs (the MoE layers read nothing back; README)
         wrapped = torch.compile(wrapped, mode=cfg.train.compile)
     monitor = RoutingMonitor(model)      # each MoE layer's routing per record (rank 0 writes it; every rank reads)
-    alarm = RoutingAlarm(cfg.log.alarm_min_share, cfg.log.alarm_max_dropped, cfg.log.alarm_windows) \
-        if cfg.log.routing_alarm else None
+    alarm = RoutingAlarm(cfg.log.alarm_min_share, cfg.log.alarm_max_dropped, cfg.log.alarm_windows,
+                         cfg.log.alarm_max_rank_load) if cfg.log.routing_alarm else None
 
     log = None
     if is_main:

@@ -41,7 +41,8 @@ def expected(layer, sums: dict) -> dict:
     """The metrics of a window's sums, as the issue defines them."""
     E = layer.config.num_experts
     mean = sum(sums["load"]) / E
-    out = {"max_load": max(sums["load"]) / mean, "experts_without_tokens": sum(n == 0 for n in sums["load"]),
+    out = {"max_load": max(sums["load"]) / mean, "max_rank_load": rank_load(sums["load"], layer.config.ep_size),
+           "experts_without_tokens": sum(n == 0 for n in sums["load"]),
            "dropped_fraction": 1 - sum(sums["kept"]) / sums["choices"],
            "capacity_used": sum(sums["kept"]) / sums["slots"], "router_entropy": sums["entropy"] / sums["tokens"],
            "tokens_per_expert": sums["load"]}
@@ -53,6 +54,16 @@ def expected(layer, sums: dict) -> dict:
         bias = layer.router.expert_bias_E
         out["expert_bias_spread"] = float(bias.max() - bias.min())
     return out
+
+
+def rank_load(load: list, ep_size: int) -> float:
+    """The busiest ep rank's routed rows over the mean rank's, counted by hand: rank w holds experts
+    w * E / W ... (w + 1) * E / W - 1, or (E < W) a 1 / (W / E) slice of expert w // (W / E), all its rows."""
+    E, W = len(load), ep_size
+    rows = [sum(load[w * E // W:(w + 1) * E // W]) for w in range(W)] if E >= W else \
+        [load[w // (W // E)] / (W // E) for w in range(W)]
+    mean = sum(rows) / W
+    return max(rows) / mean if mean else 1.0
 
 
 def check(metrics: dict, want: dict, rel: float = 1e-5) -> None:

@@ -70,8 +70,8 @@ def test_the_monitor_holds_each_layers_routing(tmp_path):
                 sums = add(sums, one)
             want[name] = expected(_Layer(config), sums)
             want[name].pop("tokens_per_expert")
-            assert set(want[name]) == {"max_load", "experts_without_tokens", "dropped_fraction", "capacity_used",
-                                       "router_entropy", "balance_loss"}
+            assert set(want[name]) == {"max_load", "max_rank_load", "experts_without_tokens", "dropped_fraction",
+                                       "capacity_used", "router_entropy", "balance_loss"}
             for key, value in want[name].items():
                 got = read_csv(folder / f"moe_{name}_{key}.csv")
                 assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key, step)

@@ -87,8 +87,8 @@ def test_fairseq_aggregation_gives_each_layers_routing():
             want[name].pop("tokens_per_expert")
             for key, value in want[name].items():
                 assert values[f"moe/{name}/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
-    assert set(want["blocks.0"]) == {"max_load", "experts_without_tokens", "dropped_fraction", "capacity_used",
-                                     "router_entropy", "balance_loss", "z_loss"}
+    assert set(want["blocks.0"]) == {"max_load", "max_rank_load", "experts_without_tokens", "dropped_fraction",
+                                     "capacity_used", "router_entropy", "balance_loss", "z_loss"}
     assert "expert_bias_spread" in want["blocks.1"] and want["blocks.1"]["expert_bias_spread"] > 0
     assert values["moe/all/max_load"] == max(w["max_load"] for w in want.values())
     assert not any(key.startswith("_moe") for key in values)       # the sums stay hidden

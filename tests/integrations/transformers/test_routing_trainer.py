@@ -69,8 +69,8 @@ def test_trainer_tensorboard_holds_each_layers_routing(capsys):
         step = (window + 1) * EVERY
         want = window_expected(layers, forwards, window, per_window)
         for name, metrics in want.items():
-            assert set(metrics) == {"max_load", "experts_without_tokens", "dropped_fraction", "capacity_used",
-                                    "router_entropy", "balance_loss", "z_loss"}
+            assert set(metrics) == {"max_load", "max_rank_load", "experts_without_tokens", "dropped_fraction",
+                                    "capacity_used", "router_entropy", "balance_loss", "z_loss"}
             for key, value in metrics.items():
                 got = {e.step: e.value for e in events.Scalars(f"train/moe/{name}/{key}")}
                 assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key, step)
