@@ -1,4 +1,4 @@
-"""`moe-plugin checkpoint routing CKPT [--data FILE ...]` (issue 44): run a checkpoint (a `moe-plugin train` run's
+"""`moe-plugin checkpoint routing CKPT [--data FILE ...] [--ep-size N]` (issues 44, 55): run a checkpoint (a `moe-plugin train` run's
 out_dir or checkpoint folder, or a Hugging Face folder of an MoE model) over sample data and write, per MoE layer,
 what its router does: load.png (each expert's share of the choices), coselection.png (how often two experts are
 chosen by the same token), topics.png (each topic's share per expert), summary.txt, routing.json (the numbers) and
@@ -7,6 +7,10 @@ report.html (all of them on one page).
 Topics: each --data file is one (its name; its bytes are the tokens of a byte-level model, or the folder's tokenizer
 reads its text); without --data, the synthetic corpus's topics of a run trained on it. Routing is the model's in
 evaluation mode (no router noise): each token's top-k choice, recomputed from the router's input.
+
+Per layer it also gives the load per expert-parallel rank at --ep-size N (default: the run's parallel.ep_size, 1 for
+a Hugging Face folder): rows_per_rank and max_rank_load, the busiest rank's routed rows over the mean rank's
+(routing_metrics.rank_rows: experts held in consecutive blocks, or sliced over ranks).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from torch import nn
 
 from .. import checkpoint as sharded
 from ..layer import MoELayer
+from ..routing_metrics import max_rank_load, rank_rows, rank_shares
+from ..parallel.groups import ExpertLayout
 from . import plots
 from .checkpoint import checkpoints, read_meta, verify
 from .config import ExperimentConfig
@@ -39,6 +45,9 @@ def add_arguments(parser) -> None:
                         help="text files, one topic each (default: the synthetic corpus's topics of the run)")
     parser.add_argument("--out", default=None, help="the report's folder (default: routing_report/ in the "
                         "checkpoint's folder)")
+    parser.add_argument("--ep-size", type=int, default=None, metavar="N",
+                        help="the expert-parallel size whose per-rank load to report (default: the run's "
+                        "parallel.ep_size; 1 for a Hugging Face folder)")
 
 
 def main(args) -> int:
@@ -49,6 +58,7 @@ def main(args) -> int:
         out = Path(args.out) if args.out else (where if where.is_dir() else where.parent) / "routing_report"
         model, topics = load(where, args.data)
         routing = route(model, topics)
+        add_rank_load(routing, args.ep_size if args.ep_size is not None else run_ep_size(where))
         write_report(routing, out)
     except ValueError as error:
         print(f"moe-plugin checkpoint routing: {error}", file=sys.stderr)
@@ -182,6 +192,26 @@ def route(model: nn.Module, topics: Dict[str, torch.Tensor]) -> dict:
     return {"layers": result}
 
 
+def run_ep_size(where: Path) -> int:
+    """The ep_size the run at `where` trained with (1 for a Hugging Face folder)."""
+    if (where / "config.json").is_file():
+        return 1
+    path = checkpoints(where)[-1] if (where / "checkpoints").is_dir() and checkpoints(where) else where
+    return int(read_meta(path)["config"].get("parallel", {}).get("ep_size", 1))
+
+
+def add_rank_load(routing: dict, ep_size: int) -> None:
+    """Each layer's ep_size, rows_per_rank and max_rank_load at ep_size, into routing. ValueError naming --ep-size
+    when it cannot hold a layer's experts."""
+    for name, layer in routing["layers"].items():
+        E = layer["experts"]
+        if not isinstance(ep_size, int) or ep_size < 1 or (E % ep_size and ep_size % E):
+            raise ValueError(f"--ep-size {ep_size} cannot hold MoE layer {name}'s {E} experts: it must divide "
+                             f"{E} or be a multiple of it")
+        rows = rank_rows(layer["load"], rank_shares(ExpertLayout(E, ep_size, ep_size, 0)))   # (any hidden it holds)
+        layer.update(ep_size=ep_size, rows_per_rank=rows, max_rank_load=max_rank_load(rows))
+
+
 def summary(routing: dict) -> str:
     lines = []
     for name, layer in routing["layers"].items():
@@ -192,6 +222,10 @@ def summary(routing: dict) -> str:
                      f"busiest expert {max(range(E), key=load.__getitem__)} at {max(load) / mean:.2f}x the mean, "
                      f"quietest {min(range(E), key=load.__getitem__)} at {min(load) / mean:.2f}x; "
                      f"experts without tokens: {', '.join(map(str, empty)) or 'none'}")
+        if "ep_size" in layer:
+            rows = layer["rows_per_rank"]
+            lines.append(f"  at ep_size {layer['ep_size']}: busiest rank {max(range(len(rows)), key=rows.__getitem__)} "
+                         f"computes {layer['max_rank_load']:.2f}x the mean rank's routed rows")
         both = layer["coselection"]
         pairs = [(both[e][f], e, f) for e in range(E) for f in range(e + 1, E)]
         if pairs and max(pairs)[0] > 0:
