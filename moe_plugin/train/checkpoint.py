@@ -270,10 +270,11 @@ def save(parts: Any, procs: Processes, cfg: ExperimentConfig, out_dir: Path, ste
 def segments_of(path: Path) -> List[dict]:
     """The segments of the run that led to a checkpoint (each start or resume up to the save that the next one
     resumed from), oldest first: {"steps", "processes", "items" (tokens or images), "seconds"}. A checkpoint
-    written before segments were kept gives one segment of its step and layout, its time unknown (None)."""
+    written without them (before they were kept, or by save() called without) gives one segment of its step and
+    layout, its time unknown (None)."""
     meta = read_meta(path)
-    if "segments" in meta:
-        return meta["segments"]
+    if meta.get("segments") or not meta["step"]:
+        return meta.get("segments", [])
     steps, processes = meta["step"], meta["world_size"]
     cfg = meta["config"]
     per_step = cfg["train"]["batch_size"] * (1 if cfg["data"]["task"] == "image" else cfg["model"]["seq_len"])

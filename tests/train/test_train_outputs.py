@@ -136,3 +136,20 @@ def test_the_summary_sums_the_segments_across_layouts(tmp_path):
     head = (out / "summary.txt").read_text().splitlines()[0]
     assert re.match(rf"run default: 8 steps in 3 segments \(resumed 2 times\), 1 then 2 then 1 process\(es\), "
                     rf"{third['tokens']:,} tokens, {third['seconds']:.0f} s ", head), head
+
+
+def test_a_checkpoint_without_segments_counts_as_one_of_unknown_time(tmp_path):
+    """A checkpoint written before segments were kept: its steps and processes still count, its time is said to
+    be missing rather than taken as 0."""
+    from moe_plugin.train import manifest
+    out, per_step = tmp_path / "run", 4 * 32
+    train.train(train.load_config(None, [*QUICK, f"log.out_dir={out}", "train.steps=4", "train.stop_at=2"]))
+    folder = train.checkpoints(out)[-1]
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["segments"]
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    manifest.write(folder)      # as the older version wrote it: whole, without segments
+    result = train.train(train.load_config(None, [*QUICK, f"log.out_dir={out}", "train.steps=4",
+                                                  "train.resume=auto"]))
+    assert result["tokens"] == 4 * per_step and result["processes"] == [1, 1] and not result["seconds_complete"]
+    assert "(and the segments before, whose checkpoint kept no time)" in (out / "summary.txt").read_text()
