@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moe_plugin.config import GATED_ACTIVATIONS
+from moe_plugin.layer import MoELayer
 
 from .families import FAMILIES
 from . import family as hf_family
@@ -269,9 +270,8 @@ def check_target_parameters(model: nn.Module, targets) -> None:
     targets = list(targets or ())
     if not targets:
         return
-    from .block import HFMoEBlock     # (block.py imports this module)
     for block_name, block in model.named_modules():
-        if not isinstance(block, HFMoEBlock):
+        if not (isinstance(block._modules.get("moe"), MoELayer) and hasattr(block, "family")):   # an HFMoEBlock
             continue
         for name, _ in block.moe.named_parameters():
             key = f"{block_name}.moe.{name}"
