@@ -70,7 +70,8 @@ def fully_shard_moe(model: nn.Module, *, mesh=None, blocks: Optional[Iterable[nn
     parallel = [m for m in model.modules() if isinstance(m, MoELayer) and m.is_parallel]
     for name, layer in model.named_modules():   # before any collective (the default mesh's)
         if isinstance(layer, MoELayer) and layer.is_parallel:
-            check_ep_size(layer.config.ep_size, f"fully_shard_moe: MoE layer {name!r}: ep_size", world)
+            check_ep_size(layer.config.ep_size, f"fully_shard_moe: MoE layer {name!r}: ep_size", world,
+                          num_experts=layer.config.num_experts, hidden_size=layer.config.hidden_size)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device_type, (world,))

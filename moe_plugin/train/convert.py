@@ -216,5 +216,5 @@ def _convert_tutel(args) -> int:
     if missing:
         raise ValueError(f"{missing[0]!r} does not exist")
     print(tutel_checkpoints.convert([Path(p) for p in args.source], args.target, args.ranks, args.to or "tutel",
-                                    args.namespace, args.num_experts, args.gate))
+                                    args.namespace, args.num_experts, args.gate, args.overwrite))
     return 0

@@ -414,10 +414,27 @@ def _save(obj: Any, path: Path) -> None:
     tmp.replace(path)
 
 
+def check_targets(targets: Sequence[Path], sources: Sequence[Path], overwrite: bool) -> None:
+    """ValueError unless every target may be written: never a source (--overwrite included), and an existing file
+    only with overwrite; checked before anything is read or written."""
+    given = {Path(source).resolve() for source in sources}
+    for path in targets:
+        if path.resolve() in given:
+            raise ValueError(f"{str(path)!r} is one of the source files: convert never writes over its own source "
+                             f"(--overwrite included); give another output")
+        if path.is_dir():
+            raise ValueError(f"{str(path)!r} is a folder: --from tutel writes files there; give a file (pattern)")
+        if path.exists() and not overwrite:
+            raise ValueError(f"{str(path)!r} exists: convert does not replace it unless asked; add --overwrite to "
+                             f"replace it, or give another output")
+
+
 def convert(sources: Sequence[Path], target: str, ranks: Optional[int] = None, to: str = "tutel",
-            namespace: Optional[str] = None, num_experts: Optional[int] = None, gate: Optional[int] = None) -> str:
+            namespace: Optional[str] = None, num_experts: Optional[int] = None, gate: Optional[int] = None,
+            overwrite: bool = False) -> str:
     """`moe-plugin checkpoint convert --from tutel`: one run's files -> `ranks` Tutel files, or (to "moe_plugin") one
-    state dict in MoELayer's names. Returns what was written, in words."""
+    state dict in MoELayer's names. An existing output is replaced only with overwrite, a source never. Returns what
+    was written, in words."""
     if to not in ("tutel", "moe_plugin"):
         raise ValueError(f"--to={to!r} is invalid: must be tutel or moe_plugin")
     if to == "tutel" and ranks is None:
@@ -431,6 +448,11 @@ def convert(sources: Sequence[Path], target: str, ranks: Optional[int] = None, t
                          f"one that becomes MoELayer's router (--to moe_plugin)")
     if num_experts is not None and num_experts < 1:
         raise ValueError(f"--num-experts={num_experts} is invalid: must be an integer >= 1")
+    if to == "tutel" and ranks > 1 and "{rank}" not in target:
+        raise ValueError(f"the output {target!r} has no {{rank}}: {ranks} ranks need one file each (e.g. "
+                         f"out/{{rank}}-of-{{size}}.ckpt)")
+    check_targets([Path(target)] if to == "moe_plugin" else [rank_path(target, r, ranks) for r in range(ranks)],
+                  sources, overwrite)
     checkpoint = read(sources, namespace, num_experts)
     layers = ", ".join(f"{E}" for E in checkpoint.num_experts.values())
     read_from = (f"read {len(checkpoint.num_experts)} MoE layers ({layers} experts) from a run of {checkpoint.ranks} "

@@ -168,6 +168,37 @@ def test_the_command_converts_swin_moe_files_for_4_ranks(tmp_path, capsys):
         assert_bit_equal(got["model"], expected_rank(model, E, 4, r))
 
 
+def test_an_existing_output_is_replaced_only_with_overwrite_and_a_source_never(tmp_path, capsys):
+    """Nothing the user has is overwritten unasked: an existing output (a text file, another checkpoint) keeps its
+    bytes without --overwrite; with it, the output is the conversion; a source file is refused even with it."""
+    E = 4
+    model = reference_model(E, 6, 10)
+    sources = tutel_files(model, E, 2, tmp_path)
+    before = {path: path.read_bytes() for path in sources}
+    (tmp_path / "out").mkdir()
+    notes, other = tmp_path / "out" / "0-of-2.ckpt", tmp_path / "out" / "1-of-2.ckpt"
+    notes.write_text("my notes")
+    torch.save({"model": {"w": torch.randn(3)}}, other)
+    kept = {notes: notes.read_bytes(), other: other.read_bytes()}
+    cases = [(["--from", "tutel", *sources, tmp_path / "out" / "{rank}-of-{size}.ckpt", "--ranks", 2], "exists"),
+             (["--from", "tutel", *sources, notes, "--to", "moe_plugin"], "exists"),
+             (["--from", "tutel", *sources, sources[0], "--to", "moe_plugin", "--overwrite"],
+              "is one of the source files"),
+             (["--from", "tutel", *sources, tmp_path / "{rank}-of-{size}.ckpt", "--ranks", 2, "--overwrite"],
+              "is one of the source files")]
+    for arguments, says in cases:
+        capsys.readouterr()
+        assert convert(*arguments) == 2, arguments
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], (arguments, lines)
+        assert {path: path.read_bytes() for path in [*sources, notes, other]} == {**before, **kept}
+    assert convert("--from", "tutel", *sources, tmp_path / "out" / "{rank}-of-{size}.ckpt", "--ranks", 2,
+                   "--overwrite") == 0
+    for r in range(2):
+        got = torch.load(tmp_path / "out" / f"{r}-of-2.ckpt", weights_only=True)
+        assert_bit_equal(got, expected_rank(model, E, 2, r))
+
+
 def test_to_moe_plugin_gives_moe_layer_state_dicts(tmp_path):
     """--to moe_plugin: one state dict, each Tutel layer in MoELayer's names (moe_plugin.tutel.names), every expert."""
     E, D, H = 4, 6, 10
