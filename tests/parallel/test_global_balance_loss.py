@@ -127,3 +127,45 @@ def test_aux_loss_scope_is_checked():
     with pytest.raises(ValueError, match="aux_loss_scope='global' is invalid with aux_loss='load_importance'"):
         MoEConfig(model_dim=D, hidden_size=H, aux_loss="load_importance", gate_noise=1.0, gate_noise_kind="tutel",
                   aux_loss_scope="global")
+
+
+def test_every_host_key_reaches_the_layer():
+    from moe_plugin.train.config import moe_config, parse_config
+    assert moe_config(parse_config(None, ["moe.aux_loss_scope=global"])).aux_loss_scope == "global"
+    with pytest.raises(ValueError, match="aux_loss_scope='both'"):
+        moe_config(parse_config(None, ["moe.aux_loss_scope=both"]))
+
+    from moe_plugin.integrations.deepspeed.native import MoE
+    from moe_plugin.integrations.deepspeed.section import read_moe_section
+    section = read_moe_section({"moe": {"backend": "tutel", "aux_loss_scope": "global"}})
+    assert section["aux_loss_scope"] == "global"
+    expert = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
+    layer = MoE(D, expert, num_experts=4, k=2, use_rts=False, top2_2nd_expert_sampling=False, aux_loss_scope="global")
+    assert layer.deepspeed_moe.config.aux_loss_scope == "global"
+    with pytest.raises(ValueError, match='"moe.aux_loss_scope"=\'all\' is invalid'):
+        read_moe_section({"moe": {"backend": "tutel", "aux_loss_scope": "all"}})
+    with pytest.raises(ValueError, match='"moe.aux_loss_scope"=\'global\' needs "moe.backend": "tutel"'):
+        read_moe_section({"moe": {"backend": "deepspeed", "aux_loss_scope": "global"}})
+
+
+def test_the_fairseq_flag_reaches_the_layer():
+    pytest.importorskip("fairseq")
+    import argparse
+
+    from moe_plugin.integrations.fairseq_moe.config import add_moe_args, moe_config_from_args, set_moe_defaults
+    parser = argparse.ArgumentParser()
+    add_moe_args(parser)
+    for flags, scope in (([], "local"), (["--moe-aux-loss-scope", "global"], "global")):
+        args = parser.parse_args(flags)
+        set_moe_defaults(args)
+        args.activation_fn = "relu"
+        assert moe_config_from_args(args, D, H).aux_loss_scope == scope
+
+
+def test_the_hf_swap_keyword_reaches_the_layer():
+    pytest.importorskip("transformers")
+    from helpers.hf import build_model
+    from moe_plugin.integrations.transformers import swap_moe_blocks
+    model = swap_moe_blocks(build_model("mixtral", seed=0), aux_loss="switch", aux_loss_scope="global")
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert layers and all(m.config.aux_loss_scope == "global" for m in layers)
