@@ -10,8 +10,9 @@ layout before DeepSpeed reads anything: an optimizer state that does not fit sto
 layouts and the way forward. Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked:
 DeepSpeed moves the weights to any layout (one file per expert).
 
-What fits: the same ZeRO stage, pipeline stages and every MoE layer's ep_size, and at ZeRO 1-3 the same world size
-(ZeRO 0 keeps the whole optimizer state on every rank of an expert-parallel group, so the world size may change).
+What fits: the same ZeRO stage, pipeline stages and every MoE layer's ep_size, and the same world size wherever the
+optimizer state is split over data-parallel ranks (ZeRO 1-3, and bf16 at ZeRO 0: DeepSpeed's BF16_Optimizer). Plain
+ZeRO 0 keeps the whole state on every rank of an expert-parallel group, so the world size may change there.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def checkpoint_layout(engine) -> Dict[str, Any]:
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
     stages = getattr(engine, "num_stages", None) or bwc_pipeline_parallel_world_size(groups.mpu)
-    return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "zero_stage": int(engine.zero_optimization_stage()), "pipeline_stages": int(stages),
-            "ep_size": ep_sizes(engine.module)}
+    stage = int(engine.zero_optimization_stage())
+    return {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "zero_stage": stage,
+            "pipeline_stages": int(stages), "ep_size": ep_sizes(engine.module),
+            "partitioned": stage > 0 or type(engine.optimizer).__name__ == "BF16_Optimizer"}
 
 
 def ep_sizes(model: nn.Module) -> Dict[str, int]:
@@ -58,7 +60,8 @@ def ep_sizes(model: nn.Module) -> Dict[str, int]:
 
 def fits(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:
     same = all(saved.get(key) == current[key] for key in ("zero_stage", "pipeline_stages", "ep_size"))
-    return same and (current["zero_stage"] == 0 or saved.get("world_size") == current["world_size"])
+    partitioned = saved.get("partitioned", True) or current["partitioned"]
+    return same and (not partitioned or saved.get("world_size") == current["world_size"])
 
 
 def describe(layout: Dict[str, Any]) -> str:
@@ -87,7 +90,7 @@ def check_layout_on_load(engine) -> None:
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         folder = os.path.join(save_dir, str(tag if tag is not None else f"global_step{engine.global_steps}"))
-        if not dist.is_initialized() or dist.get_rank() == 0:   # before DeepSpeed's save, which ends when all wrote
+        if _writer(engine):   # before DeepSpeed's save, which ends when every rank has written
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
                 json.dump(checkpoint_layout(engine), f)
@@ -104,6 +107,13 @@ def check_layout_on_load(engine) -> None:
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
     setattr(engine, _WRAPPED, True)
+
+
+def _writer(engine) -> bool:
+    """Rank 0, or each node's first rank where every node writes its own copy (DeepSpeed's use_node_local_storage)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return True
+    return bool(engine.use_node_local_storage()) and int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def check_layout(folder: str, current: Dict[str, Any]) -> None:

@@ -245,3 +245,51 @@ def test_dense_models_get_exactly_deepspeed_s_own_results_with_the_hook_on(tmp_p
                 assert all(torch.equal(answers[False][0][k], answers[False][1][k]) for k in answers[False][1])
     finally:
         deepspeed.initialize, zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint = before
+
+
+def hf_worker(rank, world, directory):
+    """A Mixtral swapped by a "moe" section (ep_size 2, ZeRO-2) trains 2 steps and saves; its gathered weights."""
+    import moe_plugin.integrations.transformers  # noqa: F401  (before transformers' models)
+    from helpers.deepspeed import setup_worker
+    from helpers.hf import build_model, tokens
+
+    import moe_plugin.integrations.deepspeed as dsi
+    setup_worker(rank, world)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+              "moe": {"backend": "tutel", "ep_size": 2}}
+    engine = dsi.initialize(model=build_model("mixtral", seed=1), config=config)[0]
+    for i in range(2):
+        ids = tokens(seed=10 * i + rank)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(directory)
+    return _gathered(engine)
+
+
+@pytest.mark.timeout(300)
+def test_an_hf_model_s_zero2_checkpoint_at_ep_size_2_consolidates_into_the_gathered_weights(tmp_path):
+    """Issue 58 item 5: `python -m moe_plugin.integrations.deepspeed.zero_to_fp32` on such a checkpoint stopped with
+    "'NoneType' object has no attribute 'group'"."""
+    from moe_plugin.integrations.deepspeed import consolidate
+    want = run_workers(hf_worker, 2, str(tmp_path / "ckpt"), timeout=240)[0]
+    consolidate.main([str(tmp_path / "ckpt"), str(tmp_path / "out")])
+    got = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    experts = [name for name in want if ".experts." in name]
+    assert experts and all(want[name].shape[0] == 6 for name in experts), experts
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_the_world_size_may_change_only_where_no_rank_holds_a_partition():
+    """Plain ZeRO 0 keeps the whole optimizer state on each rank; bf16 at ZeRO 0 (DeepSpeed's BF16_Optimizer) and
+    ZeRO 1-3 split it over the data-parallel ranks."""
+    from moe_plugin.integrations.deepspeed.layout import fits
+    base = {"zero_stage": 0, "pipeline_stages": 1, "ep_size": {"a": 1}, "world_size": 2, "partitioned": False}
+    assert fits(base, {**base, "world_size": 1})
+    assert not fits({**base, "partitioned": True}, {**base, "world_size": 1, "partitioned": True})
+    assert not fits({**base, "zero_stage": 1, "partitioned": True},
+                    {**base, "zero_stage": 1, "partitioned": True, "world_size": 4})
+    assert not fits(base, {**base, "ep_size": {"a": 2}}) and not fits(base, {**base, "pipeline_stages": 2})
+    assert not fits(base, {**base, "zero_stage": 1, "partitioned": True})
