@@ -1,4 +1,4 @@
-"""DeepSpeed's zero_to_fp32 for ZeRO-3 checkpoints whose experts are split over expert-data-parallel groups.
+"""DeepSpeed's zero_to_fp32 for MoE checkpoints: ZeRO-3 with experts split over expert-data-parallel groups, ZeRO-1/2.
 
 At ep_size > 1 under ZeRO-3 (zero3.py) each expert parameter holds the experts of one expert-parallel rank and is
 split over that rank's expert-data-parallel group; dense parameters are split over all ranks. DeepSpeed's
@@ -8,8 +8,14 @@ merged over its own ranks and each layer's expert tensors are put together from 
 layer's ExpertLayout (hidden slices included). Names are the model's parameter names, as DeepSpeed's are; the
 result loads into the same model built in one process (ep_size 1).
 
+ZeRO-1/2 checkpoints of DeepSpeed MoE layers (per-expert layer_<L>_expert_<E>_... files beside the dp-rank-0 model
+file), which DeepSpeed's consolidation cannot read at any ep_size, go through zero12_moe_state_dict: each optimizer
+group merged over the ranks it was split over (an expert group over its expert-data-parallel group), experts put
+together as above.
+
 enable() (hook.py) makes DeepSpeed's get_fp32_state_dict_from_zero_checkpoint, convert_zero_checkpoint_to_*,
-and load_state_dict_from_zero_checkpoint use it; checkpoints without such groups go to DeepSpeed unchanged.
+and load_state_dict_from_zero_checkpoint use these; every other checkpoint (dense models, AutoEP's) goes to
+DeepSpeed unchanged. Files are picked by DeepSpeed's exact names (bf16_ prefix included), never by a loose glob.
 The zero_to_fp32.py that DeepSpeed copies next to a checkpoint is DeepSpeed's own; main() (run by
 `python -m moe_plugin.integrations.deepspeed.zero_to_fp32`) takes its arguments instead.
 """
