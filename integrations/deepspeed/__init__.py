@@ -29,12 +29,12 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       f"install it with: pip install 'moe_plugin[deepspeed]'") from error
 
 from moe_plugin import MoELayer, update_expert_bias
-from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, MoE, hf_support, moe_config, swap_moe_layers
+from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, MoE, moe_config, swap_moe_layers
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
 from moe_plugin.integrations.deepspeed.layout import check_layout_on_load
 from moe_plugin.integrations.deepspeed.routing import log_routing, routing_alarm
 from moe_plugin.integrations.deepspeed.section import SECTION_KEYS, check_ep_size_under_deepspeed, read_moe_section
-from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config,
+from moe_plugin.integrations.deepspeed.zero3 import (Zero3MoE, check_zero3_config, hf_support,
                                                      gather_every_expert_on_16bit_save, to_zero3, zero_stage)
 
 __all__ = ["MoE", "DeepSpeedMoELayer", "Zero3MoE", "initialize", "check_expert_parallel_layers", "read_moe_section",

@@ -92,6 +92,11 @@ class DeepSpeedHFMoEBlock(HFMoEBlock, _NativeMoEBase):
         layer got its expert-parallel group when swapped; there is no native layer to bind)."""
         _expert_parallel_group(self.ep_size)
 
+    def check_swapped_block(self, name: str, section: Mapping[str, Any]) -> None:
+        """swap_moe_layers' check of a block swapped before initialize: it must already have the section's
+        settings (check_swapped_block below)."""
+        check_swapped_block(name, self, section)
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by the engine: DeepSpeed's expert groups exist and hold the ranks the layer exchanges with."""
         if self.moe.groups.layout.slices > 1:

@@ -23,6 +23,9 @@ from typing import Any, Dict, Optional
 import torch.distributed as dist
 from torch import nn
 
+from moe_plugin import MoELayer
+from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
+
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
 
 LAYOUT_FILE = "moe_plugin_layout.json"
@@ -45,8 +48,6 @@ def ep_sizes(model: nn.Module) -> Dict[str, int]:
     MoELayer."""
     from deepspeed.moe.layer import MoE as NativeMoE
 
-    from moe_plugin import MoELayer
-    from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
     found, inside = {}, []
     for name, module in model.named_modules():
         if any(name.startswith(prefix) for prefix in inside):

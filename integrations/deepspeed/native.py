@@ -652,12 +652,6 @@ def _native_settings(moe: NativeMoE) -> Dict[str, Any]:
                 top2_2nd_expert_sampling=gate.top2_2nd_expert_sampling)
 
 
-def hf_support():
-    """hf.py, DeepSpeed's side of Hugging Face models (DeepSpeedHFMoEBlock, the section's swap), loaded on use."""
-    from moe_plugin.integrations.deepspeed import hf   # needs transformers (optional); and hf.py imports this file
-    return hf
-
-
 def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Module, Dict[int, List[nn.Parameter]]]:
     """Apply a validated "moe" section to every deepspeed.moe.layer.MoE in model.
 
@@ -670,13 +664,12 @@ def swap_moe_layers(model: nn.Module, section: Mapping[str, Any]) -> Tuple[nn.Mo
     """
     overrides = {SECTION_TO_ARGUMENT.get(key, key): value for key, value in section.items()
                  if key not in ("backend", "num_experts", "ep_size")}
-    hf = hf_support()
     replaced: Dict[int, List[nn.Parameter]] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, NativeMoE):
             continue
-        if isinstance(module, hf.DeepSpeedHFMoEBlock):   # a Hugging Face block swapped before initialize
-            hf.check_swapped_block(name, module, section)
+        if hasattr(module, "check_swapped_block"):   # a Hugging Face block swapped before initialize (hf.py)
+            module.check_swapped_block(name, section)
             continue
         where = f"MoE layer {name!r}" if name else "the MoE model"
         for key in ("num_experts", "ep_size"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from moe_plugin.integrations.deepspeed.hook import near_moe_keys
 from moe_plugin.parallel.groups import check_ep_size
 
 __all__ = ["SECTION_KEYS", "read_moe_section", "section_key", "check_ep_size_under_deepspeed"]
@@ -61,7 +62,6 @@ def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
     Only the keys given are returned, but routing_alarm (not a layer setting: routing.py); "backend" is required.
     """
-    from moe_plugin.integrations.deepspeed.hook import near_moe_keys
     near = near_moe_keys(config)
     if near:
         raise ValueError(f"DeepSpeed config has a top-level key {near[0]!r}, which DeepSpeed ignores; moe_plugin reads "

@@ -26,7 +26,7 @@ from deepspeed.moe.layer import MoE as NativeMoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups, set_z3_leaf_modules
 
-from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group, hf_support
+from moe_plugin.integrations.deepspeed.native import MoE, _expert_parallel_group
 from moe_plugin.parallel.expert_grads import expert_layers
 from moe_plugin.parallel.expert_parallel import whole_experts
 
@@ -59,6 +59,12 @@ def check_zero3_config(ds_config: Mapping[str, Any], mpu: Any = None) -> None:
             raise ValueError(f"DeepSpeed config {key}={value!r} is not supported with MoE layers at "
                              f"zero_optimization.stage 3: DeepSpeed places expert parameters (split over their "
                              f"expert-data-parallel group) only without it; allowed: {allowed!r} (or stage 1/2)")
+
+
+def hf_support():
+    """hf.py, DeepSpeed's side of Hugging Face models (DeepSpeedHFMoEBlock, the section's swap), loaded on use."""
+    from moe_plugin.integrations.deepspeed import hf   # needs transformers (optional)
+    return hf
 
 
 def to_zero3(model: nn.Module) -> nn.Module:
