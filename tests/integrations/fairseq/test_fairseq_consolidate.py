@@ -2,7 +2,8 @@
 exists unless given --overwrite, never the source run's own per-rank checkpoints (which hold the optimizer state)
 even with --overwrite, and a missing, truncated or foreign rank file or a refused destination ends in one line
 naming the file, exit status 2. Each case checks the bytes of every file before and after. The checkpoints are
-made here in fairseq's layout (no fairseq run): what the tool reads of them is cfg.model and the model's tensors."""
+made here in fairseq's layout (no fairseq run): what the tool reads of them is cfg, the model's tensors, the
+optimizer's name and Adam's state (test_fairseq_reshard_optimizer.py has a real run's)."""
 import argparse
 import os
 import subprocess
@@ -28,14 +29,22 @@ def write_run(folder, ep_size=2):
     router = torch.randn(EXPERTS, 6)
     for rank in range(ep_size):
         local = EXPERTS // ep_size
-        state = {"model": {"decoder.layers.0.fc1.moe.router.weight_ED": router,
-                           "decoder.layers.0.fc1.moe.experts.w1_EDH": torch.randn(local, 6, 8),
-                           "decoder.layers.0.fc1.moe.experts.b1_EH": torch.randn(local, 8),
-                           "decoder.layers.0.fc1.moe.experts.w2_EHD": torch.randn(local, 8, 6),
-                           "decoder.layers.0.fc1.moe.experts.b2_ED": torch.randn(local, 6)},
+        model = {"decoder.layers.0.fc1.moe.router.weight_ED": router,
+                 "decoder.layers.0.fc1.moe.experts.w1_EDH": torch.randn(local, 6, 8),
+                 "decoder.layers.0.fc1.moe.experts.b1_EH": torch.randn(local, 8),
+                 "decoder.layers.0.fc1.moe.experts.w2_EHD": torch.randn(local, 8, 6),
+                 "decoder.layers.0.fc1.moe.experts.b2_ED": torch.randn(local, 6)}
+        # fairseq's Adam state: index i is the model's i-th parameter
+        adam = {"state": {i: {"step": 3, "exp_avg": torch.full_like(value, float(rank if i else 1)),
+                              "exp_avg_sq": torch.ones_like(value)} for i, value in enumerate(model.values())},
+                "param_groups": [{"lr": 0.1, "params": list(range(len(model)))}]}
+        state = {"model": model,
                  "cfg": {"model": argparse.Namespace(moe_ep_size=ep_size, moe_expert_count=EXPERTS, base_layers=1),
-                         "checkpoint": {"checkpoint_suffix": f"-rank-{rank}"}},
-                 "last_optimizer_state": {"state": {0: {"exp_avg": torch.randn(100)}}}}
+                         "checkpoint": {"checkpoint_suffix": f"-rank-{rank}"}, "common": {},
+                         "distributed_training": {"distributed_world_size": ep_size}},
+                 "optimizer_history": [{"optimizer_name": "FairseqAdam", "num_updates": 3}],
+                 "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 2}},
+                 "last_optimizer_state": adam}
         torch.save(state, os.path.join(folder, f"checkpoint_last-rank-{rank}.pt"))
     return os.path.join(folder, "checkpoint_last-rank-0.pt")
 
@@ -90,7 +99,8 @@ def test_an_existing_destination_is_replaced_only_with_overwrite(tmp_path, capsy
     assert sorted(after) == sorted(list(before) + [f"ep4/checkpoint_last-rank-{r}.pt" for r in range(3)])  # no .tmp
     merged = torch.load(tmp_path / "merged.pt", weights_only=False)
     assert merged["model"]["decoder.layers.0.fc1.moe.experts.w1_EDH"].shape[0] == EXPERTS
-    assert merged["cfg"]["model"].moe_ep_size == 1 and "last_optimizer_state" not in merged
+    assert merged["cfg"]["model"].moe_ep_size == 1
+    assert merged["last_optimizer_state"]["state"][1]["exp_avg"][:, 0, 0].tolist() == [0, 0, 1, 1]  # ranks' moments
     assert torch.load(tmp_path / "ep4" / "checkpoint_last-rank-3.pt", weights_only=False)["cfg"]["model"].moe_ep_size == 4
     # a fresh destination needs no flag
     assert consolidate([str(rank0), str(tmp_path / "fresh"), "--ep-size", "4"]) == 0

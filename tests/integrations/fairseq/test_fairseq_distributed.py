@@ -86,7 +86,8 @@ def test_two_process_run_resumes_per_rank_and_consolidates_for_eval_lm(runs, tmp
     # `python -m ...consolidate` then `python -m fairseq_cli.eval_lm` on its output, in one interpreter
     merged = str(tmp_path / "merged.pt")
     out, log = (done.stdout for done in run_modules([
-        ("moe_plugin.integrations.fairseq_moe.consolidate", [os.path.join(save_dir, "checkpoint_last-rank-0.pt"), merged]),
+        ("moe_plugin.integrations.fairseq_moe.consolidate", [os.path.join(save_dir, "checkpoint_last-rank-0.pt"), merged,
+                                                             "--weights-only"]),   # (an SGD run: the tool carries Adam only)
         ("fairseq_cli.eval_lm", [runs["lm"], "--user-dir", user_dir(), "--path", merged, "--tokens-per-sample", "64",
                                  "--batch-size", "8", "--cpu", "--num-workers", "0"])], cwd=runs["root"]))
     assert "merged the experts of 2 ranks" in out, out[-3000:]
@@ -139,14 +140,15 @@ def test_expert_grads_are_reduced_over_expert_data_group_when_ep_size_is_below_w
 
 
 def test_reshard_per_rank_checkpoints_to_another_ep_size_and_resume(runs, tmp_path):
-    """2 ranks with --moe-ep-size 2 -> 4 per-rank checkpoints with ep 4 (one expert each) -> back to ep 2;
-    fairseq-train then resumes the resharded weights on 2 processes (a fresh optimizer: its update count
-    restarts at 0, as with --reset-optimizer)."""
+    """2 ranks with --moe-ep-size 2 -> 4 per-rank checkpoints with ep 4 (one expert each) -> back to ep 2, with
+    --weights-only (an SGD run's state is not carried: test_fairseq_reshard_optimizer.py carries Adam's); fairseq-train
+    then resumes the resharded weights on 2 processes (a fresh optimizer: its update count restarts at 0, as with
+    --reset-optimizer)."""
     from moe_plugin.integrations.fairseq_moe.consolidate import EXPERT_TENSORS, main as consolidate
 
     before = [load(os.path.join(runs["ep"], f"checkpoint_last-rank-{r}.pt")) for r in range(2)]
     assert consolidate([os.path.join(runs["ep"], "checkpoint_last-rank-0.pt"), str(tmp_path / "ep4"),
-                        "--ep-size", "4"]) == 0
+                        "--ep-size", "4", "--weights-only"]) == 0
     four = [load(tmp_path / "ep4" / f"checkpoint_last-rank-{r}.pt") for r in range(4)]
     experts = [key for key in before[0]["model"] if key.endswith(EXPERT_TENSORS)]
     assert len(experts) == 8
@@ -159,10 +161,11 @@ def test_reshard_per_rank_checkpoints_to_another_ep_size_and_resume(runs, tmp_pa
         assert state["cfg"]["checkpoint"]["checkpoint_suffix"] == f"-rank-{rank}"
         assert "last_optimizer_state" not in state
     assert consolidate([str(tmp_path / "ep4" / "checkpoint_last-rank-0.pt"), str(tmp_path / "ep3"),
-                        "--ep-size", "3"]) == 2
+                        "--ep-size", "3", "--weights-only"]) == 2
 
     save_dir = tmp_path / "ep2"
-    assert consolidate([str(tmp_path / "ep4" / "checkpoint_last-rank-0.pt"), str(save_dir), "--ep-size", "2"]) == 0
+    assert consolidate([str(tmp_path / "ep4" / "checkpoint_last-rank-0.pt"), str(save_dir), "--ep-size", "2",
+                        "--weights-only"]) == 0
     for rank in range(2):
         again = load(save_dir / f"checkpoint_last-rank-{rank}.pt")["model"]
         assert all(torch.equal(again[key], value) for key, value in before[rank]["model"].items())
