@@ -103,3 +103,13 @@ def test_the_reading_finds_a_circle_through_a_lazy_import(tmp_path):
     assert circles(graph_of(known)) == [["pkg.c", "pkg.ops.a", "pkg.ops.b"]]
     (tmp_path / "c.py").write_text("import torch\n")
     assert graph_of(known)["pkg.ops.a"] == {"pkg.ops.b"} and circles(graph_of(known)) == []
+
+
+def test_no_test_file_edits_sys_path():
+    """Tests and their helpers reach `helpers` through pytest.ini's pythonpath (in pytest) or PYTHONPATH (in the
+    processes they start), never by editing sys.path."""
+    edits = [f"{path.relative_to(REPO)}:{number}" for path in sorted((REPO / "tests").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "sys.path." in line and not line.lstrip().startswith(("#", '"', "'"))
+             and path != Path(__file__).resolve()]
+    assert edits == []

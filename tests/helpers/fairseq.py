@@ -178,10 +178,9 @@ def train_distributed(args, world_size: int, cwd, timeout: float = 240) -> list:
 # pickled into argv[1] at exit as ({layer name: [sums of each forward]}, {layer name: MoEConfig}).
 _TRAIN_RECORDING = """\
 import atexit, pickle, runpy, sys
-sys.path.insert(0, {tests!r})
 from helpers.routing_reference import record_forwards
 from moe_plugin import routing_metrics
-out, forwards, layers = sys.argv.pop(1), {{}}, {{}}
+out, forwards, layers = sys.argv.pop(1), {}, {}
 watch = routing_metrics.RoutingMonitor.__init__
 def watch_and_record(monitor, model):
     watch(monitor, model)
@@ -189,7 +188,7 @@ def watch_and_record(monitor, model):
 routing_metrics.RoutingMonitor.__init__ = watch_and_record
 def dump():
     with open(out, "wb") as file:
-        pickle.dump((forwards, {{name: layer.config for name, layer in layers.items()}}), file)
+        pickle.dump((forwards, {name: layer.config for name, layer in layers.items()}), file)
 atexit.register(dump)
 sys.argv[0] = "fairseq_cli.train"
 runpy.run_module("fairseq_cli.train", run_name="__main__", alter_sys=True)
@@ -199,9 +198,10 @@ runpy.run_module("fairseq_cli.train", run_name="__main__", alter_sys=True)
 def train_recording_routing(args, cwd, record, timeout: float = 240):
     """fairseq-train args (one process) with every MoE layer's training forwards recorded into the file record
     (_TRAIN_RECORDING); returns the CompletedProcess (stdout and stderr together), failing on a non-zero exit."""
-    script = _TRAIN_RECORDING.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", script, str(record)] + [str(a) for a in args], cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # helpers' folder, on the child's path
+    path = os.pathsep.join([tests] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_RECORDING, str(record)] + [str(a) for a in args], cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"fairseq_cli.train (recording) failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
