@@ -216,6 +216,19 @@ def forward_backward(model, ids):
     return out
 
 
+def trainable(model) -> dict:
+    """{name: parameter} of model's parameters that train (PEFT's adapters, once get_peft_model froze the rest)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def loss_and_grads(model, ids):
+    """The causal LM loss on ids (as labels too) and the gradient of each trainable parameter, from fresh grads."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in trainable(model).items()}
+
+
 def swapped_copy(model, **overrides):
     return hf_moe.swap_moe_blocks(copy.deepcopy(model), **overrides)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.compare import relative_error
-from helpers.hf import build_model, needs_transformers, tokens, transformers
+from helpers.hf import build_model, loss_and_grads, needs_transformers, tokens, trainable, transformers
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 import moe_plugin.integrations.transformers as hf_moe  # noqa: E402
@@ -32,17 +32,6 @@ def gradient_model(family, seed):
 def lora_config():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False,
                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-
-
-def trainable(model):
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in trainable(model).items()}
 
 
 def assert_same_training(ours, theirs, ids):

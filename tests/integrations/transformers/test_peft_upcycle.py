@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.compare import relative_error
-from helpers.hf import needs_transformers, transformers
+from helpers.hf import loss_and_grads, needs_transformers, trainable, transformers
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[lora])")
 import moe_plugin.integrations.transformers as hf_moe  # noqa: E402
@@ -40,17 +40,6 @@ def upcycled_llama(seed, tmp_path):
 
 def ids(seed):
     return torch.randint(0, DECODER["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(seed))
-
-
-def trainable(model):
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def loss_and_grads(model, x):
-    model.zero_grad(set_to_none=True)
-    loss = model(x, labels=x).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in trainable(model).items()}
 
 
 def same_adapters(ours, theirs):
