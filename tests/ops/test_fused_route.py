@@ -57,13 +57,27 @@ def test_cpu_fused_route_equals_router_plan_and_gates(case, dtype, autocast, ker
     compare_with_reference(case, dtype, lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast))
 
 
+def unique_top_k(layer, T, D, K, dtype):
+    """Fresh random tokens whose top K+1 router scores hold no exact tie. Where scores tie exactly (bf16 tokens
+    through an fp32 router do, about once in a thousand draws of the largest case), the order of the tied experts is
+    unspecified (torch.topk's; the kernels put the lower index first), and with it the slots and drops that follow."""
+    for _ in range(20):
+        x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
+        with torch.no_grad():
+            scores_TE = layer.router.scores(layer.router.logits(x_TD).float())
+        top_TX = scores_TE.topk(min(K + 1, scores_TE.shape[1]), dim=-1).values
+        if not (top_TX[:, 1:] == top_TX[:, :-1]).any():
+            return x_TD
+    raise AssertionError("20 draws all held an exact tie in some token's top-k")
+
+
 def compare_with_reference(case, dtype, context):
     from moe_plugin import fused_route
     T, D, E, K, cf, normalize, aux, z = case
     config = MoEConfig(model_dim=D, hidden_size=8, num_experts=E, top_k=K, capacity_factor=cf, normalize_gate=normalize,
                        aux_loss=aux, z_loss_coef=z, route_scale=1.5, min_capacity=1)
     layer = MoELayer(config).to(dtype)
-    x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
+    x_TD = unique_top_k(layer, T, D, K, dtype)
     weight_ED = layer.router.weight_ED
     with context():
         assert fused_route.eligible(layer, x_TD)
