@@ -4,10 +4,18 @@ through PYTHONPATH, which helpers.plugin puts tests/ on for every process the te
 
 
 def leave_together() -> None:
-    """At a worker's end: every rank waits for the others, then the process groups are torn down. A rank that exits
-    while another still uses the group can make gloo abort a process at exit ('terminate called without an active
-    exception', seen on rank 1 of the Accelerate run of test_deepspeed_hook while rank 0 computed its reference)."""
+    """At a worker's end (its results written): every rank waits for the others, the process groups are torn down,
+    and the process ends at once, skipping the interpreter's teardown. A rank that exits while another still uses
+    the group can make gloo abort a process at exit ('terminate called without an active exception', seen on rank 1
+    of the Accelerate run of test_deepspeed_hook while rank 0 computed its reference); on 2026-12-05 rank 1 of
+    hf_fsdp_worker (ep_size 1) aborted so after both had passed the barrier, in the interpreter's teardown."""
+    import os
+    import sys
+
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
