@@ -16,11 +16,11 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 
-def _divisors(n: int) -> List[int]:
+def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _holds(E: int, H: int, W: int) -> bool:
+def holds(E: int, H: int, W: int) -> bool:
     """Whether W ranks can hold E experts of hidden size H: W divides E, or E divides W and W / E divides H."""
     return (E >= W and E % W == 0) or (E < W and W % E == 0 and H % (W // E) == 0)
 
@@ -28,15 +28,15 @@ def _holds(E: int, H: int, W: int) -> bool:
 def ep_sizes_that_work(num_experts: int, hidden_size: int, processes: Optional[int] = None) -> List[int]:
     """The ep_sizes that hold num_experts experts of hidden_size and (processes given) divide processes."""
     E, H = num_experts, hidden_size
-    candidates = _divisors(processes) if processes else range(1, 4 * max(E, 1) + 1)
-    return [w for w in candidates if _holds(E, H, w)]
+    candidates = divisors(processes) if processes else range(1, 4 * max(E, 1) + 1)
+    return [w for w in candidates if holds(E, H, w)]
 
 
 def check_sizes(num_experts: int, hidden_size: int, ep_size: int, processes: Optional[int] = None) -> None:
     """ValueError for an ep_size that cannot hold num_experts experts of hidden_size; the sizes it suggests also
     divide processes (the number of processes sharing the experts), when given."""
     E, H, W = num_experts, hidden_size, ep_size
-    if _holds(E, H, W):
+    if holds(E, H, W):
         return
     working = ep_sizes_that_work(E, H, processes)
     on = "" if not processes else f" on {processes} processes"
@@ -68,7 +68,7 @@ def check_ep_size(ep_size: int, setting: str = "ep_size", world_size: Optional[i
         return
     per_stage = "" if stages == 1 else " per pipeline stage"
     stage_note = "" if stages == 1 else f"{world_size} processes in {stages} pipeline stages; "
-    suggested = _divisors(processes) if num_experts is None or hidden_size is None else \
+    suggested = divisors(processes) if num_experts is None or hidden_size is None else \
         ep_sizes_that_work(num_experts, hidden_size, processes)
     raise ValueError(f"{setting}={ep_size} is invalid: must divide the number of processes{per_stage}, {processes} "
                      f"({stage_note}{processes_from}, N a multiple of {ep_size * stages}; "
@@ -107,7 +107,7 @@ class ExpertLayout:
 
     def degrees(self) -> List[int]:
         """The parallel degrees r this layout can run: 0 (gathered) and the divisors of slices."""
-        return [0] + _divisors(self.slices)
+        return [0] + divisors(self.slices)
 
     def check_degree(self, r: int) -> None:
         if r not in self.degrees():

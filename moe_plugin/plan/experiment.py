@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..parallel.fsdp import default_blocks, fully_shard_moe
+from ..parallel.groups import divisors
 from ..train.checks import check_world as check_processes
 from ..train.checks import layer_configs
 from ..train.parts import build_model
@@ -26,34 +27,33 @@ from .traffic import check_capacity
 DEFAULT_NODE_SIZE = 8
 
 
-def _divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def node_size_of(world_size: int, given: Optional[int]) -> int:
     """--node-size as given (or the default, DEFAULT_NODE_SIZE), at most --world-size; ValueError naming the flag the
     user gave, or the default by name, when it does not divide --world-size."""
-    for name, value in (("--world-size", world_size), ("--node-size", given)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    _check_counts(("--world-size", world_size), ("--node-size", given))
     node_size = min(DEFAULT_NODE_SIZE if given is None else given, world_size)
     if world_size % node_size == 0:
         return node_size
     if given is None:
         raise ValueError(f"--world-size={world_size} is not a multiple of the default --node-size, "
                          f"{DEFAULT_NODE_SIZE} processes per node: give --node-size M, M one of "
-                         f"{_divisors(world_size)}")
+                         f"{divisors(world_size)}")
     raise ValueError(f"--node-size={given} is invalid: must divide --world-size={world_size} (one of "
-                     f"{_divisors(world_size)})")
+                     f"{divisors(world_size)})")
+
+
+def _check_counts(*named) -> None:
+    """ValueError for the first (flag, value) whose value is not an integer >= 1 (None: not given, passes)."""
+    for name, value in named:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
 
 
 def check_world_size(world_size: int, node_size: int) -> None:
-    for name, value in (("--world-size", world_size), ("--node-size", node_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    _check_counts(("--world-size", world_size), ("--node-size", node_size))
     if world_size % node_size:
         raise ValueError(f"--node-size={node_size} is invalid: must divide --world-size={world_size} (one of "
-                         f"{_divisors(world_size)})")
+                         f"{divisors(world_size)})")
 
 
 def check_world(cfg, world_size: int, node_size: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from ..config import MoEConfig
-from ..parallel.groups import check_sizes
+from ..parallel.groups import check_sizes, divisors, holds
 from .config import ExperimentConfig, check_sections, moe_config, parse_config
 from .hf_image import IMAGE_MODEL_TYPES, image_moe_configs
 from .hf_model import hf_moe_configs
@@ -37,19 +37,7 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 def _refusing(layers: List[MoEConfig], ep_size: int) -> Optional[MoEConfig]:
     """The first of the layers that cannot be spread over ep_size processes, or None."""
-    for moe in layers:
-        try:
-            check_sizes(moe.num_experts, moe.hidden_size, ep_size)
-        except ValueError:
-            return moe
-    return None
-
-
-def ep_sizes(cfg: ExperimentConfig, world_size: int) -> List[int]:
-    """The parallel.ep_size values a run of world_size processes accepts: the divisors of world_size that every
-    MoE layer's num_experts and hidden_size take."""
-    layers = layer_configs(cfg)
-    return [w for w in range(1, world_size + 1) if world_size % w == 0 and _refusing(layers, w) is None]
+    return next((moe for moe in layers if not holds(moe.num_experts, moe.hidden_size, ep_size)), None)
 
 
 def check_world(cfg: ExperimentConfig, world_size: int, processes_from: str) -> None:
@@ -61,7 +49,7 @@ def check_world(cfg: ExperimentConfig, world_size: int, processes_from: str) -> 
     refusing = _refusing(layers, ep_size)
     if world_size % ep_size == 0 and refusing is None:
         return
-    working = ep_sizes(cfg, world_size)
+    working = [w for w in divisors(world_size) if _refusing(layers, w) is None]
     if refusing is not None:
         raise ValueError(f"parallel.ep_size={ep_size} cannot hold num_experts={refusing.num_experts} with "
                          f"hidden_size={refusing.hidden_size}: it must divide num_experts, or be a multiple of it "
