@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .checkpoint import check_out_dir
-from .checks import check_world, load_config
+from .checks import load_config
 from .config import to_yaml
 from .faults import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteStep, Preempted
 from .hf_model import hf_moe_config
@@ -81,10 +81,15 @@ def forwarding_signals():
             signal.signal(number, handler)
 
 
+def launch_world(nproc_per_node: int) -> Tuple[int, str]:
+    """load_config's world for `--nproc-per-node N` (one node: N processes): parallel.ep_size is checked against it
+    as the config is read, before torchrun starts."""
+    return nproc_per_node, f"--nproc-per-node {nproc_per_node}; start N with --nproc-per-node N"
+
+
 def check_launch(cfg, nproc_per_node: int) -> None:
-    """What the ranks would refuse at start, found before torchrun starts them (--nproc-per-node on one node: the
-    world is nproc_per_node processes): parallel.ep_size and parallel.fsdp against the world, and log.out_dir."""
-    check_world(cfg, nproc_per_node, f"--nproc-per-node {nproc_per_node}; start N with --nproc-per-node N")
+    """The rest of what the ranks would refuse at start, found before torchrun starts them: parallel.fsdp against
+    the world of nproc_per_node processes, and log.out_dir (parallel.ep_size: load_config with launch_world)."""
     if cfg.parallel.fsdp and nproc_per_node == 1:
         raise ValueError("parallel.fsdp=true is invalid with --nproc-per-node 1: FSDP2 shards over >= 2 processes; "
                          "give --nproc-per-node N, N >= 2, or set parallel.fsdp=false")
@@ -97,8 +102,7 @@ def main(args) -> int:
         # torchrun's flags first, then the config against the world they make (one node: nproc_per_node processes)
         command = torchrun_command(args.nproc_per_node, args.numa_binding, args.arguments, args.max_restarts) \
             if launching else None
-        world = (args.nproc_per_node, f"--nproc-per-node {args.nproc_per_node}; start N with --nproc-per-node N")
-        cfg = load_config(*split_arguments(args.arguments), world=world if launching else None)
+        cfg = load_config(*split_arguments(args.arguments), world=launch_world(args.nproc_per_node) if launching else None)
         if args.print_config:
             print(to_yaml(with_effective_moe(cfg)), end="")
             return 0

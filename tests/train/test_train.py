@@ -105,7 +105,7 @@ def test_the_launcher_checks_the_config_against_its_world_before_torchrun_starts
     if "one of" in err:
         nproc = int(arguments[1])
         for ep_size in json.loads(err.rsplit("one of ", 1)[1].split("]")[0] + "]"):
-            cfg = train.load_config(None, [*TINY, f"parallel.ep_size={ep_size}"])
+            cfg = train.load_config(None, [*TINY, f"parallel.ep_size={ep_size}"], world=command.launch_world(nproc))
             command.check_launch(cfg, nproc)      # accepted
 
 
