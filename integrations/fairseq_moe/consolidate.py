@@ -143,17 +143,23 @@ def parameter_keys(state: dict, path: str) -> List[str]:
     return keys
 
 
+def _check_optimizer(state: dict, path: str) -> None:
+    error = optimizer_error(state, path)
+    if error:
+        raise ValueError(error)
+
+
 def merged(rank0_path: str, weights_only: bool = False):
-    """(rank 0's checkpoint, its model with every expert, its optimizer state with every expert's moments or None
-    if weights_only, the ep_size merged over)."""
+    """(rank 0's checkpoint, its model with every expert, its optimizer state with every expert's moments and the
+    model key of each optimizer index (parameter_keys), both None if weights_only, the ep_size merged over)."""
     first = load(rank0_path)
     model_args = first["cfg"]["model"]
     ep_size, num_experts = model_args.moe_ep_size, model_args.moe_expert_count
     if ep_size > num_experts:
         raise ValueError(f"--moe-ep-size {ep_size} > --moe-expert-count {num_experts} slices each expert over "
                          f"ranks; merging sliced experts is not supported")
-    if not weights_only and optimizer_error(first, rank0_path):
-        raise ValueError(optimizer_error(first, rank0_path))
+    if not weights_only:
+        _check_optimizer(first, rank0_path)
     others = rank_paths(rank0_path, ep_size)[1:]
     for path in others:     # every file there before any is read: a missing one is named at once
         if not os.path.isfile(path):
@@ -162,8 +168,8 @@ def merged(rank0_path: str, weights_only: bool = False):
     ranks = [first]
     for path in others:
         ranks.append(load(path))
-        if not weights_only and optimizer_error(ranks[-1], path):
-            raise ValueError(optimizer_error(ranks[-1], path))
+        if not weights_only:
+            _check_optimizer(ranks[-1], path)
     merged_model = {}
     for key, value in first["model"].items():
         if key.endswith(EXPERT_TENSORS):
@@ -171,7 +177,7 @@ def merged(rank0_path: str, weights_only: bool = False):
         else:
             merged_model[key] = value
     if weights_only:
-        return first, merged_model, None, ep_size
+        return first, merged_model, None, None, ep_size
     paths = [rank0_path] + others
     keys = parameter_keys(first, rank0_path)
     for state, path in zip(ranks[1:], paths[1:]):
@@ -198,7 +204,7 @@ def merged(rank0_path: str, weights_only: bool = False):
                                      f"(a run's ranks hold equal copies); these files are not one run's")
             merged_state[index][field] = value
     optimizer = dict(first["last_optimizer_state"], state=merged_state)
-    return first, merged_model, optimizer, ep_size
+    return first, merged_model, optimizer, keys, ep_size
 
 
 def local_optimizer(optimizer: dict, keys: List[str], ep_size: int, block: int) -> dict:
@@ -272,12 +278,11 @@ def _reshard(rank0_path, paths, new_ep_size, world_size, overwrite, weights_only
         raise ValueError(f"--ep-size {new_ep_size} is invalid: must be at least 1")
     if world_size < 1 or world_size % new_ep_size:
         raise ValueError(f"--world-size {world_size} is invalid: must be a multiple of --ep-size {new_ep_size}")
-    first, model, optimizer, ep_size = merged(rank0_path, weights_only)
+    first, model, optimizer, keys, ep_size = merged(rank0_path, weights_only)
     num_experts = first["cfg"]["model"].moe_expert_count
-    if new_ep_size < 1 or num_experts % new_ep_size:
+    if num_experts % new_ep_size:
         raise ValueError(f"--ep-size {new_ep_size} is invalid: must divide --moe-expert-count {num_experts} "
                          f"(ep sizes above the expert count slice experts, which resharding does not do)")
-    keys = None if optimizer is None else parameter_keys(first, rank0_path)
     extra, again = rescaled_position(first, world_size)
     os.makedirs(os.path.dirname(os.path.abspath(paths[0])), exist_ok=True)
     for rank, path in enumerate(paths):
