@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -358,7 +359,6 @@ def _stats(load_E: torch.Tensor, kept_E: torch.Tensor, capacity_factor: float, f
 
 def with_record(state: Mapping[str, Any], prefix: str, layout) -> dict:
     """state as an OrderedDict whose metadata says that the layer at prefix holds this rank's own experts."""
-    from collections import OrderedDict
     out = OrderedDict(state)
     out._metadata = OrderedDict({prefix[:-1]: {RECORD: expert_record(layout)}})
     return out
