@@ -25,7 +25,7 @@ import torch
 from moe_plugin import MoEConfig
 from moe_plugin.dispatch import plan_routes
 from moe_plugin.experts import Experts
-from moe_plugin.fused import FusedMoE
+from moe_plugin.one_process.fused_experts import FusedMoE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,7 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     print(f"fused layer fwd+bwd, {args.dtype} {args.activation}, {result['threads']} threads, T={T} D={D} H={H} "
-          f"E={E} k={K} cf={args.capacity_factor}, median of {args.rounds} rounds (before = fused.py at {args.before})")
+          f"E={E} k={K} cf={args.capacity_factor}, median of {args.rounds} rounds (before = one_process/fused_experts.py at {args.before})")
     print(f"{'':<8} {'ms':>9} {'saved MB (x, params not counted)':>34}")
     for name in candidates:
         print(f"{name:<8} {ms[name]:>9.2f} {saved_bytes[name] / 1e6:>34.2f}")

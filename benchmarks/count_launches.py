@@ -44,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--host", action="store_true",
                         help="instead: host microseconds per forward + backward of ours on the CUDA code path with "
-                             "every kernel a no-op, the one-node path (fused_layer_cuda.py) against the two-node")
+                             "every kernel a no-op, the one-node path (one_process/node_cuda.py) against the two-node")
     parser.add_argument("--rounds", type=int, default=7, help="--host: interleaved rounds of 100 steps each")
     return parser.parse_args(argv)
 
@@ -138,10 +138,10 @@ class NoKernel:
 def host_us(args) -> dict:
     """Median microseconds of host work per forward + backward of ours (dropless SwiGLU, bf16) on the CUDA code path,
     the Triton kernels and grouped GEMMs no-ops (what is left: our Python, autograd, torch's dispatch and the few aten
-    ops, on CPU tensors); the one-node path against the two-node one (fused_layer_cuda.ENABLED off), interleaved."""
+    ops, on CPU tensors); the one-node path against the two-node one (node_cuda.ENABLED off), interleaved."""
     import statistics
     import time
-    from moe_plugin import fused_layer_cuda
+    from moe_plugin.one_process import node_cuda
     forward = ours(args, dict(capacity_factor=0.0, bias=False), torch.bfloat16)
     outputs = forward()
     grads = [torch.randn_like(out) for out in outputs]
@@ -161,14 +161,14 @@ def host_us(args) -> dict:
                     if a.dim() == 2 and b.dim() == 3 else a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
                 for _ in range(args.rounds):
                     for variant in times:
-                        fused_layer_cuda.ENABLED = variant == "one_node"
+                        node_cuda.ENABLED = variant == "one_node"
                         step()
                         start = time.perf_counter()
                         for _ in range(100):
                             step()
                         times[variant].append((time.perf_counter() - start) / 100 * 1e6)
             finally:
-                fused_layer_cuda.ENABLED = True
+                node_cuda.ENABLED = True
                 torch._grouped_mm = grouped_mm
     return {variant: statistics.median(t) for variant, t in times.items()}
 

@@ -91,7 +91,7 @@ def weight_grad(a_RI: torch.Tensor, grad_RO: torch.Tensor, offs_E: torch.Tensor,
                 grouped_mm=ops.grouped_mm) -> torch.Tensor:
     """The [E, I, O] gradient of w_EIO (rows a_RI in, grads grad_RO out), laid out in memory as w_EIO is: a
     transposed view of a host's [E, O, I] weights (Hugging Face's experts) gets it without a layout copy.
-    grouped_mm: the grouped GEMM to run (ops.grouped_mm's weight-gradient form; fused_layer.py passes the native one)."""
+    grouped_mm: the grouped GEMM to run (ops.grouped_mm's weight-gradient form; one_process/node_cpu.py passes the native one)."""
     if w_EIO.stride(1) == 1 and w_EIO.stride(2) != 1:
         return grouped_mm(grad_RO.t(), a_RI, offs_E).transpose(1, 2)
     return grouped_mm(a_RI.t(), grad_RO, offs_E)

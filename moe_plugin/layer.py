@@ -1,6 +1,6 @@
 """MoELayer: router -> plan -> dispatcher (the experts on the routed rows) -> shared expert, a drop-in for a
 transformer FFN block. On eager CPU with the native kernels, and on eager CUDA with the Triton kernels, routing and
-experts run as one autograd node (fused_layer.py, fused_layer_cuda.py) where it covers the configuration.
+experts run as one autograd node (one_process/node_cpu.py, one_process/node_cuda.py) where it covers the configuration.
 
 Shape legend: moe_plugin/shapes.py.
 """
@@ -14,7 +14,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import dispatch, fused_layer, fused_layer_cuda, fused_route
+from . import dispatch
+from .one_process import fused_route, node_cpu, node_cuda
 from .config import AUTO, MoEConfig
 from .dispatchers import Dispatcher
 from .experts import RECORD, WEIGHT_NAMES, Experts, expert_record
@@ -294,14 +295,14 @@ class MoELayer(nn.Module):
 
 
 def _one_node(x_TD: torch.Tensor, autocast: bool):
-    """(module, its kernels) of the one-node path for x_TD's device and mode: fused_layer (eager CPU, the native
-    kernels; not under autocast) or fused_layer_cuda (eager CUDA, the Triton kernels); (None, None) where neither
+    """(module, its kernels) of the one-node path for x_TD's device and mode: node_cpu (eager CPU, the native
+    kernels; not under autocast) or node_cuda (eager CUDA, the Triton kernels); (None, None) where neither
     runs."""
-    native = None if autocast else fused_layer.kernels(x_TD)
+    native = None if autocast else node_cpu.kernels(x_TD)
     if native is not None:
-        return fused_layer, native
-    route = fused_layer_cuda.kernels(x_TD)
-    return (fused_layer_cuda, route) if route is not None else (None, None)
+        return node_cpu, native
+    route = node_cuda.kernels(x_TD)
+    return (node_cuda, route) if route is not None else (None, None)
 
 
 # On CUDA with torch 2.11 (H200, 2026-11-28) the compiled expert path with fp32 expert weights under bf16 autocast gave

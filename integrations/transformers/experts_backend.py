@@ -34,7 +34,7 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 from moe_plugin import dispatch
 from moe_plugin.activations import Activation
 from moe_plugin.activations import forward as activation_forward
-from moe_plugin.fused import FusedMoE
+from moe_plugin.one_process.fused_experts import FusedMoE
 from moe_plugin.grouped_linear import grouped_linear
 
 from . import peft as peft_lora

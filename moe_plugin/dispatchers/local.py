@@ -1,4 +1,4 @@
-"""Every expert on this process: no exchange. Stacked experts run the fused path (fused.py: gather, two
+"""Every expert on this process: no exchange. Stacked experts run the fused path (one_process/fused_experts.py: gather, two
 grouped GEMMs and the weighted sum in one autograd node); experts without stacked weights (module_experts.py)
 run encode -> their own forward -> decode.
 
@@ -12,7 +12,7 @@ import torch
 
 from .. import dispatch
 from ..experts import ExpertWeights
-from ..fused import fused_moe
+from ..one_process.fused_experts import fused_moe
 from .base import Dispatcher
 
 

@@ -1,4 +1,4 @@
-"""The fused routing (moe_plugin/fused_route.py) for CPU tensors: the same results as the four Triton kernels of
+"""The fused routing (moe_plugin/one_process/fused_route.py) for CPU tensors: the same results as the four Triton kernels of
 triton_route.py, as one autograd node (the router, plan_routes and finalize_gates take ~25), for the host time
 of small steps: forward, the logits' GEMM and torch's own softmax and topk (so the choices are the reference's bit
 for bit), then one native call (csrc/routing_cpu.cpp route_plan: gates, loads, slots, balance loss) where the native

@@ -10,7 +10,8 @@ Legend: T tokens, D model dim, E experts.
 import pytest
 import torch
 
-from moe_plugin import MoEConfig, MoELayer, fused_route
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.one_process import fused_route
 from helpers.compare import relative_error
 
 CUDA = torch.cuda.is_available()

@@ -1,6 +1,6 @@
-"""The one-node CPU path (moe_plugin/fused_layer.py: routing and experts in one autograd function, native kernels
+"""The one-node CPU path (moe_plugin/one_process/node_cpu.py: routing and experts in one autograd function, native kernels
 called directly) against the einsum reference and against the two-node path it replaces (fused_route ->
-dispatcher, run with fused_layer.ENABLED off): outputs, aux loss, stats and every gradient, on fresh random inputs,
+dispatcher, run with node_cpu.ENABLED off): outputs, aux loss, stats and every gradient, on fresh random inputs,
 with dropped tokens, empty experts, k > 2, odd token counts, biases, several activations, a shared expert, a
 separate router input, frozen weights, fp32 and bf16; that it is the path taken where it applies and not where it
 does not; and that a backward runs no GEMM for a gradient nothing asks for."""
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from moe_plugin import fused_layer
+from moe_plugin.one_process import node_cpu
 from moe_plugin.lora import add_lora
 from moe_plugin.ops import kernels_for
 from helpers import one_node
@@ -31,11 +31,11 @@ CASES = {
 @pytest.fixture
 def count_fused(monkeypatch):
     """How often the one-node path ran."""
-    return count_runs(monkeypatch, fused_layer)
+    return count_runs(monkeypatch, node_cpu)
 
 
 def two_node(monkeypatch):
-    monkeypatch.setattr(fused_layer, "ENABLED", False)
+    monkeypatch.setattr(node_cpu, "ENABLED", False)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -45,7 +45,7 @@ def test_one_node_equals_two_nodes_and_reference(case, tokens, count_fused, monk
     x = torch.randn(tokens, 16)
     y, aux, stats, grads, upstream = outputs(layer, x)
     assert count_fused, "the one-node path did not run"
-    monkeypatch.setattr(fused_layer, "ENABLED", False)
+    monkeypatch.setattr(node_cpu, "ENABLED", False)
     y_ref, aux_ref, stats_ref, grads_ref, _ = outputs(layer, x, upstream=upstream)
     assert len(count_fused) == 1
     assert stats == stats_ref
@@ -54,7 +54,7 @@ def test_one_node_equals_two_nodes_and_reference(case, tokens, count_fused, monk
     assert set(grads) == set(grads_ref)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-5, f"{worst} off by {errors[worst]:.3g} (all: {errors})"
-    monkeypatch.setattr(fused_layer, "ENABLED", True)
+    monkeypatch.setattr(node_cpu, "ENABLED", True)
     assert_matches_reference(layer, x, 5e-5)     # the einsum MoE, with the one-node path on again
 
 
@@ -109,8 +109,8 @@ class CountingKernels:
 ])
 def test_backward_runs_no_gemm_for_a_gradient_nothing_asks_for(frozen, input_grad, gemms, monkeypatch):
     layer = make()
-    counting = CountingKernels(fused_layer.kernels(torch.zeros(1)))
-    monkeypatch.setattr(fused_layer, "kernels", lambda x: counting)
+    counting = CountingKernels(node_cpu.kernels(torch.zeros(1)))
+    monkeypatch.setattr(node_cpu, "kernels", lambda x: counting)
     for name, p in layer.named_parameters():
         p.requires_grad_(name not in frozen)
     x = torch.randn(30, 16, requires_grad=input_grad)

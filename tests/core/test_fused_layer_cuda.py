@@ -1,6 +1,6 @@
-"""The one-node CUDA path (moe_plugin/fused_layer_cuda.py: the Triton routing and the experts in one autograd
+"""The one-node CUDA path (moe_plugin/one_process/node_cuda.py: the Triton routing and the experts in one autograd
 function) against the two-node path it replaces (fused_route -> the local dispatcher's FusedMoE, run with
-fused_layer_cuda.ENABLED off) and the einsum reference: outputs, aux loss, stats and every gradient, on fresh random
+node_cuda.ENABLED off) and the einsum reference: outputs, aux loss, stats and every gradient, on fresh random
 inputs, with dropped tokens, empty experts, k > 2, odd token counts, biases, several activations, recompute, a shared
 expert, a separate router input, frozen weights, fp32 and bf16; that it is the path taken where it applies and not
 where it does not; and the routing kernels' two options it uses (each kept row's final gate written by row; the
@@ -53,13 +53,13 @@ def untimed(monkeypatch):
 @pytest.fixture
 def ran(monkeypatch):
     """How often the one-node CUDA path ran."""
-    from moe_plugin import fused_layer_cuda
-    return one_node.count_runs(monkeypatch, fused_layer_cuda)
+    from moe_plugin.one_process import node_cuda
+    return one_node.count_runs(monkeypatch, node_cuda)
 
 
 def two_node(monkeypatch):
-    from moe_plugin import fused_layer_cuda
-    monkeypatch.setattr(fused_layer_cuda, "ENABLED", False)
+    from moe_plugin.one_process import node_cuda
+    monkeypatch.setattr(node_cuda, "ENABLED", False)
 
 
 def assert_close(got, expected, tolerance):
@@ -78,7 +78,7 @@ def assert_close(got, expected, tolerance):
 def test_one_node_equals_two_nodes_and_reference(case, tokens, fused, ran, monkeypatch):
     """fused: the fused grouped GEMMs taken wherever they apply. Every buffer the kernels allocate starts as NaN."""
     from helpers.reference import assert_matches_reference
-    from moe_plugin import fused_layer_cuda
+    from moe_plugin.one_process import node_cuda
     from moe_plugin.ops import fused_gemms, simulated_cuda
     monkeypatch.setattr(fused_gemms, "measured_faster", lambda *args: fused)
     poison_triton_buffers(monkeypatch)
@@ -92,7 +92,7 @@ def test_one_node_equals_two_nodes_and_reference(case, tokens, fused, ran, monke
     if CASES[case].get("capacity_factor", 0.0) == 0.6:
         assert got[2]["dropped_fraction"] > 0
     if case in ("dropless swiglu", "drops, k 3, gshard, z-loss") and not fused:
-        monkeypatch.setattr(fused_layer_cuda, "ENABLED", True)
+        monkeypatch.setattr(node_cuda, "ENABLED", True)
         with simulated_cuda():
             assert_matches_reference(layer, x, 5e-5)     # the einsum MoE, with the one-node path on again
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moe_plugin import MoEConfig, MoELayer, fused_layer
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.one_process import node_cpu
 from moe_plugin.lora import add_lora
 from moe_plugin.plan.state_bytes import saved_for_backward
 from helpers.compare import relative_error
@@ -58,7 +59,7 @@ def assert_same(a, b, tolerance):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_experts_recompute_equals_none(case, dtype, one_node, monkeypatch):
-    monkeypatch.setattr(fused_layer, "ENABLED", one_node)
+    monkeypatch.setattr(node_cpu, "ENABLED", one_node)
     none, experts = pair(dtype, **CASES[case])
     x = torch.randn(53, BASE["model_dim"], dtype=dtype)
     upstream = torch.randn(53, BASE["model_dim"])
@@ -113,7 +114,7 @@ def test_recompute_under_torch_compile(activation):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_experts_mode_keeps_at_most_a_quarter(dtype, one_node, monkeypatch):
     """At a Mixtral-like width ratio (H = 3.5 D, gated, k 2, dropless) the forward keeps x and the routing only."""
-    monkeypatch.setattr(fused_layer, "ENABLED", one_node)
+    monkeypatch.setattr(node_cpu, "ENABLED", one_node)
     kept = {}
     for mode in ("none", "experts"):
         layer = MoELayer(MoEConfig(model_dim=64, hidden_size=224, num_experts=8, top_k=2, capacity_factor=0.0,

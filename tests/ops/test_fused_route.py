@@ -1,4 +1,4 @@
-"""The fused routing kernels (moe_plugin/fused_route.py, ops/triton_route.py) and the one-pass bias add against
+"""The fused routing kernels (moe_plugin/one_process/fused_route.py, ops/triton_route.py) and the one-pass bias add against
 the torch path they replace, on CPU under the Triton interpreter (in a child process, as triton reads
 TRITON_INTERPRET when imported), and the CPU form of the fused routing (ops/torch_route.py) in this process, with
 fresh random inputs: dropless, dropping, capped, k > 2, odd sizes,
@@ -72,7 +72,7 @@ def unique_top_k(layer, T, D, K, dtype):
 
 
 def compare_with_reference(case, dtype, context):
-    from moe_plugin import fused_route
+    from moe_plugin.one_process import fused_route
     T, D, E, K, cf, normalize, aux, z = case
     config = MoEConfig(model_dim=D, hidden_size=8, num_experts=E, top_k=K, capacity_factor=cf, normalize_gate=normalize,
                        aux_loss=aux, z_loss_coef=z, route_scale=1.5, min_capacity=1)

@@ -105,7 +105,7 @@ def fused_layer_step(activation, bias, dtype=torch.float32, hf_layout=False, fro
     transposed view of [E, F, D] weights (Hugging Face's experts); frozen_w1: w1 needs no gradient."""
     from moe_plugin import MoEConfig
     from moe_plugin.experts import Experts
-    from moe_plugin.fused import FusedMoE
+    from moe_plugin.one_process.fused_experts import FusedMoE
     T, E, K, capacity, D, H = 19, 5, 3, 9, 11, 7
     torch.manual_seed(5)
     experts = Experts(MoEConfig(model_dim=D, hidden_size=H, num_experts=E, top_k=K, activation=activation,

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from helpers.compare import relative_error
 from helpers.launch import run_workers
-from moe_plugin import MoEConfig, MoELayer, fused_route
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.one_process import fused_route
 from moe_plugin.router import counts_globally
 
 D, H = 6, 8

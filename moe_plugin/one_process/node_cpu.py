@@ -1,5 +1,5 @@
 """The whole single-process step as one autograd node on CPU: the fused routing (ops/torch_route.py) and the
-expert FFN on the routed rows (what fused.py's FusedMoE computes), with the native kernels (csrc/) bound once per
+expert FFN on the routed rows (what one_process/fused_experts.py's FusedMoE computes), with the native kernels (csrc/) bound once per
 call and called directly. Where a step is short its time is host work, and here it goes into one Function.apply,
 one backward node and plain kernel calls: no gate tensor crosses between two nodes, no kernel-choice look-up or
 custom-op dispatch runs per kernel (issue 33's host time).
@@ -18,14 +18,15 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, fused_route, ops
-from .activations import activate, activation_backward, kept
-from .dispatchers.local import LocalDispatcher
-from .experts import weight_grad
-from .fused import NoGraph
-from .ops import grouped_sum, torch_route
-from .ops.grouped import add_bias
-from .ops.choice import device_kind, kernels_for
+from .. import dispatch, ops
+from . import fused_route
+from ..activations import activate, activation_backward, kept
+from ..dispatchers.local import LocalDispatcher
+from ..experts import weight_grad
+from .fused_experts import NoGraph
+from ..ops import grouped_sum, torch_route
+from ..ops.grouped import add_bias
+from ..ops.choice import device_kind, kernels_for
 
 DTYPES = (torch.float32, torch.bfloat16)
 ENABLED = True      # tests turn it off to get the reference path

@@ -6,7 +6,7 @@ path everywhere else) a step has one autograd node and four launches less: the r
 gate for backward (no scatter of the gates there), backward hands the gates' gradient to the routing's backward by
 row (no gather back to choices, no cast), and the router's input gradient is added into the experts' by its GEMM
 (no add). Where a step is short its time is host work, per launch (issue 33's host time; the CPU twin is
-fused_layer.py).
+one_process/node_cpu.py).
 
 It takes (eligible): eager CUDA with the Triton kernels (or that path simulated on CPU: ops.simulated_cuda), the
 router fused_route covers, stacked experts without LoRA on one process. Under autocast the layer hands it x in the
@@ -21,11 +21,12 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, fused_route, ops
-from .dispatchers.local import LocalDispatcher
-from .experts import NO_LORA, Needs
-from .fused import NoGraph, experts_backward, experts_forward
-from .ops.choice import eager_triton, triton_modules
+from .. import dispatch, ops
+from . import fused_route
+from ..dispatchers.local import LocalDispatcher
+from ..experts import NO_LORA, Needs
+from .fused_experts import NoGraph, experts_backward, experts_forward
+from ..ops.choice import eager_triton, triton_modules
 
 ENABLED = True      # tests turn it off to get the reference path
 

@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from . import experts, ops
-from .experts import Needs, mlp_backward, mlp_forward
-from .ops import fused_gemms
+from .. import experts, ops
+from ..experts import Needs, mlp_backward, mlp_forward
+from ..ops import fused_gemms
 
 
 def fused_moe(*args) -> torch.Tensor:

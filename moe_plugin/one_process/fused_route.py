@@ -11,12 +11,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import dispatch
-from .fused import NoGraph
-from .ops import torch_route
-from .ops.choice import device_kind, eager_triton, triton_modules
-from .ops.launches import LaunchCounter
-from .router import counts_globally, finalize_gates
+from .. import dispatch
+from .fused_experts import NoGraph
+from ..ops import torch_route
+from ..ops.choice import device_kind, eager_triton, triton_modules
+from ..ops.launches import LaunchCounter
+from ..router import counts_globally, finalize_gates
 
 MAX_EXPERTS = 512
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
