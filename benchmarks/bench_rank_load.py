@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_plugin import MoEConfig, MoELayer
-from moe_plugin.routing_metrics import RoutingMonitor
+from moe_plugin.routing_monitor.metrics import RoutingMonitor
 
 
 def fit_bias(layer: MoELayer, x_TD: torch.Tensor, target_E: torch.Tensor, rounds: int = 200) -> None:

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from moe_plugin.routing_alarm import RoutingAlarm
-from moe_plugin.routing_metrics import RoutingMonitor, scalars
+from moe_plugin.routing_monitor.alarm import RoutingAlarm
+from moe_plugin.routing_monitor.metrics import RoutingMonitor, scalars
 
 LOG_EVERY = 10
 

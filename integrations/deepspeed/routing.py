@@ -1,6 +1,6 @@
 """Routing metrics under DeepSpeed (issue 44): the engine's optimizer step (engine.step() at a boundary, or
 engine.train_batch() under pipeline parallelism) reads each MoE layer's routing window every steps_per_print
-optimizer steps (10 without it; moe_plugin/routing_metrics.py) and writes moe/<layer>/<metric>
+optimizer steps (10 without it; moe_plugin/routing_monitor/metrics.py) and writes moe/<layer>/<metric>
 and moe/all/<metric> to the engine's monitor (the tensorboard, wandb, csv_monitor and comet sections of the
 DeepSpeed JSON), at DeepSpeed's own x-axis (samples seen); the routing alarm (the "moe" section's routing_alarm)
 warns through DeepSpeed's logger, on rank 0 (every rank reads the same sums)."""
@@ -14,8 +14,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import log_dist
 
 from moe_plugin import MoELayer
-from moe_plugin.routing_alarm import RoutingAlarm
-from moe_plugin.routing_metrics import RoutingMonitor, scalars
+from moe_plugin.routing_monitor.alarm import RoutingAlarm
+from moe_plugin.routing_monitor.metrics import RoutingMonitor, scalars
 
 ALARM_KEYS = ("min_share", "max_dropped", "windows", "max_rank_load")
 EVERY_WITHOUT_PRINTS = 10      # the window, in optimizer steps, of a config without steps_per_print (DeepSpeed's None)

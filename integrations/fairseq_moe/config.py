@@ -21,7 +21,7 @@ from fairseq.utils import safe_getattr
 
 from moe_plugin import MoEConfig
 from moe_plugin.parallel.groups import check_sizes
-from moe_plugin.routing_alarm import RoutingAlarm
+from moe_plugin.routing_monitor.alarm import RoutingAlarm
 
 
 @dataclass
@@ -80,7 +80,7 @@ class MoEArgs(FairseqDataclass):
 
 @dataclass
 class RoutingAlarmArgs(FairseqDataclass):
-    """The MoE criterions' routing alarm (moe_plugin/routing_alarm.py), checked at each --log-interval."""
+    """The MoE criterions' routing alarm (moe_plugin/routing_monitor/alarm.py), checked at each --log-interval."""
     moe_routing_alarm_min_share: float = field(default=0.1, metadata={
         "help": "routing alarm: an expert under this share of the mean load is starved (in [0, 1))"})
     moe_routing_alarm_max_dropped: float = field(default=0.2, metadata={

@@ -7,7 +7,7 @@ The factor sample_size undoes the trainer's division by it, as fairseq's MoE bra
 Logged besides the task metrics: moe_gate_loss, moe_dropped (fraction of token choices dropped
 over capacity) and moe_share_e<i> (share of the token choices routed to expert i, summed over
 the MoE layers; 1/E each when balanced); and per MoE layer moe/<layer>/<metric> with the summary
-moe/all/<metric> (moe_plugin/routing_metrics.py), from the window sums of each training forward, summed by
+moe/all/<metric> (moe_plugin/routing_monitor/metrics.py), from the window sums of each training forward, summed by
 fairseq over micro-batches, processes and the log interval (hidden meters _moe/...). The reported loss and
 perplexity are the task's alone.
 
@@ -28,7 +28,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 
 from moe_plugin import MoELayer
-from moe_plugin.routing_metrics import VECTOR_SUMS, RoutingMonitor, metrics_from_sums, scalars
+from moe_plugin.routing_monitor.metrics import VECTOR_SUMS, RoutingMonitor, metrics_from_sums, scalars
 
 from .config import RoutingAlarmArgs, flag_errors, routing_alarm_from_args
 from .registration import criterion

@@ -1,7 +1,7 @@
 """HF Trainer callback RoutingMetrics (issue 44): each MoE layer's routing metrics of the logging window
-(moe_plugin/routing_metrics.py) added to the Trainer's own logs as moe/<layer>/<metric> and moe/all/<metric>, so
+(moe_plugin/routing_monitor/metrics.py) added to the Trainer's own logs as moe/<layer>/<metric> and moe/all/<metric>, so
 every report_to target (TensorBoard, W&B, MLflow, the console) and trainer_state.json's log history get them; and
-the routing alarm (moe_plugin/routing_alarm.py) through transformers' logger."""
+the routing alarm (moe_plugin/routing_monitor/alarm.py) through transformers' logger."""
 from __future__ import annotations
 
 import sys
@@ -11,8 +11,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
-from moe_plugin.routing_alarm import RoutingAlarm
-from moe_plugin.routing_metrics import RoutingMonitor, scalars
+from moe_plugin.routing_monitor.alarm import RoutingAlarm
+from moe_plugin.routing_monitor.metrics import RoutingMonitor, scalars
 
 logger = logging.get_logger(__name__)
 
@@ -24,7 +24,7 @@ class RoutingMetrics(TrainerCallback):
 
     def __init__(self, alarm: Union[bool, RoutingAlarm] = True):
         if not isinstance(alarm, (bool, RoutingAlarm)):
-            raise TypeError(f"RoutingMetrics: alarm must be True, False or a moe_plugin.routing_alarm.RoutingAlarm, "
+            raise TypeError(f"RoutingMetrics: alarm must be True, False or a moe_plugin.routing_monitor.alarm.RoutingAlarm, "
                             f"got {type(alarm).__name__}")
         self.alarm = RoutingAlarm() if alarm is True else alarm or None
         self.monitor = None

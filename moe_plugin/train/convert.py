@@ -24,8 +24,9 @@ from typing import Any, Dict
 import torch
 
 from .. import checkpoint as sharded
+from ..routing_monitor import report as routing_report
 from ..tutel import checkpoints as tutel_checkpoints
-from . import manifest, routing_report
+from . import manifest
 from .checkpoint import pack, read_meta, unpack, verify
 
 FULL_FORMAT = "moe_plugin full checkpoint v1"

@@ -1,9 +1,9 @@
-"""RoutingAlarm (moe_plugin/routing_alarm.py): fires once per layer after `windows` unhealthy windows in a row (the
+"""RoutingAlarm (moe_plugin/routing_monitor/alarm.py): fires once per layer after `windows` unhealthy windows in a row (the
 same expert starved in each, or too many drops in each), names the layer, experts and numbers, re-arms when the layer recovers; a run of
 healthy windows, or an interrupted run of unhealthy ones, never fires; bad settings are one-line errors."""
 import pytest
 
-from moe_plugin.routing_alarm import RoutingAlarm
+from moe_plugin.routing_monitor.alarm import RoutingAlarm
 
 
 def window(load, dropped=0.0):

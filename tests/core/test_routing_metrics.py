@@ -1,4 +1,4 @@
-"""RoutingMonitor (moe_plugin/routing_metrics.py): each layer's window metrics equal numbers recomputed here from the
+"""RoutingMonitor (moe_plugin/routing_monitor/metrics.py): each layer's window metrics equal numbers recomputed here from the
 layer's own routing (its router's choices, probabilities and losses; capacity and drops counted by a plain loop),
 summed over micro-batches and over 2 gloo processes; eval forwards and checkpointed recomputes do not count; the
 training forward adds no host synchronization."""
@@ -10,7 +10,7 @@ from helpers.host_syncs import HostSyncs
 from helpers.launch import run_workers
 from helpers.routing_reference import add, check, expected, reference
 from moe_plugin import MoELayer
-from moe_plugin.routing_metrics import RoutingMonitor, scalars
+from moe_plugin.routing_monitor.metrics import RoutingMonitor, scalars
 
 D = 16
 LAYERS = {
@@ -155,7 +155,7 @@ import copy, json, sys
 import torch
 from torch import nn
 from moe_plugin import MoELayer
-from moe_plugin.routing_metrics import RoutingMonitor
+from moe_plugin.routing_monitor.metrics import RoutingMonitor
 assert "torch._dynamo" not in sys.modules       # else the monitor's hooks run eagerly whenever it is built
 torch.manual_seed(int(sys.argv[1]))
 layers = [MoELayer(model_dim=16, hidden_size=24, num_experts=6, top_k=2, capacity_factor=0.8, z_loss_coef=0.01),

@@ -179,7 +179,7 @@ def train_distributed(args, world_size: int, cwd, timeout: float = 240) -> list:
 _TRAIN_RECORDING = """\
 import atexit, pickle, runpy, sys
 from helpers.routing_reference import record_forwards
-from moe_plugin import routing_metrics
+from moe_plugin.routing_monitor import metrics as routing_metrics
 out, forwards, layers = sys.argv.pop(1), {}, {}
 watch = routing_metrics.RoutingMonitor.__init__
 def watch_and_record(monitor, model):

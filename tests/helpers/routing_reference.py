@@ -1,4 +1,4 @@
-"""Routing metrics recomputed independently of moe_plugin/routing_metrics.py: from a layer's own router (its choices,
+"""Routing metrics recomputed independently of moe_plugin/routing_monitor/metrics.py: from a layer's own router (its choices,
 probabilities and losses) with capacity and drops counted by a plain loop over the choices (choice-major slots)."""
 import math
 

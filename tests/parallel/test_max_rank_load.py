@@ -9,8 +9,8 @@ import torch.distributed as dist
 from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.groups import ExpertLayout
-from moe_plugin.routing_alarm import RoutingAlarm
-from moe_plugin.routing_metrics import RoutingMonitor, max_rank_load, metrics_from_sums, rank_rows, rank_shares
+from moe_plugin.routing_monitor.alarm import RoutingAlarm
+from moe_plugin.routing_monitor.metrics import RoutingMonitor, max_rank_load, metrics_from_sums, rank_rows, rank_shares
 
 D = 8
 LAYERS = {"hot_rank0": dict(num_experts=16, ep_size=4, top_k=2), "sliced": dict(num_experts=2, ep_size=4, top_k=1),

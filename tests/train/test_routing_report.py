@@ -1,4 +1,4 @@
-"""`moe-plugin checkpoint routing` (issue 44; moe_plugin/train/routing_report.py): on a run's checkpoint its topics'
+"""`moe-plugin checkpoint routing` (issue 44; moe_plugin/routing_monitor/report.py): on a run's checkpoint its topics'
 tokens per expert equal what the run itself counted at its end (result.json's topic_routing, the layers' own stats),
 and its whole co-selection matrix equals pairs counted by a plain loop over each token's top-k choice of the
 checkpoint's routers on the same topics (tests/helpers/routing_reference.py); on a Hugging Face folder the load,
@@ -12,7 +12,7 @@ import torch
 from helpers.routing_reference import coselection, layer_choices
 from helpers.train import TINY, run
 from moe_plugin.cli import main
-from moe_plugin.train import routing_report
+from moe_plugin.routing_monitor import report as routing_report
 
 
 def report(*argv):

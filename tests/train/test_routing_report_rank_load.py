@@ -1,9 +1,9 @@
-"""`moe-plugin checkpoint routing`'s load per expert-parallel rank (issue 55 item 1; moe_plugin/train/routing_report.py
+"""`moe-plugin checkpoint routing`'s load per expert-parallel rank (issue 55 item 1; moe_plugin/routing_monitor/report.py
 add_rank_load): rows per rank counted by hand from the load per expert at several ep sizes (whole experts per rank,
 experts sliced over ranks), the summary line, and an ep size that cannot hold the experts as a one-line error."""
 import pytest
 
-from moe_plugin.train import routing_report
+from moe_plugin.routing_monitor import report as routing_report
 
 
 def routing(load):

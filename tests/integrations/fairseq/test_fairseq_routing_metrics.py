@@ -104,7 +104,7 @@ def test_fairseq_train_logs_each_layer(tmp_path, corpus, fresh_seed):
     warns at the second interval about exactly the experts the reference starves in both intervals."""
     import pickle
 
-    from moe_plugin.routing_metrics import METRICS
+    from moe_plugin.routing_monitor.metrics import METRICS
     args = [corpus["lm"], "--user-dir", user_dir(), "--task", "language_modeling", *TINY_LM, "--criterion",
             "moe_cross_entropy", "--optimizer", "adam", "--lr", "0.005", "--dropout", "0", "--tokens-per-sample",
             "64", "--sample-break-mode", "complete", "--batch-size", "4", "--max-update", "4", "--update-freq", "2",

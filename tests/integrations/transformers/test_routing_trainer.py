@@ -128,7 +128,7 @@ def test_the_alarm_fires_once_on_a_collapse_only(case, caplog, fresh_seed):
     from transformers.utils import logging as hf_logging
 
     from moe_plugin.integrations.transformers import RoutingMetrics
-    from moe_plugin.routing_alarm import RoutingAlarm
+    from moe_plugin.routing_monitor.alarm import RoutingAlarm
     model = swapped({"num_experts_per_tok": 1}, capacity_factor=0.0)     # top-1: a collapse can take every token
     names = list(moe_layers(model))
     rows = None

@@ -25,14 +25,14 @@ from torch import nn
 
 from .. import checkpoint as sharded
 from ..layer import MoELayer
-from ..routing_metrics import max_rank_load, rank_rows, rank_shares
+from .metrics import max_rank_load, rank_rows, rank_shares
 from ..parallel.groups import ExpertLayout
-from . import plots
-from .checkpoint import checkpoints, read_meta, verify
-from .config import ExperimentConfig
-from .data import make_text_data
-from .hf_model import hf_adapter
-from .parts import build_model
+from ..train import plots
+from ..train.checkpoint import checkpoints, read_meta, verify
+from ..train.config import ExperimentConfig
+from ..train.data import make_text_data
+from ..train.hf_model import hf_adapter
+from ..train.parts import build_model
 
 MAX_TOKENS_PER_TOPIC = 4096
 HF_ROW = 256              # tokens per row through a Hugging Face model

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layer import MoELayer
-from .parallel.groups import ExpertLayout
-from .router import balance_loss, best_groups_only, load_importance_loss
+from ..layer import MoELayer
+from ..parallel.groups import ExpertLayout
+from ..router import balance_loss, best_groups_only, load_importance_loss
 
 METRICS = ("max_load", "max_rank_load", "experts_without_tokens", "dropped_fraction", "capacity_used", "router_entropy",
            "balance_loss", "z_loss", "expert_bias_spread")
