@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_plugin import MoEConfig, MoELayer
-from moe_plugin.bench import interleaved_median_ms
+from moe_plugin.cli.bench import interleaved_median_ms
 
 
 def parse_args():

@@ -5,7 +5,7 @@
 
 Shapes: default (T 4096, D 1024, H 4096, E 8, top-2, ReLU with biases, capacity 1.25), hf (T 16384, D 2048,
 H 1408, E 64, top-6, dropless SwiGLU), sonic (SonicMoE's T 24576, D 1536, H 256, E 128, top-8, dropless SwiGLU);
-bf16 parameters on the GPU. Candidates, interleaved round by round (moe_plugin/bench.py's timing):
+bf16 parameters on the GPU. Candidates, interleaved round by round (moe_plugin/cli/bench.py's timing):
   moe_plugin            our layer, eager
   moe_plugin_graphed    the same step captured as one CUDA graph and replayed (benchmarks/gpu/graph_step.py)
   moe_plugin_compiled   torch.compile(layer) (--compile: tens of seconds per shape)
@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
 import moe_plugin.integrations.transformers  # noqa: E402,F401  (hides an unloadable torchaudio first)
-from moe_plugin import MoEConfig, MoELayer, activations, bench  # noqa: E402
+from moe_plugin import MoEConfig, MoELayer, activations  # noqa: E402
+from moe_plugin.cli import bench  # noqa: E402
 from moe_plugin.reference import reference_moe  # noqa: E402
 
 SHAPES = {

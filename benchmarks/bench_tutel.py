@@ -18,7 +18,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from moe_plugin import MoELayer, bench
+from moe_plugin import MoELayer
+from moe_plugin.cli import bench
 from moe_plugin import tutel as drop_in
 from moe_plugin.tutel import names
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.paths import load_script
-from moe_plugin import bench
+from moe_plugin.cli import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "benchmarks" / "gpu"

@@ -15,7 +15,7 @@ import time
 import torch
 
 from moe_plugin import MoEConfig, MoELayer
-from moe_plugin.bench import DTYPES, add_arguments
+from moe_plugin.cli.bench import DTYPES, add_arguments
 
 
 def main() -> None:

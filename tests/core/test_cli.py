@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_plugin import MoEConfig, MoELayer
-from moe_plugin.bench import _deepspeed_step
+from moe_plugin.cli.bench import _deepspeed_step
 from moe_plugin.cli import main
 
 TINY = ["bench", "--model-dim", "16", "--hidden-size", "32", "--num-experts", "4", "--tokens", "57",
@@ -119,7 +119,7 @@ def test_deepspeed_baseline_runs_forward_and_backward(process_group_closed_after
 
 
 def test_core_imports_only_torch():
-    code = ("import sys, moe_plugin, moe_plugin.bench, moe_plugin.reference; "
+    code = ("import sys, moe_plugin, moe_plugin.cli.bench, moe_plugin.reference; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'omegaconf', 'deepspeed', 'fairseq', 'yaml'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"

@@ -11,8 +11,9 @@ from typing import List, Optional
 
 import torch
 
-from . import __version__, bench, ops, plan, train
-from .train import convert
+from .. import __version__, ops, plan, train
+from . import bench
+from ..train import convert
 
 
 # what the extras of setup.py bring, by import name (scikit-learn imports as sklearn)
@@ -84,6 +85,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,12 +29,12 @@ from typing import Callable, Dict, List
 
 import torch
 
-from . import activations
-from .baselines.deepspeed_moe import build_deepspeed_moe
-from .config import ACTIVATIONS, MoEConfig
-from .grouped_linear import grouped_linear
-from .layer import MoELayer
-from .reference import reference_moe
+from .. import activations
+from ..baselines.deepspeed_moe import build_deepspeed_moe
+from ..config import ACTIVATIONS, MoEConfig
+from ..grouped_linear import grouped_linear
+from ..layer import MoELayer
+from ..reference import reference_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 SKIPPABLE = ("einsum", "deepspeed", "eager")
@@ -284,7 +284,7 @@ def _floor_step(config: MoEConfig, rows_E: List[int], activation: "activations.A
 def _hf_step(config: MoEConfig, x_TD, grad_TD, dtype, context) -> "Callable[[], float] | str":
     """transformers' MixtralSparseMoeBlock with config._experts_implementation = "grouped_mm"."""
     try:
-        from .integrations.transformers.torchaudio_guard import hide_unloadable_torchaudio  # imports transformers
+        from ..integrations.transformers.torchaudio_guard import hide_unloadable_torchaudio  # imports transformers
         hide_unloadable_torchaudio()   # fairseq's torchaudio cannot load beside torch 2.13 and breaks HF's imports
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
