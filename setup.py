@@ -82,7 +82,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     # every package under moe_plugin/, plus the adapters in integrations/ (installed as moe_plugin.integrations),
-    # plus what the package reads at run time (moe_plugin/shipped.py): the C++ sources that ops/native.py builds on
+    # plus what the package reads at run time (moe_plugin/ops/native.py's shipped): the C++ sources that ops/native.py builds on
     # first use, and the example configs (`moe-plugin train NAME`); tests/test_packaging.py checks a wheel's files
     packages=find_packages(include=["moe_plugin", "moe_plugin.*"])
     + ["moe_plugin.integrations", "moe_plugin.integrations.deepspeed", "moe_plugin.integrations.fairseq_moe",

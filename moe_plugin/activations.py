@@ -3,7 +3,7 @@ autograd inside backward, so torch.compile traces it). SwiGLU, clamped or not, a
 the one-pass native kernels where they load (ops.swiglu, ops.clamped_swiglu); the others are torch
 compositions. activation_backward_ is the backward writing over its dead inputs where it can (no new memory).
 
-Shape legend: moe_plugin/shapes.py (here R rows, H hidden width). A gated activation takes pre_RH2 [R, 2H] =
+Shape legend: moe_plugin/__init__.py (here R rows, H hidden width). A gated activation takes pre_RH2 [R, 2H] =
 [gate | up] and gives [R, H]; the others map [R, H] to [R, H]. An Activation also holds its clamp limit and a
 swiglu_oai's alpha.
 """

@@ -1,6 +1,6 @@
 """Expert-sharded checkpoints with torch.distributed.checkpoint (DCP): no gather, any layout on load.
 
-Shape legend: moe_plugin/shapes.py (here E experts, D model dim, H expert hidden dim, F = 2H for a gated
+Shape legend: moe_plugin/__init__.py (here E experts, D model dim, H expert hidden dim, F = 2H for a gated
 activation (swiglu, geglu, ...: w1 holds [gate | up]) else H; `slices` hidden slices per expert when
 ep_size > num_experts).
 

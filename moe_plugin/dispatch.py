@@ -1,6 +1,6 @@
 """Slots, capacity and the index-based encode (tokens -> routed rows) and decode (rows -> tokens).
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, C capacity per expert).
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, E experts, K top-k, C capacity per expert).
 R routed rows: T*K of them, the kept (token, choice) pairs first, grouped by expert in slot order,
 then room for the dropped ones (no choice names those rows; the expert GEMMs give them 0).
 

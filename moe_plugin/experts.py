@@ -1,6 +1,6 @@
 """Stacked expert FFN weights and their compute on the routed rows only.
 
-Shape legend: moe_plugin/shapes.py (here R routed rows grouped by expert, D model dim, H expert hidden dim, E experts,
+Shape legend: moe_plugin/__init__.py (here R routed rows grouped by expert, D model dim, H expert hidden dim, E experts,
 Q LoRA rank, I and O a GEMM's in and out width). With a gated activation (swiglu, geglu, ...) the first
 projection gives F = 2H columns: [gate | up]; w1_EDH and b1_EH (the state dict's names) hold F columns.
 """

@@ -3,7 +3,7 @@
 experts.GroupedMLP fuses a whole expert FFN with a fixed set of activations; this single GEMM lets a
 caller put any differentiable function between two of them (a host framework's own gate or norm).
 
-Shape legend: moe_plugin/shapes.py (here R routed rows (grouped by expert), I input dim, O output dim, E experts).
+Shape legend: moe_plugin/__init__.py (here R routed rows (grouped by expert), I input dim, O output dim, E experts).
 """
 from __future__ import annotations
 

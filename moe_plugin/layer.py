@@ -2,7 +2,7 @@
 transformer FFN block. On eager CPU with the native kernels, and on eager CUDA with the Triton kernels, routing and
 experts run as one autograd node (one_process/node_cpu.py, one_process/node_cuda.py) where it covers the configuration.
 
-Shape legend: moe_plugin/shapes.py.
+Shape legend: moe_plugin/__init__.py.
 """
 from __future__ import annotations
 

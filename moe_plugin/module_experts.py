@@ -10,7 +10,7 @@ rows' dtype, and their outputs come back in it.
 
 The state dict holds expert i (local index) as `local.<i>.<the module's own names>`.
 
-Shape legend: moe_plugin/shapes.py (here R routed rows grouped by expert, D model dim, E experts).
+Shape legend: moe_plugin/__init__.py (here R routed rows grouped by expert, D model dim, E experts).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Router: scores, group-limited top-k choice with the balancing bias, gate normalization and scale,
 load-balancing and z losses.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, G expert groups, M experts per
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, E experts, K top-k, G expert groups, M experts per
 group, N sequences, S tokens per sequence, X the choices of a sequence counted for the balance loss).
 """
 from __future__ import annotations
@@ -391,3 +391,22 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     if logits_TE.shape[0] == 0:
         return logits_TE.new_zeros(())
     return torch.logsumexp(logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)), dim=-1).square().mean()
+
+
+def update_expert_bias(model: nn.Module, group=None) -> int:
+    """Auxiliary-loss-free balancing (DeepSeek-V3; Wang et al. 2024, arXiv 2408.15664), once per optimizer step:
+    bias_e += rate * sign(mean load - load_e) in every MoE layer of model with
+    expert_bias_update_rate > 0, from the choices counted since the last call (all micro-batches);
+    clears the counts. Under torch.distributed the counts are first summed over `group` (default:
+    every process), so every process keeps the same bias; every process must call it. Returns how
+    many layers it updated (0 when none has the bias on). Adds no host synchronization."""
+    routers = [m for m in model.modules() if isinstance(m, Router) and m.config.expert_bias_update_rate > 0]
+    if not routers:
+        return 0
+    loads = [router.take_load() for router in routers]
+    all_loads = torch.cat(loads)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(all_loads, group=group)
+    for router, load_E in zip(routers, all_loads.split([load.numel() for load in loads])):
+        router.update_bias(load_E)
+    return len(routers)

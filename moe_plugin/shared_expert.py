@@ -1,7 +1,7 @@
 """The shared expert: one dense FFN applied to every token beside the routed experts (DeepSeek's
 shared experts, Qwen2-MoE's gated shared expert).
 
-Shape legend: moe_plugin/shapes.py (here H is the shared expert's hidden width). With a gated activation w1_DH
+Shape legend: moe_plugin/__init__.py (here H is the shared expert's hidden width). With a gated activation w1_DH
 holds 2H columns: [gate | up]. The activation is the routed experts' (with its limit unless config.clamp_shared is False).
 """
 from __future__ import annotations

@@ -50,8 +50,8 @@ def test_an_installed_wheel_finds_its_sources_and_configs(wheel, tmp_path):
     run = dict(check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(target)},
                cwd=tmp_path, timeout=120)
     found = subprocess.run(
-        [sys.executable, "-c", "import moe_plugin; from moe_plugin.ops import native; from moe_plugin import shipped;"
-         "print(moe_plugin.__file__); print(native.csrc_dir()); print(shipped.experiments())"], **run).stdout.split()
+        [sys.executable, "-c", "import moe_plugin; from moe_plugin.ops import native; from moe_plugin.train.config import experiments;"
+         "print(moe_plugin.__file__); print(native.csrc_dir()); print(experiments())"], **run).stdout.split()
     assert found == [str(target / "moe_plugin" / "__init__.py"), str(target / "moe_plugin" / "csrc"),
                      str(target / "moe_plugin" / "configs" / "experiments")]
     for name in native.SOURCES:

@@ -15,7 +15,7 @@ is gathered. The local dispatcher has none.
 With 2DH each exchange has two steps; chunk c + 2 starts its first step while chunk c + 1 runs its second
 and chunk c is computed, so both steps overlap expert compute.
 
-Shape legend: moe_plugin/shapes.py (here W ranks, counts_WE[w, e] the kept rows rank w routes to expert e,
+Shape legend: moe_plugin/__init__.py (here W ranks, counts_WE[w, e] the kept rows rank w routes to expert e,
 V ranks gathered per compute slice).
 """
 from __future__ import annotations

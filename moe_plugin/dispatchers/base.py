@@ -1,4 +1,4 @@
-"""The dispatcher interface (see the package's docstring); shape legend: moe_plugin/shapes.py."""
+"""The dispatcher interface (see the package's docstring); shape legend: moe_plugin/__init__.py."""
 from __future__ import annotations
 
 import abc

@@ -2,7 +2,7 @@
 grouped GEMMs and the weighted sum in one autograd node); experts without stacked weights (module_experts.py)
 run encode -> their own forward -> decode.
 
-Shape legend: moe_plugin/shapes.py.
+Shape legend: moe_plugin/__init__.py.
 """
 from __future__ import annotations
 

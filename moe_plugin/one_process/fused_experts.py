@@ -9,7 +9,7 @@ weight gradient (or read from x by index where that kernel measured faster: ops/
 Shapes are static (R = T*K, offsets on the device): no host synchronization, so torch.compile
 captures it whole. Matches dispatch.encode -> GroupedMLP -> dispatch.decode.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
 rows, Q LoRA rank).
 """
 from __future__ import annotations

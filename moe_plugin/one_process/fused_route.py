@@ -3,7 +3,7 @@ in eager mode the same in a few torch ops, ops/torch_route.py): the router's log
 balance and z losses, the plan (slots, loads, offsets) and the final gates. It replaces, for the configurations it covers (eligible), Router.forward -> dispatch.plan_routes ->
 router.finalize_gates, which stay the reference (tests compare them) and the path everywhere else.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k).
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, E experts, K top-k).
 """
 from __future__ import annotations
 

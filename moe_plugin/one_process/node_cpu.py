@@ -9,7 +9,7 @@ router fused_route covers, stacked experts without LoRA on one process, fp32 or 
 grouped GEMM takes as they are (rows of 16 bytes). Everything else runs fused_route -> dispatcher, which stays the
 reference the tests compare this path with.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, H expert hidden dim, F the first projection's
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, H expert hidden dim, F the first projection's
 width (2H gated), E experts, K top-k, R routed rows).
 """
 from __future__ import annotations

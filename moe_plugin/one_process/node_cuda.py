@@ -12,7 +12,7 @@ It takes (eligible): eager CUDA with the Triton kernels (or that path simulated 
 router fused_route covers, stacked experts without LoRA on one process. Under autocast the layer hands it x in the
 autocast dtype (the experts' input) and x as given (the router's, fp32), as two inputs.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, H expert hidden dim, E experts, K top-k, R routed
 rows).
 """
 from __future__ import annotations

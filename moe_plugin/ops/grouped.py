@@ -1,7 +1,7 @@
 """Grouped GEMM over the routed rows as the custom op moe_plugin::grouped_mm, on torch's
 F.grouped_mm, with a fake (meta) implementation so torch.compile traces it in every dtype.
 
-Shape legend: moe_plugin/shapes.py (here R routed rows (grouped by expert), I input dim, O output dim, E groups
+Shape legend: moe_plugin/__init__.py (here R routed rows (grouped by expert), I input dim, O output dim, E groups
 (experts)).
 offs_E holds each group's end row (int32, cumulative, on the rows' device); rows past offs_E[-1]
 belong to no group (the dropped choices of a fixed capacity sit there).

@@ -15,12 +15,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional, Tuple
 
-from ..shipped import shipped
-
 SOURCES = ("routing_cpu.cpp", "swiglu_cpu.h")     # the build folder is named by a hash of all of them
 MODULE_NAME = "moe_plugin_routing_cpu"
 CFLAGS = ("-O3", "-fopenmp")
 STALE_LOCK_SECONDS = 600    # a build takes about a minute; a lock this old belongs to a killed process
+# a source checkout (pip install -e .) keeps csrc/ and configs/ at the repository's top; a wheel or sdist install
+# carries copies inside the package (setup.py installs them as moe_plugin/csrc and moe_plugin/configs)
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def shipped(folder: str) -> Path:
+    """The folder (csrc or configs) inside the installed package, else the checkout's; the package's copy when
+    neither exists, so that a message names where it was looked for."""
+    installed, checkout = PACKAGE / folder, PACKAGE.parent / folder
+    return checkout if checkout.is_dir() and not installed.is_dir() else installed
 
 
 def csrc_dir() -> Path:

@@ -2,7 +2,7 @@
 reading the routed rows of x by index, with its bias and activation; the down projection's dgrad with SwiGLU's
 backward; the first projection's weight gradient reading x's rows by index, with the bias gradient.
 
-Shape legend: moe_plugin/shapes.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
+Shape legend: moe_plugin/__init__.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
 for gated activations, [gate | up]; E experts, R routed rows grouped by expert, rows past the last offset
 belonging to no expert); RH2 is [R, 2H].
 """

@@ -1,7 +1,7 @@
 """The routing kernels in plain torch: the reference every native and GPU kernel is tested against,
 and the path taken when no native kernel is available.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, R routed rows (kept choices,
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, E experts, K top-k, R routed rows (kept choices,
 grouped by expert), A the T*K choices, choice-major).
 pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped; every
 kept row is the position of exactly one kept choice. R may exceed the kept rows (the layer sizes

@@ -5,7 +5,7 @@ for bit), then one native call (csrc/routing_cpu.cpp route_plan: gates, loads, s
 kernels load, else about fifteen torch ops (below; slots from ops.route_slots); backward, one native call
 (route_backward) where the native kernels load, else torch ops.
 
-Shape legend: moe_plugin/shapes.py (here T tokens, E experts, K top-k).
+Shape legend: moe_plugin/__init__.py (here T tokens, E experts, K top-k).
 """
 from __future__ import annotations
 

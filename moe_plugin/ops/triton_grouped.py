@@ -5,7 +5,7 @@ its epilogue (dgrad_swiglu); the first projection's weight gradient reading x's 
 gradient in the same pass (wgrad_gather). Same results as torch_grouped.py, the reference; on CPU tensors only under
 TRITON_INTERPRET=1.
 
-Shape legend: moe_plugin/shapes.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
+Shape legend: moe_plugin/__init__.py (T tokens, D model dim, H hidden width, F the first projection's width: 2H
 gated, [gate | up]; E experts, R routed rows grouped by expert, each expert's block ending at offs_E[e], int32
 on the device); RH2 is [R, 2H]. Inside the kernels, M, N and K are a GEMM tile's rows, columns and reduction
 dim (BLOCK_M, BLOCK_N, BLOCK_K; _MN a tile), not the layer's letters.

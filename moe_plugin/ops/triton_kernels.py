@@ -4,7 +4,7 @@ past a device-held end), add_bias_rows (each group's bias added in place, one pa
 gradients: per-group column sums, no atomics) and SwiGLU forward and backward in one pass each (plain and
 clamped).
 
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, R routed rows (kept choices,
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, E experts, K top-k, R routed rows (kept choices,
 grouped by expert)).
 pos_TK[t, k] is the routed row of token t's k-th choice, -1 where the choice was dropped.
 

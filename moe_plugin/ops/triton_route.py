@@ -11,7 +11,7 @@ forward and backward. Softmax router, top-k by score, gates normalized before or
   route_backward   per block of tokens: the logits' gradient from the final gates' and the loss's gradients
 
 The histogram + scan replaces the E programs that each rescan all T*K choices (triton_kernels.route_slots).
-Shape legend: moe_plugin/shapes.py (here T tokens, D model dim, E experts, K top-k, B token blocks).
+Shape legend: moe_plugin/__init__.py (here T tokens, D model dim, E experts, K top-k, B token blocks).
 """
 from __future__ import annotations
 

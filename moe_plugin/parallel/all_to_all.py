@@ -1,7 +1,7 @@
 """Differentiable collectives for expert parallelism: variable-size all-to-all (flat and
 2D-hierarchical, blocking or started/waited for overlap) and an all-gather whose backward sums.
 
-Shape legend: moe_plugin/shapes.py (here W ranks in the group, L ranks per node, U = W / L nodes, D row width,
+Shape legend: moe_plugin/__init__.py (here W ranks in the group, L ranks per node, U = W / L nodes, D row width,
 counts_WW[src, dst] the rows rank src sends to rank dst, Z segments, V the ranks of a gather).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ layer's expert-data group, when world_size > ep_size) hold the rest. A hook on e
 its gradient over that group and divides by world_size, so it ends as a shared gradient does: the sum over
 every rank's gradient of its own loss, divided by world_size.
 
-Shape legend: moe_plugin/shapes.py (world_size counts the world's ranks; W is one expert-parallel group's).
+Shape legend: moe_plugin/__init__.py (world_size counts the world's ranks; W is one expert-parallel group's).
 """
 from __future__ import annotations
 

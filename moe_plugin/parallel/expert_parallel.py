@@ -5,7 +5,7 @@ for checkpoints and exports).
 r = 0: every rank gathers all experts' weights. r >= 1: a compute slice of an expert is the concatenated hidden
 slices of the V = slices / r ranks of its gather group (slices: hidden slices per expert).
 
-Shape legend: moe_plugin/shapes.py (here V ranks gathered per compute slice).
+Shape legend: moe_plugin/__init__.py (here V ranks gathered per compute slice).
 """
 from __future__ import annotations
 

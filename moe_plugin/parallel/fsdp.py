@@ -1,6 +1,6 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) for models holding MoE layers, with or without expert parallelism.
 
-Shape legend: moe_plugin/shapes.py (here P the ranks holding the same experts, world_size / ep_size of them:
+Shape legend: moe_plugin/__init__.py (here P the ranks holding the same experts, world_size / ep_size of them:
 the layer's expert-data group; E_local experts per rank). world_size counts the world's ranks (W is one
 expert-parallel group's).
 

@@ -1,6 +1,6 @@
 """Who holds which experts, and the process groups the exchanges run on.
 
-Shape legend: moe_plugin/shapes.py (here W ranks in the expert-parallel (ep) group, E experts, slices = W / E
+Shape legend: moe_plugin/__init__.py (here W ranks in the expert-parallel (ep) group, E experts, slices = W / E
 hidden slices per expert when E < W, V ranks that gather their slices into one compute slice, r the parallel
 degree).
 

@@ -20,7 +20,7 @@ Per layer and window (sums over every training forward of the window, every micr
 
 Entropy and z-loss are recomputed from the router's input in the hook (one [T, E] router product, no noise drawn);
 the balance loss is the layer's own (its aux loss less the z-loss term, over aux_loss_coef), recomputed from the
-router's noise-free choice only where aux_loss_coef is 0. Shape legend: moe_plugin/shapes.py.
+router's noise-free choice only where aux_loss_coef is 0. Shape legend: moe_plugin/__init__.py.
 """
 from __future__ import annotations
 

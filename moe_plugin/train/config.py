@@ -7,11 +7,12 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import MoEConfig, field_names
 from ..lora import TARGETS
-from ..shipped import experiments
+from ..ops.native import shipped
 from .data import DataConfig
 from .data import check_config as check_data_config
 from .models import ModelConfig
@@ -132,6 +133,11 @@ def parse_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> E
     except OmegaConfBaseException as error:
         raise ValueError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
     return cfg
+
+
+def experiments() -> Path:
+    """The example experiment configs: `moe-plugin train NAME` runs experiments()/NAME.yaml."""
+    return shipped("configs") / "experiments"
 
 
 def config_file(path: str) -> str:

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..balancing import update_expert_bias
 from ..layer import aux_loss
 from ..parallel.expert_grads import expert_parameters
 from ..routing_monitor.alarm import RoutingAlarm
 from ..routing_monitor.metrics import RoutingMonitor, scalars
+from ..router import update_expert_bias
 from . import plots
 from .checkpoint import (check_fresh_start, check_out_dir, checkpoint_path, out_dir_of, remove_run,
                          resolve_resume, restore, save, segments_of)

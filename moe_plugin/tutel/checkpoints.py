@@ -2,7 +2,7 @@
 `{rank}-of-{size}` files, Swin-MoE's `*.pth.rank{rank}` files and their `*.pth.master`), hold the model as one
 process holding every expert has it (Tutel's all-in-one layout), and write it for N ranks, or with MoELayer's names.
 
-Shape legend: moe_plugin/shapes.py (E experts, E_local one rank's, D model dim, H hidden dim per expert), plus O an
+Shape legend: moe_plugin/__init__.py (E experts, E_local one rank's, D model dim, H hidden dim per expert), plus O an
 expert's output width (Tutel's output_dim, D by default) and S the ranks one expert is sliced over (S = W / E when a
 run has more ranks W than experts E; otherwise 1).
 

@@ -9,7 +9,7 @@ runs them, on all of a process's experts at once (x [E_local, C, D], ctx: the la
 the routed rows into that padded layout and back. FFNExperts and LlamaExperts hold Tutel's parameters under Tutel's
 names for the general path.
 
-Shape legend: moe_plugin/shapes.py (here R routed rows grouped by expert, D model dim, H expert hidden dim, E experts,
+Shape legend: moe_plugin/__init__.py (here R routed rows grouped by expert, D model dim, H expert hidden dim, E experts,
 C rows per expert in the padded layout).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 cosine router with a projection (router.projector is Tutel's cosine_projector, weight_ED its sim_matrix transposed,
 log_scale its temperature). Each starts with the values Tutel's gate would draw from the same random state.
 
-Shape legend: moe_plugin/shapes.py (here D model dim, E experts), J the cosine gate's projection width.
+Shape legend: moe_plugin/__init__.py (here D model dim, E experts), J the cosine gate's projection width.
 """
 from __future__ import annotations
 

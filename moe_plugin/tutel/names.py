@@ -1,6 +1,6 @@
 """Tutel's state-dict keys and layouts <-> MoELayer's, both ways, as pure functions on dicts of tensors.
 
-Shape legend: moe_plugin/shapes.py (E experts, here one rank's, D model dim, H expert hidden dim), plus J the cosine
+Shape legend: moe_plugin/__init__.py (E experts, here one rank's, D model dim, H expert hidden dim), plus J the cosine
 gate's projection width (Tutel's proj_dim).
 
 One Tutel layer (keys relative to the layer)              MoELayer

@@ -6,7 +6,7 @@ each rank's file cut by this file's own slicing, written from Tutel's documented
 experts' parameter shapes, Swin-MoE's split into rank files and a master file); every conversion must give back the
 reference's tensors bit for bit.
 
-Shape legend: moe_plugin/shapes.py (E experts, D model dim, H hidden dim per expert), S the ranks one expert is
+Shape legend: moe_plugin/__init__.py (E experts, D model dim, H hidden dim per expert), S the ranks one expert is
 sliced over.
 """
 import math
