@@ -65,7 +65,7 @@ def hf_block(config: MoEConfig, dtype):
 
 
 def deepspeed_moe(config: MoEConfig, dtype):
-    from moe_plugin.baselines.deepspeed_moe import build_deepspeed_moe
+    from moe_plugin.cli.deepspeed_moe import build_deepspeed_moe
     module = build_deepspeed_moe(config.model_dim, config.hidden_size, config.num_experts, config.top_k,
                                  config.capacity_factor, activation="swiglu", bias=False, min_capacity=0).to(dtype)
     return module, module

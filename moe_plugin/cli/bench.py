@@ -30,7 +30,7 @@ from typing import Callable, Dict, List
 import torch
 
 from .. import activations
-from ..baselines.deepspeed_moe import build_deepspeed_moe
+from .deepspeed_moe import build_deepspeed_moe
 from ..config import ACTIVATIONS, MoEConfig
 from ..grouped_linear import grouped_linear
 from ..layer import MoELayer
