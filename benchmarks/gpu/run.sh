@@ -64,7 +64,7 @@ CUDA_TESTS=(
   tests/core/test_mixed_precision.py
   tests/core/test_compile.py
   tests/core/test_cuda_graph_ready.py
-  tests/core/test_fused_layer_cuda.py
+  tests/one_process/test_node_cuda.py
   tests/core/test_recompute.py
   tests/train/test_train_window.py
 )
@@ -128,7 +128,7 @@ if wants tests full; then
   step cuda_tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile "${CUDA_TESTS[@]}" \
     --deselect tests/ops/test_triton_kernels.py::test_interpreter_run \
     --deselect tests/ops/test_triton_grouped.py::test_interpreter_run \
-    --deselect tests/core/test_fused_layer_cuda.py::test_interpreter_run
+    --deselect tests/one_process/test_node_cuda.py::test_interpreter_run
   # torch.compile with fp32 expert weights under bf16 autocast: each variant's gradients against eager
   step compile_amp_check 90 "$PY" benchmarks/gpu/compile_amp_check.py --json "$RESULTS/compile_amp.json"
 fi

@@ -1,4 +1,4 @@
-"""What the one-node paths' tests share (tests/core/test_fused_layer.py on CPU, test_fused_layer_cuda.py on the CUDA
+"""What the one-node paths' tests share (tests/one_process/test_node_cpu.py on CPU, test_node_cuda.py on the CUDA
 path): a small layer with every parameter drawn, one step's outputs and named gradients, and a count of the path's
 runs."""
 import contextlib
