@@ -1,8 +1,8 @@
 """The routing alarm (issue 44): when an expert gets under min_share of the mean load in each of `windows` logging
 windows in a row, or a layer's dropped fraction is over max_dropped in each of them, or (max_rank_load given) its
 busiest expert-parallel rank computes over max_rank_load times the mean rank's routed rows in each of them
-(routing_metrics' max_rank_load), one warning names the layer, the experts and the numbers. It fires once per layer until the layer is healthy again. Hosts pass read()'s metrics
-(routing_metrics.RoutingMonitor) to check() and send what it returns to their own logger.
+(metrics.max_rank_load), one warning names the layer, the experts and the numbers. It fires once per layer until the layer is healthy again. Hosts pass read()'s metrics
+(metrics.RoutingMonitor) to check() and send what it returns to their own logger.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ evaluation mode (no router noise): each token's top-k choice, recomputed from th
 
 Per layer it also gives the load per expert-parallel rank at --ep-size N (default: the run's parallel.ep_size, 1 for
 a Hugging Face folder): rows_per_rank and max_rank_load, the busiest rank's routed rows over the mean rank's
-(routing_metrics.rank_rows: experts held in consecutive blocks, or sliced over ranks).
+(metrics.rank_rows: experts held in consecutive blocks, or sliced over ranks).
 """
 from __future__ import annotations
 
