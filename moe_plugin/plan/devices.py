@@ -22,10 +22,10 @@ class Device:
 
 DEVICES = {
     "a100": Device("a100", 80 * GIB, NDM_A100_V4,
-                   "A100 80 GB, 8 per node on NVSwitch (196 GB/s per rank in an all-to-all), 200 Gb/s InfiniBand "
+                   "A100 80 GB, NVSwitch within a node (196 GB/s per rank in an all-to-all), 200 Gb/s InfiniBand "
                    "per GPU (25 GB/s), 150 TFLOP/s on expert GEMMs; fitted to the Tutel paper (cost_model.py)"),
     "h100": Device("h100", 80 * GIB, NDM_A100_V4.with_(intra_gbps=360.0, inter_gbps=50.0, compute_tflops=400.0),
-                   "H100 80 GB, 8 per node on NVLink 4 (assumed 360 GB/s per rank in an all-to-all), 400 Gb/s "
+                   "H100 80 GB, NVLink 4 within a node (assumed 360 GB/s per rank in an all-to-all), 400 Gb/s "
                    "InfiniBand NDR per GPU (50 GB/s), 400 TFLOP/s achieved (40% of the 989 peak); start-ups as "
                    "the A100 fit; not fitted to measurements"),
     "cpu": Device("cpu", 16 * GIB, GLOO_HERE,

@@ -195,6 +195,16 @@ def test_a_default_is_blamed_by_name_never_as_a_flag_the_user_gave(capsys):
     assert cli.main(["plan", *TINY, "--world-size", "4"]) == 0     # under 8 processes: one node of 4
 
 
+
+@pytest.mark.parametrize("device", ["a100", "h100"])
+def test_the_assumptions_say_the_node_size_the_plan_used(capsys, device):
+    """The device's note names its links, not a node size: the plan's own line says how many ranks a node holds."""
+    for node_size in (2, 4, 8):
+        assert cli.main(["plan", *TINY, "--world-size", "16", "--node-size", str(node_size), "--device", device]) == 0
+        out = capsys.readouterr().out
+        assert f"world 16 ranks ({node_size} per node)" in out
+        assert [n for n in (2, 4, 8) if f"{n} per node" in out] == [node_size], out
+
 def test_step_time_by_hand():
     # 2 gloo ranks on this host's fitted profile, ep 2, one MoE layer: T = 4 x 32 tokens, K 2, every row kept
     # (capacity 2.0): each rank sends S = 256 rows x 32 x 4 bytes per pass, half of it to the other rank; gloo's
