@@ -1,0 +1,129 @@
+"""Replicas of hot experts (MoEConfig.redundant_experts, issue 55 item 2) on 2 and 4 gloo processes against the same
+layer with redundant_experts=0: a router skewed towards rank 0's experts so that copies are made, k up to 3, dropped
+tokens, an expert without tokens, a rank without tokens, odd token counts, overlap chunks, 2DH; outputs, the input's,
+the router's and every expert weight's gradient equal (fp64 1e-12, fp32 1e-5); the state dict holds no copy and
+loads both ways. Then single-process checks of the plan, the split and the config's refusals."""
+import io
+
+import pytest
+import torch
+
+from helpers.compare import relative_error
+from helpers.launch import run_workers
+from moe_plugin import MoEConfig, MoELayer
+from moe_plugin.parallel.replicas import level, split_rows
+
+D, H = 6, 10
+
+SPECS = {
+    2: [dict(name="k3_dropless", E=8, k=3, cf=0.0, R=3, tokens=[23, 0], hot=[0, 1, 2]),
+        dict(name="drops_empty_expert_overlap", E=4, k=2, cf=1.0, R=2, d=2, tokens=[17, 30], hot=[0], cold=3,
+             activation="swiglu", bias=False),
+        dict(name="fp32", E=6, k=2, cf=0.0, R=2, tokens=[40, 29], hot=[0, 1], dtype=torch.float32)],
+    4: [dict(name="skew_top2", E=16, k=2, cf=0.0, R=4, tokens=[31, 0, 19, 26], hot=[0, 1, 2, 3]),
+        dict(name="k4_drops_2dh", E=8, k=4, cf=1.25, R=5, tokens=[9, 25, 14, 33], hot=[0, 1], cold=7, a2a="2dh",
+             node=2, d=2),
+        dict(name="fp32_auto", E=4, k=1, cf=0.0, R=3, tokens=[35, 21, 0, 12], hot=[0], parallel="auto",
+             dtype=torch.float32)],
+}
+
+
+def build(spec, world, redundant):
+    config = MoEConfig(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"],
+                       capacity_factor=spec["cf"], min_capacity=0, activation=spec.get("activation", "relu"),
+                       bias=spec.get("bias", True), router_bias=True, z_loss_coef=0.01, ep_size=world,
+                       parallel=spec.get("parallel", 1), overlap_degree=spec.get("d", 1), a2a=spec.get("a2a", "flat"),
+                       node_size=spec.get("node"), redundant_experts=redundant)
+    return MoELayer(config).to(spec.get("dtype", torch.float64))
+
+
+def compare_with_no_replicas(rank, world, specs):
+    out = {}
+    for i, spec in enumerate(specs):
+        dtype = spec.get("dtype", torch.float64)
+        torch.manual_seed(100 + i)
+        reference = build(spec, world, 0)
+        with torch.no_grad():
+            reference.router.bias_E.zero_()
+            reference.router.bias_E[spec["hot"]] = 3.0       # rank 0 holds the hot experts
+            if "cold" in spec:
+                reference.router.bias_E[spec["cold"]] = -1e4     # an expert without tokens
+        layer = build(spec, world, spec["R"])
+        layer.load_state_dict(reference.state_dict())        # the same layout: no copy in either
+        generator = torch.Generator().manual_seed(1000 * i + rank)
+        x = torch.randn(spec["tokens"][rank], D, generator=generator, dtype=torch.float64).to(dtype)
+        up = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(dtype)
+        got = {}
+        for name, model in (("reference", reference), ("replicas", layer)):
+            model.train()
+            for step in range(2):       # the second step re-plans from its own counts
+                model.zero_grad()
+                x_in = x.clone().requires_grad_()
+                y = model(x_in)
+                ((y * up).sum() + model.aux_loss).backward()
+            got[name] = {"y": y.detach(), "x.grad": x_in.grad, "aux": model.aux_loss.detach(),
+                         **{n: p.grad for n, p in model.named_parameters()}}
+        errors = {key: relative_error(got["replicas"][key], got["reference"][key], floor=1e-12)
+                  for key in got["reference"]}
+        stats = layer.stats
+        saved = io.BytesIO()
+        torch.save(layer.state_dict(), saved)
+        saved.seek(0)
+        state = torch.load(saved)
+        fresh = build(spec, world, 0)
+        fresh.load_state_dict(state)                          # replicas -> none
+        back = build(spec, world, spec["R"])
+        back.load_state_dict(fresh.state_dict())              # and back
+        out[spec["name"]] = dict(errors=errors, copies=stats.get("replicas"), rank_rows=stats.get("rank_rows"),
+                                 keys=(sorted(layer.state_dict()) == sorted(reference.state_dict())),
+                                 same=all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                                            reference.state_dict().values())
+                                          if torch.is_tensor(a)))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_change_no_number(world):
+    results = run_workers(compare_with_no_replicas, world, SPECS[world], timeout=400)
+    for spec in SPECS[world]:
+        tol = 1e-5 if spec.get("dtype") == torch.float32 else 1e-12
+        for rank, result in enumerate(results):
+            got = result[spec["name"]]
+            worst = {k: v for k, v in got["errors"].items() if not v <= tol}
+            assert not worst, (spec["name"], rank, worst)
+            assert got["keys"] and got["same"], (spec["name"], rank)
+            assert got["copies"] == results[0][spec["name"]]["copies"], "every rank plans alike"
+        copies = results[0][spec["name"]]["copies"]
+        assert copies and all(e in spec["hot"] for e, _ in copies), (spec["name"], copies)   # copies were used
+        rows = torch.tensor([r[spec["name"]]["rank_rows"] for r in results]).sum(0)
+        assert rows.sum() > 0
+
+
+def test_level_and_split():
+    assert level([0, 15], 23) == [19, 4] and level([5, 5, 5], 7) == [3, 2, 2] and level([10, 0], 3) == [0, 3]
+    share_E = torch.tensor([.23, .14, .13, .05] + [.45 / 12] * 12)
+    counts_WE = torch.stack([(share_E * 4096).round().long() + w for w in range(4)])   # rank 0 holds experts 0-3
+    owner_rows = counts_WE.sum(0).view(4, 4).sum(1)
+    assert float(owner_rows.max() / owner_rows.float().mean()) > 2.1
+    split = split_rows(counts_WE, 4, 4)
+    assert len(split.copies) <= 4 and all(e < 4 and h != 0 for e, h in split.copies)
+    rows_W = sum(split.rank_rows(w) for w in range(4))
+    assert float(rows_W.max() / rows_W.float().mean()) < 1.05
+    assert torch.equal(split.counts_WJ.sum(1), counts_WE.sum(1))          # every row goes once
+    per_expert = torch.zeros(4, 16, dtype=torch.long).index_add_(1, split.slot_expert_J, split.counts_WJ)
+    assert torch.equal(per_expert, counts_WE)
+    flat = split_rows(torch.full((4, 16), 50), 4, 4)
+    assert flat.copies == []                                            # a flat load gets no copy
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(redundant_experts=-1), "redundant_experts=-1 is invalid: must be an integer >= 0"),
+    (dict(redundant_experts=2.5), "redundant_experts=2.5 is invalid"),
+    (dict(redundant_experts=2), "ep_size=1 every expert is on every process"),
+    (dict(redundant_experts=2, ep_size=8), "num_experts=4 < ep_size=8"),
+    (dict(redundant_experts=2, ep_size=2, parallel=0), "parallel=0"),
+])
+def test_the_config_refuses(changes, message):
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(model_dim=4, hidden_size=8, num_experts=4, **changes)
