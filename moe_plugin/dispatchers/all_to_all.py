@@ -117,6 +117,11 @@ class AllToAllDispatcher(Dispatcher):
         layout = groups.layout
         experts.check_degree(layout, r)
         weights = experts.weights(x_TD.dtype)
+        if self.redundant_experts:
+            self.replicas = {}
+            if weights.has_lora:
+                raise ValueError(f"MoEConfig.redundant_experts={self.redundant_experts} does not carry LoRA adapters: "
+                                 f"set redundant_experts=0 for a layer with add_lora")
         if r == 0:
             weights = gathered_experts(weights, groups, r)
             in_flight()

@@ -143,9 +143,7 @@ def split_rows(counts_WE: torch.Tensor, local_experts: int, most: int) -> Split:
 def copy_weights(weights: ExpertWeights, copies: List[Tuple[int, int]], layout, group) -> Tuple[ExpertWeights, int]:
     """(weights with the copies this rank holds appended after its own experts, in slot order; the bytes this rank
     sends). Differentiable: the copies' gradients go back to their owners and add into the owners' gradients."""
-    if weights.has_lora:
-        raise ValueError("MoEConfig.redundant_experts > 0 does not carry LoRA adapters: set redundant_experts=0 for "
-                         "a layer with add_lora")
+    assert not weights.has_lora, "the dispatcher refuses LoRA with replicas"
     W, me, first = layout.ep_size, layout.ep_rank, layout.first_expert
     owner = [e // layout.local_experts for e, _ in copies]
     sent = [e - first for (e, _), o in zip(copies, owner) if o == me]         # sorted by holder: the send order

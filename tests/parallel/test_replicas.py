@@ -7,11 +7,13 @@ import io
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from helpers.compare import relative_error
 from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.parallel.replicas import level, split_rows
+from moe_plugin.routing_metrics import RoutingMonitor
 
 D, H = 6, 10
 
@@ -53,7 +55,8 @@ def compare_with_no_replicas(rank, world, specs):
         generator = torch.Generator().manual_seed(1000 * i + rank)
         x = torch.randn(spec["tokens"][rank], D, generator=generator, dtype=torch.float64).to(dtype)
         up = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(dtype)
-        got = {}
+        got, rows_W = {}, torch.zeros(world, dtype=torch.float64)
+        monitor = RoutingMonitor(torch.nn.ModuleDict({"reference": reference, "replicas": layer}))
         for name, model in (("reference", reference), ("replicas", layer)):
             model.train()
             for step in range(2):       # the second step re-plans from its own counts
@@ -61,11 +64,15 @@ def compare_with_no_replicas(rank, world, specs):
                 x_in = x.clone().requires_grad_()
                 y = model(x_in)
                 ((y * up).sum() + model.aux_loss).backward()
+                if model is layer:
+                    rows_W += torch.tensor(layer.stats["rank_rows"], dtype=torch.float64)
             got[name] = {"y": y.detach(), "x.grad": x_in.grad, "aux": model.aux_loss.detach(),
                          **{n: p.grad for n, p in model.named_parameters()}}
         errors = {key: relative_error(got["replicas"][key], got["reference"][key], floor=1e-12)
                   for key in got["reference"]}
         stats = layer.stats
+        metrics = monitor.read()
+        dist.all_reduce(rows_W)
         saved = io.BytesIO()
         torch.save(layer.state_dict(), saved)
         saved.seek(0)
@@ -75,10 +82,20 @@ def compare_with_no_replicas(rank, world, specs):
         back = build(spec, world, spec["R"])
         back.load_state_dict(fresh.state_dict())              # and back
         out[spec["name"]] = dict(errors=errors, copies=stats.get("replicas"), rank_rows=stats.get("rank_rows"),
+                                 max_rank_load={k: v["max_rank_load"] for k, v in metrics.items()},
+                                 counted=float(rows_W.max() / rows_W.mean()),
                                  keys=(sorted(layer.state_dict()) == sorted(reference.state_dict())),
                                  same=all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
                                                                             reference.state_dict().values())
                                           if torch.is_tensor(a)))
+    if world == 2:      # LoRA adapters are not carried: refused at the forward
+        from moe_plugin.lora import add_lora
+        layer = build(SPECS[2][0], world, 1)
+        add_lora(layer, 2)
+        try:
+            layer(torch.randn(5, D, dtype=torch.float64))
+        except ValueError as error:
+            out["lora"] = str(error)
     return out
 
 
@@ -98,6 +115,12 @@ def test_replicas_change_no_number(world):
         assert copies and all(e in spec["hot"] for e, _ in copies), (spec["name"], copies)   # copies were used
         rows = torch.tensor([r[spec["name"]]["rank_rows"] for r in results]).sum(0)
         assert rows.sum() > 0
+        read = results[0][spec["name"]]["max_rank_load"]
+        if spec["cf"] == 0:     # dropless: the monitor's busiest rank is the one counted from the split
+            assert read["replicas"] == pytest.approx(results[0][spec["name"]]["counted"], rel=1e-12)
+        assert read["replicas"] < read["reference"], (spec["name"], read)
+    if world == 2:
+        assert "redundant_experts=1 does not carry LoRA adapters" in results[0]["lora"]
 
 
 def test_level_and_split():
@@ -127,3 +150,9 @@ def test_level_and_split():
 def test_the_config_refuses(changes, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(model_dim=4, hidden_size=8, num_experts=4, **changes)
+
+
+def test_expert_modules_are_refused():
+    with pytest.raises(ValueError, match="redundant_experts=1 is invalid with expert=<a module>"):
+        MoELayer(MoEConfig(model_dim=4, hidden_size=8, num_experts=4, ep_size=2, redundant_experts=1),
+                 expert=torch.nn.Linear(4, 4))
