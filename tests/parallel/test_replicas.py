@@ -156,3 +156,46 @@ def test_expert_modules_are_refused():
     with pytest.raises(ValueError, match="redundant_experts=1 is invalid with expert=<a module>"):
         MoELayer(MoEConfig(model_dim=4, hidden_size=8, num_experts=4, ep_size=2, redundant_experts=1),
                  expert=torch.nn.Linear(4, 4))
+
+
+def test_every_host_key_reaches_the_layer():
+    from moe_plugin.train.config import moe_config, parse_config
+    assert moe_config(parse_config(None, ["moe.redundant_experts=2", "parallel.ep_size=2"])).redundant_experts == 2
+    with pytest.raises(ValueError, match="redundant_experts=2 is invalid: with ep_size=1"):
+        moe_config(parse_config(None, ["moe.redundant_experts=2"]))
+
+    from moe_plugin.integrations.deepspeed.native import MoE
+    from moe_plugin.integrations.deepspeed.native import moe_config as deepspeed_config
+    from moe_plugin.integrations.deepspeed.section import read_moe_section
+    assert read_moe_section({"moe": {"backend": "tutel", "redundant_experts": 3}})["redundant_experts"] == 3
+    with pytest.raises(ValueError, match='"moe.redundant_experts"=-1 is invalid'):
+        read_moe_section({"moe": {"backend": "tutel", "redundant_experts": -1}})
+    with pytest.raises(ValueError, match='"moe.redundant_experts"=2 needs "moe.backend": "tutel"'):
+        read_moe_section({"moe": {"backend": "deepspeed", "redundant_experts": 2}})
+    config = deepspeed_config(D, H, 4, 2, 2, 1.0, 1.0, 4, False, "relu", True, redundant_experts=3)
+    assert config.redundant_experts == 3 and config.ep_size == 2
+    expert = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
+    with pytest.raises(ValueError, match="redundant_experts=2 is invalid: with ep_size=1"):     # reaches MoEConfig
+        MoE(D, expert, num_experts=4, k=2, use_rts=False, top2_2nd_expert_sampling=False, redundant_experts=2)
+
+
+def test_the_fairseq_flag_reaches_the_layer():
+    pytest.importorskip("fairseq")
+    import argparse
+
+    from moe_plugin.integrations.fairseq_moe.config import add_moe_args, moe_config_from_args, set_moe_defaults
+    parser = argparse.ArgumentParser()
+    add_moe_args(parser)
+    for flags, count in (([], 0), (["--moe-redundant-experts", "3", "--moe-ep-size", "2"], 3)):
+        args = parser.parse_args(flags)
+        set_moe_defaults(args)
+        args.activation_fn = "relu"
+        assert moe_config_from_args(args, D, H).redundant_experts == count
+
+
+def test_the_hf_swap_keyword_reaches_the_layer():
+    pytest.importorskip("transformers")
+    from helpers.hf import build_model
+    from moe_plugin.integrations.transformers import swap_moe_blocks
+    with pytest.raises(ValueError, match="redundant_experts=2 is invalid: with ep_size=1"):
+        swap_moe_blocks(build_model("mixtral", seed=0), redundant_experts=2)
