@@ -131,14 +131,14 @@ class AllToAllDispatcher(Dispatcher):
             counts_WE, _ = route_counts(plan, groups.ep_group, x_TD.device)
         weights = None if weights is None else gathered_experts(weights, groups, r)
         x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
-        if self.redundant_experts:
-            split = split_rows(counts_WE, layout.local_experts, self.redundant_experts)
-            weights, sent = copy_weights(weights, split.copies, layout, groups.ep_group) if split.copies \
-                else (weights, 0)
-            self.replicas = dict(replicas=split.copies, replica_bytes=sent,
+        split = split_rows(counts_WE, layout.local_experts, self.redundant_experts) if self.redundant_experts else None
+        if split is not None:
+            self.replicas = dict(replicas=split.copies, replica_bytes=0,
                                  rank_rows=split.rank_rows(layout.ep_rank).tolist())
+        if split is not None and split.copies:
+            weights, self.replicas["replica_bytes"] = copy_weights(weights, split.copies, layout, groups.ep_group)
             chunks = [_slot_exchange(split, layout.ep_rank, d, c) for c in range(d)]
-        else:
+        else:       # no copy planned: the exchange of redundant_experts=0
             row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
             chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
 
