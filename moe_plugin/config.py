@@ -111,7 +111,10 @@ class MoEConfig:
       expert-parallel group, re-planned every forward from its gathered counts (parallel/replicas.py); a replicated
       expert's rows are split between its copies so that the ranks even out. Copies are not parameters: the owner's
       weights travel to them each forward and their gradients come back into the owner's. 0: none. Needs ep_size > 1,
-      whole experts per rank (num_experts >= ep_size) and parallel not 0 (a tuner's r = 0 copies nothing).
+      whole experts per rank (num_experts >= ep_size) and parallel not 0 (a tuner's r = 0 copies nothing). "auto":
+      each forward makes the copies whose weight traffic the cost model (parallel/cost_model.py) puts below the
+      busiest rank's compute they save (none on a flat load); where copies cannot work (ep_size 1, sliced experts,
+      parallel 0) "auto" makes none.
     recompute: what the expert FFN keeps for backward. "none": the first projection's output (the [rows, 2H]
       pre-activation of a gated activation; the activation itself is recomputed from it). "experts": only the
       layer's input and the routing; backward gathers the rows and runs the first projection again (one more
@@ -161,7 +164,7 @@ class MoEConfig:
     gate_noise_kind: str = "choice"
     router_proj_dim: int = 0
     aux_loss_scope: str = "local"
-    redundant_experts: int = 0
+    redundant_experts: Union[int, str] = 0
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -208,7 +211,12 @@ class MoEConfig:
         self._check_replicas()
 
     def _check_replicas(self):
-        _check_int("redundant_experts", self.redundant_experts, minimum=0)
+        if self.redundant_experts == "auto":
+            return
+        if isinstance(self.redundant_experts, bool) or not isinstance(self.redundant_experts, int) \
+                or self.redundant_experts < 0:
+            raise ValueError(f"MoEConfig.redundant_experts={self.redundant_experts!r} is invalid: must be an integer "
+                             f">= 0 or \"auto\"")
         if self.redundant_experts == 0:
             return
         why = None

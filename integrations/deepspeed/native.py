@@ -56,7 +56,7 @@ def moe_config(model_dim: int, hidden_size: int, num_experts: int, ep_size: int,
                overlap_degree=1, a2a: str = "flat", node_size: Optional[int] = None,
                expert_bias_update_rate: float = 0.0, num_groups: int = 1, topk_groups: int = 1,
                route_scale: float = 1.0, aux_loss: Optional[str] = None, recompute: str = "none",
-               aux_loss_scope: str = "local", redundant_experts: int = 0) -> MoEConfig:
+               aux_loss_scope: str = "local", redundant_experts=0) -> MoEConfig:
     """DeepSpeed's MoE settings as the one MoEConfig that routes like deepspeed.moe (see the module doc).
 
     The routing extras (balancing bias, groups, route scale, aux_loss) are moe_plugin's; aux_loss None
@@ -535,7 +535,7 @@ class MoE(NativeMoE):
                  a2a: str = "flat", node_size: Optional[int] = None, expert_bias_update_rate: float = 0.0,
                  num_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
                  aux_loss: Optional[str] = None, recompute: str = "none", aux_loss_scope: str = "local",
-                 redundant_experts: int = 0) -> None:
+                 redundant_experts=0) -> None:
         # nn.Module's init, not the native one: that one deep-copies `expert` per local expert
         nn.Module.__init__(self)
         if noisy_gate_policy not in NOISE_POLICIES:

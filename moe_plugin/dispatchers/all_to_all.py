@@ -31,7 +31,7 @@ from ..experts import GroupedMLP
 from ..parallel.all_to_all import Pending2DH, PendingAllToAll, ranges, segment_permutation
 from ..parallel.expert_parallel import gathered_experts
 from ..parallel.groups import ExpertGroups
-from ..parallel.replicas import copy_weights, split_rows
+from ..parallel.replicas import copy_weights, split_rows, worth_copying
 from ..parallel.tuner import Tuner
 from .base import Dispatcher
 from .local import LocalDispatcher
@@ -70,9 +70,11 @@ class AllToAllDispatcher(Dispatcher):
 
     @classmethod
     def build(cls, layer) -> "AllToAllDispatcher":
-        return cls(layer.groups, layer.tuner, layer.config.a2a, layer.config.redundant_experts)
+        cfg = layer.config
+        copies = 0 if layer.groups.layout.slices > 1 or cfg.parallel == 0 else cfg.redundant_experts   # "auto": none
+        return cls(layer.groups, layer.tuner, cfg.a2a, copies)
 
-    def __init__(self, groups: ExpertGroups, tuner, a2a: str, redundant_experts: int = 0):
+    def __init__(self, groups: ExpertGroups, tuner, a2a: str, redundant_experts=0):
         super().__init__(groups, tuner)
         self.a2a = a2a
         self.redundant_experts = redundant_experts
@@ -131,7 +133,8 @@ class AllToAllDispatcher(Dispatcher):
             counts_WE, _ = route_counts(plan, groups.ep_group, x_TD.device)
         weights = None if weights is None else gathered_experts(weights, groups, r)
         x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
-        split = split_rows(counts_WE, layout.local_experts, self.redundant_experts) if self.redundant_experts else None
+        split = None if not self.redundant_experts else \
+            split_rows(counts_WE, layout.local_experts, *worth_copying(self.redundant_experts, weights, x_TD))
         if split is not None:
             self.replicas = dict(replicas=split.copies, replica_bytes=0,
                                  rank_rows=split.rank_rows(layout.ep_rank).tolist())

@@ -15,12 +15,14 @@ copies, ordered by the rank holding them; Y the copies one rank sends or receive
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Tuple
 
 import torch
 
 from ..experts import ExpertWeights
+from . import cost_model
 from .all_to_all import all_to_all
 
 # a copy is planned only while the busiest rank has more than this times the mean rank's rows (estimated): below it
@@ -47,10 +49,27 @@ class Split:
         return torch.zeros(W, dtype=torch.long).index_add_(0, self.holder_J, self.counts_WJ[rank])
 
 
-def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: int) -> List[Tuple[int, int]]:
+def worth_copying(redundant_experts, weights: ExpertWeights, x_TD: torch.Tensor) -> Tuple[float, float]:
+    """(most copies, the fewest rows a copy must take off the busiest rank) for MoEConfig.redundant_experts: R -> (R,
+    0); "auto" -> (no limit, the rows whose expert compute, forward + backward, costs what sending the copy's weights
+    and bringing its gradients back does; cost_model's rates: NDM_A100_V4 on CUDA, GLOO_HERE elsewhere)."""
+    if redundant_experts != "auto":
+        return redundant_experts, 0.0
+    params = cost_model.NDM_A100_V4 if x_TD.is_cuda else cost_model.GLOO_HERE
+    w1 = weights.w1_EDH
+    matrices = 3 if w1.shape[2] > weights.w2_EHD.shape[1] else 2        # gated: w1 holds [gate | up]
+    row = 3 * 2.0 * w1.shape[1] * weights.w2_EHD.shape[1] * matrices / (params.compute_tflops * cost_model.TFLOP)
+    nbytes = sum(t[0].numel() * t.element_size() for t in weights[:4] if t is not None)
+    copy = 2 * (params.call_us * cost_model.US + nbytes / (params.inter_gbps * cost_model.GB))
+    return math.inf, copy / row
+
+
+def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: float,
+                fewest_rows: float = 0.0) -> List[Tuple[int, int]]:
     """Up to `most` (expert, holder) copies, greedily: the busiest rank's expert of the largest share gets a copy on
     the least-loaded rank not holding it, while that lowers the busiest rank (estimated with each expert's rows
-    split evenly between its holders). Ties go to the lower expert or rank, so every rank plans alike."""
+    split evenly between its holders) by more than fewest_rows. Ties go to the lower expert or rank, so every rank
+    plans alike."""
     E, W = len(total_E), ep_size
     holders = [[e // local_experts] for e in range(E)]
     loads = [0.0] * W
@@ -68,7 +87,8 @@ def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: int)
         e = max(held, key=lambda e: (total_E[e] / len(holders[e]), -e))
         target = min((w for w in range(W) if w not in holders[e]), key=lambda w: (loads[w], w))
         old, new = total_E[e] / len(holders[e]), total_E[e] / (len(holders[e]) + 1)
-        if loads[target] + new >= loads[busiest]:
+        after = max(loads[busiest] - (old - new), loads[target] + new)
+        if loads[busiest] - after <= fewest_rows:
             break
         for w in holders[e]:
             loads[w] += new - old
@@ -93,14 +113,14 @@ def level(loads: List[int], rows: int) -> List[int]:
     return take
 
 
-def split_rows(counts_WE: torch.Tensor, local_experts: int, most: int) -> Split:
+def split_rows(counts_WE: torch.Tensor, local_experts: int, most: float, fewest_rows: float = 0.0) -> Split:
     """The plan for this forward's kept rows counts_WE [W, E] (the same on every rank): the copies (plan_copies),
     each replicated expert's rows shared out between its holders so that their loads level off (in turn, the others'
     shares held, PASSES rounds; the experts of most rows first), and each rank's rows of an expert cut in rank order into the holders' pieces (owner first,
     then the copies by holder)."""
     W, E = counts_WE.shape
     total_E = counts_WE.sum(0).tolist()
-    copies = plan_copies(total_E, local_experts, W, most)
+    copies = plan_copies(total_E, local_experts, W, most, fewest_rows)
     holders = {e: [e // local_experts] for e in range(E)}
     for e, h in copies:      # sorted by holder
         holders[e].append(h)

@@ -25,13 +25,16 @@ SPECS = {
     4: [dict(name="skew_top2", E=16, k=2, cf=0.0, R=4, tokens=[31, 0, 19, 26], hot=[0, 1, 2, 3]),
         dict(name="k4_drops_2dh", E=8, k=4, cf=1.25, R=5, tokens=[9, 25, 14, 33], hot=[0, 1], cold=7, a2a="2dh",
              node=2, d=2),
-        dict(name="fp32_auto", E=4, k=1, cf=0.0, R=3, tokens=[35, 21, 0, 12], hot=[0], parallel="auto",
-             dtype=torch.float32)],
+        dict(name="fp32_tuner", E=4, k=1, cf=0.0, R=3, tokens=[35, 21, 0, 12], hot=[0], parallel="auto",
+             dtype=torch.float32),
+        # "auto" copies where a copy's traffic costs less than the compute it moves: a wider expert
+        dict(name="auto", E=8, k=2, cf=0.0, R="auto", tokens=[400, 380, 410, 390], hot=[0, 1], D=128, H=256),
+        dict(name="auto_sliced", E=2, k=1, cf=0.0, R="auto", tokens=[12, 7, 9, 3], hot=[0], copies=False)],
 }
 
 
 def build(spec, world, redundant):
-    config = MoEConfig(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"],
+    config = MoEConfig(model_dim=spec.get("D", D), hidden_size=spec.get("H", H), num_experts=spec["E"], top_k=spec["k"],
                        capacity_factor=spec["cf"], min_capacity=0, activation=spec.get("activation", "relu"),
                        bias=spec.get("bias", True), router_bias=True, z_loss_coef=0.01, ep_size=world,
                        parallel=spec.get("parallel", 1), overlap_degree=spec.get("d", 1), a2a=spec.get("a2a", "flat"),
@@ -53,7 +56,7 @@ def compare_with_no_replicas(rank, world, specs):
         layer = build(spec, world, spec["R"])
         layer.load_state_dict(reference.state_dict())        # the same layout: no copy in either
         generator = torch.Generator().manual_seed(1000 * i + rank)
-        x = torch.randn(spec["tokens"][rank], D, generator=generator, dtype=torch.float64).to(dtype)
+        x = torch.randn(spec["tokens"][rank], spec.get("D", D), generator=generator, dtype=torch.float64).to(dtype)
         up = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(dtype)
         got, rows_W = {}, torch.zeros(world, dtype=torch.float64)
         monitor = RoutingMonitor(torch.nn.ModuleDict({"reference": reference, "replicas": layer}))
@@ -64,7 +67,7 @@ def compare_with_no_replicas(rank, world, specs):
                 x_in = x.clone().requires_grad_()
                 y = model(x_in)
                 ((y * up).sum() + model.aux_loss).backward()
-                if model is layer:
+                if model is layer and "rank_rows" in layer.stats:
                     rows_W += torch.tensor(layer.stats["rank_rows"], dtype=torch.float64)
             got[name] = {"y": y.detach(), "x.grad": x_in.grad, "aux": model.aux_loss.detach(),
                          **{n: p.grad for n, p in model.named_parameters()}}
@@ -112,6 +115,10 @@ def test_replicas_change_no_number(world):
             assert got["keys"] and got["same"], (spec["name"], rank)
             assert got["copies"] == results[0][spec["name"]]["copies"], "every rank plans alike"
         copies = results[0][spec["name"]]["copies"]
+        if spec.get("copies") is False:      # "auto" makes none where they cannot work (sliced experts)
+            assert copies is None and results[0][spec["name"]]["max_rank_load"]["replicas"] == \
+                results[0][spec["name"]]["max_rank_load"]["reference"]
+            continue
         assert copies and all(e in spec["hot"] for e, _ in copies), (spec["name"], copies)   # copies were used
         rows = torch.tensor([r[spec["name"]]["rank_rows"] for r in results]).sum(0)
         assert rows.sum() > 0
@@ -140,8 +147,26 @@ def test_level_and_split():
     assert flat.copies == []                                            # a flat load gets no copy
 
 
+def test_auto_copies_what_pays():
+    from moe_plugin.experts import ExpertWeights
+    from moe_plugin.parallel.replicas import worth_copying
+    weights = ExpertWeights(torch.zeros(4, 256, 512), torch.zeros(4, 512), torch.zeros(4, 512, 256), torch.zeros(4, 256))
+    most, fewest = worth_copying("auto", weights, torch.zeros(1, 256))
+    # GLOO_HERE: a row's expert compute 6 * 256 * 512 * 2 flops at 0.028 TFLOP/s; a copy 2 x (1.75 ms + 1.05 MB at
+    # 0.4 GB/s)
+    row, copy = 6 * 256 * 512 * 2 / 0.028e12, 2 * (1.75e-3 + 4 * (2 * 256 * 512 + 512 + 256) / 0.4e9)
+    assert most == float("inf") and fewest == pytest.approx(copy / row)
+    assert worth_copying(3, weights, torch.zeros(1, 256)) == (3, 0.0)
+    share_E = torch.tensor([.23, .14, .13, .05] + [.45 / 12] * 12)
+    skewed = torch.stack([(share_E * 4096).round().long()] * 4)
+    assert len(split_rows(skewed, 4, most, fewest).copies) >= 3
+    flat = torch.stack([torch.full((16,), 256) + torch.randint(-8, 8, (16,)) for _ in range(4)])
+    assert split_rows(flat, 4, most, fewest).copies == []     # the copies would cost more than they save
+
+
 @pytest.mark.parametrize("changes, message", [
-    (dict(redundant_experts=-1), "redundant_experts=-1 is invalid: must be an integer >= 0"),
+    (dict(redundant_experts=-1), "redundant_experts=-1 is invalid: must be an integer >= 0 or \"auto\""),
+    (dict(redundant_experts="all"), "redundant_experts='all' is invalid"),
     (dict(redundant_experts=2.5), "redundant_experts=2.5 is invalid"),
     (dict(redundant_experts=2), "ep_size=1 every expert is on every process"),
     (dict(redundant_experts=2, ep_size=8), "num_experts=4 < ep_size=8"),
@@ -150,6 +175,7 @@ def test_level_and_split():
 def test_the_config_refuses(changes, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(model_dim=4, hidden_size=8, num_experts=4, **changes)
+    assert MoEConfig(model_dim=4, hidden_size=8, num_experts=4, redundant_experts="auto").redundant_experts == "auto"
 
 
 def test_expert_modules_are_refused():
@@ -168,6 +194,7 @@ def test_every_host_key_reaches_the_layer():
     from moe_plugin.integrations.deepspeed.native import moe_config as deepspeed_config
     from moe_plugin.integrations.deepspeed.section import read_moe_section
     assert read_moe_section({"moe": {"backend": "tutel", "redundant_experts": 3}})["redundant_experts"] == 3
+    assert read_moe_section({"moe": {"backend": "tutel", "redundant_experts": "auto"}})["redundant_experts"] == "auto"
     with pytest.raises(ValueError, match='"moe.redundant_experts"=-1 is invalid'):
         read_moe_section({"moe": {"backend": "tutel", "redundant_experts": -1}})
     with pytest.raises(ValueError, match='"moe.redundant_experts"=2 needs "moe.backend": "tutel"'):
@@ -186,7 +213,8 @@ def test_the_fairseq_flag_reaches_the_layer():
     from moe_plugin.integrations.fairseq_moe.config import add_moe_args, moe_config_from_args, set_moe_defaults
     parser = argparse.ArgumentParser()
     add_moe_args(parser)
-    for flags, count in (([], 0), (["--moe-redundant-experts", "3", "--moe-ep-size", "2"], 3)):
+    for flags, count in (([], 0), (["--moe-redundant-experts", "3", "--moe-ep-size", "2"], 3),
+                         (["--moe-redundant-experts", "auto"], "auto")):
         args = parser.parse_args(flags)
         set_moe_defaults(args)
         args.activation_fn = "relu"
