@@ -110,11 +110,12 @@ class MoEConfig:
     redundant_experts: R, up to R extra copies of the hottest experts on the least-loaded ranks of the
       expert-parallel group, re-planned every forward from its gathered counts (parallel/replicas.py); a replicated
       expert's rows are split between its copies so that the ranks even out. Copies are not parameters: the owner's
-      weights travel to them each forward and their gradients come back into the owner's. 0: none. Needs ep_size > 1,
-      whole experts per rank (num_experts >= ep_size) and parallel not 0 (a tuner's r = 0 copies nothing). "auto":
-      each forward makes the copies whose weight traffic the cost model (parallel/cost_model.py) puts below the
-      busiest rank's compute they save (none on a flat load); where copies cannot work (ep_size 1, sliced experts,
-      parallel 0) "auto" makes none.
+      weights travel to them each forward and their gradients come back into the owner's. 0: none. At ep_size 1 it
+      does nothing (every process holds every expert: nothing to balance; so a config rebuilt at ep_size 1, as
+      checkpoint tools and plans do, keeps working). At ep_size > 1 it needs whole experts per rank (num_experts >=
+      ep_size) and parallel not 0 (a tuner's r = 0 copies nothing). "auto": each forward makes the copies whose
+      weight traffic the cost model (parallel/cost_model.py) puts below the busiest rank's compute they save (none
+      on a flat load); where copies cannot work (sliced experts, parallel 0, expert modules) "auto" makes none.
     recompute: what the expert FFN keeps for backward. "none": the first projection's output (the [rows, 2H]
       pre-activation of a gated activation; the activation itself is recomputed from it). "experts": only the
       layer's input and the routing; backward gathers the rows and runs the first projection again (one more
@@ -220,9 +221,9 @@ class MoEConfig:
         if self.redundant_experts == 0:
             return
         why = None
-        if self.ep_size == 1:
-            why = "with ep_size=1 every expert is on every process already; set ep_size > 1 or redundant_experts=0"
-        elif self.num_experts < self.ep_size:
+        if self.ep_size == 1:       # nothing to balance: no copy (see the docstring)
+            return
+        if self.num_experts < self.ep_size:
             why = (f"with num_experts={self.num_experts} < ep_size={self.ep_size} each expert is sliced over ranks; "
                    f"copies need whole experts per rank (num_experts >= ep_size)")
         elif self.parallel == 0:

@@ -71,7 +71,9 @@ class AllToAllDispatcher(Dispatcher):
     @classmethod
     def build(cls, layer) -> "AllToAllDispatcher":
         cfg = layer.config
-        copies = 0 if layer.groups.layout.slices > 1 or cfg.parallel == 0 else cfg.redundant_experts   # "auto": none
+        # "auto" makes none where copies cannot work (an integer is refused there by MoEConfig and MoELayer)
+        copies = 0 if layer.groups.layout.slices > 1 or cfg.parallel == 0 or not layer.experts.stacked \
+            else cfg.redundant_experts
         return cls(layer.groups, layer.tuner, cfg.a2a, copies)
 
     def __init__(self, groups: ExpertGroups, tuner, a2a: str, redundant_experts=0):
@@ -134,7 +136,8 @@ class AllToAllDispatcher(Dispatcher):
         weights = None if weights is None else gathered_experts(weights, groups, r)
         x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
         split = None if not self.redundant_experts else \
-            split_rows(counts_WE, layout.local_experts, *worth_copying(self.redundant_experts, weights, x_TD))
+            split_rows(counts_WE, layout.local_experts,
+                       *worth_copying(self.redundant_experts, weights, x_TD, layout.ep_size, groups.node_size))
         if split is not None:
             self.replicas = dict(replicas=split.copies, replica_bytes=0,
                                  rank_rows=split.rank_rows(layout.ep_rank).tolist())

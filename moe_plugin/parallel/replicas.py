@@ -49,19 +49,21 @@ class Split:
         return torch.zeros(W, dtype=torch.long).index_add_(0, self.holder_J, self.counts_WJ[rank])
 
 
-def worth_copying(redundant_experts, weights: ExpertWeights, x_TD: torch.Tensor) -> Tuple[float, float]:
+def worth_copying(redundant_experts, weights: ExpertWeights, x_TD: torch.Tensor, ep_size: int,
+                  node_size: int) -> Tuple[float, float]:
     """(most copies, the fewest rows a copy must take off the busiest rank) for MoEConfig.redundant_experts: R -> (R,
-    0); "auto" -> (no limit, the rows whose expert compute, forward + backward, costs what sending the copy's weights
-    and bringing its gradients back does; cost_model's rates: NDM_A100_V4 on CUDA, GLOO_HERE elsewhere)."""
+    0); "auto" -> (no limit, the rows whose expert compute and exchange (cost_model.row_seconds) cost what sending the
+    copy's weights and bringing its gradients back does (cost_model.replica_seconds); NDM_A100_V4's rates on CUDA,
+    GLOO_HERE's elsewhere)."""
     if redundant_experts != "auto":
         return redundant_experts, 0.0
     params = cost_model.NDM_A100_V4 if x_TD.is_cuda else cost_model.GLOO_HERE
     w1 = weights.w1_EDH
     matrices = 3 if w1.shape[2] > weights.w2_EHD.shape[1] else 2        # gated: w1 holds [gate | up]
-    row = 3 * 2.0 * w1.shape[1] * weights.w2_EHD.shape[1] * matrices / (params.compute_tflops * cost_model.TFLOP)
+    row = cost_model.row_seconds(w1.shape[1], weights.w2_EHD.shape[1], matrices, x_TD.element_size(), ep_size,
+                                 node_size, params)
     nbytes = sum(t[0].numel() * t.element_size() for t in weights[:4] if t is not None)
-    copy = 2 * (params.call_us * cost_model.US + nbytes / (params.inter_gbps * cost_model.GB))
-    return math.inf, copy / row
+    return math.inf, cost_model.replica_seconds(1, nbytes, ep_size, node_size, params) / row
 
 
 def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: float,

@@ -151,12 +151,13 @@ def test_auto_copies_what_pays():
     from moe_plugin.experts import ExpertWeights
     from moe_plugin.parallel.replicas import worth_copying
     weights = ExpertWeights(torch.zeros(4, 256, 512), torch.zeros(4, 512), torch.zeros(4, 512, 256), torch.zeros(4, 256))
-    most, fewest = worth_copying("auto", weights, torch.zeros(1, 256))
-    # GLOO_HERE: a row's expert compute 6 * 256 * 512 * 2 flops at 0.028 TFLOP/s; a copy 2 x (1.75 ms + 1.05 MB at
-    # 0.4 GB/s)
-    row, copy = 6 * 256 * 512 * 2 / 0.028e12, 2 * (1.75e-3 + 4 * (2 * 256 * 512 + 512 + 256) / 0.4e9)
+    most, fewest = worth_copying("auto", weights, torch.zeros(1, 256), 4, 4)
+    # GLOO_HERE: a row's expert compute 6 * 256 * 512 * 2 flops at 0.028 TFLOP/s and its four passes of 256 floats
+    # at 0.4 GB/s; a copy 2 x (1.75 ms + 1.05 MB at 0.4 GB/s)
+    row = 6 * 256 * 512 * 2 / 0.028e12 + 4 * 256 * 4 / 0.4e9
+    copy = 2 * (1.75e-3 + 4 * (2 * 256 * 512 + 512 + 256) / 0.4e9)
     assert most == float("inf") and fewest == pytest.approx(copy / row)
-    assert worth_copying(3, weights, torch.zeros(1, 256)) == (3, 0.0)
+    assert worth_copying(3, weights, torch.zeros(1, 256), 4, 4) == (3, 0.0)
     share_E = torch.tensor([.23, .14, .13, .05] + [.45 / 12] * 12)
     skewed = torch.stack([(share_E * 4096).round().long()] * 4)
     assert len(split_rows(skewed, 4, most, fewest).copies) >= 3
@@ -168,7 +169,6 @@ def test_auto_copies_what_pays():
     (dict(redundant_experts=-1), "redundant_experts=-1 is invalid: must be an integer >= 0 or \"auto\""),
     (dict(redundant_experts="all"), "redundant_experts='all' is invalid"),
     (dict(redundant_experts=2.5), "redundant_experts=2.5 is invalid"),
-    (dict(redundant_experts=2), "ep_size=1 every expert is on every process"),
     (dict(redundant_experts=2, ep_size=8), "num_experts=4 < ep_size=8"),
     (dict(redundant_experts=2, ep_size=2, parallel=0), "parallel=0"),
 ])
@@ -184,11 +184,21 @@ def test_expert_modules_are_refused():
                  expert=torch.nn.Linear(4, 4))
 
 
+def test_one_process_has_nothing_to_copy():
+    """At ep_size 1 every expert is here: redundant_experts does nothing (a config rebuilt at ep_size 1 works)."""
+    torch.manual_seed(0)
+    reference = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, capacity_factor=0.0))
+    layer = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, capacity_factor=0.0, redundant_experts=3))
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(9, D)
+    assert torch.equal(layer(x), reference(x)) and "replicas" not in layer.stats
+
+
 def test_every_host_key_reaches_the_layer():
     from moe_plugin.train.config import moe_config, parse_config
     assert moe_config(parse_config(None, ["moe.redundant_experts=2", "parallel.ep_size=2"])).redundant_experts == 2
-    with pytest.raises(ValueError, match="redundant_experts=2 is invalid: with ep_size=1"):
-        moe_config(parse_config(None, ["moe.redundant_experts=2"]))
+    with pytest.raises(ValueError, match="redundant_experts=-2 is invalid"):
+        moe_config(parse_config(None, ["moe.redundant_experts=-2"]))
 
     from moe_plugin.integrations.deepspeed.native import MoE
     from moe_plugin.integrations.deepspeed.native import moe_config as deepspeed_config
@@ -202,8 +212,8 @@ def test_every_host_key_reaches_the_layer():
     config = deepspeed_config(D, H, 4, 2, 2, 1.0, 1.0, 4, False, "relu", True, redundant_experts=3)
     assert config.redundant_experts == 3 and config.ep_size == 2
     expert = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
-    with pytest.raises(ValueError, match="redundant_experts=2 is invalid: with ep_size=1"):     # reaches MoEConfig
-        MoE(D, expert, num_experts=4, k=2, use_rts=False, top2_2nd_expert_sampling=False, redundant_experts=2)
+    layer = MoE(D, expert, num_experts=4, k=2, use_rts=False, top2_2nd_expert_sampling=False, redundant_experts=2)
+    assert layer.deepspeed_moe.config.redundant_experts == 2
 
 
 def test_the_fairseq_flag_reaches_the_layer():
@@ -225,5 +235,6 @@ def test_the_hf_swap_keyword_reaches_the_layer():
     pytest.importorskip("transformers")
     from helpers.hf import build_model
     from moe_plugin.integrations.transformers import swap_moe_blocks
-    with pytest.raises(ValueError, match="redundant_experts=2 is invalid: with ep_size=1"):
-        swap_moe_blocks(build_model("mixtral", seed=0), redundant_experts=2)
+    model = swap_moe_blocks(build_model("mixtral", seed=0), redundant_experts=2)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert layers and all(m.config.redundant_experts == 2 for m in layers)
