@@ -51,8 +51,8 @@ class Split:
 
 def worth_copying(redundant_experts, weights: ExpertWeights, x_TD: torch.Tensor, ep_size: int,
                   node_size: int) -> Tuple[float, float]:
-    """(most copies, the fewest rows a copy must take off the busiest rank) for MoEConfig.redundant_experts: R -> (R,
-    0); "auto" -> (no limit, the rows whose expert compute and exchange (cost_model.row_seconds) cost what sending the
+    """(most copies, what one copy costs in rows: plan_copies' copy_rows) for MoEConfig.redundant_experts: R -> (R, 0);
+    "auto" -> (no limit, the rows whose expert compute and exchange (cost_model.row_seconds) cost what sending the
     copy's weights and bringing its gradients back does (cost_model.replica_seconds); NDM_A100_V4's rates on CUDA,
     GLOO_HERE's elsewhere)."""
     if redundant_experts != "auto":
@@ -67,11 +67,13 @@ def worth_copying(redundant_experts, weights: ExpertWeights, x_TD: torch.Tensor,
 
 
 def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: float,
-                fewest_rows: float = 0.0) -> List[Tuple[int, int]]:
+                copy_rows: float = 0.0) -> List[Tuple[int, int]]:
     """Up to `most` (expert, holder) copies, greedily: the busiest rank's expert of the largest share gets a copy on
     the least-loaded rank not holding it, while that lowers the busiest rank (estimated with each expert's rows
-    split evenly between its holders) by more than fewest_rows. Ties go to the lower expert or rank, so every rank
-    plans alike."""
+    split evenly between its holders). Ties go to the lower expert or rank, so every rank plans alike.
+    copy_rows > 0 ("auto": what one copy's traffic costs, in rows): the copies are kept while each lowers the cost
+    of the busiest rank's rows after levelling (levelled) plus copy_rows per copy the busiest sender or receiver
+    moves (busiest_copies)."""
     E, W = len(total_E), ep_size
     holders = [[e // local_experts] for e in range(E)]
     loads = [0.0] * W
@@ -79,6 +81,7 @@ def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: floa
         loads[e // local_experts] += rows
     mean = sum(loads) / W
     copies: List[Tuple[int, int]] = []
+    cost = max(loads)
     while len(copies) < most:
         busiest = max(range(W), key=lambda w: (loads[w], -w))
         if loads[busiest] <= SLACK * mean:
@@ -89,15 +92,30 @@ def plan_copies(total_E: List[int], local_experts: int, ep_size: int, most: floa
         e = max(held, key=lambda e: (total_E[e] / len(holders[e]), -e))
         target = min((w for w in range(W) if w not in holders[e]), key=lambda w: (loads[w], w))
         old, new = total_E[e] / len(holders[e]), total_E[e] / (len(holders[e]) + 1)
-        after = max(loads[busiest] - (old - new), loads[target] + new)
-        if loads[busiest] - after <= fewest_rows:
+        if max(loads[busiest] - (old - new), loads[target] + new) >= loads[busiest]:
             break
-        for w in holders[e]:
+        holders[e].append(target)
+        if copy_rows > 0:
+            rows_W, _ = levelled(total_E, holders, local_experts, W)
+            with_copy = max(rows_W) + copy_rows * busiest_copies(copies + [(e, target)], local_experts, W)
+            if with_copy >= cost:
+                holders[e].pop()
+                break
+            cost = with_copy
+        for w in holders[e][:-1]:
             loads[w] += new - old
         loads[target] += new
-        holders[e].append(target)
         copies.append((e, target))
     return sorted(copies, key=lambda copy: (copy[1], copy[0]))
+
+
+def busiest_copies(copies: List[Tuple[int, int]], local_experts: int, ep_size: int) -> int:
+    """The most copies one rank sends (as an owner) or receives."""
+    sent, received = [0] * ep_size, [0] * ep_size
+    for e, holder in copies:
+        sent[e // local_experts] += 1
+        received[holder] += 1
+    return max(sent + received, default=0)
 
 
 def level(loads: List[int], rows: int) -> List[int]:
@@ -115,31 +133,38 @@ def level(loads: List[int], rows: int) -> List[int]:
     return take
 
 
-def split_rows(counts_WE: torch.Tensor, local_experts: int, most: float, fewest_rows: float = 0.0) -> Split:
-    """The plan for this forward's kept rows counts_WE [W, E] (the same on every rank): the copies (plan_copies),
-    each replicated expert's rows shared out between its holders so that their loads level off (in turn, the others'
-    shares held, PASSES rounds; the experts of most rows first), and each rank's rows of an expert cut in rank order into the holders' pieces (owner first,
-    then the copies by holder)."""
-    W, E = counts_WE.shape
-    total_E = counts_WE.sum(0).tolist()
-    copies = plan_copies(total_E, local_experts, W, most, fewest_rows)
-    holders = {e: [e // local_experts] for e in range(E)}
-    for e, h in copies:      # sorted by holder
-        holders[e].append(h)
-    replicated = sorted((e for e in holders if len(holders[e]) > 1), key=lambda e: (-total_E[e], e))
-
-    loads = [0] * W
-    pieces = {}      # (expert, holder) -> rows; at first all with the owner
-    for e in range(E):
-        loads[e // local_experts] += total_E[e]
-        pieces.update({(e, h): total_E[e] if h == e // local_experts else 0 for h in holders[e]})
-    for _ in range(PASSES):      # each replicated expert in turn levels its holders, the others' pieces held
+def levelled(total_E: List[int], holders: List[List[int]], local_experts: int, ep_size: int) -> tuple:
+    """(rows per rank, {(expert, holder): rows}): each replicated expert's rows shared out between its holders (owner
+    first) so that their loads level off: in turn, the experts of most rows first, the others' shares held, PASSES
+    rounds (all rows with the owners at first)."""
+    loads = [0] * ep_size
+    pieces = {}
+    for e, rows in enumerate(total_E):
+        loads[e // local_experts] += rows
+        pieces.update({(e, h): rows if h == e // local_experts else 0 for h in holders[e]})
+    replicated = sorted((e for e in range(len(total_E)) if len(holders[e]) > 1), key=lambda e: (-total_E[e], e))
+    for _ in range(PASSES):
         for e in replicated:
             for h in holders[e]:
                 loads[h] -= pieces[e, h]
             for h, rows in zip(holders[e], level([loads[h] for h in holders[e]], total_E[e])):
                 loads[h] += rows
                 pieces[e, h] = rows
+    return loads, pieces
+
+
+def split_rows(counts_WE: torch.Tensor, local_experts: int, most: float, copy_rows: float = 0.0) -> Split:
+    """The plan for this forward's kept rows counts_WE [W, E] (the same on every rank): the copies (plan_copies), each
+    replicated expert's rows levelled over its holders (levelled), and each rank's rows of an expert cut in rank order
+    into the holders' pieces (owner first, then the copies by holder)."""
+    W, E = counts_WE.shape
+    total_E = counts_WE.sum(0).tolist()
+    copies = plan_copies(total_E, local_experts, W, most, copy_rows)
+    holders = [[e // local_experts] for e in range(E)]
+    for e, h in copies:      # sorted by holder
+        holders[e].append(h)
+    replicated = [e for e in range(E) if len(holders[e]) > 1]
+    _, pieces = levelled(total_E, holders, local_experts, W)
 
     slot_expert, holder = [], []
     for w in range(W):

@@ -5,8 +5,8 @@ routing.json: each MoE layer's load per expert; one layer's applies to every lay
 
 Per MoE layer the plan charges the busiest rank: its expert compute and its all-to-all bytes are max_rank_load times
 the balanced ones, max_rank_load as the layer's replicas (MoEConfig.redundant_experts; parallel/replicas.py's plan
-on the skewed load) leave it, and the copies' weight traffic (cost_model.replica_seconds: the owner sending the most
-copies). Legend: W ranks of the ep group, E experts.
+on the skewed load) leave it, and the copies' weight traffic (cost_model.replica_seconds: the rank sending or
+receiving the most copies). Legend: W ranks of the ep group, E experts.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from ..config import GATED_ACTIVATIONS, MoEConfig
 from ..parallel import cost_model
-from ..parallel.replicas import split_rows
+from ..parallel.replicas import busiest_copies, split_rows
 
 ROWS = 1 << 22      # rows of the synthetic load: enough that rounding does not show
 
@@ -90,14 +90,13 @@ def layer_skew(config: MoEConfig, skew: Union[float, List[float]], params: cost_
     expert_bytes = (matrices * config.model_dim * config.hidden_size
                     + (config.hidden_size * (matrices - 1) + config.model_dim) * config.bias) * dtype_bytes
     node = min(node_size, W)
-    most, fewest = _budget(config, params, expert_bytes, dtype_bytes, node,
-                           float(counts_WE.sum()) / max(W * rows_per_rank, 1))
+    most, copy_rows = _budget(config, params, expert_bytes, dtype_bytes, node,
+                              float(counts_WE.sum()) / max(W * rows_per_rank, 1))
     if not most or config.parallel == 0:
         return LayerSkew(before, before, 0, 0.0)
-    split = split_rows(counts_WE, local, most, fewest)
+    split = split_rows(counts_WE, local, most, copy_rows)
     rows_W = sum(split.rank_rows(w) for w in range(W)).double()
-    sent = max((sum(e // local == w for e, _ in split.copies) for w in range(W)), default=0)
-    seconds = cost_model.replica_seconds(sent, expert_bytes, W, node, params)
+    seconds = cost_model.replica_seconds(busiest_copies(split.copies, local, W), expert_bytes, W, node, params)
     return LayerSkew(float(rows_W.max() / rows_W.mean()), before, len(split.copies), seconds)
 
 

@@ -151,18 +151,18 @@ def test_auto_copies_what_pays():
     from moe_plugin.experts import ExpertWeights
     from moe_plugin.parallel.replicas import worth_copying
     weights = ExpertWeights(torch.zeros(4, 256, 512), torch.zeros(4, 512), torch.zeros(4, 512, 256), torch.zeros(4, 256))
-    most, fewest = worth_copying("auto", weights, torch.zeros(1, 256), 4, 4)
+    most, copy_rows = worth_copying("auto", weights, torch.zeros(1, 256), 4, 4)
     # GLOO_HERE: a row's expert compute 6 * 256 * 512 * 2 flops at 0.028 TFLOP/s and its four passes of 256 floats
     # at 0.4 GB/s; a copy 2 x (1.75 ms + 1.05 MB at 0.4 GB/s)
     row = 6 * 256 * 512 * 2 / 0.028e12 + 4 * 256 * 4 / 0.4e9
     copy = 2 * (1.75e-3 + 4 * (2 * 256 * 512 + 512 + 256) / 0.4e9)
-    assert most == float("inf") and fewest == pytest.approx(copy / row)
+    assert most == float("inf") and copy_rows == pytest.approx(copy / row)
     assert worth_copying(3, weights, torch.zeros(1, 256), 4, 4) == (3, 0.0)
     share_E = torch.tensor([.23, .14, .13, .05] + [.45 / 12] * 12)
     skewed = torch.stack([(share_E * 4096).round().long()] * 4)
-    assert len(split_rows(skewed, 4, most, fewest).copies) >= 3
+    assert len(split_rows(skewed, 4, most, copy_rows).copies) >= 3
     flat = torch.stack([torch.full((16,), 256) + torch.randint(-8, 8, (16,)) for _ in range(4)])
-    assert split_rows(flat, 4, most, fewest).copies == []     # the copies would cost more than they save
+    assert split_rows(flat, 4, most, copy_rows).copies == []     # the copies would cost more than they save
 
 
 @pytest.mark.parametrize("changes, message", [
