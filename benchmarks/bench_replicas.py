@@ -5,8 +5,8 @@ on the issue's skew and on a flat load.
 
 The skew is bench_rank_load.py's: the router's choice bias is fitted so that experts 0-3, all held by rank 0, draw
 --hot shares of the choices (default 0.23, 0.14, 0.13, 0.05); the flat load fits every expert to 1 / E. For each
-load and setting every rank trains --warmup steps (the tuner searches there), then --steps timed steps on its own
-tokens. Printed per setting:
+load every rank trains each setting's layer --warmup steps (the tuner searches there), then --steps timed steps on
+its own tokens, the settings interleaved within each step (the same tokens for each). Printed per setting:
     max_rank_load         RoutingMonitor's, over the timed steps (replicas' rows counted where they were computed)
     expert ms             the slowest rank's expert compute per step (forward + backward of the expert GEMMs), as
                           CPU time of the rank's one thread (time.thread_time: what the rank computes, whether or not
@@ -66,7 +66,7 @@ def timed(function):
     return Timed
 
 
-def measure(rank, world, args, load, extra):
+def build(world, args, load, extra) -> MoELayer:
     E, D = args.num_experts, args.model_dim
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(model_dim=D, hidden_size=args.hidden_size, num_experts=E, top_k=args.top_k,
@@ -76,36 +76,50 @@ def measure(rank, world, args, load, extra):
     target_E = torch.cat([hot, torch.full((E - len(hot),), (1 - float(hot.sum())) / (E - len(hot)),
                                           dtype=torch.float64)])
     fit_bias(layer, torch.randn(4096, D, generator=torch.Generator().manual_seed(1)), target_E)
+    return layer
+
+
+def measure(rank, world, args, load) -> dict:
+    """Every setting's layer at this load, their steps interleaved (setting after setting within each step, so
+    that a change in the machine's other load falls on all of them alike)."""
+    E = args.num_experts
+    layers = {name: build(world, args, load, extra) for name, extra in SETTINGS}
+    weight_bytes = sum(p[0].numel() * p.element_size() for p in layers["no balancing"].experts.parameters())
     generator = torch.Generator().manual_seed(100 + rank)
-    weight_bytes = sum(p[0].numel() * p.element_size() for p in layer.experts.parameters())   # one expert's
-    per_step, degrees = [], {}
-    monitor = None
+    per_step = {name: [] for name in layers}
+    degrees = {name: {} for name in layers}
+    monitors = {}
     for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            monitor = RoutingMonitor(layer)
-        x_TD = torch.randn(args.tokens, D, generator=generator)
-        dist.barrier()
-        EXPERT_SECONDS[0] = 0.0
-        start = time.perf_counter()
-        layer(x_TD).square().mean().backward()
-        seconds = time.perf_counter() - start
-        stats = layer.stats
-        if step >= args.warmup:
-            r = stats["parallel"]
-            degrees[r] = degrees.get(r, 0) + 1
-            sent = stats.get("replica_bytes", 0) if r else (E - E // world) * weight_bytes
-            back = sent if r else 2 * (world - 1) / world * E * weight_bytes
-            per_step.append(torch.tensor([EXPERT_SECONDS[0], seconds, sent, back], dtype=torch.float64))
-    metrics = monitor.read()[""]
-    table = torch.stack(per_step)
-    worst = table[:, :2].clone()
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    sent = table[:, 2:].clone()
-    dist.all_reduce(sent)
-    return dict(max_rank_load=metrics["max_rank_load"], expert_ms=1e3 * statistics.median(worst[:, 0].tolist()),
-                step_ms=1e3 * statistics.median(worst[:, 1].tolist()), out=float(sent[:, 0].mean()),
-                back=float(sent[:, 1].mean()),
-                setting=extra.get("redundant_experts") or degrees, copies=stats.get("replicas"))
+        x_TD = torch.randn(args.tokens, args.model_dim, generator=generator)
+        for name, layer in layers.items():
+            if step == args.warmup:
+                monitors[name] = RoutingMonitor(layer)
+            dist.barrier()
+            EXPERT_SECONDS[0] = 0.0
+            start = time.perf_counter()
+            layer(x_TD).square().mean().backward()
+            seconds = time.perf_counter() - start
+            stats = layer.stats
+            if step >= args.warmup:
+                r = stats["parallel"]
+                degrees[name][r] = degrees[name].get(r, 0) + 1
+                sent = stats.get("replica_bytes", 0) if r else (E - E // world) * weight_bytes
+                back = sent if r else 2 * (world - 1) / world * E * weight_bytes
+                per_step[name].append(torch.tensor([EXPERT_SECONDS[0], seconds, sent, back], dtype=torch.float64))
+    results = {}
+    for (name, extra), layer in zip(SETTINGS, layers.values()):
+        metrics = monitors[name].read()[""]
+        table = torch.stack(per_step[name])
+        worst = table[:, :2].clone()
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        sent = table[:, 2:].clone()
+        dist.all_reduce(sent)
+        results[load, name] = dict(
+            max_rank_load=metrics["max_rank_load"], expert_ms=1e3 * statistics.median(worst[:, 0].tolist()),
+            step_ms=1e3 * statistics.median(worst[:, 1].tolist()), out=float(sent[:, 0].mean()),
+            back=float(sent[:, 1].mean()), setting=extra.get("redundant_experts") or degrees[name],
+            copies=layer.stats.get("replicas"))
+    return results
 
 
 def run(rank: int, world: int, args, port: int, queue) -> None:
@@ -115,8 +129,7 @@ def run(rank: int, world: int, args, port: int, queue) -> None:
     a2a_dispatcher.GroupedMLP = timed(GroupedMLP)
     timed_fused = timed(FusedMoE)
     local_dispatcher.fused_moe = timed_fused.apply
-    results = {(load, name): measure(rank, world, args, load, extra)
-               for load in ("skew", "flat") for name, extra in SETTINGS}
+    results = {**measure(rank, world, args, "skew"), **measure(rank, world, args, "flat")}
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
