@@ -21,7 +21,9 @@ SPECS = {
     2: [dict(name="k3_dropless", E=8, k=3, cf=0.0, R=3, tokens=[23, 0], hot=[0, 1, 2]),
         dict(name="drops_empty_expert_overlap", E=4, k=2, cf=1.0, R=2, d=2, tokens=[17, 30], hot=[0], cold=3,
              activation="swiglu", bias=False),
-        dict(name="fp32", E=6, k=2, cf=0.0, R=2, tokens=[40, 29], hot=[0, 1], dtype=torch.float32)],
+        dict(name="fp32", E=6, k=2, cf=0.0, R=2, tokens=[40, 29], hot=[0, 1], dtype=torch.float32),
+        dict(name="gate_on_input_shared", E=4, k=2, cf=0.0, R=1, tokens=[21, 13], hot=[0],
+             extra=dict(gate_on_input=True, shared_hidden_size=4, recompute="experts"))],
     4: [dict(name="skew_top2", E=16, k=2, cf=0.0, R=4, tokens=[31, 0, 19, 26], hot=[0, 1, 2, 3]),
         dict(name="k4_drops_2dh", E=8, k=4, cf=1.25, R=5, tokens=[9, 25, 14, 33], hot=[0, 1], cold=7, a2a="2dh",
              node=2, d=2),
@@ -38,7 +40,7 @@ def build(spec, world, redundant):
                        capacity_factor=spec["cf"], min_capacity=0, activation=spec.get("activation", "relu"),
                        bias=spec.get("bias", True), router_bias=True, z_loss_coef=0.01, ep_size=world,
                        parallel=spec.get("parallel", 1), overlap_degree=spec.get("d", 1), a2a=spec.get("a2a", "flat"),
-                       node_size=spec.get("node"), redundant_experts=redundant)
+                       node_size=spec.get("node"), redundant_experts=redundant, **spec.get("extra", {}))
     return MoELayer(config).to(spec.get("dtype", torch.float64))
 
 
