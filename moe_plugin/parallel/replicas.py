@@ -25,8 +25,8 @@ from ..experts import ExpertWeights
 from . import cost_model
 from .all_to_all import all_to_all
 
-# a copy is planned only while the busiest rank has more than this times the mean rank's rows (estimated): below it
-# a copy's weight traffic costs more than the rows it moves save
+# a copy is planned only while the busiest rank has more than this times the mean rank's rows: a flat load's noise
+# gets no copy (its traffic would buy next to nothing)
 SLACK = 1.05
 PASSES = 4      # rounds of levelling the replicated experts' holders (split_rows)
 
