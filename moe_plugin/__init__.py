@@ -32,6 +32,8 @@ Expert parallelism
     V  ranks of one weight gather (the hidden slices of one compute slice; slices / r of them)
     P  ranks holding the same experts (the expert-data group, FSDP2)
     Z  segments of rows (all_to_all.ranges)
+    J  expert slots of the ep group with replicas: every expert's owner and each copy, ordered by holder rank
+    Y  with replicas, the expert copies one rank sends or receives (packed_Y: a row per copy, its weights flattened)
 
 Not letters: r the parallel degree, d the overlap degree, an expert's hidden slices (ExpertLayout.slices),
 and world_size the ranks of the whole world (W is one expert-parallel group's). Inside the Triton kernels

@@ -107,6 +107,15 @@ class MoEConfig:
       per-channel router.input_scale_D, times model_dim ** -0.5 (Gemma 4's router).
     expert_gate_scale: each chosen gate (after normalization) is multiplied by a learned per-expert
       router.gate_scale_E (Gemma 4's per_expert_scale).
+    redundant_experts: R, up to R extra copies of the hottest experts on the least-loaded ranks of the
+      expert-parallel group, re-planned every forward from its gathered counts (parallel/replicas.py); a replicated
+      expert's rows are split between its copies so that the ranks even out. Copies are not parameters: the owner's
+      weights travel to them each forward and their gradients come back into the owner's. 0: none. At ep_size 1 it
+      does nothing (every process holds every expert: nothing to balance; so a config rebuilt at ep_size 1, as
+      checkpoint tools and plans do, keeps working). At ep_size > 1 it needs whole experts per rank (num_experts >=
+      ep_size) and parallel not 0 (a tuner's r = 0 copies nothing). "auto": each forward makes the copies whose
+      weight traffic the cost model (parallel/cost_model.py) puts below the busiest rank's compute they save (none
+      on a flat load); where copies cannot work (sliced experts, parallel 0, expert modules) "auto" makes none.
     recompute: what the expert FFN keeps for backward. "none": the first projection's output (the [rows, 2H]
       pre-activation of a gated activation; the activation itself is recomputed from it). "experts": only the
       layer's input and the routing; backward gathers the rows and runs the first projection again (one more
@@ -156,6 +165,7 @@ class MoEConfig:
     gate_noise_kind: str = "choice"
     router_proj_dim: int = 0
     aux_loss_scope: str = "local"
+    redundant_experts: Union[int, str] = 0
 
     def __new__(cls, *args, **kwargs):
         _reject_unknown_keys(kwargs)
@@ -199,6 +209,28 @@ class MoEConfig:
             _check_int("node_size", self.node_size, minimum=1)
         self._check_routing_extras()
         self._check_expert_features()
+        self._check_replicas()
+
+    def _check_replicas(self):
+        if self.redundant_experts == "auto":
+            return
+        if isinstance(self.redundant_experts, bool) or not isinstance(self.redundant_experts, int) \
+                or self.redundant_experts < 0:
+            raise ValueError(f"MoEConfig.redundant_experts={self.redundant_experts!r} is invalid: must be an integer "
+                             f">= 0 or \"auto\"")
+        if self.redundant_experts == 0:
+            return
+        why = None
+        if self.ep_size == 1:       # nothing to balance: no copy (see the docstring)
+            return
+        if self.num_experts < self.ep_size:
+            why = (f"with num_experts={self.num_experts} < ep_size={self.ep_size} each expert is sliced over ranks; "
+                   f"copies need whole experts per rank (num_experts >= ep_size)")
+        elif self.parallel == 0:
+            why = ("with parallel=0 every rank gathers every expert: there is nothing to replicate; use parallel=1 or "
+                   "\"auto\"")
+        if why:
+            raise ValueError(f"MoEConfig.redundant_experts={self.redundant_experts} is invalid: {why}")
 
     def _check_routing_extras(self):
         self.expert_bias_update_rate = _check_float("expert_bias_update_rate", self.expert_bias_update_rate,

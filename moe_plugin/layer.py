@@ -55,6 +55,9 @@ class MoELayer(nn.Module):
             config = config.replace(**kwargs)
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoELayer expects an MoEConfig or a dict, got {type(config).__name__}")
+        if config.redundant_experts not in (0, "auto") and config.ep_size > 1 and expert is not None:
+            raise ValueError(f"MoEConfig.redundant_experts={config.redundant_experts} is invalid with expert=<a module>: "
+                             f"copies send stacked expert weights; use the built-in experts or redundant_experts=0")
         self.config = config
         self.router = Router(config)
         self.groups = ep_group if isinstance(ep_group, ExpertGroups) else build_groups(

@@ -56,7 +56,7 @@ def moe_config(model_dim: int, hidden_size: int, num_experts: int, ep_size: int,
                overlap_degree=1, a2a: str = "flat", node_size: Optional[int] = None,
                expert_bias_update_rate: float = 0.0, num_groups: int = 1, topk_groups: int = 1,
                route_scale: float = 1.0, aux_loss: Optional[str] = None, recompute: str = "none",
-               aux_loss_scope: str = "local") -> MoEConfig:
+               aux_loss_scope: str = "local", redundant_experts=0) -> MoEConfig:
     """DeepSpeed's MoE settings as the one MoEConfig that routes like deepspeed.moe (see the module doc).
 
     The routing extras (balancing bias, groups, route scale, aux_loss) are moe_plugin's; aux_loss None
@@ -70,7 +70,8 @@ def moe_config(model_dim: int, hidden_size: int, num_experts: int, ep_size: int,
         aux_loss=aux_loss or ("gshard" if k <= 2 else "switch"), aux_loss_coef=float(aux_loss_coef), z_loss_coef=0.0,
         activation=activation, bias=bias, ep_size=ep_size, parallel=parallel, overlap_degree=overlap_degree,
         a2a=a2a, node_size=node_size, expert_bias_update_rate=expert_bias_update_rate, num_groups=num_groups,
-        topk_groups=topk_groups, route_scale=route_scale, recompute=recompute, aux_loss_scope=aux_loss_scope)
+        topk_groups=topk_groups, route_scale=route_scale, recompute=recompute, aux_loss_scope=aux_loss_scope,
+        redundant_experts=redundant_experts)
 
 
 def _expert_structure(expert: nn.Module, model_dim: int, activation: Optional[str]):
@@ -533,7 +534,8 @@ class MoE(NativeMoE):
                  router: str = "softmax", aux_loss_coef: float = 0.01, parallel=1, overlap_degree=1,
                  a2a: str = "flat", node_size: Optional[int] = None, expert_bias_update_rate: float = 0.0,
                  num_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
-                 aux_loss: Optional[str] = None, recompute: str = "none", aux_loss_scope: str = "local") -> None:
+                 aux_loss: Optional[str] = None, recompute: str = "none", aux_loss_scope: str = "local",
+                 redundant_experts=0) -> None:
         # nn.Module's init, not the native one: that one deep-copies `expert` per local expert
         nn.Module.__init__(self)
         if noisy_gate_policy not in NOISE_POLICIES:
@@ -558,7 +560,8 @@ class MoE(NativeMoE):
                              aux_loss_coef=aux_loss_coef, parallel=parallel, overlap_degree=overlap_degree, a2a=a2a,
                              node_size=node_size, expert_bias_update_rate=expert_bias_update_rate,
                              num_groups=num_groups, topk_groups=topk_groups, route_scale=route_scale,
-                             aux_loss=aux_loss, recompute=recompute, aux_loss_scope=aux_loss_scope)
+                             aux_loss=aux_loss, recompute=recompute, aux_loss_scope=aux_loss_scope,
+                             redundant_experts=redundant_experts)
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
@@ -583,7 +586,7 @@ class MoE(NativeMoE):
         config = moe_config(hidden_size, expert_hidden, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                             min_capacity, drop_tokens, activation, bias, router, aux_loss_coef, parallel,
                             overlap_degree, a2a, node_size, expert_bias_update_rate, num_groups, topk_groups,
-                            route_scale, aux_loss, recompute, aux_loss_scope)
+                            route_scale, aux_loss, recompute, aux_loss_scope, redundant_experts)
         ep_group = None
         if ep_size > 1 and enable_expert_tensor_parallelism and not self._groups_known():
             # its expert-parallel group joins ranks of one tensor-parallel rank: bound when DeepSpeed's mpu is known

@@ -50,11 +50,12 @@ SECTION_KEYS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "aux_loss": (lambda v: v in ("gshard", "switch", "seq"), "\"gshard\", \"switch\" or \"seq\" (backend tutel)"),
     "recompute": (lambda v: v in ("none", "experts"), "\"none\" or \"experts\" (backend tutel)"),
     "aux_loss_scope": (lambda v: v in ("local", "global"), "\"local\" or \"global\" (backend tutel)"),
+    "redundant_experts": (lambda v: v == "auto" or _is_int(v, 0), "an integer >= 0 or \"auto\" (backend tutel)"),
     # not a layer setting: checked by routing.routing_alarm, left out of read_moe_section's dict
     "routing_alarm": (lambda v: True, "true, false or an object (routing.py)"),
 }
 TUTEL_ONLY_KEYS = ("expert_bias_update_rate", "num_groups", "topk_groups", "route_scale", "aux_loss", "recompute",
-                   "aux_loss_scope")
+                   "aux_loss_scope", "redundant_experts")
 
 
 def read_moe_section(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:

@@ -61,6 +61,10 @@ class MoEArgs(FairseqDataclass):
     moe_aux_loss_scope: str = field(default="local", metadata={
         "help": "local: the balance loss counts each process's tokens; global: every process's (all-reduced), so "
                 "that the router's gradient is one process's on the whole batch (small batches per process)"})
+    moe_redundant_experts: str = field(default="0", metadata={
+        "help": "up to this many extra copies of the hottest experts on the least-loaded expert-parallel ranks, "
+                "re-planned every forward, or auto (the copies the cost model finds worth their traffic); the math "
+                "is unchanged (needs --moe-ep-size > 1)"})
     moe_expert_bias_update_rate: float = field(default=0.0, metadata={
         "help": "> 0: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the choice scores, "
                 "moved by this much per update towards the under-loaded experts"})
@@ -121,7 +125,7 @@ FLAG_OF_FIELD = {
     "aux_loss": "--moe-aux-loss", "aux_loss_scope": "--moe-aux-loss-scope", "expert_bias_update_rate": "--moe-expert-bias-update-rate",
     "num_groups": "--moe-num-groups", "topk_groups": "--moe-topk-groups", "route_scale": "--moe-route-scale",
     "shared_hidden_size": "--moe-shared-hidden-size", "shared_gate": "--moe-shared-gate",
-    "recompute": "--moe-recompute",
+    "recompute": "--moe-recompute", "redundant_experts": "--moe-redundant-experts",
 }
 
 
@@ -193,6 +197,7 @@ def moe_config_from_args(args, model_dim: int, ffn_dim: int) -> MoEConfig:
         batch_prioritized_routing=bool(args.moe_batch_prioritized_routing),
         aux_loss=args.moe_aux_loss,
         aux_loss_scope=getattr(args, "moe_aux_loss_scope", "local"),   # checkpoints' args from before the flag
+        redundant_experts=_replicas(getattr(args, "moe_redundant_experts", 0)),
         aux_loss_coef=1.0,   # the criterion weighs it (--moe-gate-loss-wt)
         activation=ACTIVATIONS[activation],
         ep_size=args.moe_ep_size,
@@ -247,6 +252,15 @@ def _ratio(fraction: Any, num_experts: Any, top_k: Any) -> Any:
     if _number(fraction) and _number(num_experts) and _number(top_k) and top_k > 0:
         return fraction * num_experts / top_k
     return fraction
+
+
+def _replicas(value: Union[int, str]) -> Union[int, str]:
+    """--moe-redundant-experts: an integer or "auto" (MoEConfig checks the integer)."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if value == "auto" or isinstance(value, int):
+        return value
+    raise ValueError(f"--moe-redundant-experts {value!r} is invalid: must be an integer >= 0 or 'auto'")
 
 
 def _int_or_auto(flag: str, value: Union[int, str]) -> Union[int, str]:

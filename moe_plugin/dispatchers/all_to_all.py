@@ -31,6 +31,7 @@ from ..experts import GroupedMLP
 from ..parallel.all_to_all import Pending2DH, PendingAllToAll, ranges, segment_permutation
 from ..parallel.expert_parallel import gathered_experts
 from ..parallel.groups import ExpertGroups
+from ..parallel.replicas import copy_weights, split_rows, worth_copying
 from ..parallel.tuner import Tuner
 from .base import Dispatcher
 from .local import LocalDispatcher
@@ -69,13 +70,19 @@ class AllToAllDispatcher(Dispatcher):
 
     @classmethod
     def build(cls, layer) -> "AllToAllDispatcher":
-        return cls(layer.groups, layer.tuner, layer.config.a2a)
+        cfg = layer.config
+        # "auto" makes none where copies cannot work (an integer is refused there by MoEConfig and MoELayer)
+        copies = 0 if layer.groups.layout.slices > 1 or cfg.parallel == 0 or not layer.experts.stacked \
+            else cfg.redundant_experts
+        return cls(layer.groups, layer.tuner, cfg.a2a, copies)
 
-    def __init__(self, groups: ExpertGroups, tuner, a2a: str):
+    def __init__(self, groups: ExpertGroups, tuner, a2a: str, redundant_experts=0):
         super().__init__(groups, tuner)
         self.a2a = a2a
+        self.redundant_experts = redundant_experts
         self.local = LocalDispatcher(groups)     # degree 0: every rank gathers all experts
         self.degrees = None         # (r, d, a2a) of the last call
+        self.replicas: dict = {}    # the last call's copies (parallel/replicas.py), with redundant_experts > 0
 
     def __call__(self, x_TD, gate_TK, plan, experts, in_flight=None, parallel=None, overlap_degree=None,
                  training=False) -> torch.Tensor:
@@ -102,7 +109,7 @@ class AllToAllDispatcher(Dispatcher):
 
     def stats(self) -> dict:
         r, d, a2a = self.degrees
-        return dict(parallel=r, overlap_degree=d, a2a=a2a, **self.tuner.stats())
+        return dict(parallel=r, overlap_degree=d, a2a=a2a, **self.replicas, **self.tuner.stats())
 
     def exchange(self, x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts, r: int, d: int,
                  a2a: str, in_flight=None, counts_WE: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -114,6 +121,11 @@ class AllToAllDispatcher(Dispatcher):
         layout = groups.layout
         experts.check_degree(layout, r)
         weights = experts.weights(x_TD.dtype)
+        if self.redundant_experts:
+            self.replicas = {}
+            if weights.has_lora:
+                raise ValueError(f"MoEConfig.redundant_experts={self.redundant_experts} does not carry LoRA adapters: "
+                                 f"set redundant_experts=0 for a layer with add_lora")
         if r == 0:
             weights = gathered_experts(weights, groups, r)
             in_flight()
@@ -123,8 +135,18 @@ class AllToAllDispatcher(Dispatcher):
             counts_WE, _ = route_counts(plan, groups.ep_group, x_TD.device)
         weights = None if weights is None else gathered_experts(weights, groups, r)
         x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
-        row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
-        chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
+        split = None if not self.redundant_experts else \
+            split_rows(counts_WE, layout.local_experts,
+                       *worth_copying(self.redundant_experts, weights, x_TD, layout.ep_size, groups.node_size))
+        if split is not None:
+            self.replicas = dict(replicas=split.copies, replica_bytes=0,
+                                 rank_rows=split.rank_rows(layout.ep_rank).tolist())
+        if split is not None and split.copies:
+            weights, self.replicas["replica_bytes"] = copy_weights(weights, split.copies, layout, groups.ep_group)
+            chunks = [_slot_exchange(split, layout.ep_rank, d, c) for c in range(d)]
+        else:       # no copy planned: the exchange of redundant_experts=0
+            row_start_E = counts_WE[layout.ep_rank].cumsum(0) - counts_WE[layout.ep_rank]
+            chunks = [_chunk_exchange(counts_WE, row_start_E, layout, r, d, c) for c in range(d)]
 
         def send(chunk):
             rows_RD = x_RD if chunk.sends_all_in_order else x_RD.index_select(0, chunk.send_index)
@@ -202,6 +224,26 @@ def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
                           rows_per_local_expert=arriving_WE.sum(0).tolist(),
                           group_by_expert=group_by_expert, ungroup=ungroup,
                           sends_all_in_order=(d == 1 and layout.slices == 1))
+
+
+def _slot_exchange(split, me: int, d: int, c: int) -> _ChunkExchange:
+    """_chunk_exchange with replicas: my rows of each slot (parallel/replicas.py: each expert's owner and copies,
+    in holder order) go to the slot's holder; the rows arriving here group by my slots."""
+    W = split.counts_WJ.shape[0]
+    size_WJ, offset_WJ = chunk_of(split.counts_WJ, d, c)
+    counts_WW = torch.zeros(W, W, dtype=torch.long).index_add_(1, split.holder_J, size_WJ)
+    send_index = ranges(split.start_WJ[me] + offset_WJ[me], size_WJ[me])
+    mine = (split.holder_J == me).nonzero().view(-1)
+    arriving_WJ = size_WJ[:, mine]
+    group_by_expert = ungroup = None
+    if mine.numel() > 1:
+        group_by_expert = segment_permutation(arriving_WJ)
+        ungroup = torch.empty_like(group_by_expert)
+        ungroup[group_by_expert] = torch.arange(group_by_expert.numel())
+    return _ChunkExchange(send_index=send_index, send_counts=counts_WW[me].tolist(),
+                          recv_counts=counts_WW[:, me].tolist(), counts_WW=counts_WW,
+                          rows_per_local_expert=arriving_WJ.sum(0).tolist(),
+                          group_by_expert=group_by_expert, ungroup=ungroup, sends_all_in_order=False)
 
 
 def _two_step(groups: ExpertGroups, a2a: str) -> bool:

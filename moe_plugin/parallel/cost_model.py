@@ -191,6 +191,30 @@ def gather_weights_seconds(weight_bytes: float, group_size: int, node_size: int,
     return forward + backward
 
 
+def replica_seconds(copies: int, expert_bytes: float, world_size: int, node_size: int, params: Params) -> float:
+    """What replicas of hot experts (parallel/replicas.py) cost one layer call, forward + backward: the owner
+    sending the most copies sends `copies` experts' weights (one message each, in one all-to-all) and gets their
+    gradients back the same way; over the network when the ep group spans nodes. No copy is no call."""
+    if copies <= 0 or world_size <= 1:
+        return 0.0
+    inside = world_size <= node_size
+    startup = params.intra_startup_us if inside else params.inter_startup_us
+    gbps = params.intra_gbps if inside else params.inter_gbps
+    return 2 * (params.call_us * US + copies * (startup * US + expert_bytes / (gbps * GB)))
+
+
+def row_seconds(model_dim: int, hidden_dim: int, matrices: int, dtype_bytes: int, world_size: int, node_size: int,
+                params: Params) -> float:
+    """What one routed row costs the rank that computes it, forward + backward: its expert compute (3 x 2 x D x H x
+    matrices flops) and its share of the four all-to-all passes the rank receives (D x dtype_bytes each; over the
+    network when the ep group spans nodes). A copy of a hot expert pays where it moves more rows off the busiest
+    rank than replica_seconds / row_seconds."""
+    inside = world_size <= node_size
+    gbps = params.intra_gbps if inside else params.inter_gbps
+    return 6.0 * model_dim * hidden_dim * matrices / (params.compute_tflops * TFLOP) + \
+        4 * model_dim * dtype_bytes / (gbps * GB)
+
+
 @dataclass(frozen=True)
 class Workload:
     """One layer call as the slowest rank sees it: rows_per_rank rows (kept, all k choices counted)

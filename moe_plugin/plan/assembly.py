@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from ..config import RECOMPUTE_MODES, MoEConfig
 from ..layer import MoELayer
 from .devices import Device
 from .state_bytes import StateBytes, nbytes, saved_for_backward
+from .skew import LayerSkew, layer_skews
 from .step_time import StepTime, step_time
 from .traffic import LayerTraffic, check_capacity, layer_traffic
 
@@ -72,6 +73,7 @@ class Plan:
     recompute: Dict[str, RecomputeOption] = field(default_factory=dict)     # mode -> what it gives
     moe_activations: List[int] = field(default_factory=list)    # each MoE layer's share of the activations
     warnings: List[str] = field(default_factory=list)
+    skews: Optional[List[LayerSkew]] = None     # with --skew: each MoE layer's busiest rank and replicas
 
 
 def split_bytes(model: nn.Module) -> Tuple[int, int]:
@@ -122,10 +124,11 @@ def moe_layer_saved_bytes(config: MoEConfig, tokens: int, dtype: torch.dtype) ->
 def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collectives: Collectives, rows: int,
              seq_len: int, make_local_model: Callable[[], nn.Module], world_size: int, node_size: int,
              device: Device, sharded: bool, batch_key: str, levers: str, capacity_key: str,
-             root_bytes: int = 0) -> Plan:
+             root_bytes: int = 0, skew=None) -> Plan:
     """The plan of a run whose rank-0 model (unsharded) is `first` and whose roles hold `held`. batch_key,
     capacity_key: the host's names of the micro-batch and capacity_factor settings (for its errors); root_bytes:
-    the trainable bytes FSDP2 gathers forward only (step_time)."""
+    the trainable bytes FSDP2 gathers forward only (step_time); skew: --skew's (skew.read_skew), None for balanced
+    routing."""
     dense_bytes, expert_bytes = split_bytes(first)
     moe_layers = [m for m in first.modules() if isinstance(m, MoELayer)]
     dtypes = [m.experts.parameter_dtype(torch.float32) for m in moe_layers]
@@ -165,9 +168,13 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
                   h.parameters + h.gradients + h.optimizer + activations) for ranks, h in held]
     ep_size = max([m.config.ep_size for m in moe_layers], default=1)
 
+    skews = layer_skews([m.config for m in moe_layers], skew, device.params,
+                        [next(m.experts.parameters()).element_size() for m in moe_layers],
+                        [t.rows_kept for t in layers], node_size)
+
     def timing_of(configs) -> StepTime:
         return step_time(device.params, world_size, node_size, flops, configs, layers, dense_bytes, expert_bytes,
-                         ep_size, sharded, root_bytes)
+                         ep_size, sharded, root_bytes, skews)
 
     timing = timing_of([m.config for m in moe_layers])
     fixed = max(r.parameters_bytes + r.gradients_bytes + r.optimizer_bytes for r in roles)
@@ -179,7 +186,7 @@ def assemble(first: nn.Module, held: List[Tuple[List[int], StateBytes]], collect
     max_batch = largest_batch(activations, per_row)
     moe_activations = [layer_saved(m.config, dtype) + t.kept_bytes for m, dtype, t in zip(moe_layers, dtypes, layers)]
     plan = Plan(world_size, node_size, device, rows, rows * seq_len, roles, layers, timing, max_batch, per_row,
-                moe_activations=moe_activations)
+                moe_activations=moe_activations, skews=skews)
     for mode in RECOMPUTE_MODES if moe_layers else ():
         apart = kept_apart(mode)
         mode_activations, mode_per_row = activations - apart, per_row - apart // rows

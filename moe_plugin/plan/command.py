@@ -11,6 +11,7 @@ from ..train import load_config, split_arguments
 from .devices import DEVICES, device
 from .experiment import DEFAULT_NODE_SIZE, node_size_of, plan_experiment
 from .report import as_json, as_text
+from .skew import read_skew
 
 
 def add_arguments(parser) -> None:
@@ -23,6 +24,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="h100", metavar="NAME",
                         help=f"the device profile: {', '.join(DEVICES)} (default h100)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--skew", metavar="S | routing.json",
+                        help="routing not even: the busiest expert-parallel rank's rows over the mean rank's "
+                             "(max_rank_load, a number >= 1: rank 0's experts take that share), or a routing report "
+                             "(`moe-plugin checkpoint routing`'s routing.json); the step charges the busiest rank and "
+                             "the replicas (moe.redundant_experts) with their traffic")
     parser.add_argument("--deepspeed", metavar="DS.json",
                         help="plan a DeepSpeed run with this config (its \"moe\" section, micro-batch, precision and "
                              "ZeRO stage) instead of a train experiment; needs --hf-config and --seq-len")
@@ -53,13 +59,16 @@ def main(args) -> int:
         profile = device(args.device)
         node_size = node_size_of(args.world_size, args.node_size)
         if args.deepspeed is not None:
+            if args.skew is not None:
+                raise ValueError("--skew plans a train experiment; with --deepspeed it is not read yet")
             plan = plan_deepspeed_run(args, profile, node_size)
         else:
             if args.hf_config is not None or args.seq_len is not None:
                 raise ValueError("--hf-config and --seq-len go with --deepspeed; a train experiment sets the model "
                                  "in its hf section and model.seq_len")
             cfg = load_config(*split_arguments(args.arguments), world=(args.world_size, "plan with --world-size N"))
-            plan = plan_experiment(cfg, args.world_size, node_size, profile)
+            plan = plan_experiment(cfg, args.world_size, node_size, profile,
+                                   None if args.skew is None else read_skew(args.skew))
     except ValueError as error:
         print(f"moe-plugin plan: {error}", file=sys.stderr)
         return 2

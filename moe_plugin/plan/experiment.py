@@ -112,7 +112,7 @@ def root_unit_bytes(model: nn.Module) -> int:
     return sum(nbytes(p) for p in model.parameters() if p.requires_grad and id(p) not in in_blocks)
 
 
-def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Plan:
+def plan_experiment(cfg, world_size: int, node_size: int, device: Device, skew=None) -> Plan:
     check_world(cfg, world_size, node_size)
     ep_size, fsdp = cfg.parallel.ep_size, cfg.parallel.fsdp
     first = build_role(cfg, 0, world_size, node_size, shard=False)
@@ -133,4 +133,4 @@ def plan_experiment(cfg, world_size: int, node_size: int, device: Device) -> Pla
                     world_size, node_size, device, fsdp, "train.batch_size",
                     "parallel.ep_size (experts over more ranks), parallel.fsdp=true (parameters, gradients and "
                     "optimizer state sharded), moe.recompute=experts (see the recompute line), a smaller "
-                    "moe.capacity_factor", "moe.capacity_factor", root_unit_bytes(first) if fsdp else 0)
+                    "moe.capacity_factor", "moe.capacity_factor", root_unit_bytes(first) if fsdp else 0, skew)

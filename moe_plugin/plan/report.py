@@ -20,7 +20,8 @@ def as_json(plan: Plan) -> dict:
             "other_activations_bytes": other_activations(plan),
             "step_seconds": plan.step.seconds,
             "step_parts": {"compute": plan.step.compute, "all_to_all": plan.step.all_to_all,
-                           "gradients": plan.step.gradients},
+                           "gradients": plan.step.gradients, "replicas": plan.step.replicas},
+            "skew": None if plan.skews is None else [dataclasses.asdict(s) for s in plan.skews],
             "max_micro_batch": plan.max_micro_batch, "activation_bytes_per_row": plan.activation_bytes_per_row,
             "recompute": {mode: dataclasses.asdict(option) for mode, option in plan.recompute.items()},
             "assumptions": [plan.device.note, *plan.step.assumptions], "warnings": plan.warnings}
@@ -65,8 +66,13 @@ def as_text(plan: Plan) -> str:
     lines.append(f"activations of the micro-batch: " + "; ".join(shares + [f"the rest of the model: "
                                                                           f"{size(other_activations(plan))}"]))
     step = plan.step
+    if plan.skews is not None:
+        skews = [f"max_rank_load {s.before:.2f} -> {s.max_rank_load:.2f} with {s.copies} copies" for s in plan.skews]
+        for text in dict.fromkeys(skews):
+            lines.append(f"MoE layers {ranks_text([i for i, t in enumerate(skews) if t == text])} (--skew): {text}")
     lines.append(f"step {step.seconds * 1e3:.2f} ms = compute {step.compute * 1e3:.2f} + all-to-all "
-                 f"{step.all_to_all * 1e3:.2f} + gradients {step.gradients * 1e3:.2f}")
+                 f"{step.all_to_all * 1e3:.2f} + gradients {step.gradients * 1e3:.2f}"
+                 + (f" + replicas {step.replicas * 1e3:.2f}" if plan.skews is not None else ""))
     lines.append(f"largest micro-batch that fits {plan.device.memory_bytes / 2**30:.0f} GiB: "
                  f"{plan.max_micro_batch} rows ({size(plan.activation_bytes_per_row)} of activations per row)")
     if plan.recompute:

@@ -9,7 +9,9 @@ Per layer and window (sums over every training forward of the window, every micr
     max_rank_load            the busiest expert-parallel rank's routed rows over the mean rank's (1.0 balanced and
                              at ep_size 1; ep_size when one rank takes all): each expert's routed choices (before
                              capacity drops) go to the ranks that compute it by rank_shares (an expert sliced over
-                             ranks gives each its share); per rank position of the ep group, summed over the ep groups
+                             ranks gives each its share); with replicas (redundant_experts) the kept rows of a
+                             replicated expert count where they were computed, its copies' ranks included; per rank
+                             position of the ep group, summed over the ep groups
     experts_without_tokens   how many experts got no token
     dropped_fraction         routed choices dropped by capacity, over all choices
     capacity_used            kept choices over the capacity's slots
@@ -70,7 +72,7 @@ class RoutingMonitor:
                 window = self.windows[name]
                 if window is None or window.device_sums.device != layer._routing[0].device:
                     window = self.windows[name] = _Window(layer.config.num_experts, layer._routing[0].device,
-                                                          window)
+                                                          window, layer.config.ep_size)
                 with torch.no_grad():
                     _add_forward(window, layer, args, kwargs)
         # eager under torch.compile (a graph break per layer): the window outlives the step, which a CUDA graph's
@@ -87,7 +89,7 @@ class RoutingMonitor:
         device = next(iter(self.layers.values())).router.weight_ED.device
         parts, sizes = [], []
         for name, layer in self.layers.items():
-            window = self.windows[name] or _Window(layer.config.num_experts, device)
+            window = self.windows[name] or _Window(layer.config.num_experts, device, ep_size=layer.config.ep_size)
             host = torch.tensor([window.host[key] for key in HOST_SUMS], dtype=torch.float64)
             parts += [window.device_sums.to(device), host.to(device)]
             sizes.append(parts[-2].numel() + len(HOST_SUMS))
@@ -115,12 +117,14 @@ class RoutingMonitor:
 
 
 class _Window:
-    """One layer's sums since the last read: device_sums (load_E, kept_E, DEVICE_SUMS; float64) with a view on
-    each part made once, and host, HOST_SUMS as numbers. A window moved to another device is carried over."""
+    """One layer's sums since the last read: device_sums (load_E, kept_E, DEVICE_SUMS, moved_W; float64) with a
+    view on each part made once, and host, HOST_SUMS as numbers. moved_W: with replicas, the kept rows each ep rank
+    computes beyond what its own experts' would be (negative on the owners of replicated experts). A window moved to
+    another device is carried over."""
 
-    def __init__(self, num_experts: int, device: torch.device, old: Optional["_Window"] = None):
+    def __init__(self, num_experts: int, device: torch.device, old: Optional["_Window"] = None, ep_size: int = 1):
         E = num_experts
-        self.device_sums = torch.zeros(2 * E + len(DEVICE_SUMS), dtype=torch.float64, device=device)
+        self.device_sums = torch.zeros(2 * E + len(DEVICE_SUMS) + ep_size, dtype=torch.float64, device=device)
         self.host = dict.fromkeys(HOST_SUMS, 0.0)
         if old is not None:
             self.device_sums += old.device_sums.to(device)
@@ -130,6 +134,7 @@ class _Window:
         # to those after the first call
         self.slots, self.entropy, self.balance_loss, self.z_loss = (self.device_sums[i:i + 1]
                                                                     for i in range(2 * E, 2 * E + len(DEVICE_SUMS)))
+        self.moved_W = self.device_sums[2 * E + len(DEVICE_SUMS):]
 
 
 def _named_sums(layer: MoELayer, device_sums, host: dict) -> dict:
@@ -141,7 +146,11 @@ def _named_sums(layer: MoELayer, device_sums, host: dict) -> dict:
     load = device_sums[:E]
     layout = layer.groups.layout
     shares_EW = _shares(E, layout.ep_size, load.device if torch.is_tensor(load) else torch.device("cpu"))
-    sums = {"load": load, "kept": device_sums[E:2 * E], "rank_rows": rank_rows(load, shares_EW),
+    rows = rank_rows(load, shares_EW)
+    if cfg.redundant_experts:        # the rows that went to copies, moved from the owners
+        moved = device_sums[2 * E + len(DEVICE_SUMS):]
+        rows = rows + moved if torch.is_tensor(rows) else [a + b for a, b in zip(rows, moved)]
+    sums = {"load": load, "kept": device_sums[E:2 * E], "rank_rows": rows,
             "choices": host["choices"],
             "slots": device["slots"] + host["slots"], "entropy": device["entropy"], "tokens": host["tokens"],
             "balance_loss": device["balance_loss"], "z_loss": device["z_loss"], "forwards": host["forwards"]}
@@ -235,6 +244,10 @@ def _add_forward(window: _Window, layer: MoELayer, args: tuple, kwargs: dict) ->
     load_E, kept_E, capacity_factor, fixed, num_tokens, top_k = layer._routing
     window.load_E += load_E
     window.kept_E += kept_E
+    split_rows = layer._parallel_stats.get("rank_rows")
+    if split_rows is not None:      # replicas: this forward's kept rows per rank as split, less as owned
+        owned_W = kept_E.to(torch.float64) @ _shares(cfg.num_experts, cfg.ep_size, kept_E.device)
+        window.moved_W.add_(torch.tensor(split_rows, dtype=torch.float64).to(kept_E.device) - owned_W)
     if capacity_factor > 0:
         window.host["slots"] += fixed * cfg.num_experts
     elif capacity_factor == 0:
