@@ -252,6 +252,30 @@ def test_hf_trainer_resumes_from_its_deepspeed_checkpoint(trainer_runs):
             assert torch.equal(final["resumed"][name], first), name
 
 
+@pytest.mark.timeout(400)
+def test_hf_trainer_resumes_a_deepspeed_checkpoint_at_another_world_size_as_the_uninterrupted_run(tmp_path):
+    """Issue 54 item 4: Trainer + DeepSpeed ZeRO-2 on a swapped Mixtral, saved at step 2 on 2 processes (ep_size 2),
+    resumed with trainer.train(resume_from_checkpoint=...) on 1 process (ep_size 1) from other starting weights: after
+    step 3 every parameter equals the 2-process run's that never stopped (the same 8 sequences per step; Adam's
+    moments, step and the linear LR schedule carried over)."""
+    import subprocess
+
+    from helpers.workers import hf_trainer_reshard_worker as worker
+    for world, mode in ((2, "save"), (1, "resume")):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                   worker.__file__, str(tmp_path), mode]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    want, got = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "resumed.pt")
+    assert got["step"] == want["step"] == 3 and got["lr"] == want["lr"]
+    assert got["params"].keys() == want["params"].keys()
+    assert any(".experts." in name and tensor.shape[0] == 6 for name, tensor in want["params"].items())
+    for name, tensor in want["params"].items():
+        rel = ((got["params"][name] - tensor).norm() / tensor.norm()).item()
+        assert rel < 1e-4, (name, rel)
+
+
 # errors, in this process: they are raised before DeepSpeed starts anything
 
 
