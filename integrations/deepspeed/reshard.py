@@ -109,6 +109,10 @@ class SavedState:
         optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
 
+    def close(self) -> None:
+        """Let go of the mapped files (their pages count in the process's resident memory while mapped)."""
+        self._files.clear()
+
     def _load(self, name: str):
         if name not in self._files:
             self._files[name] = torch.load(os.path.join(self.folder, name), map_location="cpu", mmap=True,
@@ -203,6 +207,7 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
                 optimizer.state[param] = {key: value.to(param.device) for key, value in state.items()}
     else:
         raise ValueError(f"cannot convert the optimizer state into a {type(optimizer).__name__}")
+    source.close()
     if dist.is_initialized():
         dist.barrier()
 
