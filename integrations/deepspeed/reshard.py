@@ -59,17 +59,17 @@ def _precision(engine) -> str:
 
 def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
     """Why the optimizer state saved in one layout cannot be converted to the other; None when it can."""
-    for layout, which in ((saved, "saved"), (current, "this run's")):
+    for layout, whose in ((saved, "the saved"), (current, "this run's")):
         if layout.get("zero_stage") not in (0, 1, 2):
-            return f"the {which} ZeRO stage is {layout.get('zero_stage')} (converted: 0, 1, 2)"
+            return f"{whose} ZeRO stage is {layout.get('zero_stage')} (converted: 0, 1, 2)"
         if layout.get("pipeline_stages") != 1:
-            return f"the {which} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
+            return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
         if layout.get("dtype") != "fp32":
-            return f"the {which} run trains in {layout.get('dtype') or 'an unrecorded precision'} (converted: fp32)"
+            return f"{whose} precision is {layout.get('dtype') or 'not recorded'} (converted: fp32)"
         if len(set(layout["ep_size"].values())) > 1:
-            return f"the {which} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
+            return f"{whose} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
         if layout.get("zero_stage") == 0 and "optimizer_names" not in layout:
-            return f"the {which} ZeRO-0 optimizer is not a torch optimizer"
+            return f"{whose} ZeRO-0 optimizer is not a torch optimizer"
     if set(saved["experts"]) != set(current["experts"]):
         return (f"the expert parameters' names differ ({sorted(set(saved['experts']) ^ set(current['experts']))[:3]}"
                 f"...): experts kept as one module each change names with ep_size")

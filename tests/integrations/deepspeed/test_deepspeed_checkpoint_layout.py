@@ -214,8 +214,8 @@ def test_a_checkpoint_loads_at_another_zero_stage_0_to_2_and_zero_3_stops_with_o
     for (saved_stage, stage), got in one[0]["restaged"].items():
         if 3 in (saved_stage, stage):
             assert isinstance(got, str) and "\n" not in got, (saved_stage, stage, got)
-            which = "saved" if saved_stage == 3 else "this run's"
-            assert f"cannot be converted: the {which} ZeRO stage is 3 (converted: 0, 1, 2)" in got, got
+            whose = "the saved" if saved_stage == 3 else "this run's"
+            assert f"cannot be converted: {whose} ZeRO stage is 3 (converted: 0, 1, 2)" in got, got
             continue
         want = want_next[saved_stage, 2, 2]
         assert isinstance(got, torch.Tensor), (saved_stage, stage, got)
@@ -394,3 +394,28 @@ def test_the_world_size_may_change_only_where_no_rank_holds_a_partition():
                     {**base, "zero_stage": 1, "partitioned": True, "world_size": 4})
     assert not fits(base, {**base, "ep_size": {"a": 2}}) and not fits(base, {**base, "pipeline_stages": 2})
     assert not fits(base, {**base, "zero_stage": 1, "partitioned": True})
+
+
+def test_what_cannot_be_converted_is_named_and_what_can_is_not():
+    """reshard_refusal, the reason layout.py's error gives (None: the optimizer state is converted at load)."""
+    from moe_plugin.integrations.deepspeed.reshard import reshard_refusal
+    expert = "blocks.0.ffn.moe.deepspeed_moe.experts.w1_EDH"
+    base = {"world_size": 2, "zero_stage": 2, "pipeline_stages": 1, "ep_size": {"blocks.0.ffn.moe": 2},
+            "dtype": "fp32", "experts": {expert: [2, 32, 64]}}
+    to_one = {**base, "world_size": 1, "ep_size": {"blocks.0.ffn.moe": 1}, "experts": {expert: [4, 32, 64]}}
+    assert reshard_refusal(base, to_one) is None
+    assert reshard_refusal(base, {**to_one, "zero_stage": 0, "optimizer_names": [[expert]]}) is None
+    refused = {
+        "the saved ZeRO stage is 3 (converted: 0, 1, 2)": ({**base, "zero_stage": 3}, to_one),
+        "this run's ZeRO stage is 3": (base, {**to_one, "zero_stage": 3}),
+        "the saved layout has 2 pipeline stages (converted: 1)": ({**base, "pipeline_stages": 2}, to_one),
+        "this run's precision is bf16 (converted: fp32)": (base, {**to_one, "dtype": "bf16"}),
+        "the saved precision is not recorded": ({k: v for k, v in base.items() if k != "dtype"}, to_one),
+        "the saved MoE layers have different ep_sizes": ({**base, "ep_size": {"a": 2, "b": 1}}, to_one),
+        "this run's ZeRO-0 optimizer is not a torch optimizer": (base, {**to_one, "zero_stage": 0}),
+        "the expert parameters' names differ": (base, {**to_one, "experts": {"other": [4, 32, 64]}}),
+        "not whole experts stacked first": (base, {**to_one, "experts": {expert: [2, 32, 64]}}),
+    }
+    for reason, (saved, current) in refused.items():
+        got = reshard_refusal(saved, current)
+        assert got is not None and reason in got, (reason, got)
