@@ -1,12 +1,13 @@
 """Run under torchrun by test_deepspeed_hf.py: HF Trainer with DeepSpeed (ZeRO-2, Adam with eps 1e-6, a linear LR
 schedule) on a swapped Mixtral at ep_size = the world size, 8 sequences per step over the world.
 
-    torchrun --nproc_per_node W hf_trainer_reshard_worker.py OUT_DIR save|resume
+    torchrun --nproc_per_node W hf_trainer_reshard_worker.py OUT_DIR save|resume [OUT_DIR save|resume ...]
 
 save: 3 steps, a checkpoint at step 2 (OUT_DIR/run/checkpoint-2); writes reference.pt, every parameter after step 3
 (HF names, all experts gathered): the uninterrupted run's next step after the checkpoint.
 resume: from other starting weights, trainer.train(resume_from_checkpoint=OUT_DIR/run/checkpoint-2) to step 3 in
-this world; writes resumed.pt the same way.
+this world; writes resumed.pt the same way. Several runs (two arguments each) go one after another in the same
+processes.
 """
 import os
 import sys
@@ -44,5 +45,6 @@ def main(out_dir, mode):
 
 if __name__ == "__main__":
     from helpers.workers import leave_together
-    main(sys.argv[1], sys.argv[2])
+    for at in range(1, len(sys.argv), 2):
+        main(sys.argv[at], sys.argv[at + 1])
     leave_together()
