@@ -97,8 +97,8 @@ def _tag_folder(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 
 def check_layout_on_load(engine) -> None:
-    """Make engine.save_checkpoint record the layout and engine.load_checkpoint refuse an optimizer state written in
-    another one (idempotent)."""
+    """Make engine.save_checkpoint record the layout and engine.load_checkpoint convert an optimizer state written in
+    another one (reshard.py), or refuse it where it cannot (idempotent)."""
     if getattr(engine, _WRAPPED, False):
         return
     save, load = engine.save_checkpoint, engine.load_checkpoint
