@@ -7,7 +7,8 @@ groups and calls deepspeed.initialize.
 One job per file: section.py (the "moe" section's keys and validation), native.py (the native layer `MoE`
 and swap_moe_layers), hf.py (Hugging Face blocks under DeepSpeed), zero3.py (ZeRO stage 3 placement),
 model.py (a small native-MoE demo model and its synthetic task), layout.py (checkpoints' layout, checked at load),
-consolidate.py (zero_to_fp32 for expert-parallel checkpoints).
+reshard.py (a checkpoint's optimizer state converted to another layout at load), consolidate.py (zero_to_fp32 for
+expert-parallel checkpoints).
 """
 from __future__ import annotations
 

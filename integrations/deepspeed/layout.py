@@ -1,18 +1,22 @@
-"""The layout a DeepSpeed MoE checkpoint was written in: recorded at save, checked at load.
+"""The layout a DeepSpeed MoE checkpoint was written in: recorded at save, checked (and converted) at load.
 
 DeepSpeed's optimizer state fits only the layout that wrote it: at ZeRO 1-3 each data-parallel rank's file holds its
 flat partition of every optimizer group (an expert group split over world / ep_size ranks), and at every stage each
 expert-parallel rank's state holds the moments of its own experts. DeepSpeed checks the dense data-parallel size
 only, so loading at another ep_size on the same processes went through and trained on misplaced moments (ZeRO-2,
 ep_size 2 -> 1: the next step 0.93 relative off, DESIGN.md). For the engines initialize returns (MoE models),
-engine.save_checkpoint writes LAYOUT_FILE into the tag folder, and engine.load_checkpoint compares it with the current
-layout before DeepSpeed reads anything: an optimizer state that does not fit stops with one ValueError naming both
-layouts and the way forward. Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked:
-DeepSpeed moves the weights to any layout (one file per expert).
-
-What fits: the same ZeRO stage, pipeline stages and every MoE layer's ep_size, and the same world size wherever the
-optimizer state is split over data-parallel ranks (ZeRO 1-3, and bf16 at ZeRO 0: DeepSpeed's BF16_Optimizer). Plain
-ZeRO 0 keeps the whole state on every rank of an expert-parallel group, so the world size may change there.
+engine.save_checkpoint writes LAYOUT_FILE into the tag folder (the layout, and what reshard.py needs to read the
+files in another one), and engine.load_checkpoint compares it with the current layout before DeepSpeed reads
+anything:
+- the same layout: DeepSpeed loads everything, as without moe_plugin;
+- another world size, ep_size or ZeRO stage (0-2, fp32): DeepSpeed loads the weights, the LR scheduler and the step
+  counters, and reshard.py converts the optimizer state (masters, moments, step, the groups' settings);
+- anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 3, pipeline stages, fp16 or
+  bf16, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
+  expert-parallel group, so the world size may change there).
+Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
+to any layout (one file per expert). DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are
+refused for MoE models: they do not carry DeepSpeed MoE layers' experts.
 """
 from __future__ import annotations
 
@@ -24,11 +28,17 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoELayer
+from moe_plugin.integrations.deepspeed.reshard import load_optimizer_state, reshard_refusal, save_time_record
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
 
 LAYOUT_FILE = "moe_plugin_layout.json"
+UNIVERSAL_REFUSED = (
+    "\"checkpoint\": {\"load_universal\": true} with MoE layers: DeepSpeed's universal checkpoints (ds_to_universal) "
+    "do not carry DeepSpeed MoE layers' experts (DeepSpeed issue 5716); remove load_universal and load the regular "
+    "checkpoint with engine.load_checkpoint(dir), which converts its optimizer state to this run's layout "
+    "(world size, ep_size, ZeRO stage 0-2)")
 _WRAPPED = "_moe_plugin_layout_checked"
 
 
@@ -65,6 +75,10 @@ def fits(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:
     return same and (not partitioned or saved.get("world_size") == current["world_size"])
 
 
+def same(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:
+    return all(saved.get(key) == current[key] for key in ("world_size", "zero_stage", "pipeline_stages", "ep_size"))
+
+
 def describe(layout: Dict[str, Any]) -> str:
     sizes = sorted(set(layout.get("ep_size", {}).values()))
     ep = f"ep_size {sizes[0]}" if len(sizes) == 1 else f"ep_size by layer {layout.get('ep_size')}"
@@ -83,8 +97,8 @@ def _tag_folder(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 
 def check_layout_on_load(engine) -> None:
-    """Make engine.save_checkpoint record the layout and engine.load_checkpoint refuse an optimizer state written in
-    another one (idempotent)."""
+    """Make engine.save_checkpoint record the layout and engine.load_checkpoint convert an optimizer state written in
+    another one (reshard.py), or refuse it where it cannot (idempotent)."""
     if getattr(engine, _WRAPPED, False):
         return
     save, load = engine.save_checkpoint, engine.load_checkpoint
@@ -94,17 +108,24 @@ def check_layout_on_load(engine) -> None:
         if _writer(engine):   # before DeepSpeed's save, which ends when every rank has written
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
-                json.dump(checkpoint_layout(engine), f)
+                json.dump({**checkpoint_layout(engine), **save_time_record(engine)}, f)
         return save(save_dir, tag, *args, **kwargs)
 
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         folder = _tag_folder(load_dir, tag)
+        if engine.load_universal_checkpoint() and ep_sizes(engine.module):
+            raise ValueError(UNIVERSAL_REFUSED)
+        saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
-            check_layout(folder, checkpoint_layout(engine))
-        return load(load_dir, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-                    load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                    custom_load_fn=custom_load_fn)
+            saved = check_layout(folder, current)
+        result = load(load_dir, tag, load_module_strict=load_module_strict,
+                      load_optimizer_states=load_optimizer_states and saved is None,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                      custom_load_fn=custom_load_fn)
+        if saved is not None:
+            load_optimizer_state(engine, folder, saved, current)
+        return result
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
     setattr(engine, _WRAPPED, True)
@@ -117,16 +138,23 @@ def _writer(engine) -> bool:
     return bool(engine.use_node_local_storage()) and int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
-def check_layout(folder: str, current: Dict[str, Any]) -> None:
-    """ValueError unless the optimizer state in folder (a tag folder holding LAYOUT_FILE) fits current."""
+def check_layout(folder: str, current: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """None where DeepSpeed may load the optimizer state in folder (a tag folder holding LAYOUT_FILE) as it is; the
+    saved layout where reshard.py converts it to current; otherwise a ValueError naming both layouts and why."""
     path = os.path.join(folder, LAYOUT_FILE)
     if not os.path.isfile(path):
-        return   # written without moe_plugin's engine (or before this check existed): DeepSpeed's own checks only
+        return None   # written without moe_plugin's engine (or before this check existed): DeepSpeed's own checks
     with open(path) as f:
         saved = json.load(f)
-    if not fits(saved, current):
-        raise ValueError(
-            f"the optimizer state in {folder} was saved with {describe(saved)} and does not fit this run's "
-            f"{describe(current)}: DeepSpeed would load it onto the wrong parameters; load the weights only with "
-            f"engine.load_checkpoint(..., load_optimizer_states=False) (the optimizer's moments and step start "
-            f"over), or resume with the saved layout")
+    if same(saved, current):
+        return None
+    why = reshard_refusal(saved, current)
+    if why is None:
+        return saved
+    if fits(saved, current):
+        return None
+    raise ValueError(
+        f"the optimizer state in {folder} was saved with {describe(saved)} and does not fit this run's "
+        f"{describe(current)}, and it cannot be converted: {why}; load the weights only with "
+        f"engine.load_checkpoint(..., load_optimizer_states=False) (the optimizer's moments and step start "
+        f"over), or resume with the saved layout")

@@ -2,11 +2,9 @@
 
 DeepSpeed writes each expert to its own file (layer_<L>_expert_<global id>_mp_rank_00_model_states.pt)
 and, on load, each rank reads the files of the experts its current ep rank holds: the weights move
-to another ep_size. Its optimizer states are one file per data-parallel rank
-(zero_pp_rank_<R>_mp_rank_00_optim_states.pt) holding that rank's flat partition, laid out by the
-parameters that rank held, so they only fit the layout that wrote them (DeepSpeed's universal
-checkpoints, which reshard optimizer states, skip MoE: DeepSpeed issue 5716). Across ep sizes load
-the weights only (load_optimizer_states=False or load_module_only=True); the optimizer starts fresh.
+to another ep_size. Here: weights-only loads (load_optimizer_states=False or load_module_only=True), whose
+optimizer starts fresh. A plain load moves the optimizer state too (layout.py and reshard.py convert DeepSpeed's
+per-rank optimizer files, which fit only the layout that wrote them): test_deepspeed_checkpoint_layout.py.
 """
 import os
 

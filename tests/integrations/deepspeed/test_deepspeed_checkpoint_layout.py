@@ -1,11 +1,13 @@
-"""DeepSpeed MoE checkpoints against the layout they are loaded in, and ZeRO-1/2 consolidation of their experts.
+"""DeepSpeed MoE checkpoints loaded in another layout, and ZeRO-1/2 consolidation of their experts.
 
-A model of `deepspeed.moe.layer.MoE` layers with a "moe" section (backend tutel, dropless, Adam with eps 1e-6, fp32,
-no balance loss in the objective) trains 4 steps and saves at ZeRO 0-3, on 2 gloo processes at ep_size 2 and 1.
-Every combination that reaches engine.load_checkpoint is loaded: on the same 2 processes at the same and the other
-ep_size, and on 1 process (ep_size 1). Each load either continues as the uninterrupted run in the saved layout does
-(its next step on the same global batch; a probe's outputs) or stops with the one-line ValueError naming both layouts
-and load_optimizer_states=False (layout.py). None is silent.
+A model of `deepspeed.moe.layer.MoE` layers with a "moe" section (backend tutel, dropless, Adam with eps 1e-6 and a
+WarmupLR schedule, fp32, no balance loss in the objective) trains 4 steps and saves at ZeRO 0-3: on 2 gloo processes
+at ep_size 2 and 1, and on 1 process. Every checkpoint is loaded with plain engine.load_checkpoint(dir) on 2 processes
+at ep_size 2 and 1 and on 1 process (the 2-process ones), and at another ZeRO stage. Each load either continues as
+the uninterrupted run in the saved layout does (its next step on the same global batch; a probe's outputs, rel 1e-4,
+exact in the same layout), with every parameter's moments and fp32 master gathered whole bit-equal to the saved
+run's, or (ZeRO 3 in another layout) stops with the one-line ValueError naming both layouts, why, and
+load_optimizer_states=False. None is silent.
 
 The ZeRO-1/2 checkpoints at ep_size 2 consolidate (DeepSpeed's get_fp32_state_dict_from_zero_checkpoint with the hook
 on, and `python -m moe_plugin.integrations.deepspeed.zero_to_fp32`) into every expert whole, equal to the weights
@@ -27,13 +29,17 @@ STAGES = (0, 1, 2, 3)
 STEPS = 4
 
 
-def _engine(stage, ep_size, micro_batch):
+def _engine(stage, ep_size, micro_batch, universal=False):
     import moe_plugin.integrations.deepspeed as dsi
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM
     section = {"backend": "tutel", "num_experts": 4, "top_k": 2, "drop_tokens": False, "ep_size": ep_size}
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 10}},
               "zero_optimization": {"stage": stage}, "moe": section}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = dsi.initialize(model=MoETransformerLM(section, seed=1), config=config)
     return engine
 
@@ -61,18 +67,38 @@ def _probe(engine):
     return y
 
 
-def _gathered(engine):
-    """Every parameter whole (ZeRO 0-2): an expert tensor's local experts gathered over its expert-parallel ranks
-    (consecutive ranks: the group is the whole world at ep_size 2 on 2 processes)."""
+def _whole(param, tensor):
+    """tensor (param's piece of the model: an expert tensor's local experts) with every expert (consecutive ranks:
+    the expert-parallel group is the whole world at ep_size 2 on 2 processes)."""
     import torch.distributed as dist
+    if getattr(param, "allreduce", True) is False and dist.get_world_size() > 1 and param.group_name != "ep_size_1":
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+    return tensor
+
+
+def _gathered(engine):
+    """Every parameter whole (ZeRO 0-2)."""
+    return {name: _whole(param, param.detach().clone()) for name, param in engine.module.named_parameters()}
+
+
+def _moments(engine):
+    """Each parameter's fp32 master weight (ZeRO 1/2), exp_avg and exp_avg_sq, gathered whole (ZeRO 0-2)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    if engine.zero_optimization_stage() in (1, 2):
+        # DeepSpeed links each parameter to its state after the first step of group 0, before the later (expert)
+        # groups have state: safe_get_full_optimizer_state then fails on experts ("exp_avg not found")
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, param in engine.module.named_parameters():
-        tensor = param.detach().clone()
-        if getattr(param, "allreduce", True) is False and dist.get_world_size() > 1:
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, tensor)
-            tensor = torch.cat(parts)
-        out[name] = tensor
+        if engine.zero_optimization_stage() == 0:
+            state = {key: engine.optimizer.state[param][key].clone() for key in ("exp_avg", "exp_avg_sq")}
+        else:
+            state = {key: safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")}
+            state["fp32"] = safe_get_full_fp32_param(param)
+        out[name] = {key: _whole(param, value) for key, value in state.items()}
     return out
 
 
@@ -80,68 +106,143 @@ def _source(directory, stage, world, ep_size):
     return os.path.join(directory, f"zero{stage}_world{world}_ep{ep_size}")
 
 
-def layout_worker(rank, world, directory):
-    """On 2 processes: save at every stage and ep_size (the uninterrupted next step kept), then load each checkpoint at
-    each ep_size. On 1 process: load each 2-process checkpoint. Results keyed by (stage, saved ep, loaded ep)."""
+SAVED = {2: ((2, 2), (2, 1), (1, 1)), 1: ((2, 2), (2, 1))}   # (world, ep_size) of the checkpoints each world loads
+RESTAGED = ((0, 1), (1, 2), (2, 0), (3, 2), (2, 3))           # (saved, loaded) ZeRO stage, on 1 process at ep_size 1
+
+
+def _load_and_step(engine, folder, world, rank):
+    """The probe after the next step, or the load's ValueError."""
+    try:
+        engine.load_checkpoint(folder)   # the tag from 'latest'
+    except ValueError as error:
+        return str(error)
+    _step(engine, world, rank, STEPS)
+    return _probe(engine)
+
+
+def layout_worker(rank, world, directory, save):
+    """Save at every stage (on 2 processes at ep_size 2 and 1, on 1 at ep_size 1), keeping the moments and the
+    uninterrupted run's next step; or load each checkpoint of SAVED at each ep_size, keeping the moments as loaded
+    and the next step. Results keyed by (stage, saved world, saved ep, loaded ep)."""
     from helpers.deepspeed import setup_worker
     os.environ["MOE_PLUGIN_KERNELS"] = "torch"
     setup_worker(rank, world)
-    report = {"next": {}, "loaded": {}, "gathered": {}}
+    report = {"next": {}, "loaded": {}, "gathered": {}, "moments": {}, "steps": {}, "restaged": {}}
     for stage in STAGES:
-        if world == 2:
-            for ep_size in (2, 1):
-                engine = _engine(stage, ep_size, 8)
+        if save:
+            for ep_size in ((2, 1) if world == 2 else (1,)):
+                engine = _engine(stage, ep_size, 16 // world)
                 for step in range(STEPS):
                     _step(engine, world, rank, step)
                 engine.save_checkpoint(_source(directory, stage, world, ep_size), tag="global_step4")
                 if stage in (1, 2) and ep_size == 2:
                     report["gathered"][stage] = _gathered(engine)
+                if stage < 3:
+                    report["moments"][stage, world, ep_size] = _moments(engine)
                 _step(engine, world, rank, STEPS)
-                report["next"][stage, ep_size] = _probe(engine)
-        for saved_ep in (2, 1):
+                report["next"][stage, world, ep_size] = _probe(engine)
+            continue
+        for saved_world, saved_ep in SAVED[world]:
             for loaded_ep in ((2, 1) if world == 2 else (1,)):
+                case = stage, saved_world, saved_ep, loaded_ep
                 engine = _engine(stage, loaded_ep, 16 // world)
                 try:
-                    engine.load_checkpoint(_source(directory, stage, 2, saved_ep))   # the tag from 'latest'
+                    engine.load_checkpoint(_source(directory, stage, saved_world, saved_ep))   # the tag from 'latest'
                 except ValueError as error:
-                    report["loaded"][stage, saved_ep, loaded_ep] = str(error)
+                    report["loaded"][case] = str(error)
                     continue
+                report["steps"][case] = (engine.global_steps, engine.global_samples, engine.get_lr())
+                if stage < 3:
+                    report["moments"][case] = _moments(engine)
                 _step(engine, world, rank, STEPS)
-                report["loaded"][stage, saved_ep, loaded_ep] = _probe(engine)
+                report["loaded"][case] = _probe(engine)
+    if world == 1 and not save:
+        for saved_stage, stage in RESTAGED:
+            folder = _source(directory, saved_stage, 2, 2)
+            report["restaged"][saved_stage, stage] = _load_and_step(_engine(stage, 1, 16), folder, world, rank)
+        report["universal"] = _load_and_step(_engine(2, 1, 16, universal=True), _source(directory, 2, 2, 2), world,
+                                             rank)
     return report
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("layouts"))
-    two = run_workers(layout_worker, 2, directory, timeout=600)
-    one = run_workers(layout_worker, 1, directory, timeout=300)
-    return directory, two, one
+    saved_one = run_workers(layout_worker, 1, directory, True, timeout=300)
+    saved_two = run_workers(layout_worker, 2, directory, True, timeout=600)
+    two = run_workers(layout_worker, 2, directory, False, timeout=600)
+    one = run_workers(layout_worker, 1, directory, False, timeout=300)
+    return directory, {**saved_one[0]["next"], **saved_two[0]["next"]}, two, one, saved_one, saved_two
 
 
-def _fits(stage, saved_ep, loaded_ep, world):
-    return saved_ep == loaded_ep and (world == 2 or stage == 0)
+def _fits(stage, saved_world, saved_ep, loaded_ep, world):
+    return saved_ep == loaded_ep and (world == saved_world or stage == 0)
 
 
 @pytest.mark.timeout(900)
 def test_each_load_continues_as_the_saved_layout_or_stops_with_one_line_naming_both(runs):
-    _, two, one = runs
+    """ZeRO 0-2 load at every other world size and ep_size with the optimizer state converted; ZeRO 3 in the saved
+    layout only, otherwise layout.py's error."""
+    _, want_next, two, one, _, _ = runs
     checked = []
     for world, report in ((2, two[0]), (1, one[0])):
-        for (stage, saved_ep, loaded_ep), got in report["loaded"].items():
-            case = f"ZeRO-{stage}, saved on 2 processes at ep_size {saved_ep}, loaded on {world} at {loaded_ep}"
-            if _fits(stage, saved_ep, loaded_ep, world):
-                want = two[0]["next"][stage, saved_ep]
+        for (stage, saved_world, saved_ep, loaded_ep), got in report["loaded"].items():
+            case = (f"ZeRO-{stage}, saved on {saved_world} process(es) at ep_size {saved_ep}, loaded on {world} at "
+                    f"{loaded_ep}")
+            if stage < 3 or _fits(stage, saved_world, saved_ep, loaded_ep, world):
+                want = want_next[stage, saved_world, saved_ep]
                 assert isinstance(got, torch.Tensor), f"{case}: {got}"
                 rel = ((got - want).norm() / want.norm()).item()
-                assert rel < 1e-4 if world == 1 else rel == 0, (case, rel)
+                exact = _fits(stage, saved_world, saved_ep, loaded_ep, world) and world == saved_world
+                assert rel == 0 if exact else rel < 1e-4, (case, rel)
+                assert report["steps"][stage, saved_world, saved_ep, loaded_ep][:2] == (STEPS, 16 * STEPS), case
             else:
                 assert isinstance(got, str), f"{case}: loaded"
                 assert "\n" not in got and "load_optimizer_states=False" in got, (case, got)
-                assert f"saved with world size 2, ep_size {saved_ep}, ZeRO stage {stage}, 1 pipeline stage" in got
+                assert "cannot be converted: the saved ZeRO stage is 3" in got, (case, got)
+                assert (f"saved with world size {saved_world}, ep_size {saved_ep}, ZeRO stage {stage}, 1 pipeline "
+                        f"stage") in got, (case, got)
                 assert f"this run's world size {world}, ep_size {loaded_ep}, ZeRO stage {stage}" in got, (case, got)
-            checked.append((world, stage, saved_ep, loaded_ep))
-    assert len(checked) == len(STAGES) * (4 + 2), checked
+            checked.append((world, stage, saved_world, saved_ep, loaded_ep))
+    assert len(checked) == len(STAGES) * (3 * 2 + 2), checked
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_loads_at_another_zero_stage_0_to_2_and_zero_3_stops_with_one_line(runs):
+    """Saved on 2 processes at ep_size 2, loaded on 1 at ep_size 1 and another ZeRO stage."""
+    _, want_next, _, one, _, _ = runs
+    for (saved_stage, stage), got in one[0]["restaged"].items():
+        if 3 in (saved_stage, stage):
+            assert isinstance(got, str) and "\n" not in got, (saved_stage, stage, got)
+            whose = "the saved" if saved_stage == 3 else "this run's"
+            assert f"cannot be converted: {whose} ZeRO stage is 3 (converted: 0, 1, 2)" in got, got
+            continue
+        want = want_next[saved_stage, 2, 2]
+        assert isinstance(got, torch.Tensor), (saved_stage, stage, got)
+        assert ((got - want).norm() / want.norm()).item() < 1e-4, (saved_stage, stage)
+    assert len(one[0]["restaged"]) == len(RESTAGED)
+
+
+@pytest.mark.timeout(900)
+def test_deepspeed_s_universal_load_is_refused_for_moe_models_naming_why(runs):
+    from moe_plugin.integrations.deepspeed.layout import UNIVERSAL_REFUSED
+    assert runs[3][0]["universal"] == UNIVERSAL_REFUSED
+    assert "issue 5716" in UNIVERSAL_REFUSED and "engine.load_checkpoint(dir)" in UNIVERSAL_REFUSED
+
+
+@pytest.mark.timeout(900)
+def test_each_converted_load_holds_the_saved_moments_and_master_weights_bit_for_bit(runs):
+    _, _, two, one, saved_one, saved_two = runs
+    saved = {**saved_one[0]["moments"], **saved_two[0]["moments"]}
+    cases = [(case, moments) for report in (two[0], one[0]) for case, moments in report["moments"].items()]
+    assert len(cases) == 3 * (3 * 2 + 2), [case for case, _ in cases]
+    for (stage, saved_world, saved_ep, loaded_ep), got in cases:
+        want = saved[stage, saved_world, saved_ep]
+        assert got.keys() == want.keys()
+        for name, state in want.items():
+            assert state.keys() == got[name].keys() and len(state) == (2 if stage == 0 else 3), name
+            for key, tensor in state.items():
+                assert torch.equal(got[name][key], tensor), (stage, saved_world, saved_ep, loaded_ep, name, key)
 
 
 @pytest.mark.timeout(900)
@@ -150,8 +251,8 @@ def test_zero12_expert_checkpoints_consolidate_into_the_gathered_experts(runs, s
     from deepspeed.utils import zero_to_fp32
 
     from moe_plugin.integrations.deepspeed import consolidate
-    directory, two, _ = runs
-    want = two[0]["gathered"][stage]
+    directory, _, _, _, _, saved_two = runs
+    want = saved_two[0]["gathered"][stage]
     assert want["blocks.0.ffn.moe.deepspeed_moe.experts.w1_EDH"].shape[0] == 4   # every expert
     source = _source(directory, stage, 2, 2)
     consolidate.patch_zero_to_fp32()
@@ -293,3 +394,28 @@ def test_the_world_size_may_change_only_where_no_rank_holds_a_partition():
                     {**base, "zero_stage": 1, "partitioned": True, "world_size": 4})
     assert not fits(base, {**base, "ep_size": {"a": 2}}) and not fits(base, {**base, "pipeline_stages": 2})
     assert not fits(base, {**base, "zero_stage": 1, "partitioned": True})
+
+
+def test_what_cannot_be_converted_is_named_and_what_can_is_not():
+    """reshard_refusal, the reason layout.py's error gives (None: the optimizer state is converted at load)."""
+    from moe_plugin.integrations.deepspeed.reshard import reshard_refusal
+    expert = "blocks.0.ffn.moe.deepspeed_moe.experts.w1_EDH"
+    base = {"world_size": 2, "zero_stage": 2, "pipeline_stages": 1, "ep_size": {"blocks.0.ffn.moe": 2},
+            "dtype": "fp32", "experts": {expert: [2, 32, 64]}}
+    to_one = {**base, "world_size": 1, "ep_size": {"blocks.0.ffn.moe": 1}, "experts": {expert: [4, 32, 64]}}
+    assert reshard_refusal(base, to_one) is None
+    assert reshard_refusal(base, {**to_one, "zero_stage": 0, "optimizer_names": [[expert]]}) is None
+    refused = {
+        "the saved ZeRO stage is 3 (converted: 0, 1, 2)": ({**base, "zero_stage": 3}, to_one),
+        "this run's ZeRO stage is 3": (base, {**to_one, "zero_stage": 3}),
+        "the saved layout has 2 pipeline stages (converted: 1)": ({**base, "pipeline_stages": 2}, to_one),
+        "this run's precision is bf16 (converted: fp32)": (base, {**to_one, "dtype": "bf16"}),
+        "the saved precision is not recorded": ({k: v for k, v in base.items() if k != "dtype"}, to_one),
+        "the saved MoE layers have different ep_sizes": ({**base, "ep_size": {"a": 2, "b": 1}}, to_one),
+        "this run's ZeRO-0 optimizer is not a torch optimizer": (base, {**to_one, "zero_stage": 0}),
+        "the expert parameters' names differ": (base, {**to_one, "experts": {"other": [4, 32, 64]}}),
+        "not whole experts stacked first": (base, {**to_one, "experts": {expert: [2, 32, 64]}}),
+    }
+    for reason, (saved, current) in refused.items():
+        got = reshard_refusal(saved, current)
+        assert got is not None and reason in got, (reason, got)

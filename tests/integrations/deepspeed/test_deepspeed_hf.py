@@ -252,6 +252,33 @@ def test_hf_trainer_resumes_from_its_deepspeed_checkpoint(trainer_runs):
             assert torch.equal(final["resumed"][name], first), name
 
 
+@pytest.mark.timeout(400)
+def test_hf_trainer_resumes_a_deepspeed_checkpoint_at_another_world_size_as_the_uninterrupted_run(tmp_path):
+    """Issue 54 item 4: Trainer + DeepSpeed ZeRO-2 on a swapped Mixtral (ep_size = the world size), saved at step 2 on
+    2 processes and resumed with trainer.train(resume_from_checkpoint=...) on 1, and saved on 1 and resumed on 2,
+    each from other starting weights: after step 3 every parameter equals the run's that never stopped (the same 8
+    sequences per step; Adam's moments, step and the linear LR schedule carried over)."""
+    import subprocess
+
+    from helpers.workers import hf_trainer_reshard_worker as worker
+    two_to_one, one_to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
+    for world, runs in ((2, [two_to_one, "save"]), (1, [two_to_one, "resume", one_to_two, "save"]),
+                        (2, [one_to_two, "resume"])):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                   worker.__file__, *map(str, runs)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for folder in (two_to_one, one_to_two):
+        want, got = torch.load(folder / "saved.pt"), torch.load(folder / "resumed.pt")
+        assert got["step"] == want["step"] == 3 and got["lr"] == want["lr"], folder.name
+        assert got["params"].keys() == want["params"].keys()
+        assert any(".experts." in name and tensor.shape[0] == 6 for name, tensor in want["params"].items())
+        for name, tensor in want["params"].items():
+            rel = ((got["params"][name] - tensor).norm() / tensor.norm()).item()
+            assert rel < 1e-4, (folder.name, name, rel)
+
+
 # errors, in this process: they are raised before DeepSpeed starts anything
 
 

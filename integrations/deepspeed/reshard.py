@@ -1,0 +1,246 @@
+"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage 0-2).
+
+DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
+what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
+skipped_steps) and then `load_optimizer_state` rebuilds this rank's optimizer state from the saved files: for each of
+its parameters, the fp32 master weight and every optimizer state tensor (Adam's exp_avg, exp_avg_sq, step) as the
+saved run held it, put together from the saved ranks' pieces. Each rank reads only the pieces of its own parameters
+(files opened with mmap: untouched bytes are not read), one parameter at a time: no process holds the whole model.
+
+Where the saved pieces are:
+- ZeRO 0 (a torch optimizer): each expert-parallel rank's expp_rank_<e>_mp_rank_00_optim_states.pt holds the state
+  of every parameter in that rank's order, which LAYOUT_FILE records by name ("optimizer_names"); no separate
+  master weights (the weights are the masters in fp32).
+- ZeRO 1/2: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per optimizer group, its flat partition
+  of the masters and of each state tensor, and where each parameter's piece sits in it ("param_slice_mappings").
+  A dense group is split over all ranks, an expert group over its expert-data-parallel ranks; a parameter is its
+  pieces in rank order.
+An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
+cut from the saved ranks that held them.
+
+Not converted (layout.py stops with its error, naming why): ZeRO 3, pipeline stages, fp16/bf16, layers of different
+ep_sizes in one model, experts kept as one module each (their names change with ep_size) when ep_size changes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["reshard_refusal", "load_optimizer_state", "save_time_record", "ReadCounter"]
+
+MASTER = "fp32"     # the key of the master weights beside the optimizer's own state keys
+
+
+class ReadCounter:
+    """Bytes of saved tensors this process copied (benchmarks read it)."""
+    bytes = 0
+
+
+def save_time_record(engine) -> Dict[str, Any]:
+    """What LAYOUT_FILE records at save for a later conversion: the optimizer's parameter names in order (ZeRO 0,
+    whose files key state by position) and each expert parameter's local shape."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    record: Dict[str, Any] = {"experts": {n: list(p.shape) for n, p in engine.module.named_parameters()
+                                          if getattr(p, "allreduce", True) is False},
+                              "dtype": _precision(engine)}
+    if engine.zero_optimization_stage() == 0 and isinstance(engine.optimizer, torch.optim.Optimizer):
+        record["optimizer_names"] = [[names.get(id(p)) for p in group["params"]]
+                                     for group in engine.optimizer.param_groups]
+    return record
+
+
+def _precision(engine) -> str:
+    return "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+
+
+def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
+    """Why the optimizer state saved in one layout cannot be converted to the other; None when it can."""
+    for layout, whose in ((saved, "the saved"), (current, "this run's")):
+        if layout.get("zero_stage") not in (0, 1, 2):
+            return f"{whose} ZeRO stage is {layout.get('zero_stage')} (converted: 0, 1, 2)"
+        if layout.get("pipeline_stages") != 1:
+            return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
+        if layout.get("dtype") != "fp32":
+            return f"{whose} precision is {layout.get('dtype') or 'not recorded'} (converted: fp32)"
+        if len(set(layout["ep_size"].values())) > 1:
+            return f"{whose} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
+        if layout.get("zero_stage") == 0 and "optimizer_names" not in layout:
+            return f"{whose} ZeRO-0 optimizer is not a torch optimizer"
+    if set(saved["experts"]) != set(current["experts"]):
+        return (f"the expert parameters' names differ ({sorted(set(saved['experts']) ^ set(current['experts']))[:3]}"
+                f"...): experts kept as one module each change names with ep_size")
+    ep_saved, ep_now = _ep(saved), _ep(current)
+    for name, shape in current["experts"].items():
+        held = saved["experts"][name]
+        if ep_saved != ep_now and (held[0] * ep_saved != shape[0] * ep_now or held[1:] != shape[1:]):
+            return (f"expert parameter {name!r} holds {held} per rank at ep_size {ep_saved} and {shape} at "
+                    f"{ep_now}: not whole experts stacked first")
+    return None
+
+
+def _ep(layout: Dict[str, Any]) -> int:
+    return next(iter(layout["ep_size"].values()), 1)
+
+
+class SavedState:
+    """The saved run's optimizer state, one parameter at a time, from a tag folder written in layout `saved`."""
+
+    def __init__(self, folder: str, saved: Dict[str, Any]):
+        self.folder, self.saved = folder, saved
+        self.world, self.ep, self.stage = saved["world_size"], _ep(saved), saved["zero_stage"]
+        self._files: Dict[str, Any] = {}
+        if self.stage == 0:
+            self._position = {name: (g, i) for g, names in enumerate(saved["optimizer_names"])
+                              for i, name in enumerate(names)}
+        else:
+            model = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu", mmap=True,
+                               weights_only=False)
+            self._group = {name: g for g, shapes in enumerate(model["param_shapes"]) for name in shapes}
+            self._shape = {name: tuple(shape) for shapes in model["param_shapes"] for name, shape in shapes.items()}
+
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The saved optimizer's groups (their settings: lr as the scheduler last set it, betas, eps, ...)."""
+        if self.stage == 0:
+            return self._load("expp_rank_0_mp_rank_00_optim_states.pt")["optimizer"]["param_groups"]
+        optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        return optim["base_optimizer_state"]["param_groups"]
+
+    def close(self) -> None:
+        """Let go of the mapped files (their pages count in the process's resident memory while mapped)."""
+        self._files.clear()
+
+    def _load(self, name: str):
+        if name not in self._files:
+            self._files[name] = torch.load(os.path.join(self.folder, name), map_location="cpu", mmap=True,
+                                           weights_only=False)
+        return self._files[name]
+
+    def held(self, name: str, ep_rank: int) -> Dict[str, torch.Tensor]:
+        """Parameter name as the saved run's expert-parallel rank ep_rank held it (a dense one: whole): its state
+        tensors by key (MASTER too at ZeRO 1/2)."""
+        expert = name in self.saved["experts"]
+        if self.stage == 0:
+            state = self._load(f"expp_rank_{ep_rank if expert else 0}_mp_rank_00_optim_states.pt")["optimizer"]
+            g, i = self._position[name]
+            index = state["param_groups"][g]["params"][i]
+            return {key: _read(value) for key, value in state["state"][index].items()}
+        g = self._group[name]
+        ranks = [r for r in range(self.world) if r % self.ep == ep_rank] if expert and self.ep > 1 \
+            else list(range(self.world))
+        pieces: Dict[str, List[torch.Tensor]] = {}
+        step = None
+        for r in ranks:
+            optim = self._load(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            if len(optim["partition_count"]) <= g or optim["partition_count"][g] != len(ranks):
+                raise ValueError(f"{self.folder}: optimizer group {g} of rank {r} is split over "
+                                 f"{optim['partition_count'][g]} ranks, not {len(ranks)}: the files are not those of "
+                                 f"the layout recorded beside them")
+            base = optim["base_optimizer_state"]["state"].get(g, {})
+            step = base.get("step", step)
+            where = optim["param_slice_mappings"][g].get(name)
+            if where is None:
+                continue
+            flats = {MASTER: optim["single_partition_of_fp32_groups"][g],
+                     **{k: v for k, v in base.items() if torch.is_tensor(v) and v.dim() == 1}}
+            for key, flat in flats.items():
+                pieces.setdefault(key, []).append(_read(flat.narrow(0, where.start, where.numel)))
+        out = {key: torch.cat(parts).view(self._shape[name]) for key, parts in pieces.items()}
+        if step is not None:
+            out["step"] = _read(step)
+        return out
+
+    def local(self, name: str, ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
+        """Parameter name as this run's expert-parallel rank ep_rank of ep_size holds it."""
+        if name not in self.saved["experts"] or ep_size == self.ep:
+            return self.held(name, ep_rank)
+        per_saved = self.saved["experts"][name][0]
+        per_now = per_saved * self.ep // ep_size
+        first, last = ep_rank * per_now, (ep_rank + 1) * per_now
+        parts: Dict[str, List[torch.Tensor]] = {}
+        for saved_rank in range(first // per_saved, (last - 1) // per_saved + 1):
+            held = self.held(name, saved_rank)
+            start = max(first - saved_rank * per_saved, 0)
+            stop = min(last - saved_rank * per_saved, per_saved)
+            for key, value in held.items():
+                parts.setdefault(key, []).append(value if value.dim() == 0 else value[start:stop])
+        return {key: values[0] if values[0].dim() == 0 else torch.cat(values) for key, values in parts.items()}
+
+
+def _read(tensor: torch.Tensor) -> torch.Tensor:
+    ReadCounter.bytes += tensor.numel() * tensor.element_size()
+    return tensor.clone()
+
+
+def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Dict[str, Any]) -> None:
+    """Set every optimizer state tensor and master weight of this rank's parameters from the checkpoint in folder
+    (written in layout saved, which reshard_refusal accepted for this run's layout current), after DeepSpeed loaded
+    the weights."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils import groups
+    source = SavedState(folder, saved)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    ep_size = _ep(current)
+    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
+
+    def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
+        state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
+                             ep_size)
+        if tuple(state["exp_avg"].shape) != tuple(param.shape):
+            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint gives {tuple(state['exp_avg'].shape)}"
+                             f", this run holds {tuple(param.shape)}")
+        return state
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        _into_zero12(optimizer, local)
+        _set_group_settings(optimizer.optimizer, source.param_groups())
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        _set_group_settings(optimizer, source.param_groups())
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = local(param)
+                state.pop(MASTER, None)
+                optimizer.state[param] = {key: value.to(param.device) for key, value in state.items()}
+    else:
+        raise ValueError(f"cannot convert the optimizer state into a {type(optimizer).__name__}")
+    source.close()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, Any]]) -> None:
+    """Each group's settings as saved (DeepSpeed's own load restores them with the state: the LR scheduler sets lr
+    only at its next step)."""
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run's "
+                         f"{len(optimizer.param_groups)}: not the same model and optimizer")
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({key: value for key, value in saved_group.items() if key not in ("params", "name", "moe")})
+
+
+def _into_zero12(optimizer, local) -> None:
+    """Each group's flat partition of masters and state tensors, filled from the parameters' pieces on this rank."""
+    for g, params in enumerate(optimizer.bit16_groups):
+        master_flat = optimizer.single_partition_of_fp32_groups[g]
+        state_flat: Dict[str, torch.Tensor] = {}
+        steps = set()
+        for param in params:
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            state = local(param)
+            steps.add(float(state.pop("step")))
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            for key, value in state.items():
+                flat = master_flat if key == MASTER else state_flat.setdefault(key, torch.zeros_like(master_flat))
+                flat.data.narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
+        if len(steps) > 1:
+            raise ValueError(f"optimizer group {g}: the checkpoint's parameters were saved at different steps {steps}")
+        if state_flat:
+            optimizer.optimizer.state[master_flat] = {"step": torch.tensor(steps.pop()), **state_flat}
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()   # safe_get_full_optimizer_state reads it before a step
