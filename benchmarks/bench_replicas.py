@@ -22,7 +22,9 @@ its own tokens, the settings interleaved within each step (the same tokens for e
                           the all-gather, each rank receiving the experts it does not hold) and of their gradients
                           sent back (replicas: the same bytes; r = 0: the all-reduce of every expert's gradient, as
                           a ring sends it, 2 (W - 1) / W times the whole stack per rank)
-    setting               redundant_experts, or the tuner's r per step (how many steps chose each)
+    setting               redundant_experts, or the tuner's r (or with "auto" its R) per step (how many steps chose
+                          each); then the last step's copies (expert, rank), and with "auto" the tuner's dictionary
+                          at the end (load key -> R, for the keys whose search has ended)
 Legend: W ranks, T tokens per rank, D model dim, H hidden dim, E experts.
 """
 from __future__ import annotations
@@ -109,10 +111,11 @@ def measure(rank, world, args, load) -> dict:
     that a change in the machine's other load falls on all of them alike)."""
     E = args.num_experts
     layers = {name: build(world, args, load, extra) for name, extra in SETTINGS}
+    extra_of = {name: extra.get("redundant_experts", 0) for name, extra in SETTINGS}
     weight_bytes = sum(p[0].numel() * p.element_size() for p in layers["no balancing"].experts.parameters())
     generator = torch.Generator().manual_seed(100 + rank)
     per_step = {name: [] for name in layers}
-    degrees = {name: {} for name in layers}
+    degrees = {name: {} for name in layers}        # r per timed step, or with "auto" replicas the tuner's R
     monitors = {}
     for step in range(args.warmup + args.steps):
         x_TD = torch.randn(args.tokens, args.model_dim, generator=generator)
@@ -127,7 +130,8 @@ def measure(rank, world, args, load) -> dict:
             stats = layer.stats
             if step >= args.warmup:
                 r = stats["parallel"]
-                degrees[name][r] = degrees[name].get(r, 0) + 1
+                chosen = f"R={stats['redundant_experts']}" if extra_of[name] == "auto" else r
+                degrees[name][chosen] = degrees[name].get(chosen, 0) + 1
                 sent = stats.get("replica_bytes", 0) if r else (E - E // world) * weight_bytes
                 back = sent if r else 2 * (world - 1) / world * E * weight_bytes
                 per_step[name].append(torch.tensor([EXPERT_SECONDS[0], seconds, sent, back], dtype=torch.float64))
@@ -142,8 +146,10 @@ def measure(rank, world, args, load) -> dict:
         results[load, name] = dict(
             max_rank_load=metrics["max_rank_load"], expert_ms=1e3 * statistics.median(worst[:, 0].tolist()),
             step_ms=1e3 * statistics.median(worst[:, 1].tolist()), out=float(sent[:, 0].mean()),
-            back=float(sent[:, 1].mean()), setting=extra.get("redundant_experts") or degrees[name],
-            copies=layer.stats.get("replicas"))
+            back=float(sent[:, 1].mean()), setting=degrees[name] if extra_of[name] in (0, "auto") else extra_of[name],
+            copies=layer.stats.get("replicas"),
+            table={k: v.get("redundant_experts") for k, v in layer.stats.get("tuned_table", {}).items()}
+            if extra_of[name] == "auto" else None)
     return results
 
 
@@ -197,7 +203,8 @@ def main() -> None:
           f"{'weights out / grads back MB':>27}  chosen")
     for (load, name), row in results.items():
         print(f"{load:5} {name:14} {row['max_rank_load']:13.3f} {row['expert_ms']:9.1f} {row['step_ms']:8.1f} "
-              f"{row['out'] / 1e6:13.2f} / {row['back'] / 1e6:<11.2f}  {row['setting']} {row['copies'] or ''}")
+              f"{row['out'] / 1e6:13.2f} / {row['back'] / 1e6:<11.2f}  {row['setting']} {row['copies'] or ''}"
+              + (f" tuned R per load key: {row['table']}" if row["table"] is not None else ""))
 
 
 if __name__ == "__main__":
