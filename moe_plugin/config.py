@@ -113,9 +113,11 @@ class MoEConfig:
       weights travel to them each forward and their gradients come back into the owner's. 0: none. At ep_size 1 it
       does nothing (every process holds every expert: nothing to balance; so a config rebuilt at ep_size 1, as
       checkpoint tools and plans do, keeps working). At ep_size > 1 it needs whole experts per rank (num_experts >=
-      ep_size) and parallel not 0 (a tuner's r = 0 copies nothing). "auto": each forward makes the copies whose
-      weight traffic the cost model (parallel/cost_model.py) puts below the busiest rank's compute they save (none
-      on a flat load); where copies cannot work (sliced experts, parallel 0, expert modules) "auto" makes none.
+      ep_size) and parallel not 0 (a tuner's r = 0 copies nothing). "auto": the tuner (parallel/tuner.py) chooses R
+      per load, timing 0, the cost model's count (copies whose weight traffic costs less than the busiest rank's
+      compute they save) and the count that levels the ranks (only 0 on a flat load); under "auto_once" each
+      forward makes the cost model's count. Where copies cannot work (sliced experts, parallel 0, expert modules)
+      "auto" makes none.
     recompute: what the expert FFN keeps for backward. "none": the first projection's output (the [rows, 2H]
       pre-activation of a gated activation; the activation itself is recomputed from it). "experts": only the
       layer's input and the routing; backward gathers the rows and runs the first projection again (one more

@@ -140,16 +140,26 @@ class MoELayer(nn.Module):
         a2as = (["flat", "2dh"] if two_step else ["flat"]) if cfg.a2a == "auto" else [cfg.a2a]
         return [(r, d, a) for r in degrees for d in overlaps for a in a2as if r != 0 or (d == 1 and a == a2as[0])]
 
+    def redundant_experts(self):
+        """MoEConfig.redundant_experts, or 0 where copies cannot work (sliced experts, parallel 0, expert modules:
+        an integer is refused there by MoEConfig and __init__, "auto" makes none)."""
+        cfg = self.config
+        if self.groups.layout.slices > 1 or cfg.parallel == 0 or not self.experts.stacked:
+            return 0
+        return cfg.redundant_experts
+
     def _make_tuner(self):
-        """Tuner (per-load, re-tuned) for "auto"; OnceTuner for "auto_once" and for fixed settings."""
+        """Tuner (per-load, re-tuned) for "auto" (redundant_experts "auto" included); OnceTuner for "auto_once"
+        and for fixed settings."""
         cfg = self.config
         if "auto_once" in (cfg.parallel, cfg.overlap_degree):
             return OnceTuner(self._candidates(), group=self.groups.ep_group)
-        if "auto" in (cfg.parallel, cfg.overlap_degree, cfg.a2a):
+        replicas = self.redundant_experts() == "auto"
+        if "auto" in (cfg.parallel, cfg.overlap_degree, cfg.a2a) or replicas:
             shape = dict(ep_size=cfg.ep_size, node_size=self.groups.node_size, model_dim=cfg.model_dim,
                          hidden_size=cfg.hidden_size, num_experts=cfg.num_experts,
                          matrices=3 if cfg.activation.startswith(("swiglu", "geglu")) else 2)
-            return Tuner(self._candidates(), shape)
+            return Tuner(self._candidates(), shape, replicas=replicas)
         return OnceTuner(self._candidates())
 
     def make_dispatcher(self) -> Dispatcher:
@@ -175,6 +185,8 @@ class MoELayer(nn.Module):
             metadata[prefix[:-1]][RECORD] = expert_record(self.groups.layout)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if not isinstance(self.tuner, Tuner):   # a tuner's dictionary, saved by a layer with one: nothing to load into
+            state_dict.pop(prefix + "tuner._extra_state", None)
         place_experts(self, state_dict, prefix, local_metadata.get(RECORD))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 

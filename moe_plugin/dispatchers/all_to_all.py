@@ -20,8 +20,9 @@ V ranks gathered per compute slice).
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from ..experts import GroupedMLP
 from ..parallel.all_to_all import Pending2DH, PendingAllToAll, ranges, segment_permutation
 from ..parallel.expert_parallel import gathered_experts
 from ..parallel.groups import ExpertGroups
-from ..parallel.replicas import copy_weights, split_rows, worth_copying
+from ..parallel.replicas import copy_weights, plan_copies, split_rows, worth_copying
 from ..parallel.tuner import Tuner
 from .base import Dispatcher
 from .local import LocalDispatcher
@@ -70,16 +71,12 @@ class AllToAllDispatcher(Dispatcher):
 
     @classmethod
     def build(cls, layer) -> "AllToAllDispatcher":
-        cfg = layer.config
-        # "auto" makes none where copies cannot work (an integer is refused there by MoEConfig and MoELayer)
-        copies = 0 if layer.groups.layout.slices > 1 or cfg.parallel == 0 or not layer.experts.stacked \
-            else cfg.redundant_experts
-        return cls(layer.groups, layer.tuner, cfg.a2a, copies)
+        return cls(layer.groups, layer.tuner, layer.config.a2a, layer.redundant_experts())
 
     def __init__(self, groups: ExpertGroups, tuner, a2a: str, redundant_experts=0):
         super().__init__(groups, tuner)
         self.a2a = a2a
-        self.redundant_experts = redundant_experts
+        self.redundant_experts = redundant_experts     # "auto" with a Tuner: the tuner chooses R per load
         self.local = LocalDispatcher(groups)     # degree 0: every rank gathers all experts
         self.degrees = None         # (r, d, a2a) of the last call
         self.replicas: dict = {}    # the last call's copies (parallel/replicas.py), with redundant_experts > 0
@@ -90,11 +87,15 @@ class AllToAllDispatcher(Dispatcher):
         tuner = self.tuner
         if isinstance(tuner, Tuner):    # the setting follows this step's counts (gathered before any weight)
             counts_WE, times_W = route_counts(plan, self.groups.ep_group, x_TD.device, extra=tuner.outgoing())
-            r, d, a2a = tuner.choose(counts_WE, times_W, x_TD.dtype, measure=tuning)
+            setting = tuner.choose(counts_WE, times_W, x_TD.dtype, measure=tuning,
+                                   copies=lambda: self.copy_counts(counts_WE, experts, x_TD))
+            r, d, a2a = setting[:3]
+            copies = setting[3] if tuner.replicas else self.redundant_experts
             r = r if parallel is None else parallel
             d = d if overlap_degree is None else overlap_degree
             x_TD, gate_TK = tuner.enter(x_TD, gate_TK, experts.parameters())
-            y_TD = tuner.leave(self.exchange(x_TD, gate_TK, plan, experts, r, d, a2a, in_flight, counts_WE))
+            y_TD = tuner.leave(self.exchange(x_TD, gate_TK, plan, experts, r, d, a2a, in_flight, counts_WE,
+                                             copies))
         else:
             r, d, a2a = tuner.current()
             a2a = a2a if self.a2a == "auto" else self.a2a
@@ -107,15 +108,25 @@ class AllToAllDispatcher(Dispatcher):
         self.degrees = (r, d, a2a)
         return y_TD
 
+    def copy_counts(self, counts_WE: torch.Tensor, experts, x_TD: torch.Tensor) -> List[int]:
+        """The replica counts the tuner times at this load: the cost model's ("auto" per forward) and the one that
+        levels the ranks (no traffic charged)."""
+        layout = self.groups.layout
+        total_E = counts_WE.sum(0).tolist()
+        _, copy_rows = worth_copying("auto", experts.weights(x_TD.dtype), x_TD, layout.ep_size, self.groups.node_size)
+        return [len(plan_copies(total_E, layout.local_experts, layout.ep_size, math.inf, rows))
+                for rows in (copy_rows, 0.0)]
+
     def stats(self) -> dict:
         r, d, a2a = self.degrees
         return dict(parallel=r, overlap_degree=d, a2a=a2a, **self.replicas, **self.tuner.stats())
 
     def exchange(self, x_TD: torch.Tensor, gate_TK: torch.Tensor, plan: dispatch.Plan, experts, r: int, d: int,
-                 a2a: str, in_flight=None, counts_WE: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 a2a: str, in_flight=None, counts_WE: Optional[torch.Tensor] = None, copies=None) -> torch.Tensor:
         """The MoE at degrees (r, d, a2a). in_flight: a callable run once while the first all-to-all is in flight
         (before it, when r = 0). counts_WE: route_counts' when the caller has it already (to choose r, d and a2a
-        from it)."""
+        from it). copies: the most replicas (default: redundant_experts; "auto": the cost model's per forward)."""
+        copies = self.redundant_experts if copies is None else copies
         in_flight = in_flight or (lambda: None)
         groups = self.groups
         layout = groups.layout
@@ -137,9 +148,9 @@ class AllToAllDispatcher(Dispatcher):
         x_RD = dispatch.encode(x_TD, plan)[:int(counts_WE[layout.ep_rank].sum())]    # the kept rows
         split = None if not self.redundant_experts else \
             split_rows(counts_WE, layout.local_experts,
-                       *worth_copying(self.redundant_experts, weights, x_TD, layout.ep_size, groups.node_size))
+                       *worth_copying(copies, weights, x_TD, layout.ep_size, groups.node_size))
         if split is not None:
-            self.replicas = dict(replicas=split.copies, replica_bytes=0,
+            self.replicas = dict(redundant_experts=copies, replicas=split.copies, replica_bytes=0,
                                  rank_rows=split.rank_rows(layout.ep_rank).tolist())
         if split is not None and split.copies:
             weights, self.replicas["replica_bytes"] = copy_weights(weights, split.copies, layout, groups.ep_group)

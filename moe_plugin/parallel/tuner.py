@@ -19,6 +19,10 @@ setting, filled online and re-tuned as the load drifts (Tutel, section 3.3).
   are on their way, the best setting so far runs. The choice is re-timed every
   `retune_every` calls of its key, or when its median over the last `trials` calls drifts past
   `drift` from the one it won with.
+- Replicas (MoEConfig.redundant_experts "auto", parallel/replicas.py): a setting is (r, d, a2a, R), R the most
+  copies of hot experts. At a new key the layer offers the replica counts worth timing at that load (`copies`: 0,
+  the cost model's count, the count that levels the ranks); every r >= 1 setting is tried with each, the copies
+  first (the cost model does not rank R), and the fastest is kept like any other setting. A flat load offers only 0.
 - Persistence: the dictionary is the module's extra state, tagged (ep_size, node_size, dims, dtype).
 
 OnceTuner (parallel / overlap_degree "auto_once"): times every candidate during the first calls
@@ -41,7 +45,7 @@ from torch import nn
 from . import cost_model
 
 log = logging.getLogger("moe_plugin")
-Setting = Tuple[int, int, str]          # (parallel r, overlap d, a2a)
+Setting = tuple          # (parallel r, overlap d, a2a), and the replica count R when the tuner chooses it
 NOT_MEASURED = -1
 
 
@@ -57,7 +61,10 @@ def key_rows(key: int) -> float:
 
 
 def as_dict(setting: Optional[Setting]) -> Optional[dict]:
-    return None if setting is None else {"parallel": setting[0], "overlap_degree": setting[1], "a2a": setting[2]}
+    if setting is None:
+        return None
+    return {"parallel": setting[0], "overlap_degree": setting[1], "a2a": setting[2],
+            **({"redundant_experts": setting[3]} if len(setting) > 3 else {})}
 
 
 def model_seconds(setting: Setting, rows: float, shape: dict) -> float:
@@ -66,7 +73,7 @@ def model_seconds(setting: Setting, rows: float, shape: dict) -> float:
     its W / E ranks, whole rows at r = 1, hidden slices at r > 1: the same flops); shape: the tag plus
     dtype_bytes, device, local_rows (the most rows one rank routes, what r = 0 computes; None: as many
     as it receives) and total_rows (all ranks' rows; None: ep_size * local_rows)."""
-    r, d, a2a = setting
+    r, d, a2a = setting[:3]
     W, E = shape["ep_size"], shape["num_experts"]
     local, total = shape.get("local_rows"), shape.get("total_rows")
     workload = cost_model.Workload(rows_per_rank=int(round(rows * E / W)), model_dim=shape["model_dim"],
@@ -130,15 +137,18 @@ class _Search:
 
 
 class Tuner(nn.Module):
-    """Per-load choice of (r, d, a2a); see the module docstring. The layer calls, per forward:
-    outgoing() -> the int to send on route_counts; choose(counts_WE, gathered_W, dtype, measure);
-    then enter()/leave() around its expert path."""
+    """Per-load choice of (r, d, a2a), and of R with replicas=True; see the module docstring. The layer calls, per
+    forward: outgoing() -> the int to send on route_counts; choose(counts_WE, gathered_W, dtype, measure, copies);
+    then enter()/leave() around its expert path. candidates: (r, d, a2a) settings."""
 
     def __init__(self, candidates: List[Setting], shape: dict, trials: int = 3, retune_every: int = 500,
                  drift: float = 0.3, prune: float = 3.0, prune_same_r: float = 1.25, reject: float = 1.3,
-                 cost: Optional[Callable[[Setting, float, dict], float]] = None, clock=None):
+                 cost: Optional[Callable[[Setting, float, dict], float]] = None, clock=None, replicas: bool = False):
         super().__init__()
-        self.candidates, self.shape = list(candidates), dict(shape)
+        self.candidates = [tuple(setting) for setting in candidates]
+        self.shape = {**shape, "redundant_experts": "auto"} if replicas else dict(shape)     # in the saved tag
+        self.replicas = replicas
+        self.copy_counts: Dict[int, List[int]] = {}  # per key: the replica counts offered at its first load
         self.trials, self.retune_every, self.drift, self.prune = trials, retune_every, drift, prune
         self.prune_same_r, self.reject = prune_same_r, reject
         self.cost = cost or model_seconds
@@ -164,7 +174,8 @@ class Tuner(nn.Module):
         return self._outgoing
 
     def choose(self, counts_WE: torch.Tensor, gathered_W: Optional[torch.Tensor], dtype: torch.dtype,
-               measure: bool) -> Setting:
+               measure: bool, copies: Optional[Callable[[], Iterable[int]]] = None) -> Setting:
+        """copies (replicas=True): the replica counts worth timing at this load, asked once per new key."""
         self._set_dtype(str(dtype).replace("torch.", ""))
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         if self._outgoing_of is not None and gathered_W is not None and bool((gathered_W >= 0).all()):
@@ -176,6 +187,8 @@ class Tuner(nn.Module):
 
         self.key = load_key(counts_WE)
         self.rows[self.key] = (int(counts_WE.sum(1).max()), int(counts_WE.sum())) if counts_WE.numel() else (0, 0)
+        if self.replicas and measure and self.key not in self.copy_counts:
+            self.copy_counts[self.key] = sorted(set(copies() if copies is not None else []) | {0}, reverse=True)
         setting = self._pick(self.key, explore=measure)
         self._open = _Measurement(self.key, setting, self.clock) if measure else None
         return setting
@@ -276,15 +289,23 @@ class Tuner(nn.Module):
             search.waiting = 0
         return min(search.medians, key=search.medians.get) if search.medians else search.queue[0]
 
+    def _settings(self, key: int) -> List[Setting]:
+        """The candidates, each r >= 1 one with every replica count offered at this key (most copies first)."""
+        if not self.replicas:
+            return self.candidates
+        counts = self.copy_counts.get(key, [0])
+        return [s + (R,) for s in self.candidates for R in (counts if s[0] >= 1 else [0])]
+
     def _order(self, key: int) -> List[Setting]:
         """The candidates in the cost model's order, without those it puts past prune_same_r x the best
         one of the same r (same rows and weights moved: the model ranks those well); the nearest known
         key's choice first."""
-        costs = {setting: self._cost(setting, key) for setting in self.candidates}
+        settings = self._settings(key)
+        costs = {setting: self._cost(setting, key) for setting in settings}
         best_of_r: Dict[int, float] = {}
         for setting, seconds in costs.items():
             best_of_r[setting[0]] = min(seconds, best_of_r.get(setting[0], math.inf))
-        kept = [s for s in self.candidates if costs[s] <= self.prune_same_r * best_of_r[s[0]]]
+        kept = [s for s in settings if costs[s] <= self.prune_same_r * best_of_r[s[0]]]
         order = sorted(kept, key=costs.get)
         start = self.nearest_choice(key)
         return order if start is None else [start] + [s for s in order if s != start]
@@ -302,7 +323,7 @@ class Tuner(nn.Module):
         if best != before:
             log.info("moe_plugin tuner: load key %d (about %d rows per expert): %s -> %s; medians %s", key,
                      key_rows(key), as_dict(before), as_dict(best),
-                     {f"{s[0]},{s[1]},{s[2]}": round(t, 6) for s, t in search.medians.items()})
+                     {",".join(map(str, s)): round(t, 6) for s, t in search.medians.items()})
 
     def _retune(self, key: int, search: _Search, why: str) -> None:
         log.info("moe_plugin tuner: re-timing load key %d (%s)", key, why)
@@ -324,6 +345,11 @@ class Tuner(nn.Module):
         self._loaded = dict(state)
         self._adopt()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        """A state dict without a dictionary (saved by a layer without this tuner) keeps this one's."""
+        if prefix + "_extra_state" in state_dict:
+            super()._load_from_state_dict(state_dict, prefix, *args)
+
     def _set_dtype(self, dtype: str) -> None:
         if dtype != self.dtype:
             self.dtype = dtype
@@ -344,8 +370,8 @@ class Tuner(nn.Module):
                             saved, mine)
             return
         for key, setting in table.items():
-            setting = (int(setting[0]), int(setting[1]), str(setting[2]))
-            if setting in self.candidates:
+            setting = (int(setting[0]), int(setting[1]), str(setting[2])) + tuple(int(R) for R in setting[3:])
+            if setting[:3] in self.candidates and len(setting) == 3 + self.replicas:
                 search = self.searches[int(key)] = _Search([])
                 search.choice = self.table[int(key)] = setting
 

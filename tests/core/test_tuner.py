@@ -18,7 +18,9 @@ What this module tests (moved here from the README):
   - the dictionary survives a state_dict round trip, and a mismatched tag or dtype is ignored with
     a log line;
   - the timing marks add no host synchronization;
-  - the config errors name their fields.
+  - the config errors name their fields;
+  - with replicas it chooses R per load among the counts the layer offers: 0 alone on a flat load, the fastest
+    count on a skewed one, reported in its stats and kept through a state_dict round trip.
 """
 import logging
 
@@ -66,8 +68,10 @@ def flat_cost(setting, rows, shape):
 class Ranks:
     """W tuners stepping together; seconds(rank, rows, setting) says what a call costs."""
 
-    def __init__(self, seconds, world=3, **kwargs):
+    def __init__(self, seconds, world=3, copies=None, **kwargs):
+        """copies(rows): the replica counts offered at a load (a Tuner with replicas=True)."""
         self.clocks = [Clock() for _ in range(world)]
+        self.copies, self.offered = copies, []
         self.tuners = [Tuner(CANDIDATES, SHAPE, clock=clock, **{"cost": flat_cost, **kwargs})
                        for clock in self.clocks]
         self.seconds, self.used = seconds, []
@@ -75,7 +79,9 @@ class Ranks:
     def step(self, rows, train=True, backward=True):
         gathered_W = torch.tensor([tuner.outgoing() for tuner in self.tuners])
         counts_WE = counts_with_largest(rows)
-        chosen = [tuner.choose(counts_WE, gathered_W, torch.float64, measure=train) for tuner in self.tuners]
+        offer = None if self.copies is None else lambda: self.offered.append(rows) or self.copies(rows)
+        chosen = [tuner.choose(counts_WE, gathered_W, torch.float64, measure=train, copies=offer)
+                  for tuner in self.tuners]
         assert all(setting == chosen[0] for setting in chosen), chosen
         for rank, (tuner, clock) in enumerate(zip(self.tuners, self.clocks)):
             clock.tick = self.seconds(rank, rows, chosen[0]) / 2
@@ -294,3 +300,34 @@ def test_config_values_name_their_field():
         MoEConfig(model_dim=4, hidden_size=4, overlap_degree="adaptive")
     with pytest.raises(ValueError, match="MoEConfig.a2a='hier' is invalid: must be one of 'flat', '2dh', 'auto'"):
         MoEConfig(model_dim=4, hidden_size=4, a2a="hier")
+
+
+def test_with_replicas_it_chooses_r_per_load():
+    """The layer offers 0 on the flat (small) load and 0, 2, 4 on the skew (large); 2 copies are fastest there.
+    r = 0 (GATHERED) copies nothing: it is tried with R = 0 only."""
+    def costs(rank, rows, setting):
+        r, d, a2a, R = setting
+        assert r >= 1 or R == 0, setting
+        if rows <= SMALL:
+            return {GATHERED: 5.0, EP: 1.0, EP_OVERLAP: 2.0, EP_2DH: 3.0}[(r, d, a2a)] + R
+        return {GATHERED: 10.0, EP: 8.0, EP_OVERLAP: 9.0, EP_2DH: 9.5}[(r, d, a2a)] - {0: 0, 2: 5, 4: 3}[R]
+
+    ranks = Ranks(costs, world=2, trials=2, replicas=True, copies=lambda rows: [0] if rows <= SMALL else [4, 2])
+    for rows in [SMALL] * 30 + [LARGE] * 60:
+        ranks.step(rows)
+    small, large = load_key(counts_with_largest(SMALL)), load_key(counts_with_largest(LARGE))
+    assert ranks.offered == [SMALL, SMALL, LARGE, LARGE]  # asked once per key, on each of the 2 ranks
+    assert {s[3] for s in ranks.used[:30]} == {0}         # a flat load never copies
+    assert {s[3] for s in ranks.used[30:]} >= {0, 2, 4}   # the skew's counts are all timed
+    assert ranks.tuners[0].table == {small: EP + (0,), large: EP + (2,)}
+    assert ranks.tables()[0][large] == {"parallel": 1, "overlap_degree": 1, "a2a": "flat", "redundant_experts": 2}
+    assert ranks.tuners[0].stats()["tuned"]["choice"]["redundant_experts"] == 2
+
+    saved = ranks.tuners[0].state_dict()
+    resumed = Tuner(CANDIDATES, SHAPE, clock=Clock(), replicas=True)
+    resumed.load_state_dict(saved)
+    assert resumed.choose(counts_with_largest(LARGE), None, torch.float64, measure=False) == EP + (2,)
+    plain = Tuner(CANDIDATES, SHAPE, clock=Clock())          # tuned without replicas: another tag
+    plain.load_state_dict(saved)
+    plain.choose(counts_with_largest(LARGE), None, torch.float64, measure=False)
+    assert plain.table == {}

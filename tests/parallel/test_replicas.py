@@ -2,7 +2,8 @@
 layer with redundant_experts=0: a router skewed towards rank 0's experts so that copies are made, k up to 3, dropped
 tokens, an expert without tokens, a rank without tokens, odd token counts, overlap chunks, 2DH; outputs, the input's,
 the router's and every expert weight's gradient equal (fp64 1e-12, fp32 1e-5); the state dict holds no copy and
-loads both ways. Then single-process checks of the plan, the split and the config's refusals."""
+loads both ways. "auto" is the tuner's choice of R per load: over its steps it times several counts, every step
+equal to redundant_experts=0. Then single-process checks of the plan, the split and the config's refusals."""
 import io
 
 import pytest
@@ -29,8 +30,9 @@ SPECS = {
              node=2, d=2),
         dict(name="fp32_tuner", E=4, k=1, cf=0.0, R=3, tokens=[35, 21, 0, 12], hot=[0], parallel="auto",
              dtype=torch.float32),
-        # "auto" copies where a copy's traffic costs less than the compute it moves: a wider expert
-        dict(name="auto", E=8, k=2, cf=0.0, R="auto", tokens=[400, 380, 410, 390], hot=[0, 1], D=128, H=256),
+        # "auto": the tuner times the replica counts worth trying (the most first), every step compared
+        dict(name="auto", E=8, k=2, cf=0.0, R="auto", tokens=[400, 380, 410, 390], hot=[0, 1], D=128, H=256,
+             steps=6),
         dict(name="auto_sliced", E=2, k=1, cf=0.0, R="auto", tokens=[12, 7, 9, 3], hot=[0], copies=False)],
 }
 
@@ -42,6 +44,11 @@ def build(spec, world, redundant):
                        parallel=spec.get("parallel", 1), overlap_degree=spec.get("d", 1), a2a=spec.get("a2a", "flat"),
                        node_size=spec.get("node"), redundant_experts=redundant, **spec.get("extra", {}))
     return MoELayer(config).to(spec.get("dtype", torch.float64))
+
+
+def weights(layer):
+    """The state dict without the tuner's dictionary ("auto" tunes R; it holds no weight)."""
+    return {k: v for k, v in layer.state_dict().items() if k != "tuner._extra_state"}
 
 
 def compare_with_no_replicas(rank, world, specs):
@@ -60,21 +67,24 @@ def compare_with_no_replicas(rank, world, specs):
         generator = torch.Generator().manual_seed(1000 * i + rank)
         x = torch.randn(spec["tokens"][rank], spec.get("D", D), generator=generator, dtype=torch.float64).to(dtype)
         up = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(dtype)
-        got, rows_W = {}, torch.zeros(world, dtype=torch.float64)
+        got, rows_W, copies, used = {}, torch.zeros(world, dtype=torch.float64), [], []
         monitor = RoutingMonitor(torch.nn.ModuleDict({"reference": reference, "replicas": layer}))
+        steps = spec.get("steps", 2)     # the second step re-plans from its own counts
         for name, model in (("reference", reference), ("replicas", layer)):
             model.train()
-            for step in range(2):       # the second step re-plans from its own counts
+            for step in range(steps):
                 model.zero_grad()
                 x_in = x.clone().requires_grad_()
                 y = model(x_in)
                 ((y * up).sum() + model.aux_loss).backward()
                 if model is layer and "rank_rows" in layer.stats:
                     rows_W += torch.tensor(layer.stats["rank_rows"], dtype=torch.float64)
-            got[name] = {"y": y.detach(), "x.grad": x_in.grad, "aux": model.aux_loss.detach(),
-                         **{n: p.grad for n, p in model.named_parameters()}}
-        errors = {key: relative_error(got["replicas"][key], got["reference"][key], floor=1e-12)
-                  for key in got["reference"]}
+                    copies += layer.stats["replicas"]
+                    used.append(layer.stats["redundant_experts"])
+                got[name, step] = {"y": y.detach(), "x.grad": x_in.grad, "aux": model.aux_loss.detach(),
+                                   **{n: p.grad for n, p in model.named_parameters()}}
+        errors = {key: max(relative_error(got["replicas", step][key], got["reference", step][key], floor=1e-12)
+                           for step in range(steps)) for key in got["reference", 0]}
         stats = layer.stats
         metrics = monitor.read()
         dist.all_reduce(rows_W)
@@ -86,13 +96,13 @@ def compare_with_no_replicas(rank, world, specs):
         fresh.load_state_dict(state)                          # replicas -> none
         back = build(spec, world, spec["R"])
         back.load_state_dict(fresh.state_dict())              # and back
-        out[spec["name"]] = dict(errors=errors, copies=stats.get("replicas"), rank_rows=stats.get("rank_rows"),
+        out[spec["name"]] = dict(errors=errors, copies=copies or stats.get("replicas"), used=used,
+                                 tuned=stats.get("tuned"), rank_rows=stats.get("rank_rows"),
                                  max_rank_load={k: v["max_rank_load"] for k, v in metrics.items()},
                                  counted=float(rows_W.max() / rows_W.mean()),
-                                 keys=(sorted(layer.state_dict()) == sorted(reference.state_dict())),
-                                 same=all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
-                                                                            reference.state_dict().values())
-                                          if torch.is_tensor(a)))
+                                 keys=(sorted(weights(layer)) == sorted(weights(reference))),
+                                 same=all(torch.equal(a, b) for a, b in zip(weights(back).values(),
+                                                                            weights(reference).values())))
     if world == 2:      # LoRA adapters are not carried: refused at the forward
         from moe_plugin.lora import add_lora
         layer = build(SPECS[2][0], world, 1)
@@ -128,6 +138,10 @@ def test_replicas_change_no_number(world):
         if spec["cf"] == 0:     # dropless: the monitor's busiest rank is the one counted from the split
             assert read["replicas"] == pytest.approx(results[0][spec["name"]]["counted"], rel=1e-12)
         assert read["replicas"] < read["reference"], (spec["name"], read)
+        if spec["R"] == "auto":      # the tuner's R: the most copies first, then fewer, alike on every rank
+            used = results[0][spec["name"]]["used"]
+            assert used[0] > 0 and used[-1] < used[0], used
+            assert all(result[spec["name"]]["used"] == used for result in results)
     if world == 2:
         assert "redundant_experts=1 does not carry LoRA adapters" in results[0]["lora"]
 
