@@ -1,4 +1,5 @@
-"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage 0-2).
+"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage 0-2; fp32,
+or bf16 at ZeRO 1-2).
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -14,12 +15,14 @@ Where the saved pieces are:
 - ZeRO 1/2: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per optimizer group, its flat partition
   of the masters and of each state tensor, and where each parameter's piece sits in it ("param_slice_mappings").
   A dense group is split over all ranks, an expert group over its expert-data-parallel ranks; a parameter is its
-  pieces in rank order.
+  pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., and their bf16
+  weights (DeepSpeed loads them from the model files) are the masters cast, as at save.
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): ZeRO 3, pipeline stages, fp16/bf16, layers of different
-ep_sizes in one model, experts kept as one module each (their names change with ep_size) when ep_size changes.
+Not converted (layout.py stops with its error, naming why): ZeRO 3, pipeline stages, fp16, bf16 at ZeRO 0, a change
+of precision, layers of different ep_sizes in one model, experts kept as one module each (their names change with
+ep_size) when ep_size changes.
 """
 from __future__ import annotations
 
@@ -64,12 +67,18 @@ def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[
             return f"{whose} ZeRO stage is {layout.get('zero_stage')} (converted: 0, 1, 2)"
         if layout.get("pipeline_stages") != 1:
             return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
-        if layout.get("dtype") != "fp32":
-            return f"{whose} precision is {layout.get('dtype') or 'not recorded'} (converted: fp32)"
+        dtype = layout.get("dtype")
+        if dtype not in ("fp32", "bf16"):
+            return f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 at ZeRO 1 and 2)"
+        if dtype == "bf16" and layout.get("zero_stage") == 0:
+            return (f"{whose} precision is bf16 at ZeRO stage 0, where DeepSpeed's FP16_Optimizer keeps its own "
+                    f"unrecorded flat masters (converted: fp32, and bf16 at ZeRO 1 and 2)")
         if len(set(layout["ep_size"].values())) > 1:
             return f"{whose} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
         if layout.get("zero_stage") == 0 and "optimizer_names" not in layout:
             return f"{whose} ZeRO-0 optimizer is not a torch optimizer"
+    if saved["dtype"] != current["dtype"]:
+        return f"the saved precision is {saved['dtype']}, this run's {current['dtype']} (converted: the same precision)"
     if set(saved["experts"]) != set(current["experts"]):
         return (f"the expert parameters' names differ ({sorted(set(saved['experts']) ^ set(current['experts']))[:3]}"
                 f"...): experts kept as one module each change names with ep_size")
@@ -93,6 +102,7 @@ class SavedState:
         self.folder, self.saved = folder, saved
         self.world, self.ep, self.stage = saved["world_size"], _ep(saved), saved["zero_stage"]
         self._files: Dict[str, Any] = {}
+        self._prefix = "bf16_" if saved["dtype"] == "bf16" else ""   # bf16_zero_pp_rank_<r>_...: DeepSpeed's name
         if self.stage == 0:
             self._position = {name: (g, i) for g, names in enumerate(saved["optimizer_names"])
                               for i, name in enumerate(names)}
@@ -106,7 +116,7 @@ class SavedState:
         """The saved optimizer's groups (their settings: lr as the scheduler last set it, betas, eps, ...)."""
         if self.stage == 0:
             return self._load("expp_rank_0_mp_rank_00_optim_states.pt")["optimizer"]["param_groups"]
-        optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
 
     def close(self) -> None:
@@ -134,7 +144,7 @@ class SavedState:
         pieces: Dict[str, List[torch.Tensor]] = {}
         step = None
         for r in ranks:
-            optim = self._load(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            optim = self._load(f"{self._prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
             if len(optim["partition_count"]) <= g or optim["partition_count"][g] != len(ranks):
                 raise ValueError(f"{self.folder}: optimizer group {g} of rank {r} is split over "
                                  f"{optim['partition_count'][g]} ranks, not {len(ranks)}: the files are not those of "
@@ -179,6 +189,7 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     """Set every optimizer state tensor and master weight of this rank's parameters from the checkpoint in folder
     (written in layout saved, which reshard_refusal accepted for this run's layout current), after DeepSpeed loaded
     the weights."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.utils import groups
     source = SavedState(folder, saved)
@@ -195,7 +206,7 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
         return state
 
     optimizer = engine.optimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         _into_zero12(optimizer, local)
         _set_group_settings(optimizer.optimizer, source.param_groups())
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -223,9 +234,12 @@ def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, 
 
 
 def _into_zero12(optimizer, local) -> None:
-    """Each group's flat partition of masters and state tensors, filled from the parameters' pieces on this rank."""
-    for g, params in enumerate(optimizer.bit16_groups):
-        master_flat = optimizer.single_partition_of_fp32_groups[g]
+    """Each group's flat partition of masters and state tensors, filled from the parameters' pieces on this rank
+    (ZeRO 1/2's optimizer, or BF16_Optimizer: bf16 at ZeRO 1 with fp32 gradient accumulation; the same files)."""
+    bit16_groups = getattr(optimizer, "bit16_groups", None) or optimizer.bf16_groups
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_groups_flat_partition
+    for g, params in enumerate(bit16_groups):
+        master_flat = masters[g]
         state_flat: Dict[str, torch.Tensor] = {}
         steps = set()
         for param in params:
