@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoELayer
-from moe_plugin.integrations.deepspeed.reshard import load_optimizer_state, reshard_refusal, save_time_record
+from moe_plugin.integrations.deepspeed.reshard import (load_optimizer_state, load_zero3_module_state, reshard_refusal,
+                                                       save_time_record)
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
@@ -120,10 +121,13 @@ def check_layout_on_load(engine) -> None:
         saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
             saved = check_layout(folder, current)
-        result = load(load_dir, tag, load_module_strict=load_module_strict,
-                      load_optimizer_states=load_optimizer_states and saved is None,
-                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                      custom_load_fn=custom_load_fn)
+        if saved is not None and saved["zero_stage"] == 3:
+            result = folder, load_zero3_module_state(engine, folder, saved, current, load_lr_scheduler_states)
+        else:
+            result = load(load_dir, tag, load_module_strict=load_module_strict,
+                          load_optimizer_states=load_optimizer_states and saved is None,
+                          load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                          custom_load_fn=custom_load_fn)
         if saved is not None:
             load_optimizer_state(engine, folder, saved, current)
         return result

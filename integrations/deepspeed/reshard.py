@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["reshard_refusal", "load_optimizer_state", "save_time_record", "ReadCounter"]
+__all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "save_time_record", "ReadCounter"]
 
 MASTER = "fp32"     # the key of the master weights beside the optimizer's own state keys
 
@@ -62,9 +62,14 @@ def _precision(engine) -> str:
 
 def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
     """Why the optimizer state saved in one layout cannot be converted to the other; None when it can."""
+    if current.get("zero_stage") not in (0, 1, 2):
+        return (f"this run's ZeRO stage is {current.get('zero_stage')} (converted: into 0, 1, 2; writing the "
+                f"partitions of a live ZeRO-3 engine is not done)")
+    if saved.get("zero_stage") not in (0, 1, 2, 3):
+        return f"the saved ZeRO stage is {saved.get('zero_stage')} (converted: 0, 1, 2, 3)"
+    if saved["zero_stage"] == 3 and saved.get("dtype") != "fp32":
+        return f"the saved ZeRO stage is 3 in {saved.get('dtype') or 'an unrecorded precision'} (converted: fp32)"
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
-        if layout.get("zero_stage") not in (0, 1, 2):
-            return f"{whose} ZeRO stage is {layout.get('zero_stage')} (converted: 0, 1, 2)"
         if layout.get("pipeline_stages") != 1:
             return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
         dtype = layout.get("dtype")
@@ -106,16 +111,37 @@ class SavedState:
         if self.stage == 0:
             self._position = {name: (g, i) for g, names in enumerate(saved["optimizer_names"])
                               for i, name in enumerate(names)}
-        else:
-            model = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu", mmap=True,
-                               weights_only=False)
-            self._group = {name: g for g, shapes in enumerate(model["param_shapes"]) for name in shapes}
-            self._shape = {name: tuple(shape) for shapes in model["param_shapes"] for name, shape in shapes.items()}
+            return
+        self.model = self._load("zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3
+                                else "mp_rank_00_model_states.pt")
+        self._group = {name: g for g, shapes in enumerate(self.model["param_shapes"]) for name in shapes}
+        self._shape = {name: tuple(shape) for shapes in self.model["param_shapes"] for name, shape in shapes.items()}
+        if self.stage == 3:
+            self._offset = self._zero3_offsets()
+
+    def _zero3_offsets(self) -> Dict[str, int]:
+        """Where each parameter's piece starts in its ZeRO-3 group's flat partition: every rank of the group holds
+        ceil(numel / ranks) elements of each parameter, in the group's order."""
+        optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        if len(optim["fp32_flat_groups"]) != len(self.model["param_shapes"]):
+            raise ValueError(f"{self.folder}: {len(optim['fp32_flat_groups'])} ZeRO-3 sub-groups for "
+                             f"{len(self.model['param_shapes'])} groups of parameters: sub_group_size split a group "
+                             f"(converted: one sub-group per optimizer group)")
+        offsets = {}
+        for g, shapes in enumerate(self.model["param_shapes"]):
+            count, offset = optim["ds_zero_partition_groups"][g]["partition_count"], 0
+            for name, shape in shapes.items():
+                offsets[name] = offset
+                offset += -(-_numel(shape) // count)
+        return offsets
 
     def param_groups(self) -> List[Dict[str, Any]]:
         """The saved optimizer's groups (their settings: lr as the scheduler last set it, betas, eps, ...)."""
         if self.stage == 0:
             return self._load("expp_rank_0_mp_rank_00_optim_states.pt")["optimizer"]["param_groups"]
+        if self.stage == 3:
+            optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            return optim["optimizer_state_dict"]["param_groups"]
         optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
 
@@ -141,6 +167,8 @@ class SavedState:
         g = self._group[name]
         ranks = [r for r in range(self.world) if r % self.ep == ep_rank] if expert and self.ep > 1 \
             else list(range(self.world))
+        if self.stage == 3:
+            return self._zero3_held(name, g, ranks)
         pieces: Dict[str, List[torch.Tensor]] = {}
         step = None
         for r in ranks:
@@ -163,6 +191,28 @@ class SavedState:
             out["step"] = _read(step)
         return out
 
+    def _zero3_held(self, name: str, g: int, ranks: List[int]) -> Dict[str, torch.Tensor]:
+        numel = _numel(self._shape[name])
+        part = -(-numel // len(ranks))
+        pieces: Dict[str, List[torch.Tensor]] = {}
+        step = None
+        for r in ranks:
+            optim = self._load(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            if optim["ds_zero_partition_groups"][g]["partition_ranks"] != ranks:
+                raise ValueError(f"{self.folder}: ZeRO-3 group {g} of rank {r} is split over "
+                                 f"{optim['ds_zero_partition_groups'][g]['partition_ranks']}, not {ranks}: the files "
+                                 f"are not those of the layout recorded beside them")
+            base = optim["optimizer_state_dict"]["state"].get(g, {})
+            step = base.get("step", step)
+            flats = {MASTER: optim["fp32_flat_groups"][g],
+                     **{k: v for k, v in base.items() if torch.is_tensor(v) and v.dim() == 1}}
+            for key, flat in flats.items():
+                pieces.setdefault(key, []).append(_read(flat.narrow(0, self._offset[name], part)))
+        out = {key: torch.cat(parts)[:numel].view(self._shape[name]) for key, parts in pieces.items()}
+        if step is not None:
+            out["step"] = _read(step)
+        return out
+
     def local(self, name: str, ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
         """Parameter name as this run's expert-parallel rank ep_rank of ep_size holds it."""
         if name not in self.saved["experts"] or ep_size == self.ep:
@@ -180,6 +230,13 @@ class SavedState:
         return {key: values[0] if values[0].dim() == 0 else torch.cat(values) for key, values in parts.items()}
 
 
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= int(size)
+    return n
+
+
 def _read(tensor: torch.Tensor) -> torch.Tensor:
     ReadCounter.bytes += tensor.numel() * tensor.element_size()
     return tensor.clone()
@@ -191,11 +248,9 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     the weights."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed.utils import groups
     source = SavedState(folder, saved)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    ep_size = _ep(current)
-    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
+    ep_size, ep_rank = _ep(current), _ep_rank(current)
 
     def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
         state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
@@ -221,6 +276,46 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     source.close()
     if dist.is_initialized():
         dist.barrier()
+
+
+def _ep_rank(current: Dict[str, Any]) -> int:
+    from deepspeed.utils import groups
+    ep_size = _ep(current)
+    return groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
+
+
+# what DeepSpeed's load_checkpoint keeps out of the client state it returns
+_DEEPSPEED_KEYS = ("module", "buffer_names", "optimizer", "lr_scheduler", "sparse_tensor_module_names",
+                   "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                   "data_sampler", "random_ltd", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+                   "shared_params", "ds_config", "ds_version", "checkpoint_parallel_dimensions")
+
+
+def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current: Dict[str, Any],
+                            load_lr_scheduler_states: bool = True) -> Dict[str, Any]:
+    """What DeepSpeed's load gives a ZeRO 0-2 engine, from a ZeRO-3 checkpoint (whose weights are only in its
+    ranks' partitions; DeepSpeed's load looks for a whole model file): each parameter of this rank set to its fp32
+    master, the buffers, the LR scheduler, global_steps, global_samples, skipped_steps. Returns the client state."""
+    source = SavedState(folder, saved)
+    ep_size, ep_rank = _ep(current), _ep_rank(current)
+    model = source.model
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            rank = ep_rank if getattr(param, "allreduce", True) is False else 0
+            master = source.local(name, rank, ep_size)[MASTER]
+            if tuple(master.shape) != tuple(param.shape):
+                raise ValueError(f"parameter {name!r}: the checkpoint gives {tuple(master.shape)}, this run holds "
+                                 f"{tuple(param.shape)}")
+            param.copy_(master)
+        buffers = dict(engine.module.named_buffers())
+        for name in model["buffer_names"]:
+            buffers[name].copy_(model["module"][name])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
+    engine.global_steps, engine.skipped_steps = model["global_steps"], model["skipped_steps"]
+    engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
+    source.close()
+    return {key: value for key, value in model.items() if key not in _DEEPSPEED_KEYS}
 
 
 def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, Any]]) -> None:
