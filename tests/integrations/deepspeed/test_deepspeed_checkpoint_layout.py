@@ -319,7 +319,8 @@ def test_bf16_checkpoints_convert_at_zero_1_and_2_with_masters_and_moments_bit_f
     """bf16 saved and loaded at another world size, ep_size and ZeRO stage (1: BF16_Optimizer, 2: ZeRO's own): the
     fp32 masters and moments bit-equal, the bf16 weights the masters cast, the counters and lr as saved. The next
     step is as near the saved layout's as bf16 arithmetic allows: two fresh bf16 runs on 1 and on 2 processes
-    differ by 6e-2 after their first step with a nonzero lr (fp32: 0), so only the state can be compared exactly."""
+    differ by 6e-2 to 9e-2 after their first steps with a nonzero lr (fp32: 0 to 7e-4), so only the state can be
+    compared exactly; the converted loads measured 3e-2 to 6e-2, weights-only loads 0.76."""
     _, want_next, two, one, saved_one, saved_two = runs
     saved = {**saved_one[0]["moments"], **saved_two[0]["moments"]}
     got = {case: (report["loaded"][case], report["moments"][case], report["steps"][case])
@@ -335,7 +336,7 @@ def test_bf16_checkpoints_convert_at_zero_1_and_2_with_masters_and_moments_bit_f
             assert torch.equal(moments[name]["fp32"].to(torch.bfloat16), moments[name]["bf16"]), (from_, to, name)
         assert steps[:2] == (STEPS, 16 * STEPS), (from_, to)
         rel = ((probe - want_next["bf16", from_]).norm() / want_next["bf16", from_].norm()).item()
-        assert rel < 1e-1, (from_, to, rel)
+        assert rel < 2e-1, (from_, to, rel)
 
 
 @pytest.mark.timeout(900)
