@@ -1,5 +1,5 @@
-"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage 0-2; fp32,
-or bf16 at ZeRO 1-2).
+"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage) at ZeRO
+0-2: from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32.
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -17,11 +17,16 @@ Where the saved pieces are:
   A dense group is split over all ranks, an expert group over its expert-data-parallel ranks; a parameter is its
   pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., and their bf16
   weights (DeepSpeed loads them from the model files) are the masters cast, as at save.
+- ZeRO 3: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per group, its flat partition of the
+  masters ("fp32_flat_groups") and of each state tensor: ceil(numel / ranks) elements of each parameter, in the order
+  of the rank's model file's "param_shapes", over the ranks "ds_zero_partition_groups" records (all ranks for a dense
+  group, the expert-data-parallel ones for an expert group). Its model files hold no weights, so
+  load_zero3_module_state sets them to the masters (and the buffers, scheduler and counters) instead of DeepSpeed.
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): ZeRO 3, pipeline stages, fp16, bf16 at ZeRO 0, a change
-of precision, layers of different ep_sizes in one model, experts kept as one module each (their names change with
+Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages,
+fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module each (their names change with
 ep_size) when ep_size changes.
 """
 from __future__ import annotations

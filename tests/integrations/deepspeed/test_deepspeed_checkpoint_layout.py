@@ -3,10 +3,11 @@
 A model of `deepspeed.moe.layer.MoE` layers with a "moe" section (backend tutel, dropless, Adam with eps 1e-6 and a
 WarmupLR schedule, fp32, no balance loss in the objective) trains 4 steps and saves at ZeRO 0-3: on 2 gloo processes
 at ep_size 2 and 1, and on 1 process. Every checkpoint is loaded with plain engine.load_checkpoint(dir) on 2 processes
-at ep_size 2 and 1 and on 1 process (the 2-process ones), and at another ZeRO stage. Each load either continues as
-the uninterrupted run in the saved layout does (its next step on the same global batch; a probe's outputs, rel 1e-4,
-exact in the same layout), with every parameter's moments and fp32 master gathered whole bit-equal to the saved
-run's, or (ZeRO 3 in another layout) stops with the one-line ValueError naming both layouts, why, and
+at ep_size 2 and 1 and on 1 process (the 2-process ones), and at another ZeRO stage; ZeRO-3 checkpoints also at
+ZeRO 0-2 (ZERO3), and bf16 ones at ZeRO 1-2 (BF16). Each load either continues as the uninterrupted run in the saved
+layout does (its next step on the same global batch; a probe's outputs, rel 1e-4, exact in the same layout; bf16:
+as near as bf16 allows), with every parameter's moments and fp32 master gathered whole bit-equal to the saved run's,
+or (into ZeRO 3 in another layout) stops with the one-line ValueError naming both layouts, why, and
 load_optimizer_states=False. None is silent.
 
 The ZeRO-1/2 checkpoints at ep_size 2 consolidate (DeepSpeed's get_fp32_state_dict_from_zero_checkpoint with the hook
