@@ -26,8 +26,8 @@ An expert tensor (stacked, experts first) moves between ep_sizes by whole expert
 cut from the saved ranks that held them.
 
 Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages,
-fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module each (their names change with
-ep_size) when ep_size changes.
+fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
+each (their names change with ep_size) when ep_size changes.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def save_time_record(engine) -> Dict[str, Any]:
     """What LAYOUT_FILE records at save for a later conversion: the optimizer's parameter names in order (ZeRO 0,
     whose files key state by position) and each expert parameter's local shape."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    record: Dict[str, Any] = {"experts": {n: list(p.shape) for n, p in engine.module.named_parameters()
+    record: Dict[str, Any] = {"experts": {n: list(getattr(p, "ds_shape", p.shape))   # ZeRO 3: p.shape is (0,)
+                                          for n, p in engine.module.named_parameters()
                                           if getattr(p, "allreduce", True) is False},
                               "dtype": _precision(engine)}
     if engine.zero_optimization_stage() == 0 and isinstance(engine.optimizer, torch.optim.Optimizer):
@@ -160,9 +161,9 @@ class SavedState:
                                            weights_only=False)
         return self._files[name]
 
-    def held(self, name: str, ep_rank: int) -> Dict[str, torch.Tensor]:
+    def held(self, name: str, ep_rank: int, keys=None) -> Dict[str, torch.Tensor]:
         """Parameter name as the saved run's expert-parallel rank ep_rank held it (a dense one: whole): its state
-        tensors by key (MASTER too at ZeRO 1/2)."""
+        tensors by key (MASTER too at ZeRO 1-3; at ZeRO 3 only those in keys, unless None)."""
         expert = name in self.saved["experts"]
         if self.stage == 0:
             state = self._load(f"expp_rank_{ep_rank if expert else 0}_mp_rank_00_optim_states.pt")["optimizer"]
@@ -173,7 +174,7 @@ class SavedState:
         ranks = [r for r in range(self.world) if r % self.ep == ep_rank] if expert and self.ep > 1 \
             else list(range(self.world))
         if self.stage == 3:
-            return self._zero3_held(name, g, ranks)
+            return self._zero3_held(name, g, ranks, keys)
         pieces: Dict[str, List[torch.Tensor]] = {}
         step = None
         for r in ranks:
@@ -196,7 +197,7 @@ class SavedState:
             out["step"] = _read(step)
         return out
 
-    def _zero3_held(self, name: str, g: int, ranks: List[int]) -> Dict[str, torch.Tensor]:
+    def _zero3_held(self, name: str, g: int, ranks: List[int], keys) -> Dict[str, torch.Tensor]:
         numel = _numel(self._shape[name])
         part = -(-numel // len(ranks))
         pieces: Dict[str, List[torch.Tensor]] = {}
@@ -212,22 +213,23 @@ class SavedState:
             flats = {MASTER: optim["fp32_flat_groups"][g],
                      **{k: v for k, v in base.items() if torch.is_tensor(v) and v.dim() == 1}}
             for key, flat in flats.items():
-                pieces.setdefault(key, []).append(_read(flat.narrow(0, self._offset[name], part)))
+                if keys is None or key in keys:
+                    pieces.setdefault(key, []).append(_read(flat.narrow(0, self._offset[name], part)))
         out = {key: torch.cat(parts)[:numel].view(self._shape[name]) for key, parts in pieces.items()}
         if step is not None:
             out["step"] = _read(step)
         return out
 
-    def local(self, name: str, ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
+    def local(self, name: str, ep_rank: int, ep_size: int, keys=None) -> Dict[str, torch.Tensor]:
         """Parameter name as this run's expert-parallel rank ep_rank of ep_size holds it."""
         if name not in self.saved["experts"] or ep_size == self.ep:
-            return self.held(name, ep_rank)
+            return self.held(name, ep_rank, keys)
         per_saved = self.saved["experts"][name][0]
         per_now = per_saved * self.ep // ep_size
         first, last = ep_rank * per_now, (ep_rank + 1) * per_now
         parts: Dict[str, List[torch.Tensor]] = {}
         for saved_rank in range(first // per_saved, (last - 1) // per_saved + 1):
-            held = self.held(name, saved_rank)
+            held = self.held(name, saved_rank, keys)
             start = max(first - saved_rank * per_saved, 0)
             stop = min(last - saved_rank * per_saved, per_saved)
             for key, value in held.items():
@@ -307,7 +309,7 @@ def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current:
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             rank = ep_rank if getattr(param, "allreduce", True) is False else 0
-            master = source.local(name, rank, ep_size)[MASTER]
+            master = source.local(name, rank, ep_size, keys=(MASTER,))[MASTER]
             if tuple(master.shape) != tuple(param.shape):
                 raise ValueError(f"parameter {name!r}: the checkpoint gives {tuple(master.shape)}, this run holds "
                                  f"{tuple(param.shape)}")

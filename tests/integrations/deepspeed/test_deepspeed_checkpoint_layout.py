@@ -38,7 +38,7 @@ def _engine(stage, ep_size, micro_batch, universal=False, bf16=False):
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-6, "torch_adam": True}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
                                                            "warmup_num_steps": 10}},
-              "zero_optimization": {"stage": stage}, "moe": section}
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "moe": section}
     if universal:
         config["checkpoint"] = {"load_universal": True}
     if bf16:
