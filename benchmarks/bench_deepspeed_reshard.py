@@ -2,7 +2,7 @@
 
     python benchmarks/bench_deepspeed_reshard.py [--dim 512] [--hidden 2048] [--experts 8] [--layers 2] [--stage 2]
 
-(--stage 3: saved at ZeRO 3, the converted loads at ZeRO 2.)
+(--stage 3: saved at ZeRO 3, the converted loads at ZeRO 2; loading into ZeRO 3 in another layout is refused.)
 
 The model: integrations/deepspeed/model.py's MoETransformerLM (every block's FFN a "moe" section layer, backend
 tutel, fp32, Adam). It trains one step on 2 gloo processes at ep_size 2 and saves; the checkpoint is then loaded with
