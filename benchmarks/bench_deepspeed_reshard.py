@@ -2,6 +2,8 @@
 
     python benchmarks/bench_deepspeed_reshard.py [--dim 512] [--hidden 2048] [--experts 8] [--layers 2] [--stage 2]
 
+(--stage 3: saved at ZeRO 3, the converted loads at ZeRO 2; loading into ZeRO 3 in another layout is refused.)
+
 The model: integrations/deepspeed/model.py's MoETransformerLM (every block's FFN a "moe" section layer, backend
 tutel, fp32, Adam). It trains one step on 2 gloo processes at ep_size 2 and saves; the checkpoint is then loaded with
 engine.load_checkpoint(dir) on 2 processes at ep_size 2 (the saved layout: DeepSpeed's own load), on 2 at ep_size 1
@@ -41,18 +43,18 @@ def read_chars() -> int:
     raise RuntimeError("no rchar in /proc/self/io")
 
 
-def engine(args, ep_size: int, world: int):
+def engine(args, ep_size: int, world: int, stage: int):
     import moe_plugin.integrations.deepspeed as dsi
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM
     section = {"backend": "tutel", "num_experts": args.experts, "top_k": 2, "drop_tokens": False, "ep_size": ep_size}
     config = {"train_micro_batch_size_per_gpu": 4 // world, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "eps": 1e-6, "torch_adam": True}},
-              "zero_optimization": {"stage": args.stage}, "moe": section}
+              "zero_optimization": {"stage": stage}, "moe": section}
     model = MoETransformerLM(section, dim=args.dim, hidden=args.hidden, layers=args.layers, heads=4, seed=1)
     return dsi.initialize(model=model, config=config)[0]
 
 
-def worker(rank: int, world: int, port: int, args, mode: str, folder: str, ep_size: int, results):
+def worker(rank: int, world: int, port: int, args, mode: str, folder: str, ep_size: int, stage: int, results):
     import logging
 
     import deepspeed
@@ -63,7 +65,7 @@ def worker(rank: int, world: int, port: int, args, mode: str, folder: str, ep_si
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MOE_PLUGIN_KERNELS="torch")
     logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")
-    run = engine(args, ep_size, world)
+    run = engine(args, ep_size, world, stage)
     if mode == "save":
         tokens = synthetic_batch(torch.Generator().manual_seed(rank), 4 // world, 32, 64)
         run.backward(lm_loss(run, tokens))
@@ -97,13 +99,13 @@ def measure_load(run, rank: int, world: int, folder: str, results) -> None:
         results.put(numbers.tolist())
 
 
-def launch(world: int, args, mode: str, folder: str, ep_size: int):
+def launch(world: int, args, mode: str, folder: str, ep_size: int, stage: int):
     context = mp.get_context("spawn")
     results = context.Queue()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [context.Process(target=worker, args=(rank, world, port, args, mode, folder, ep_size, results))
+    procs = [context.Process(target=worker, args=(rank, world, port, args, mode, folder, ep_size, stage, results))
              for rank in range(world)]
     for proc in procs:
         proc.start()
@@ -121,12 +123,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2))
+    parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
+                        help="the saved ZeRO stage; a ZeRO-3 checkpoint's converted loads are at ZeRO 2")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench_ds_reshard_")
     try:
         folder = os.path.join(root, "ckpt")
-        launch(2, args, "save", folder, 2)
+        launch(2, args, "save", folder, 2, args.stage)
+        converted = 2 if args.stage == 3 else args.stage
         size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
         experts = 2 * args.dim * args.hidden * args.experts * args.layers * 4
         print(f"ZeRO-{args.stage}, {args.layers} MoE layers of {args.experts} experts {args.dim} x {args.hidden}: "
@@ -134,10 +138,11 @@ def main() -> None:
         print("| load | seconds | bytes read (busiest rank) | peak extra resident memory (one process) | "
               "anonymous memory kept after the load |")
         print("| --- | --- | --- | --- | --- |")
-        for world, ep_size, what in ((2, 2, "2 processes, ep_size 2 (saved layout, DeepSpeed's load)"),
-                                     (2, 1, "2 processes, ep_size 1 (converted)"),
-                                     (1, 1, "1 process, ep_size 1 (converted)")):
-            seconds, read, extra, kept = launch(world, args, "load", folder, ep_size)
+        for world, ep_size, stage, what in (
+                (2, 2, args.stage, "2 processes, ep_size 2 (saved layout, DeepSpeed's load)"),
+                (2, 1, converted, f"2 processes, ep_size 1, ZeRO-{converted} (converted)"),
+                (1, 1, converted, f"1 process, ep_size 1, ZeRO-{converted} (converted)")):
+            seconds, read, extra, kept = launch(world, args, "load", folder, ep_size, stage)
             print(f"| {what} | {seconds:.1f} | {read / 1e6:.0f} MB ({read / size:.2f}x the checkpoint) | "
                   f"{extra / 1e6:.0f} MB ({extra / size:.2f}x) | {kept / 1e6:.0f} MB |", flush=True)
     finally:

@@ -9,10 +9,12 @@ engine.save_checkpoint writes LAYOUT_FILE into the tag folder (the layout, and w
 files in another one), and engine.load_checkpoint compares it with the current layout before DeepSpeed reads
 anything:
 - the same layout: DeepSpeed loads everything, as without moe_plugin;
-- another world size, ep_size or ZeRO stage (0-2, fp32): DeepSpeed loads the weights, the LR scheduler and the step
-  counters, and reshard.py converts the optimizer state (masters, moments, step, the groups' settings);
-- anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 3, pipeline stages, fp16 or
-  bf16, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
+- another world size, ep_size or ZeRO stage, into ZeRO 0-2 (from 0-2 in fp32, 1-2 in bf16, 3 in fp32): DeepSpeed
+  loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
+  reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
+  groups' settings);
+- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipeline stages,
+  fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
   expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
 to any layout (one file per expert). DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are
@@ -28,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoELayer
-from moe_plugin.integrations.deepspeed.reshard import load_optimizer_state, reshard_refusal, save_time_record
+from moe_plugin.integrations.deepspeed.reshard import (load_optimizer_state, load_zero3_module_state, reshard_refusal,
+                                                       save_time_record)
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
@@ -119,10 +122,13 @@ def check_layout_on_load(engine) -> None:
         saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
             saved = check_layout(folder, current)
-        result = load(load_dir, tag, load_module_strict=load_module_strict,
-                      load_optimizer_states=load_optimizer_states and saved is None,
-                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                      custom_load_fn=custom_load_fn)
+        if saved is not None and saved["zero_stage"] == 3:
+            result = folder, load_zero3_module_state(engine, folder, saved, current, load_lr_scheduler_states)
+        else:
+            result = load(load_dir, tag, load_module_strict=load_module_strict,
+                          load_optimizer_states=load_optimizer_states and saved is None,
+                          load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                          custom_load_fn=custom_load_fn)
         if saved is not None:
             load_optimizer_state(engine, folder, saved, current)
         return result

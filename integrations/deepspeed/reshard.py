@@ -1,4 +1,5 @@
-"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage 0-2).
+"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage) at ZeRO
+0-2: from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32.
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -14,12 +15,19 @@ Where the saved pieces are:
 - ZeRO 1/2: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per optimizer group, its flat partition
   of the masters and of each state tensor, and where each parameter's piece sits in it ("param_slice_mappings").
   A dense group is split over all ranks, an expert group over its expert-data-parallel ranks; a parameter is its
-  pieces in rank order.
+  pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., and their bf16
+  weights (DeepSpeed loads them from the model files) are the masters cast, as at save.
+- ZeRO 3: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per group, its flat partition of the
+  masters ("fp32_flat_groups") and of each state tensor: ceil(numel / ranks) elements of each parameter, in the order
+  of the rank's model file's "param_shapes", over the ranks "ds_zero_partition_groups" records (all ranks for a dense
+  group, the expert-data-parallel ones for an expert group). Its model files hold no weights, so
+  load_zero3_module_state sets them to the masters (and the buffers, scheduler and counters) instead of DeepSpeed.
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): ZeRO 3, pipeline stages, fp16/bf16, layers of different
-ep_sizes in one model, experts kept as one module each (their names change with ep_size) when ep_size changes.
+Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages,
+fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
+each (their names change with ep_size) when ep_size changes.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["reshard_refusal", "load_optimizer_state", "save_time_record", "ReadCounter"]
+__all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "save_time_record", "ReadCounter"]
 
 MASTER = "fp32"     # the key of the master weights beside the optimizer's own state keys
 
@@ -44,7 +52,8 @@ def save_time_record(engine) -> Dict[str, Any]:
     """What LAYOUT_FILE records at save for a later conversion: the optimizer's parameter names in order (ZeRO 0,
     whose files key state by position) and each expert parameter's local shape."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    record: Dict[str, Any] = {"experts": {n: list(p.shape) for n, p in engine.module.named_parameters()
+    record: Dict[str, Any] = {"experts": {n: list(getattr(p, "ds_shape", p.shape))   # ZeRO 3: p.shape is (0,)
+                                          for n, p in engine.module.named_parameters()
                                           if getattr(p, "allreduce", True) is False},
                               "dtype": _precision(engine)}
     if engine.zero_optimization_stage() == 0 and isinstance(engine.optimizer, torch.optim.Optimizer):
@@ -59,17 +68,28 @@ def _precision(engine) -> str:
 
 def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
     """Why the optimizer state saved in one layout cannot be converted to the other; None when it can."""
+    if current.get("zero_stage") not in (0, 1, 2):
+        return (f"this run's ZeRO stage is {current.get('zero_stage')} (converted: into 0, 1, 2; writing the "
+                f"partitions of a live ZeRO-3 engine is not done)")
+    if saved.get("zero_stage") not in (0, 1, 2, 3):
+        return f"the saved ZeRO stage is {saved.get('zero_stage')} (converted: 0, 1, 2, 3)"
+    if saved["zero_stage"] == 3 and saved.get("dtype") != "fp32":
+        return f"the saved ZeRO stage is 3 in {saved.get('dtype') or 'an unrecorded precision'} (converted: fp32)"
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
-        if layout.get("zero_stage") not in (0, 1, 2):
-            return f"{whose} ZeRO stage is {layout.get('zero_stage')} (converted: 0, 1, 2)"
         if layout.get("pipeline_stages") != 1:
             return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
-        if layout.get("dtype") != "fp32":
-            return f"{whose} precision is {layout.get('dtype') or 'not recorded'} (converted: fp32)"
+        dtype = layout.get("dtype")
+        if dtype not in ("fp32", "bf16"):
+            return f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 at ZeRO 1 and 2)"
+        if dtype == "bf16" and layout.get("zero_stage") == 0:
+            return (f"{whose} precision is bf16 at ZeRO stage 0, where DeepSpeed's FP16_Optimizer keeps its own "
+                    f"unrecorded flat masters (converted: fp32, and bf16 at ZeRO 1 and 2)")
         if len(set(layout["ep_size"].values())) > 1:
             return f"{whose} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
         if layout.get("zero_stage") == 0 and "optimizer_names" not in layout:
             return f"{whose} ZeRO-0 optimizer is not a torch optimizer"
+    if saved["dtype"] != current["dtype"]:
+        return f"the saved precision is {saved['dtype']}, this run's {current['dtype']} (converted: the same precision)"
     if set(saved["experts"]) != set(current["experts"]):
         return (f"the expert parameters' names differ ({sorted(set(saved['experts']) ^ set(current['experts']))[:3]}"
                 f"...): experts kept as one module each change names with ep_size")
@@ -93,20 +113,42 @@ class SavedState:
         self.folder, self.saved = folder, saved
         self.world, self.ep, self.stage = saved["world_size"], _ep(saved), saved["zero_stage"]
         self._files: Dict[str, Any] = {}
+        self._prefix = "bf16_" if saved["dtype"] == "bf16" else ""   # bf16_zero_pp_rank_<r>_...: DeepSpeed's name
         if self.stage == 0:
             self._position = {name: (g, i) for g, names in enumerate(saved["optimizer_names"])
                               for i, name in enumerate(names)}
-        else:
-            model = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu", mmap=True,
-                               weights_only=False)
-            self._group = {name: g for g, shapes in enumerate(model["param_shapes"]) for name in shapes}
-            self._shape = {name: tuple(shape) for shapes in model["param_shapes"] for name, shape in shapes.items()}
+            return
+        self.model = self._load("zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3
+                                else "mp_rank_00_model_states.pt")
+        self._group = {name: g for g, shapes in enumerate(self.model["param_shapes"]) for name in shapes}
+        self._shape = {name: tuple(shape) for shapes in self.model["param_shapes"] for name, shape in shapes.items()}
+        if self.stage == 3:
+            self._offset = self._zero3_offsets()
+
+    def _zero3_offsets(self) -> Dict[str, int]:
+        """Where each parameter's piece starts in its ZeRO-3 group's flat partition: every rank of the group holds
+        ceil(numel / ranks) elements of each parameter, in the group's order."""
+        optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        if len(optim["fp32_flat_groups"]) != len(self.model["param_shapes"]):
+            raise ValueError(f"{self.folder}: {len(optim['fp32_flat_groups'])} ZeRO-3 sub-groups for "
+                             f"{len(self.model['param_shapes'])} groups of parameters: sub_group_size split a group "
+                             f"(converted: one sub-group per optimizer group)")
+        offsets = {}
+        for g, shapes in enumerate(self.model["param_shapes"]):
+            count, offset = optim["ds_zero_partition_groups"][g]["partition_count"], 0
+            for name, shape in shapes.items():
+                offsets[name] = offset
+                offset += -(-_numel(shape) // count)
+        return offsets
 
     def param_groups(self) -> List[Dict[str, Any]]:
         """The saved optimizer's groups (their settings: lr as the scheduler last set it, betas, eps, ...)."""
         if self.stage == 0:
             return self._load("expp_rank_0_mp_rank_00_optim_states.pt")["optimizer"]["param_groups"]
-        optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        if self.stage == 3:
+            optim = self._load("zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            return optim["optimizer_state_dict"]["param_groups"]
+        optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
 
     def close(self) -> None:
@@ -119,9 +161,9 @@ class SavedState:
                                            weights_only=False)
         return self._files[name]
 
-    def held(self, name: str, ep_rank: int) -> Dict[str, torch.Tensor]:
+    def held(self, name: str, ep_rank: int, keys=None) -> Dict[str, torch.Tensor]:
         """Parameter name as the saved run's expert-parallel rank ep_rank held it (a dense one: whole): its state
-        tensors by key (MASTER too at ZeRO 1/2)."""
+        tensors by key (MASTER too at ZeRO 1-3; at ZeRO 3 only those in keys, unless None)."""
         expert = name in self.saved["experts"]
         if self.stage == 0:
             state = self._load(f"expp_rank_{ep_rank if expert else 0}_mp_rank_00_optim_states.pt")["optimizer"]
@@ -131,10 +173,12 @@ class SavedState:
         g = self._group[name]
         ranks = [r for r in range(self.world) if r % self.ep == ep_rank] if expert and self.ep > 1 \
             else list(range(self.world))
+        if self.stage == 3:
+            return self._zero3_held(name, g, ranks, keys)
         pieces: Dict[str, List[torch.Tensor]] = {}
         step = None
         for r in ranks:
-            optim = self._load(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            optim = self._load(f"{self._prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
             if len(optim["partition_count"]) <= g or optim["partition_count"][g] != len(ranks):
                 raise ValueError(f"{self.folder}: optimizer group {g} of rank {r} is split over "
                                  f"{optim['partition_count'][g]} ranks, not {len(ranks)}: the files are not those of "
@@ -153,21 +197,51 @@ class SavedState:
             out["step"] = _read(step)
         return out
 
-    def local(self, name: str, ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
+    def _zero3_held(self, name: str, g: int, ranks: List[int], keys) -> Dict[str, torch.Tensor]:
+        numel = _numel(self._shape[name])
+        part = -(-numel // len(ranks))
+        pieces: Dict[str, List[torch.Tensor]] = {}
+        step = None
+        for r in ranks:
+            optim = self._load(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            if optim["ds_zero_partition_groups"][g]["partition_ranks"] != ranks:
+                raise ValueError(f"{self.folder}: ZeRO-3 group {g} of rank {r} is split over "
+                                 f"{optim['ds_zero_partition_groups'][g]['partition_ranks']}, not {ranks}: the files "
+                                 f"are not those of the layout recorded beside them")
+            base = optim["optimizer_state_dict"]["state"].get(g, {})
+            step = base.get("step", step)
+            flats = {MASTER: optim["fp32_flat_groups"][g],
+                     **{k: v for k, v in base.items() if torch.is_tensor(v) and v.dim() == 1}}
+            for key, flat in flats.items():
+                if keys is None or key in keys:
+                    pieces.setdefault(key, []).append(_read(flat.narrow(0, self._offset[name], part)))
+        out = {key: torch.cat(parts)[:numel].view(self._shape[name]) for key, parts in pieces.items()}
+        if step is not None:
+            out["step"] = _read(step)
+        return out
+
+    def local(self, name: str, ep_rank: int, ep_size: int, keys=None) -> Dict[str, torch.Tensor]:
         """Parameter name as this run's expert-parallel rank ep_rank of ep_size holds it."""
         if name not in self.saved["experts"] or ep_size == self.ep:
-            return self.held(name, ep_rank)
+            return self.held(name, ep_rank, keys)
         per_saved = self.saved["experts"][name][0]
         per_now = per_saved * self.ep // ep_size
         first, last = ep_rank * per_now, (ep_rank + 1) * per_now
         parts: Dict[str, List[torch.Tensor]] = {}
         for saved_rank in range(first // per_saved, (last - 1) // per_saved + 1):
-            held = self.held(name, saved_rank)
+            held = self.held(name, saved_rank, keys)
             start = max(first - saved_rank * per_saved, 0)
             stop = min(last - saved_rank * per_saved, per_saved)
             for key, value in held.items():
                 parts.setdefault(key, []).append(value if value.dim() == 0 else value[start:stop])
         return {key: values[0] if values[0].dim() == 0 else torch.cat(values) for key, values in parts.items()}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= int(size)
+    return n
 
 
 def _read(tensor: torch.Tensor) -> torch.Tensor:
@@ -179,12 +253,11 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     """Set every optimizer state tensor and master weight of this rank's parameters from the checkpoint in folder
     (written in layout saved, which reshard_refusal accepted for this run's layout current), after DeepSpeed loaded
     the weights."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed.utils import groups
     source = SavedState(folder, saved)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    ep_size = _ep(current)
-    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
+    ep_size, ep_rank = _ep(current), _ep_rank(current)
 
     def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
         state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
@@ -195,7 +268,7 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
         return state
 
     optimizer = engine.optimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         _into_zero12(optimizer, local)
         _set_group_settings(optimizer.optimizer, source.param_groups())
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -212,6 +285,46 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
         dist.barrier()
 
 
+def _ep_rank(current: Dict[str, Any]) -> int:
+    from deepspeed.utils import groups
+    ep_size = _ep(current)
+    return groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
+
+
+# what DeepSpeed's load_checkpoint keeps out of the client state it returns
+_DEEPSPEED_KEYS = ("module", "buffer_names", "optimizer", "lr_scheduler", "sparse_tensor_module_names",
+                   "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                   "data_sampler", "random_ltd", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+                   "shared_params", "ds_config", "ds_version", "checkpoint_parallel_dimensions")
+
+
+def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current: Dict[str, Any],
+                            load_lr_scheduler_states: bool = True) -> Dict[str, Any]:
+    """What DeepSpeed's load gives a ZeRO 0-2 engine, from a ZeRO-3 checkpoint (whose weights are only in its
+    ranks' partitions; DeepSpeed's load looks for a whole model file): each parameter of this rank set to its fp32
+    master, the buffers, the LR scheduler, global_steps, global_samples, skipped_steps. Returns the client state."""
+    source = SavedState(folder, saved)
+    ep_size, ep_rank = _ep(current), _ep_rank(current)
+    model = source.model
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            rank = ep_rank if getattr(param, "allreduce", True) is False else 0
+            master = source.local(name, rank, ep_size, keys=(MASTER,))[MASTER]
+            if tuple(master.shape) != tuple(param.shape):
+                raise ValueError(f"parameter {name!r}: the checkpoint gives {tuple(master.shape)}, this run holds "
+                                 f"{tuple(param.shape)}")
+            param.copy_(master)
+        buffers = dict(engine.module.named_buffers())
+        for name in model["buffer_names"]:
+            buffers[name].copy_(model["module"][name])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
+    engine.global_steps, engine.skipped_steps = model["global_steps"], model["skipped_steps"]
+    engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
+    source.close()
+    return {key: value for key, value in model.items() if key not in _DEEPSPEED_KEYS}
+
+
 def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, Any]]) -> None:
     """Each group's settings as saved (DeepSpeed's own load restores them with the state: the LR scheduler sets lr
     only at its next step)."""
@@ -223,9 +336,12 @@ def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, 
 
 
 def _into_zero12(optimizer, local) -> None:
-    """Each group's flat partition of masters and state tensors, filled from the parameters' pieces on this rank."""
-    for g, params in enumerate(optimizer.bit16_groups):
-        master_flat = optimizer.single_partition_of_fp32_groups[g]
+    """Each group's flat partition of masters and state tensors, filled from the parameters' pieces on this rank
+    (ZeRO 1/2's optimizer, or BF16_Optimizer: bf16 at ZeRO 1 with fp32 gradient accumulation; the same files)."""
+    bit16_groups = getattr(optimizer, "bit16_groups", None) or optimizer.bf16_groups
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_groups_flat_partition
+    for g, params in enumerate(bit16_groups):
+        master_flat = masters[g]
         state_flat: Dict[str, torch.Tensor] = {}
         steps = set()
         for param in params:
