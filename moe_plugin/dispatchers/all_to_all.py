@@ -225,16 +225,7 @@ def _chunk_exchange(counts_WE, row_start_E, layout, r, d, c) -> _ChunkExchange:
 
     mine = slice(layout.first_expert, layout.first_expert + layout.local_experts)
     arriving_WE = size_WE[:, mine] if layout.slices == 1 else counts_WW[:, me:me + 1]   # [src, local expert]
-    group_by_expert = ungroup = None
-    if layout.local_experts > 1:
-        group_by_expert = segment_permutation(arriving_WE)
-        ungroup = torch.empty_like(group_by_expert)
-        ungroup[group_by_expert] = torch.arange(group_by_expert.numel())
-    return _ChunkExchange(send_index=send_index, send_counts=counts_WW[me].tolist(),
-                          recv_counts=counts_WW[:, me].tolist(), counts_WW=counts_WW,
-                          rows_per_local_expert=arriving_WE.sum(0).tolist(),
-                          group_by_expert=group_by_expert, ungroup=ungroup,
-                          sends_all_in_order=(d == 1 and layout.slices == 1))
+    return _exchange(send_index, counts_WW, me, arriving_WE, sends_all_in_order=(d == 1 and layout.slices == 1))
 
 
 def _slot_exchange(split, me: int, d: int, c: int) -> _ChunkExchange:
@@ -245,16 +236,21 @@ def _slot_exchange(split, me: int, d: int, c: int) -> _ChunkExchange:
     counts_WW = torch.zeros(W, W, dtype=torch.long).index_add_(1, split.holder_J, size_WJ)
     send_index = ranges(split.start_WJ[me] + offset_WJ[me], size_WJ[me])
     mine = (split.holder_J == me).nonzero().view(-1)
-    arriving_WJ = size_WJ[:, mine]
+    return _exchange(send_index, counts_WW, me, size_WJ[:, mine], sends_all_in_order=False)
+
+
+def _exchange(send_index, counts_WW, me: int, arriving_WE, sends_all_in_order: bool) -> _ChunkExchange:
+    """The exchange that sends my rows send_index by counts_WW; arriving_WE [src, my expert (or slot)]: the rows
+    arriving here, which group by expert when I hold more than one."""
     group_by_expert = ungroup = None
-    if mine.numel() > 1:
-        group_by_expert = segment_permutation(arriving_WJ)
+    if arriving_WE.shape[1] > 1:
+        group_by_expert = segment_permutation(arriving_WE)
         ungroup = torch.empty_like(group_by_expert)
         ungroup[group_by_expert] = torch.arange(group_by_expert.numel())
     return _ChunkExchange(send_index=send_index, send_counts=counts_WW[me].tolist(),
                           recv_counts=counts_WW[:, me].tolist(), counts_WW=counts_WW,
-                          rows_per_local_expert=arriving_WJ.sum(0).tolist(),
-                          group_by_expert=group_by_expert, ungroup=ungroup, sends_all_in_order=False)
+                          rows_per_local_expert=arriving_WE.sum(0).tolist(),
+                          group_by_expert=group_by_expert, ungroup=ungroup, sends_all_in_order=sends_all_in_order)
 
 
 def _two_step(groups: ExpertGroups, a2a: str) -> bool:
