@@ -119,17 +119,23 @@ def main(args) -> int:
             with forwarding_signals():
                 return subprocess.call(command)
     except ValueError as error:
-        print(f"moe-plugin train: {error}", file=sys.stderr)
+        _say(error)
         return 2
     one_thread_unless_set()
     try:
         train(cfg)
     except ValueError as error:  # a user error found once the processes are known (ep_size, resume)
-        print(f"moe-plugin train: {error}", file=sys.stderr)
+        _say(error)
         return 2
     except Preempted:   # rank 0 has said where the checkpoint is
         return PREEMPTED_EXIT_CODE
     except NonFiniteStep as error:
-        print(f"moe-plugin train: {error}", file=sys.stderr)
+        _say(error)
         return NONFINITE_EXIT_CODE
     return 0
+
+
+def _say(error) -> None:
+    """The error's one line, written at once: every rank says it, and print's two writes (the text, then its newline)
+    from two ranks interleave in a shared log."""
+    sys.stderr.write(f"moe-plugin train: {error}\n")

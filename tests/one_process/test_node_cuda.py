@@ -9,6 +9,7 @@ gates' gradient read by row). On CPU under the Triton interpreter, in the child 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows.
 """
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -62,14 +63,21 @@ def two_node(monkeypatch):
     monkeypatch.setattr(node_cuda, "ENABLED", False)
 
 
-def assert_close(got, expected, tolerance):
-    y, aux, stats, grads, _ = got
-    y_ref, aux_ref, stats_ref, grads_ref, _ = expected
-    assert stats == stats_ref and set(grads) == set(grads_ref)
-    errors = {"y": relative_error(y, y_ref), "aux": relative_error(aux, aux_ref)}
-    errors.update({f"grad {name}": relative_error(grads[name], grads_ref[name]) for name in grads_ref})
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= tolerance, f"{worst} off by {errors[worst]:.3g} (all: {errors})"
+def assert_close(got, expected, tolerance, exact=None):
+    """got within tolerance of expected (the two-node path) in every output and gradient. exact (the same step in
+    float64) also passes a quantity further off where got is nearer exact than expected is: with a token or two in
+    bf16, a gradient that cancels can be off by more than the tolerance on each path, rounded differently."""
+    def quantities(outputs):
+        return {"y": outputs[0], "aux": outputs[1], **{f"grad {name}": grad for name, grad in outputs[3].items()}}
+    assert got[2] == expected[2] and set(got[3]) == set(expected[3])
+    mine, theirs = quantities(got), quantities(expected)
+    errors = {key: relative_error(mine[key], theirs[key]) for key in theirs}
+    off = {key: error for key, error in errors.items() if error > tolerance}
+    if exact is not None:
+        exact = quantities(exact)
+        off = {key: error for key, error in off.items()
+               if relative_error(mine[key], exact[key]) > relative_error(theirs[key], exact[key])}
+    assert not off, f"{off} off by more than {tolerance} (all: {errors})"
 
 
 @in_child
@@ -267,4 +275,10 @@ def test_random_configurations(seed, ran, monkeypatch):
     if options["top_k"] == 1 and options["normalize_gate"] == "before_drop":     # a lone normalized gate: its
         for name in ("router.weight_ED", "router_input"):                      # gradient is rounding noise
             got[3].pop(name, None), expected[3].pop(name, None)
-    assert_close(got, expected, 1e-4 if dtype == torch.float32 and not amp else 5e-2)
+    if dtype == torch.float32 and not amp:
+        assert_close(got, expected, 1e-4)
+    else:
+        exact = one_node.outputs(copy.deepcopy(layer).double(), x.double(),
+                                 None if routed is None else routed.detach().double().requires_grad_(),
+                                 got[-1].double())
+        assert_close(got, expected, 5e-2, exact)
