@@ -41,7 +41,7 @@ and world_size the ranks of the whole world (W is one expert-parallel group's). 
 """
 from .config import MoEConfig
 from .layer import MoELayer, aux_loss
-from .router import update_expert_bias
+from .router import begin_step, update_expert_bias
 
 __version__ = "0.1.0"
-__all__ = ["MoEConfig", "MoELayer", "aux_loss", "update_expert_bias", "__version__"]
+__all__ = ["MoEConfig", "MoELayer", "aux_loss", "begin_step", "update_expert_bias", "__version__"]

@@ -53,12 +53,15 @@ class Router(nn.Module):
 
     aux_loss_group: with aux_loss_scope "global", the processes whose tokens the balance loss counts (None: the
     world). Every process of it must run the layer's training forwards alike; a host whose layer lives on only some
-    processes (a pipeline stage) sets the group of those."""
+    processes (a pipeline stage) sets the group of those. Once a host calls begin_step, the counts also span the
+    optimizer step's micro-batches."""
 
     fixed_bias = False                    # class defaults: also for modules pickled before these existed
     init_std: Optional[float] = None
     noise_policy: Optional[str] = None    # a host's router noise in training (NOISE_POLICIES), set by its adapter
     aux_loss_group = None                 # aux_loss_scope "global": the processes counted (None: the world)
+    spans_steps = False                   # set by begin_step: the global counts span an optimizer step
+    step_counts_E1: Optional[torch.Tensor] = None    # with spans_steps: the step's counts so far (see begin_step)
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -180,8 +183,10 @@ class Router(nn.Module):
             aux = load_importance_loss(self.scores(clean_TE), logits_TE.gather(1, expert_TK[:, -1:]),
                                        cfg.gate_noise / cfg.num_experts)
         elif counts_globally(self):
+            if self.spans_steps and cfg.aux_loss != "seq" and self.step_counts_E1 is None:
+                self.step_counts_E1 = torch.zeros(cfg.num_experts + 1, dtype=torch.float64, device=probs_TE.device)
             aux = global_balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T,
-                                      self.aux_loss_group)
+                                      self.aux_loss_group, self.step_counts_E1 if self.spans_steps else None)
         else:
             aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())
@@ -332,16 +337,41 @@ def counts_globally(router: "Router") -> bool:
     "global", a gshard, switch or seq loss that weighs in, training, more than one process); else it is the local
     one (which it equals on one process)."""
     cfg = router.config
-    return (cfg.aux_loss_scope == "global" and cfg.aux_loss in ("gshard", "switch", "seq") and cfg.aux_loss_coef > 0
-            and router.training and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size(router.aux_loss_group) > 1)
+    if not (cfg.aux_loss_scope == "global" and cfg.aux_loss in ("gshard", "switch", "seq") and cfg.aux_loss_coef > 0
+            and router.training):
+        return False
+    return (router.spans_steps and cfg.aux_loss != "seq") or _several_processes(router.aux_loss_group)
+
+
+def _several_processes(group) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def begin_step(model: nn.Module) -> int:
+    """Marks the start of an optimizer step for the layers of model with aux_loss_scope "global": from here until
+    the next call, their gshard and switch losses count the expert frequencies over this step's micro-batches so
+    far (and over the processes). Micro-batch i of a step then weighs its routing probabilities by the choices of
+    micro-batches 1..i; the step's last micro-batch by the whole step's, as one process on the step's tokens
+    would. Exact for every micro-batch, only the last, because each micro-batch's gradient is taken before the
+    later ones are routed (Megatron-core's global_aux_loss counts the same way). Hosts call it: DeepSpeed's
+    engine.step, HF Trainer (the ExpertBiasUpdate callback), fairseq's update count. Without a call each
+    micro-batch counts its own tokens. Returns how many layers now span their steps."""
+    routers = [m for m in model.modules() if isinstance(m, Router) and m.config.aux_loss_scope == "global"]
+    for router in routers:
+        router.spans_steps, router.step_counts_E1 = True, None
+    return len(routers)
 
 
 def global_balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num_experts: int,
                         seq_len: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None,
-                        group=None) -> torch.Tensor:
+                        group=None, step_E1: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This process's share of the balance loss counted over every process of group (default: the world): one
     all_reduce of the counts (no gradient through them); every process of group must call it.
+
+    step_E1 (gshard, switch): the counts of the optimizer step's earlier micro-batches over the processes (the
+    last entry their tokens), which this forward's join: C_e and T_all below count them too, except the mean
+    probability's T_all. This forward's counts are added into step_E1, but not in a recompute during backward
+    (activation checkpointing), which saw them once already.
 
     gshard, switch: E * sum_e(P * this process's probability sum of e / T_all * C_e / (T_all * K')) with C_e the
     choices of e counted over all processes, T_all their tokens, P the processes, K' 1 (gshard) or K (switch).
@@ -349,7 +379,7 @@ def global_balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tens
     processes is the loss of one process on all their tokens together, and so is the mean of its gradients (as
     data parallelism averages them), whatever each process's share of the tokens."""
     T, K = expert_TK.shape
-    P = dist.get_world_size(group)
+    P = dist.get_world_size(group) if _several_processes(group) else 1
     if kind == "seq":
         if sequence_T is not None:
             total, count = _ragged_sequence_terms(probs_TE, expert_TK, num_experts, sequence_T)
@@ -361,16 +391,22 @@ def global_balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tens
             fraction_NE = _choices_per_expert(counted_NX, num_experts, probs_TE.dtype) / counted_NX.shape[1]
             total, count = num_experts * (probs_NSE.mean(1) * fraction_NE).sum(), rows
         count_1 = torch.as_tensor(count, dtype=torch.float64, device=probs_TE.device).reshape(1).clone()
-        dist.all_reduce(count_1, group=group)
+        if P > 1:
+            dist.all_reduce(count_1, group=group)
         return P * total / count_1[0].clamp(min=1).to(total.dtype)
     counted_TX = expert_TK[:, :1] if kind == "gshard" else expert_TK
     counts_E1 = torch.zeros(num_experts + 1, dtype=torch.float64, device=probs_TE.device)
     counts_E1.scatter_add_(0, counted_TX.reshape(-1), torch.ones(counted_TX.numel(), dtype=torch.float64,
                                                                   device=probs_TE.device))
     counts_E1[num_experts] = T
-    dist.all_reduce(counts_E1, group=group)
+    if P > 1:
+        dist.all_reduce(counts_E1, group=group)
     tokens = counts_E1[num_experts].clamp(min=1)
-    scale = num_experts * P / (tokens * tokens * counted_TX.shape[1])
+    if step_E1 is not None:
+        if torch._C._current_graph_task_id() < 0:
+            step_E1 += counts_E1
+        counts_E1 = step_E1
+    scale = num_experts * P / (tokens * counts_E1[num_experts].clamp(min=1) * counted_TX.shape[1])
     weights_E = (counts_E1[:num_experts] * scale).to(probs_TE.dtype)
     return (probs_TE.sum(0) * weights_E).sum()
 

@@ -29,7 +29,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(f"moe_plugin.integrations.deepspeed needs DeepSpeed ({error}); "
                       f"install it with: pip install 'moe_plugin[deepspeed]'") from error
 
-from moe_plugin import MoELayer, update_expert_bias
+from moe_plugin import MoELayer, begin_step, update_expert_bias
 from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, MoE, moe_config, swap_moe_layers
 from moe_plugin.integrations.deepspeed.hook import enable  # noqa: F401  (re-exported)
 from moe_plugin.integrations.deepspeed.layout import check_layout_on_load
@@ -132,7 +132,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
                                          lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
                                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                                          mesh_param=mesh_param, config_params=config_params)
-    update_bias_every_step(engine)
+    mark_steps(engine)
     if has_moe:
         check_layout_on_load(engine)
     log_routing(engine, alarm)
@@ -168,21 +168,25 @@ def check_expert_parallel_layers(model: nn.Module) -> None:
                 f"or use ep_size 1")
 
 
-def update_bias_every_step(engine) -> None:
-    """When a layer has the balancing bias on, engine.step() calls moe_plugin.update_expert_bias once per
-    optimizer step (at the gradient accumulation boundary: the counts cover every micro-batch)."""
-    if not any(getattr(m, "config", None) is not None and isinstance(m, MoELayer)
-               and m.config.expert_bias_update_rate > 0 for m in engine.module.modules()):
+def mark_steps(engine) -> None:
+    """Where a layer keeps a balancing bias or counts its balance loss globally, each optimizer step the engine
+    takes (engine.step at the gradient accumulation boundary; a pipeline's train_batch) ends with
+    moe_plugin.update_expert_bias (the counts cover every micro-batch) and moe_plugin.begin_step (the next step's
+    global counts span its micro-batches)."""
+    layers = [m for m in engine.module.modules() if isinstance(m, MoELayer)]
+    bias = any(layer.config.expert_bias_update_rate > 0 for layer in layers)
+    if not bias and not any(layer.config.aux_loss_scope == "global" for layer in layers):
         return
-    step = engine.step
+    take_model_step = engine._take_model_step
 
-    def step_and_update_bias(*args, **kwargs):
-        boundary = engine.is_gradient_accumulation_boundary()
-        result = step(*args, **kwargs)
-        if boundary:
+    def take_model_step_and_mark(*args, **kwargs):
+        result = take_model_step(*args, **kwargs)
+        if bias:
             update_expert_bias(engine.module)
+        begin_step(engine.module)
         return result
-    engine.step = step_and_update_bias
+    engine._take_model_step = take_model_step_and_mark
+    begin_step(engine.module)
 
 
 def split_client_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -22,7 +22,7 @@ from fairseq.models.transformer_lm import (TransformerLanguageModel, Transformer
                                            base_lm_architecture, transformer_lm_gpt)
 from fairseq.utils import safe_getattr
 
-from moe_plugin import update_expert_bias
+from moe_plugin import begin_step, update_expert_bias
 
 from .config import (add_moe_args, flag_errors, moe_config_from_args, moe_layer_indices, set_moe_defaults,
                      single_process_error)
@@ -34,13 +34,16 @@ from .registration import architecture, model
 
 class _UpdatesExpertBias:
     """fairseq's task calls model.set_num_updates(n) before every micro-batch's forward; when n moves
-    on, the previous update (all its micro-batches) is done: the balancing bias is updated once."""
+    on, the previous update (all its micro-batches) is done: the balancing bias is updated once, and a balance
+    loss counted globally counts over the next update's micro-batches (moe_plugin.begin_step)."""
 
     _bias_updates_seen = None
 
     def set_num_updates(self, num_updates):
         if self._bias_updates_seen is not None and num_updates != self._bias_updates_seen:
             update_expert_bias(self)
+        if num_updates != self._bias_updates_seen:
+            begin_step(self)
         self._bias_updates_seen = num_updates
         super().set_num_updates(num_updates)
 

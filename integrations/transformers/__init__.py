@@ -5,7 +5,7 @@
     upcycle(model, num_experts, top_k, ...)        dense MLPs -> MoE blocks of copies of them (upcycle.py)
     FAMILIES, family_of(model)                     the family table (families.py)
     hf_to_layer / layer_to_hf                      the weight mappings, both ways
-    ExpertBiasUpdate()                             HF Trainer callback: the expert bias update every step
+    ExpertBiasUpdate()                             HF Trainer callback: marks each optimizer step (bias, global counts)
     RoutingMetrics()                               HF Trainer callback: per-layer routing metrics in its logs
 """
 from .torchaudio_guard import hide_unloadable_torchaudio

@@ -170,3 +170,124 @@ def test_the_hf_swap_keyword_reaches_the_layer():
     model = swap_moe_blocks(build_model("mixtral", seed=0), aux_loss="switch", aux_loss_scope="global")
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     assert layers and all(m.config.aux_loss_scope == "global" for m in layers)
+
+
+# Counts over an optimizer step's micro-batches (moe_plugin.begin_step, which the hosts call at each step's start)
+
+
+def spanning_reference(layer, xs, ups, world=1):
+    """One process on every process's tokens, by hand: each micro-batch's output term from layer (aux_loss_scope
+    "local", its own balance loss unused) and, as the balance loss of micro-batch i, E * sum_e(the mean router
+    probability of e over micro-batch i's tokens * the fraction of the choices of micro-batches 1..i routed to
+    e). Returns the router's gradient, each micro-batch's input gradient and balance loss (with its coefficient)."""
+    cfg = layer.config
+    weight_ED = layer.router.weight_ED
+    chosen, losses, total, inputs = [], [], 0.0, []
+    for x, up in zip(xs, ups):
+        x = x.clone().requires_grad_()
+        inputs.append(x)
+        probs_TE = torch.softmax(x.reshape(-1, D) @ weight_ED.t(), dim=-1)
+        counted_TX = probs_TE.topk(cfg.top_k).indices[:, :1 if cfg.aux_loss == "gshard" else cfg.top_k]
+        chosen.append(counted_TX)
+        choices_E = torch.nn.functional.one_hot(torch.cat(chosen).reshape(-1), cfg.num_experts).sum(0)
+        fraction_E = choices_E.to(probs_TE.dtype) / choices_E.sum()
+        mean_E = probs_TE.sum(0) / max(len(probs_TE), 1)       # an empty micro-batch adds no term
+        losses.append(cfg.aux_loss_coef * cfg.num_experts * (mean_E * fraction_E).sum())
+        total = total + (layer(x) * up).sum() / world + losses[-1]
+    total.backward()
+    return weight_ED.grad, [x.grad for x in inputs], torch.stack(losses).detach()
+
+
+def spanning_run(layer, xs, ups, checkpointed=False):
+    """begin_step, then each micro-batch's forward and backward (the gradients accumulate): the router's
+    gradient, each micro-batch's input gradient and balance loss."""
+    from torch.utils.checkpoint import checkpoint
+    from moe_plugin import begin_step
+    assert begin_step(layer) == 1
+    grads, losses = [], []
+    for x, up in zip(xs, ups):
+        x = x.clone().requires_grad_()
+        y = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        losses.append(layer.aux_loss.detach().clone())
+        ((y * up).sum() + layer.aux_loss).backward()
+        grads.append(x.grad)
+    return layer.router.weight_ED.grad.clone(), grads, torch.stack(losses)
+
+
+def micro_batches(sizes, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, D, generator=generator, dtype=dtype) for n in sizes]
+    return xs, [torch.randn(x.shape, generator=generator, dtype=dtype) for x in xs]
+
+
+@pytest.mark.parametrize("aux, k, sizes", [("gshard", 2, (7, 3, 12)), ("switch", 3, (5, 1, 9, 4)),
+                                           ("switch", 1, (11, 0, 6))])
+def test_after_begin_step_the_counts_span_the_step_s_micro_batches(aux, k, sizes):
+    """One process, fp64: micro-batch i weighs its probabilities by the choices of micro-batches 1..i (the last by
+    the whole step's, as one process on the step's tokens); an empty micro-batch among them."""
+    spec = dict(E=5, k=k, aux=aux)
+    reference, layer = build(spec, torch.float64), build(spec, torch.float64, aux_loss_scope="global")
+    with torch.no_grad():
+        reference.router.weight_ED.mul_(3.0)
+    layer.load_state_dict(reference.state_dict())
+    xs, ups = micro_batches(sizes)
+    grad_ED, x_grads, losses = spanning_run(layer, xs, ups)
+    grad_ref_ED, x_grads_ref, losses_ref = spanning_reference(reference, xs, ups)
+    assert relative_error(losses, losses_ref, floor=1e-12) <= 1e-12
+    assert relative_error(grad_ED, grad_ref_ED, floor=1e-12) <= 1e-12
+    assert all(relative_error(g, g_ref, floor=1e-12) <= 1e-12 for g, g_ref in zip(x_grads, x_grads_ref))
+    assert layer.router.step_counts_E1[-1] == sum(sizes)
+    local = build(spec, torch.float64)                 # without begin_step: each micro-batch its own counts
+    local.load_state_dict(reference.state_dict())
+    assert relative_error(spanning_run_without_mark(local, xs, ups), losses) > 1e-3
+
+
+def spanning_run_without_mark(layer, xs, ups):
+    losses = []
+    for x in xs:
+        layer(x)
+        losses.append(layer.aux_loss.detach().clone())
+    return torch.stack(losses)
+
+
+def test_a_recomputed_forward_counts_its_micro_batch_once():
+    """Activation checkpointing runs the layer's forward again in backward: the same gradients as without it."""
+    spec = dict(E=4, k=2, aux="switch")
+    layer = build(spec, torch.float64, aux_loss_scope="global")
+    again = build(spec, torch.float64, aux_loss_scope="global")
+    again.load_state_dict(layer.state_dict())
+    xs, ups = micro_batches((6, 9, 4), seed=1)
+    grad_ED, x_grads, losses = spanning_run(layer, xs, ups)
+    grad_again_ED, x_grads_again, losses_again = spanning_run(again, xs, ups, checkpointed=True)
+    assert torch.equal(losses, losses_again) and torch.equal(grad_ED, grad_again_ED)
+    assert all(torch.equal(g, h) for g, h in zip(x_grads, x_grads_again))
+    assert again.router.step_counts_E1[-1] == 19
+
+
+def compare_spanning(rank, world, sizes):
+    """sizes[rank][i]: this process's tokens in micro-batch i."""
+    spec = dict(E=6, k=2, aux="switch")
+    torch.manual_seed(0)
+    reference, layer = build(spec, torch.float64), build(spec, torch.float64, aux_loss_scope="global")
+    with torch.no_grad():
+        reference.router.weight_ED.mul_(3.0)
+    layer.load_state_dict(reference.state_dict())
+    per_rank = [micro_batches(rank_sizes, seed=r) for r, rank_sizes in enumerate(sizes)]
+    grad_ED, x_grads, _ = spanning_run(layer, *per_rank[rank])
+    dist.all_reduce(grad_ED)
+    grad_ED /= world                              # data parallelism averages the router's gradient
+    xs_all = [torch.cat([xs[i] for xs, _ in per_rank]) for i in range(len(sizes[0]))]
+    ups_all = [torch.cat([ups[i] for _, ups in per_rank]) for i in range(len(sizes[0]))]
+    grad_ref_ED, x_grads_ref, _ = spanning_reference(reference, xs_all, ups_all, world)
+    starts = [sum(rank_sizes[i] for rank_sizes in sizes[:rank]) for i in range(len(sizes[0]))]
+    return {"router grad": relative_error(grad_ED, grad_ref_ED, floor=1e-12),
+            "x.grad": max(relative_error(g, world * g_ref[start:start + len(g)], floor=1e-12)
+                          for g, g_ref, start in zip(x_grads, x_grads_ref, starts))}
+
+
+@pytest.mark.timeout(300)
+def test_spanning_counts_on_two_processes_match_one_process_on_the_step_s_tokens():
+    """2 processes, 3 micro-batches each (one process without tokens in one of them): the averaged router gradient
+    is the one process's on every process's micro-batch i together, counting micro-batches 1..i of every process."""
+    results = run_workers(compare_spanning, 2, [[5, 8, 0], [3, 11, 7]], timeout=250)
+    assert all(error <= 1e-12 for errors in results for error in errors.values()), results

@@ -1,5 +1,6 @@
 """The "moe" section's extras (balancing bias, groups, route scale, aux loss, recompute) and the bias
-update once per engine.step() with gradient accumulation, on 2 gloo processes."""
+update once per engine.step() with gradient accumulation, on 2 gloo processes (with a global balance loss
+whose counts span each step's micro-batches)."""
 import pytest
 import torch
 
@@ -42,7 +43,7 @@ def accumulation_worker(rank, world, accumulation, micro_batches):
     from moe_plugin.integrations.deepspeed.model import MoETransformerLM, lm_loss
     setup_worker(rank, world)
     section = {"backend": "tutel", "num_experts": 4, "ep_size": 2, "top_k": 2, "capacity_factor": 1.0,
-               "min_capacity": 0, "router": "sigmoid", **EXTRAS}
+               "min_capacity": 0, "router": "sigmoid", **EXTRAS, "aux_loss": "switch", "aux_loss_scope": "global"}
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, "moe": section}
     torch.manual_seed(0)
@@ -57,12 +58,14 @@ def accumulation_worker(rank, world, accumulation, micro_batches):
         loads = [router.load_E.clone() for router in routers]
         for load in loads:
             torch.distributed.all_reduce(load)
+        # the global balance loss counts the tokens of the step's micro-batches so far, over the ranks
+        assert all(router.step_counts_E1[-1] * 2 == load.sum() for router, load in zip(routers, loads))
         before = [router.expert_bias_E.clone() for router in routers]
         engine.step()
         for router, load, bias in zip(routers, loads, before):
             expected = bias if not boundary else bias + 0.01 * torch.sign(load.float().mean() - load.float())
             errors.append(float((router.expert_bias_E - expected).abs().max()))
-            assert (router.load_E is None) == boundary
+            assert (router.load_E is None) == boundary and (router.step_counts_E1 is None) == boundary
         updates += boundary
     return max(errors), updates, [router.expert_bias_E.tolist() for router in routers]
 

@@ -99,6 +99,26 @@ def test_bias_updates_once_per_update_from_all_micro_batches(adapter):
     assert model.moe.router.load_E is None
 
 
+def test_a_global_balance_loss_counts_over_each_update_s_micro_batches(adapter):
+    """fairseq's update count marks the steps (moe_plugin.begin_step): a global balance loss counts the tokens of
+    the update's micro-batches so far, anew at each update."""
+    from fairseq.models import BaseFairseqModel
+
+    from moe_plugin import MoEConfig, MoELayer
+
+    class Model(adapter.models._UpdatesExpertBias, BaseFairseqModel):
+        def __init__(self):
+            super().__init__()
+            self.moe = MoELayer(MoEConfig(model_dim=8, hidden_size=8, num_experts=4, top_k=2, aux_loss="switch",
+                                          aux_loss_scope="global"))
+    model = Model()
+    for update, sizes in [(0, [5, 3]), (1, [7]), (2, [2, 6, 1])]:
+        for seen, size in enumerate(sizes):
+            model.set_num_updates(update)
+            model.moe(torch.randn(size, 8))
+            assert model.moe.router.step_counts_E1[-1] == sum(sizes[:seen + 1])
+
+
 @pytest.mark.timeout(900)
 def test_fairseq_train_with_the_new_flags(tmp_path, corpus):
     lm = corpus["lm"]
