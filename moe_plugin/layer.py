@@ -217,6 +217,9 @@ class MoELayer(nn.Module):
         if parallel_layer:
             check_expert_sharding(self)
             check_plain_ddp(self)
+        elif cfg.ep_size == 1 and self.training and cfg.redundant_experts not in (0, "auto") \
+                and not _IDLE_COPIES_WARNED:
+            _say_copies_idle(cfg.redundant_experts)
         x_TD = x.reshape(-1, cfg.model_dim)
         # the last forward's aux loss no longer holds its graph while this one builds: a graph kept alive keeps the
         # parameters' AccumulateGrad nodes on the stream that made them (CUDA-graph capture on another then fails).
@@ -324,6 +327,18 @@ def _one_node(x_TD: torch.Tensor, autocast: bool):
 # every expert weight a wrong gradient (relative error 1.0 against eager; eager right; benchmarks/RESULTS.md): until
 # a GPU run shows it right, that case runs the expert path eagerly inside the compiled graph (a graph break)
 EAGER_EXPERTS_UNDER_COMPILED_AUTOCAST = ("cuda",)
+
+
+_IDLE_COPIES_WARNED: list = []
+
+
+def _say_copies_idle(count: int) -> None:
+    """Once per process: an integer redundant_experts at ep_size 1 (accepted there, so that plans and checkpoint
+    tools can rebuild a config at ep_size 1) copies nothing in training."""
+    _IDLE_COPIES_WARNED.append(True)
+    warnings.warn(f"moe_plugin: redundant_experts={count} does nothing at ep_size 1: every process holds every "
+                  f"expert, so no rank waits on another's; copies of hot experts balance expert-parallel ranks "
+                  f"(ep_size > 1)", UserWarning, stacklevel=3)
 
 
 @torch._disable_dynamo     # torch.compiler.disable, with torch._dynamo imported at the first call, not with moe_plugin

@@ -200,14 +200,28 @@ def test_expert_modules_are_refused():
                  expert=torch.nn.Linear(4, 4))
 
 
-def test_one_process_has_nothing_to_copy():
-    """At ep_size 1 every expert is here: redundant_experts does nothing (a config rebuilt at ep_size 1 works)."""
+def test_one_process_has_nothing_to_copy(monkeypatch):
+    """At ep_size 1 every expert is here: redundant_experts does nothing (a config rebuilt at ep_size 1 works), and
+    a training forward says so once per process ("auto", 0 and evaluation say nothing)."""
+    import warnings
+    from moe_plugin import layer as layer_module
+    monkeypatch.setattr(layer_module, "_IDLE_COPIES_WARNED", [])
     torch.manual_seed(0)
     reference = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, capacity_factor=0.0))
     layer = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, capacity_factor=0.0, redundant_experts=3))
+    auto = MoELayer(MoEConfig(model_dim=D, hidden_size=H, num_experts=4, capacity_factor=0.0,
+                              redundant_experts="auto"))
     layer.load_state_dict(reference.state_dict())
     x = torch.randn(9, D)
-    assert torch.equal(layer(x), reference(x)) and "replicas" not in layer.stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reference(x), auto(x), layer.eval()(x)
+    with pytest.warns(UserWarning, match="redundant_experts=3 does nothing at ep_size 1: every process holds"):
+        y = layer.train()(x)
+    assert torch.equal(y, reference(x)) and "replicas" not in layer.stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x)
 
 
 def test_every_host_key_reaches_the_layer():
