@@ -10,8 +10,9 @@ Per layer and window (sums over every training forward of the window, every micr
                              at ep_size 1; ep_size when one rank takes all): each expert's routed choices (before
                              capacity drops) go to the ranks that compute it by rank_shares (an expert sliced over
                              ranks gives each its share); with replicas (redundant_experts) the kept rows of a
-                             replicated expert count where they were computed, its copies' ranks included; per rank
-                             position of the ep group, summed over the ep groups
+                             replicated expert count where they were computed, its copies' ranks included, and a
+                             forward that gathers every expert (parallel degree 0) counts its kept rows on the rank
+                             that routed them; per rank position of the ep group, summed over the ep groups
     experts_without_tokens   how many experts got no token
     dropped_fraction         routed choices dropped by capacity, over all choices
     capacity_used            kept choices over the capacity's slots
@@ -118,8 +119,9 @@ class RoutingMonitor:
 
 class _Window:
     """One layer's sums since the last read: device_sums (load_E, kept_E, DEVICE_SUMS, moved_W; float64) with a
-    view on each part made once, and host, HOST_SUMS as numbers. moved_W: with replicas, the kept rows each ep rank
-    computes beyond what its own experts' would be (negative on the owners of replicated experts). A window moved to
+    view on each part made once, and host, HOST_SUMS as numbers. moved_W: the kept rows each ep rank computes
+    beyond what its own experts' would be (with replicas, negative on the owners of replicated experts; at parallel
+    degree 0, each rank's own rows less its experts'). A window moved to
     another device is carried over."""
 
     def __init__(self, num_experts: int, device: torch.device, old: Optional["_Window"] = None, ep_size: int = 1):
@@ -147,9 +149,8 @@ def _named_sums(layer: MoELayer, device_sums, host: dict) -> dict:
     layout = layer.groups.layout
     shares_EW = _shares(E, layout.ep_size, load.device if torch.is_tensor(load) else torch.device("cpu"))
     rows = rank_rows(load, shares_EW)
-    if cfg.redundant_experts:        # the rows that went to copies, moved from the owners
-        moved = device_sums[2 * E + len(DEVICE_SUMS):]
-        rows = rows + moved if torch.is_tensor(rows) else [a + b for a, b in zip(rows, moved)]
+    moved = device_sums[2 * E + len(DEVICE_SUMS):]      # rows computed elsewhere than by their expert's owner
+    rows = rows + moved if torch.is_tensor(rows) else [a + b for a, b in zip(rows, moved)]
     sums = {"load": load, "kept": device_sums[E:2 * E], "rank_rows": rows,
             "choices": host["choices"],
             "slots": device["slots"] + host["slots"], "entropy": device["entropy"], "tokens": host["tokens"],
@@ -248,6 +249,11 @@ def _add_forward(window: _Window, layer: MoELayer, args: tuple, kwargs: dict) ->
     if split_rows is not None:      # replicas: this forward's kept rows per rank as split, less as owned
         owned_W = kept_E.to(torch.float64) @ _shares(cfg.num_experts, cfg.ep_size, kept_E.device)
         window.moved_W.add_(torch.tensor(split_rows, dtype=torch.float64).to(kept_E.device) - owned_W)
+    elif layer._parallel_stats.get("parallel") == 0:   # every expert gathered: this rank computed its own rows
+        owned_W = kept_E.to(torch.float64) @ _shares(cfg.num_experts, cfg.ep_size, kept_E.device)
+        here = layer.groups.layout.ep_rank
+        window.moved_W.sub_(owned_W)
+        window.moved_W[here:here + 1].add_(kept_E.sum())
     if capacity_factor > 0:
         window.host["slots"] += fixed * cfg.num_experts
     elif capacity_factor == 0:

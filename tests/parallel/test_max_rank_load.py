@@ -1,7 +1,7 @@
 """max_rank_load (issue 55 item 1), RoutingMonitor's busiest expert-parallel rank over the mean rank, against the
 rows counted by hand from each process's routes: on 4 gloo ranks, a layer at ep_size 4 whose router is biased
-towards experts of rank 0, one with experts sliced over ranks (E < ep_size) and one at ep_size 2 under data
-parallelism (2 ep groups); then single-process checks of the formula, the alarm and the hosts' keys."""
+towards experts of rank 0, one with experts sliced over ranks (E < ep_size), one at ep_size 2 under data
+parallelism (2 ep groups) and one that gathers every expert (parallel 0: each rank computes its own rows); then single-process checks of the formula, the alarm and the hosts' keys."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +14,8 @@ from moe_plugin.routing_monitor.metrics import RoutingMonitor, max_rank_load, me
 
 D = 8
 LAYERS = {"hot_rank0": dict(num_experts=16, ep_size=4, top_k=2), "sliced": dict(num_experts=2, ep_size=4, top_k=1),
-          "ep2_dp2": dict(num_experts=8, ep_size=2, top_k=2)}
+          "ep2_dp2": dict(num_experts=8, ep_size=2, top_k=2),
+          "gathered": dict(num_experts=8, ep_size=4, top_k=2, parallel=0)}
 
 
 def rows_by_hand(rank, world):
@@ -27,6 +28,7 @@ def rows_by_hand(rank, world):
         model.hot_rank0.router.bias_E[[0, 1, 3]] = torch.tensor([2.0, 1.5, 1.0])    # rank 0 holds experts 0-3
         model.ep2_dp2.router.bias_E[5] = 1.0
         model.sliced.router.bias_E[0] = 1.0
+        model.gathered.router.bias_E[[0, 1]] = 2.0                                 # rank 0 holds experts 0, 1
     monitor = RoutingMonitor(model)
     counted = {}
     for step in range(2):
@@ -34,7 +36,12 @@ def rows_by_hand(rank, world):
         for name, layer in model.items():
             cfg, W = layer.config, layer.config.ep_size
             expert_TK = layer.router(x).expert_TK.reshape(-1)
-            if cfg.num_experts >= W:     # rank of each routed row: its expert's holder
+            if cfg.parallel == 0:        # every expert gathered: each rank computes its own tokens' rows
+                rows_W = torch.zeros(W, dtype=torch.float64)
+                rows_W[dist.get_rank() % W] = len(expert_TK)
+                held_W = torch.bincount(expert_TK // (cfg.num_experts // W), minlength=W).double()
+                counted["gathered, by holder"] = counted.get("gathered, by holder", 0) + held_W
+            elif cfg.num_experts >= W:   # rank of each routed row: its expert's holder
                 rows_W = torch.bincount(expert_TK // (cfg.num_experts // W), minlength=W).double()
             else:                        # every holder of a slice computes all of its expert's rows, 1 / slices wide
                 slices = W // cfg.num_experts
@@ -45,7 +52,8 @@ def rows_by_hand(rank, world):
     out = {}
     for name, rows_W in counted.items():
         dist.all_reduce(rows_W)
-        out[name] = (metrics[name]["max_rank_load"], float(rows_W.max() / rows_W.mean()), rows_W.tolist())
+        out[name] = (metrics.get(name, {}).get("max_rank_load"), float(rows_W.max() / rows_W.mean()),
+                     rows_W.tolist())
     return out
 
 
@@ -58,6 +66,9 @@ def test_max_rank_load_equals_the_rows_counted_from_the_routes():
         assert all(result[name][0] == got for result in results), name      # every process reads the same
     assert results[0]["hot_rank0"][1] > 1.5        # the skew is there: rank 0 holds the hot experts
     assert results[0]["sliced"][1] > 1.0
+    # gathered (parallel 0): each rank computes its own tokens' rows (uneven only by their token counts), where the
+    # holders' count would be far more skewed
+    assert results[0]["gathered, by holder"][1] > 2 * results[0]["gathered"][1]
 
 
 def test_the_formula_on_layouts_with_empty_experts_and_ranks():
