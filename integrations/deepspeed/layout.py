@@ -32,6 +32,7 @@ from torch import nn
 from moe_plugin import MoELayer
 from moe_plugin.integrations.deepspeed.reshard import (load_optimizer_state, load_zero3_module_state, reshard_refusal,
                                                        save_time_record)
+from moe_plugin.integrations.deepspeed.reshard_pipeline import load_pipeline_checkpoint, this_stage, write_stage_record
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
@@ -50,10 +51,12 @@ def checkpoint_layout(engine) -> Dict[str, Any]:
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
     stages = getattr(engine, "num_stages", None) or bwc_pipeline_parallel_world_size(groups.mpu)
+    from deepspeed.pipe import PipelineModule
     stage = int(engine.zero_optimization_stage())
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "zero_stage": stage,
             "pipeline_stages": int(stages), "ep_size": ep_sizes(engine.module),
-            "partitioned": stage > 0 or type(engine.optimizer).__name__ == "BF16_Optimizer"}
+            "partitioned": stage > 0 or type(engine.optimizer).__name__ == "BF16_Optimizer",
+            "pipeline_module": isinstance(engine.module, PipelineModule)}
 
 
 def ep_sizes(model: nn.Module) -> Dict[str, int]:
@@ -108,10 +111,12 @@ def check_layout_on_load(engine) -> None:
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         folder = os.path.join(save_dir, str(tag if tag is not None else f"global_step{engine.global_steps}"))
+        record = {**checkpoint_layout(engine), **save_time_record(engine)}
         if _writer(engine):   # before DeepSpeed's save, which ends when every rank has written
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
-                json.dump({**checkpoint_layout(engine), **save_time_record(engine)}, f)
+                json.dump(record, f)
+        write_stage_record(engine, folder, record)
         return save(save_dir, tag, *args, **kwargs)
 
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -122,6 +127,8 @@ def check_layout_on_load(engine) -> None:
         saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
             saved = check_layout(folder, current)
+        if saved is not None and saved.get("stages"):
+            return load_pipeline_checkpoint(engine, folder, saved, current, load_lr_scheduler_states)
         if saved is not None and saved["zero_stage"] == 3:
             result = folder, load_zero3_module_state(engine, folder, saved, current, load_lr_scheduler_states)
         else:
@@ -152,6 +159,7 @@ def check_layout(folder: str, current: Dict[str, Any]) -> Optional[Dict[str, Any
         return None   # written without moe_plugin's engine (or before this check existed): DeepSpeed's own checks
     with open(path) as f:
         saved = json.load(f)
+    saved = this_stage(folder, saved, current)
     if same(saved, current):
         return None
     why = reshard_refusal(saved, current)
