@@ -24,10 +24,12 @@ SECTION = {"backend": "tutel", "num_experts": 4, "top_k": 2, "drop_tokens": Fals
 MICRO, MICROS, STEPS = 4, 4, 3
 SAVED = (1, 0)                                  # ZeRO stages saved at 2 stages x 2 ranks, ep_size 2
 # (saved ZeRO stage, (pipeline stages, ZeRO stage, ep_size)) loaded on 2 processes
-LOADS = ((1, (2, 1, 1)), (0, (2, 0, 1)), (1, (2, 0, 1)), (1, (1, 1, 2)), (1, (1, 1, 1)), (0, (1, 0, 2)))
+LOADS = ((1, (2, 1, 1)), (0, (2, 0, 1)), (1, (2, 0, 1)), (1, (1, 1, 2)), (1, (1, 1, 1)), (0, (1, 0, 2)),
+         (1, (4, 1, 1)))
 
 
 def _engine(stages, zero, ep_size):
+    from deepspeed.pipe import LayerSpec, PipelineModule
     example = load_script("examples/deepspeed/pipeline_moe.py")
     from moe_plugin.integrations.deepspeed import initialize
     dp = torch.distributed.get_world_size() // stages
@@ -40,8 +42,11 @@ def _engine(stages, zero, ep_size):
                                                            "warmup_num_steps": 10}},
               "zero_optimization": {"stage": zero}, "moe": section}
     torch.manual_seed(0)
-    model = example.pipeline(section, stages)
-    return initialize(model=model, config=config, model_parameters=model.parameters())[0]
+    model = PipelineModule([LayerSpec(cls, *args) for cls, args in example.layers(section, blocks=4)],
+                           num_stages=stages, loss_fn=example.lm_loss, partition_method="type:MoEBlock")
+    engine = initialize(model=model, config=config, model_parameters=model.parameters())[0]
+    assert len([m for m in model.modules() if isinstance(m, example.MoEBlock)]) == 4 // stages
+    return engine
 
 
 def _step(engine, step):
@@ -112,7 +117,7 @@ def save_worker(rank, world, directory):
 
 
 def load_worker(rank, world, directory, stages):
-    """Each load of LOADS at `stages` stages on 2 processes, and the load of a copy without stage records."""
+    """Each load of LOADS at `stages` stages, and (at 2 stages) the load of a copy without stage records."""
     from helpers.deepspeed import setup_worker
     setup_worker(rank, world)
     report = {}
@@ -149,7 +154,8 @@ def runs(tmp_path_factory):
     for name in os.listdir(os.path.join(unrecorded, "global_step3")):
         if name.startswith("moe_plugin_layout_stage_"):
             os.remove(os.path.join(unrecorded, "global_step3", name))
-    loaded = {stages: run_workers(load_worker, 2, directory, stages, timeout=600) for stages in (2, 1)}
+    loaded = {stages: run_workers(load_worker, world, directory, stages, timeout=600)
+              for stages, world in ((2, 2), (1, 2), (4, 4))}
     return saved, loaded
 
 
