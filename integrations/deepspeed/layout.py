@@ -13,7 +13,12 @@ anything:
   loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
   reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
   groups' settings);
-- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipeline stages,
+- a PipelineModule at ZeRO 0-1 in fp32 at another number of pipeline stages, data-parallel size per stage or
+  ep_size: each stage's first data-parallel rank also writes its stage's record at save (reshard_pipeline.STAGE_FILE),
+  each rank compares its own stage's part of the saved layout (reshard_pipeline.this_stage), and
+  reshard_pipeline.load_pipeline_checkpoint sets the weights, scheduler, counters and optimizer state from the saved
+  stage that held each parameter (DeepSpeed's own load reads the files of its stage number);
+- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipelines in bf16,
   fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
   expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights

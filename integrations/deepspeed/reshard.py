@@ -25,7 +25,8 @@ Where the saved pieces are:
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages,
+Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages
+(reshard_pipeline.py converts a PipelineModule's at ZeRO 0-1 in fp32),
 fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
 each (their names change with ep_size) when ep_size changes.
 """

@@ -55,10 +55,11 @@ def this_stage(folder: str, saved: Dict[str, Any], current: Dict[str, Any]) -> D
     """The saved layout as this rank's stage sees it: its MoE layers' saved ep_sizes and expert shapes, and each
     saved stage's record ("stages") where reshard_pipeline converts it; otherwise why not ("pipeline_refusal"). A
     layout of neither run a PipelineModule is returned as it is."""
-    if not saved.get("pipeline_module") and not current.get("pipeline_module"):
+    saved_pipeline = saved.get("pipeline_module", current.get("pipeline_module"))   # a record from before it
+    if not saved_pipeline and not current.get("pipeline_module"):
         return saved
-    if not saved.get("pipeline_module") or not current.get("pipeline_module"):
-        whose = "the saved" if saved.get("pipeline_module") else "this run's"
+    if not saved_pipeline or not current.get("pipeline_module"):
+        whose = "the saved" if saved_pipeline else "this run's"
         return {**saved, "pipeline_refusal": f"only {whose} model is a PipelineModule (its parameters' names differ)"}
     paths = [os.path.join(folder, STAGE_FILE.format(s)) for s in range(saved["pipeline_stages"])]
     missing = [os.path.basename(path) for path in paths if not os.path.isfile(path)]
@@ -74,6 +75,10 @@ def this_stage(folder: str, saved: Dict[str, Any], current: Dict[str, Any]) -> D
     mine = tuple(layer + "." for layer in current["ep_size"])
     view = {**saved, "ep_size": {layer: size for layer, size in ep_size.items() if layer in current["ep_size"]},
             "experts": {name: shape for name, shape in experts.items() if name.startswith(mine)}}
+    empty = [s for s, stage in enumerate(stages) if not stage["ep_size"]]
+    if empty:
+        return {**view, "pipeline_refusal": f"saved pipeline stage {empty[0]} holds no MoE layer (DeepSpeed wrote its "
+                                            f"weights in per-layer files; converted: every stage holding one)"}
     if saved.get("dtype") != "fp32" or saved.get("zero_stage") not in (0, 1):
         return {**view, "pipeline_refusal": f"a PipelineModule saved at ZeRO stage {saved.get('zero_stage')} in "
                                             f"{saved.get('dtype')} (converted: ZeRO 0 and 1 in fp32)"}
