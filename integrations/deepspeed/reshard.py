@@ -79,7 +79,7 @@ def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
         if layout.get("pipeline_stages") != 1 and not saved.get("stages"):   # stages: reshard_pipeline.this_stage
             return saved.get("pipeline_refusal") or (f"{whose} layout has {layout.get('pipeline_stages')} pipeline "
-                                                     f"stages (converted: 1, or PipelineModules at ZeRO 0-1 in fp32)")
+                                                     f"stages (converted: 1)")
         dtype = layout.get("dtype")
         if dtype not in ("fp32", "bf16"):
             return f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 at ZeRO 1 and 2)"
