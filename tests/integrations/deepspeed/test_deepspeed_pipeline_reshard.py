@@ -5,7 +5,8 @@ engine.load_checkpoint(dir) then loads it at 2 stages x 1 (ep_size 1, also ZeRO 
 and 1) and in the saved layout: the next 2 losses within rel 1e-4 of the reference (the same layout: equal), the step
 counters and lr as saved, and every parameter's exp_avg, exp_avg_sq (and ZeRO-1 fp32 master) gathered whole
 bit-equal to the saved run's. A pipeline checkpoint without its stages' records (saved before this conversion)
-stops with one line naming both layouts and why.
+stops with one line naming both layouts and why; this_stage's other refusals (bf16, a PipelineModule on one side
+only, a saved stage without an MoE layer) are checked without processes.
 
 Every global batch is 4 micro-batches of 4 sequences: data-parallel rank d of D takes micro-batches 4d/D .. 4(d+1)/D
 (gradient accumulation 4/D), so each layout's step sees the same sequences in the same micro-batches.
@@ -197,3 +198,40 @@ def test_a_pipeline_checkpoint_without_its_stage_records_stops_with_one_line_nam
         assert "saved with world size 4, ep_size 2, ZeRO stage 1, 2 pipeline stage(s)" in error, error
         assert "this run's world size 2, ep_size 1, ZeRO stage 1, 2 pipeline stage(s)" in error, error
         assert "has no moe_plugin_layout_stage_00.json" in error, error
+
+
+def test_this_stage_gives_each_stage_its_saved_layers_or_names_what_it_does_not_convert(tmp_path):
+    """reshard_pipeline.this_stage (no processes): this stage's MoE layers' saved ep_size and expert shapes, or the
+    reason layout.py's error gives, which reshard_refusal passes on."""
+    import json
+
+    from moe_plugin.integrations.deepspeed.reshard import reshard_refusal
+    from moe_plugin.integrations.deepspeed.reshard_pipeline import STAGE_FILE, this_stage
+    w1 = ".moe.deepspeed_moe.experts.w1_EDH"
+    records = [{"ep_size": {"1.moe": 2}, "experts": {"1" + w1: [2, 32, 48]}, "params": ["0.embed.weight", "1" + w1]},
+               {"ep_size": {"2.moe": 2}, "experts": {"2" + w1: [2, 32, 48]}, "params": ["2" + w1, "3.out.weight"]}]
+    for stage, record in enumerate(records):
+        (tmp_path / STAGE_FILE.format(stage)).write_text(json.dumps(record))
+    saved = {"world_size": 4, "zero_stage": 1, "pipeline_stages": 2, "dtype": "fp32", "pipeline_module": True,
+             **records[0]}
+    current = {"world_size": 2, "zero_stage": 1, "pipeline_stages": 2, "dtype": "fp32", "pipeline_module": True,
+               "ep_size": {"2.moe": 1}, "experts": {"2" + w1: [4, 32, 48]}}
+    view = this_stage(str(tmp_path), saved, current)
+    assert view["ep_size"] == {"2.moe": 2} and view["experts"] == {"2" + w1: [2, 32, 48]}
+    assert view["stages"] == records and reshard_refusal(view, current) is None
+    refused = {
+        "a PipelineModule saved at ZeRO stage 1 in bf16 (converted: ZeRO 0 and 1 in fp32)": (
+            {**saved, "dtype": "bf16"}, {**current, "dtype": "bf16"}),
+        "only this run's model is a PipelineModule": ({**saved, "pipeline_module": False}, current),
+        "only the saved model is a PipelineModule": (saved, {**current, "pipeline_module": False,
+                                                             "pipeline_stages": 1}),
+        "the checkpoint has no moe_plugin_layout_stage_02.json": ({**saved, "pipeline_stages": 3}, current),
+    }
+    for reason, (saved_layout, current_layout) in refused.items():
+        got = reshard_refusal(this_stage(str(tmp_path), saved_layout, current_layout), current_layout)
+        assert got is not None and reason in got, (reason, got)
+    (tmp_path / STAGE_FILE.format(1)).write_text(json.dumps({**records[1], "ep_size": {}, "experts": {}}))
+    got = reshard_refusal(this_stage(str(tmp_path), saved, current), current)
+    assert got is not None and "saved pipeline stage 1 holds no MoE layer" in got, got
+    plain = {**saved, "pipeline_module": False, "pipeline_stages": 1}
+    assert this_stage(str(tmp_path), plain, {**current, "pipeline_module": False}) is plain
