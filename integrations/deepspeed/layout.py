@@ -52,7 +52,8 @@ _WRAPPED = "_moe_plugin_layout_checked"
 
 
 def checkpoint_layout(engine) -> Dict[str, Any]:
-    """world_size, zero_stage, pipeline_stages and {MoE layer name: ep_size} of a DeepSpeed engine."""
+    """world_size, zero_stage, pipeline_stages, {MoE layer name: ep_size} and whether the model is a PipelineModule
+    (pipeline_module) of a DeepSpeed engine."""
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
     stages = getattr(engine, "num_stages", None) or bwc_pipeline_parallel_world_size(groups.mpu)

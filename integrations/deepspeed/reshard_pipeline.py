@@ -11,11 +11,12 @@ names start with their global layer index ("2.norm.weight"), whatever the stages
 saved stage that held it.
 
 At save, each stage's first data-parallel rank writes STAGE_FILE beside layout.py's LAYOUT_FILE (which rank 0 writes
-for its own stage): the stage's MoE layers (in DeepSpeed's order), expert shapes, parameter names and, at ZeRO 0, its
-optimizer's parameter order. At load, layout.check_layout compares this stage's part of the saved layout
-(this_stage) with the current one; a conversion sets the weights from the saved files (DeepSpeed's own load reads
-stage s's files, which at another number of stages hold other layers), the scheduler, the step counters and the
-optimizer state (load_pipeline_checkpoint).
+for its own stage): the stage's MoE layers' ep_sizes, its DeepSpeed MoE layers in the order DeepSpeed numbers their
+expert files, expert shapes, parameter names and, at ZeRO 0, its optimizer's parameter order. At load,
+layout.check_layout compares this stage's part of the saved layout (this_stage) with the current one; a conversion
+sets the weights from the saved files (DeepSpeed's own load reads stage s's files, which at another number of
+stages hold other layers), the scheduler, the step counters and the optimizer state (load_pipeline_checkpoint).
+Each rank reads only its own parameters' tensors (files opened with mmap), as reshard.py does.
 """
 from __future__ import annotations
 
@@ -47,8 +48,15 @@ def write_stage_record(engine, folder: str, record: Dict[str, Any]) -> None:
     os.makedirs(folder, exist_ok=True)
     stage = {key: record[key] for key in ("ep_size", "experts", "optimizer_names") if key in record}
     stage["params"] = [name for name, _ in engine.module.named_parameters()]
+    stage["moe_layers"] = _deepspeed_moe_layers(engine.module)
     with open(os.path.join(folder, STAGE_FILE.format(engine.stage_id)), "w") as f:
         json.dump(stage, f)
+
+
+def _deepspeed_moe_layers(module: nn.Module) -> List[str]:
+    """The names of module's DeepSpeed MoE layers in the order DeepSpeed numbers their expert files."""
+    from deepspeed.moe.layer import MoE
+    return [name for name, layer in module.named_modules() if isinstance(layer, MoE)]
 
 
 def this_stage(folder: str, saved: Dict[str, Any], current: Dict[str, Any]) -> Dict[str, Any]:
@@ -108,7 +116,7 @@ class PipelineState:
         self.stages = [StageState(folder, saved, s) for s in range(saved["pipeline_stages"])]
         self._stage = {name: s for s, record in enumerate(saved["stages"]) for name in record["params"]}
         self._moe_layer = {layer: (s, i) for s, record in enumerate(saved["stages"])
-                           for i, layer in enumerate(record["ep_size"])}
+                           for i, layer in enumerate(record["moe_layers"])}
 
     def local(self, name: str, ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
         if name not in self._stage:
@@ -157,16 +165,14 @@ def load_pipeline_checkpoint(engine, folder: str, saved: Dict[str, Any], current
 def _module_state(engine, source: PipelineState) -> Dict[str, torch.Tensor]:
     """This stage's state dict (DeepSpeed's names: each local expert as deepspeed_experts.<local id>) from the saved
     stages' files: dense tensors by their layer's global index, experts by their global id."""
-    from deepspeed.moe.layer import MoE
     from deepspeed.utils import groups
     layers = {name.split(".")[0] for name in engine.module.state_dict()}
     state: Dict[str, torch.Tensor] = {}
     for s in range(len(source.stages)):
         module = source.model_file(s)["module"]
         state.update({name: _read(tensor) for name, tensor in module.items() if name.split(".")[0] in layers})
-    for layer, module in engine.module.named_modules():
-        if not isinstance(module, MoE):
-            continue
+    for layer in _deepspeed_moe_layers(engine.module):
+        module = engine.module.get_submodule(layer)
         first = groups._get_expert_parallel_rank(module.expert_group_name) * module.num_local_experts
         prefix = f"{layer}.deepspeed_moe.experts.deepspeed_experts."
         for local in range(module.num_local_experts):

@@ -208,8 +208,10 @@ def test_this_stage_gives_each_stage_its_saved_layers_or_names_what_it_does_not_
     from moe_plugin.integrations.deepspeed.reshard import reshard_refusal
     from moe_plugin.integrations.deepspeed.reshard_pipeline import STAGE_FILE, this_stage
     w1 = ".moe.deepspeed_moe.experts.w1_EDH"
-    records = [{"ep_size": {"1.moe": 2}, "experts": {"1" + w1: [2, 32, 48]}, "params": ["0.embed.weight", "1" + w1]},
-               {"ep_size": {"2.moe": 2}, "experts": {"2" + w1: [2, 32, 48]}, "params": ["2" + w1, "3.out.weight"]}]
+    records = [{"ep_size": {"1.moe": 2}, "experts": {"1" + w1: [2, 32, 48]}, "params": ["0.embed.weight", "1" + w1],
+                "moe_layers": ["1.moe"]},
+               {"ep_size": {"2.moe": 2}, "experts": {"2" + w1: [2, 32, 48]}, "params": ["2" + w1, "3.out.weight"],
+                "moe_layers": ["2.moe"]}]
     for stage, record in enumerate(records):
         (tmp_path / STAGE_FILE.format(stage)).write_text(json.dumps(record))
     saved = {"world_size": 4, "zero_stage": 1, "pipeline_stages": 2, "dtype": "fp32", "pipeline_module": True,
