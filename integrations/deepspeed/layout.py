@@ -54,10 +54,10 @@ _WRAPPED = "_moe_plugin_layout_checked"
 def checkpoint_layout(engine) -> Dict[str, Any]:
     """world_size, zero_stage, pipeline_stages, {MoE layer name: ep_size} and whether the model is a PipelineModule
     (pipeline_module) of a DeepSpeed engine."""
+    from deepspeed.pipe import PipelineModule
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
     stages = getattr(engine, "num_stages", None) or bwc_pipeline_parallel_world_size(groups.mpu)
-    from deepspeed.pipe import PipelineModule
     stage = int(engine.zero_optimization_stage())
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "zero_stage": stage,
             "pipeline_stages": int(stages), "ep_size": ep_sizes(engine.module),
