@@ -13,7 +13,12 @@ anything:
   loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
   reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
   groups' settings);
-- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipeline stages,
+- a PipelineModule at ZeRO 0-1 in fp32 at another number of pipeline stages, data-parallel size per stage or
+  ep_size: each stage's first data-parallel rank also writes its stage's record at save (reshard_pipeline.STAGE_FILE),
+  each rank compares its own stage's part of the saved layout (reshard_pipeline.this_stage), and
+  reshard_pipeline.load_pipeline_checkpoint sets the weights, scheduler, counters and optimizer state from the saved
+  stage that held each parameter (DeepSpeed's own load reads the files of its stage number);
+- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipelines in bf16,
   fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
   expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
@@ -32,6 +37,7 @@ from torch import nn
 from moe_plugin import MoELayer
 from moe_plugin.integrations.deepspeed.reshard import (load_optimizer_state, load_zero3_module_state, reshard_refusal,
                                                        save_time_record)
+from moe_plugin.integrations.deepspeed.reshard_pipeline import load_pipeline_checkpoint, this_stage, write_stage_record
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
@@ -46,14 +52,17 @@ _WRAPPED = "_moe_plugin_layout_checked"
 
 
 def checkpoint_layout(engine) -> Dict[str, Any]:
-    """world_size, zero_stage, pipeline_stages and {MoE layer name: ep_size} of a DeepSpeed engine."""
+    """world_size, zero_stage, pipeline_stages, {MoE layer name: ep_size} and whether the model is a PipelineModule
+    (pipeline_module) of a DeepSpeed engine."""
+    from deepspeed.pipe import PipelineModule
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
     stages = getattr(engine, "num_stages", None) or bwc_pipeline_parallel_world_size(groups.mpu)
     stage = int(engine.zero_optimization_stage())
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "zero_stage": stage,
             "pipeline_stages": int(stages), "ep_size": ep_sizes(engine.module),
-            "partitioned": stage > 0 or type(engine.optimizer).__name__ == "BF16_Optimizer"}
+            "partitioned": stage > 0 or type(engine.optimizer).__name__ == "BF16_Optimizer",
+            "pipeline_module": isinstance(engine.module, PipelineModule)}
 
 
 def ep_sizes(model: nn.Module) -> Dict[str, int]:
@@ -108,10 +117,12 @@ def check_layout_on_load(engine) -> None:
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         folder = os.path.join(save_dir, str(tag if tag is not None else f"global_step{engine.global_steps}"))
+        record = {**checkpoint_layout(engine), **save_time_record(engine)}
         if _writer(engine):   # before DeepSpeed's save, which ends when every rank has written
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, LAYOUT_FILE), "w") as f:
-                json.dump({**checkpoint_layout(engine), **save_time_record(engine)}, f)
+                json.dump(record, f)
+        write_stage_record(engine, folder, record)
         return save(save_dir, tag, *args, **kwargs)
 
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -122,6 +133,8 @@ def check_layout_on_load(engine) -> None:
         saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
             saved = check_layout(folder, current)
+        if saved is not None and saved.get("stages"):
+            return load_pipeline_checkpoint(engine, folder, saved, current, load_lr_scheduler_states)
         if saved is not None and saved["zero_stage"] == 3:
             result = folder, load_zero3_module_state(engine, folder, saved, current, load_lr_scheduler_states)
         else:
@@ -152,6 +165,7 @@ def check_layout(folder: str, current: Dict[str, Any]) -> Optional[Dict[str, Any
         return None   # written without moe_plugin's engine (or before this check existed): DeepSpeed's own checks
     with open(path) as f:
         saved = json.load(f)
+    saved = this_stage(folder, saved, current)
     if same(saved, current):
         return None
     why = reshard_refusal(saved, current)

@@ -25,7 +25,8 @@ Where the saved pieces are:
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages,
+Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages
+(reshard_pipeline.py converts a PipelineModule's at ZeRO 0-1 in fp32),
 fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
 each (their names change with ep_size) when ep_size changes.
 """
@@ -76,8 +77,9 @@ def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[
     if saved["zero_stage"] == 3 and saved.get("dtype") != "fp32":
         return f"the saved ZeRO stage is 3 in {saved.get('dtype') or 'an unrecorded precision'} (converted: fp32)"
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
-        if layout.get("pipeline_stages") != 1:
-            return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
+        if layout.get("pipeline_stages") != 1 and not saved.get("stages"):   # stages: reshard_pipeline.this_stage
+            return saved.get("pipeline_refusal") or (f"{whose} layout has {layout.get('pipeline_stages')} pipeline "
+                                                     f"stages (converted: 1)")
         dtype = layout.get("dtype")
         if dtype not in ("fp32", "bf16"):
             return f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 at ZeRO 1 and 2)"
