@@ -13,9 +13,10 @@ anything:
   loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
   reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
   groups' settings);
-- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipeline stages,
-  fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
-  expert-parallel group, so the world size may change there).
+- into ZeRO 3 (from 1-3 in fp32): reshard.load_into_zero3 loads everything instead of DeepSpeed;
+- anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 0 into ZeRO 3, pipeline
+  stages, fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on
+  every rank of an expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
 to any layout (one file per expert). DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are
 refused for MoE models: they do not carry DeepSpeed MoE layers' experts.
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoELayer
-from moe_plugin.integrations.deepspeed.reshard import (load_optimizer_state, load_zero3_module_state, reshard_refusal,
-                                                       save_time_record)
+from moe_plugin.integrations.deepspeed.reshard import (load_into_zero3, load_optimizer_state, load_zero3_module_state,
+                                                       reshard_refusal, save_time_record)
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
 __all__ = ["LAYOUT_FILE", "checkpoint_layout", "check_layout_on_load"]
@@ -41,7 +42,7 @@ UNIVERSAL_REFUSED = (
     "\"checkpoint\": {\"load_universal\": true} with MoE layers: DeepSpeed's universal checkpoints (ds_to_universal) "
     "do not carry DeepSpeed MoE layers' experts (DeepSpeed issue 5716); remove load_universal and load the regular "
     "checkpoint with engine.load_checkpoint(dir), which converts its optimizer state to this run's layout "
-    "(world size, ep_size, ZeRO stage 0-2)")
+    "(world size, ep_size, ZeRO stage)")
 _WRAPPED = "_moe_plugin_layout_checked"
 
 
@@ -122,6 +123,8 @@ def check_layout_on_load(engine) -> None:
         saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
             saved = check_layout(folder, current)
+        if saved is not None and current["zero_stage"] == 3:
+            return folder, load_into_zero3(engine, folder, saved, current, load_lr_scheduler_states)
         if saved is not None and saved["zero_stage"] == 3:
             result = folder, load_zero3_module_state(engine, folder, saved, current, load_lr_scheduler_states)
         else:

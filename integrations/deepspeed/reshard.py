@@ -1,5 +1,5 @@
-"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage) at ZeRO
-0-2: from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32.
+"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage): at ZeRO
+0-2 from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32; at ZeRO 3 (fp32, no offload) from ZeRO 1-3 in fp32.
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -25,7 +25,12 @@ Where the saved pieces are:
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages,
+Into ZeRO 3 (load_into_zero3), DeepSpeed's own load is not called: each parameter put together as above is cut into
+this rank's ZeRO-3 partition and written into the optimizer's flat sub-group partitions, the weights' partitions set
+to the masters; the rest of the engine's state comes from the saved model file.
+
+Not converted (layout.py stops with its error, naming why): ZeRO 0 into ZeRO 3 (its weights are only in its model
+files, under DeepSpeed's native names), ZeRO 3 with offload, ZeRO 3 in bf16/fp16, pipeline stages,
 fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
 each (their names change with ep_size) when ep_size changes.
 """
@@ -38,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "save_time_record", "ReadCounter"]
+__all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "load_into_zero3", "save_time_record",
+           "ReadCounter"]
 
 MASTER = "fp32"     # the key of the master weights beside the optimizer's own state keys
 
@@ -68,13 +74,17 @@ def _precision(engine) -> str:
 
 def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
     """Why the optimizer state saved in one layout cannot be converted to the other; None when it can."""
-    if current.get("zero_stage") not in (0, 1, 2):
-        return (f"this run's ZeRO stage is {current.get('zero_stage')} (converted: into 0, 1, 2; writing the "
-                f"partitions of a live ZeRO-3 engine is not done)")
+    if current.get("zero_stage") not in (0, 1, 2, 3):
+        return f"this run's ZeRO stage is {current.get('zero_stage')} (converted: into 0, 1, 2, 3)"
     if saved.get("zero_stage") not in (0, 1, 2, 3):
         return f"the saved ZeRO stage is {saved.get('zero_stage')} (converted: 0, 1, 2, 3)"
-    if saved["zero_stage"] == 3 and saved.get("dtype") != "fp32":
-        return f"the saved ZeRO stage is 3 in {saved.get('dtype') or 'an unrecorded precision'} (converted: fp32)"
+    for layout, whose in ((saved, "the saved"), (current, "this run's")):
+        if layout["zero_stage"] == 3 and layout.get("dtype") != "fp32":
+            return (f"{whose} ZeRO stage is 3 in {layout.get('dtype') or 'an unrecorded precision'} (converted: "
+                    f"fp32)")
+    if current["zero_stage"] == 3 and saved["zero_stage"] == 0:
+        return ("the saved ZeRO stage is 0 and this run's 3: a ZeRO-0 checkpoint keeps its weights only in its "
+                "model files, which are not read into ZeRO-3 partitions (converted into ZeRO 3: from ZeRO 1, 2, 3)")
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
         if layout.get("pipeline_stages") != 1:
             return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
@@ -256,17 +266,7 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     source = SavedState(folder, saved)
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    ep_size, ep_rank = _ep(current), _ep_rank(current)
-
-    def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
-        state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
-                             ep_size)
-        if tuple(state["exp_avg"].shape) != tuple(param.shape):
-            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint gives {tuple(state['exp_avg'].shape)}"
-                             f", this run holds {tuple(param.shape)}")
-        return state
-
+    local = _local_state(engine, source, current)
     optimizer = engine.optimizer
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         _into_zero12(optimizer, local)
@@ -283,6 +283,23 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     source.close()
     if dist.is_initialized():
         dist.barrier()
+
+
+def _local_state(engine, source: SavedState, current: Dict[str, Any]):
+    """param -> its state tensors (and MASTER, but at ZeRO 0) as the saved run held them, cut for this rank's
+    experts (whole: not yet cut into this rank's ZeRO partition)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    ep_size, ep_rank = _ep(current), _ep_rank(current)
+
+    def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
+        state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
+                             ep_size)
+        shape = tuple(getattr(param, "ds_shape", param.shape))   # ZeRO 3: param.shape is (0,)
+        if tuple(state["exp_avg"].shape) != shape:
+            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint gives {tuple(state['exp_avg'].shape)}"
+                             f", this run holds {shape}")
+        return state
+    return local
 
 
 def _ep_rank(current: Dict[str, Any]) -> int:
@@ -305,7 +322,6 @@ def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current:
     master, the buffers, the LR scheduler, global_steps, global_samples, skipped_steps. Returns the client state."""
     source = SavedState(folder, saved)
     ep_size, ep_rank = _ep(current), _ep_rank(current)
-    model = source.model
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             rank = ep_rank if getattr(param, "allreduce", True) is False else 0
@@ -314,15 +330,98 @@ def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current:
                 raise ValueError(f"parameter {name!r}: the checkpoint gives {tuple(master.shape)}, this run holds "
                                  f"{tuple(param.shape)}")
             param.copy_(master)
-        buffers = dict(engine.module.named_buffers())
-        for name in model["buffer_names"]:
-            buffers[name].copy_(model["module"][name])
+    client_state = _load_module_state(engine, source.model, load_lr_scheduler_states)
+    source.close()
+    return client_state
+
+
+def _load_module_state(engine, model: Dict[str, Any], load_lr_scheduler_states: bool) -> Dict[str, Any]:
+    """What DeepSpeed's load restores beside the parameters and the optimizer, from the saved model file model:
+    the buffers, the LR scheduler, global_steps, global_samples, skipped_steps. Returns the client state."""
+    buffers = dict(engine.module.named_buffers())
+    with torch.no_grad():
+        for name in model.get("buffer_names", []):
+            buffers[name].copy_(_saved_buffer(model["module"], name, buffers[name]))
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
     engine.global_steps, engine.skipped_steps = model["global_steps"], model["skipped_steps"]
     engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
-    source.close()
     return {key: value for key, value in model.items() if key not in _DEEPSPEED_KEYS}
+
+
+def _saved_buffer(module: Dict[str, Any], name: str, buffer: torch.Tensor) -> torch.Tensor:
+    """Buffer name in a saved module state: at ZeRO 0-2 a layer's balancing bias is written as router.Expert_bias_E
+    when it is on and not at all when it is off (it loads as zeros; native.py's _to_native_names)."""
+    folder, _, leaf = name.rpartition(".")
+    hidden = f"{folder}.{leaf.replace('expert', 'Expert')}" if folder else leaf.replace("expert", "Expert")
+    if name in module or hidden in module:
+        return module[name] if name in module else module[hidden]
+    if leaf == "expert_bias_E":
+        return torch.zeros_like(buffer)
+    raise ValueError(f"buffer {name!r} is not in the checkpoint's model file")
+
+
+def load_into_zero3(engine, folder: str, saved: Dict[str, Any], current: Dict[str, Any],
+                    load_lr_scheduler_states: bool = True) -> Dict[str, Any]:
+    """engine.load_checkpoint for a ZeRO-3 engine, from a checkpoint written in layout saved (ZeRO 1-3, fp32), which
+    reshard_refusal accepted for this run's layout current: DeepSpeed's own load reads only its own layout's
+    partitions. Each parameter's fp32 master, exp_avg and exp_avg_sq are cut into this rank's partition of them
+    (ceil(numel / ranks) elements over the parameter's partition group, zero-padded at the end) and written into the
+    optimizer's flat sub-group partitions, the weights' partitions set to the masters; then the groups' settings,
+    buffers, LR scheduler and counters. Returns the client state."""
+    optimizer = engine.optimizer
+    if optimizer.offload_optimizer or optimizer.offload_param:
+        raise ValueError("loading a checkpoint of another layout into ZeRO 3 with offload_optimizer or offload_param "
+                         "is not converted (converted: ZeRO 3 without offload)")
+    source = SavedState(folder, saved)
+    local = _local_state(engine, source, current)
+    optimizer.checkpoint_event_prologue()   # every parameter partitioned: only ds_tensor holds its values
+    for sub_group in range(len(optimizer.fp16_groups)):
+        _into_zero3_sub_group(optimizer, sub_group, local)
+    _set_group_settings(optimizer.optimizer, source.param_groups())
+    client_state = _load_module_state(engine, source.model, load_lr_scheduler_states)
+    source.close()
+    if optimizer.persistent_parameters:   # as DeepSpeed's own load: dropped, then gathered from the new partitions
+        optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
+    optimizer.checkpoint_event_epilogue()
+    if dist.is_initialized():
+        dist.barrier()
+    return client_state
+
+
+def _into_zero3_sub_group(optimizer, sub_group: int, local) -> None:
+    """One ZeRO-3 sub-group's flat partitions (masters, each state tensor): its parameters' pieces one after the
+    other, each param.partition_numel() long (DeepSpeed's set_grad_positions)."""
+    master_flat = optimizer.fp32_partitioned_groups_flat[sub_group]
+    state_flat: Dict[str, torch.Tensor] = {}
+    steps, offset = set(), 0
+    for param in optimizer.fp16_groups[sub_group]:
+        state = local(param)
+        if MASTER not in state:
+            raise ValueError("the checkpoint holds no fp32 master weights for ZeRO 3 to start from")
+        steps.add(float(state.pop("step")))
+        numel = param.partition_numel()
+        rank = optimizer._get_param_partition_rank(param)
+        for key, whole in state.items():
+            flat = master_flat if key == MASTER else state_flat.setdefault(key, torch.zeros_like(master_flat))
+            flat.data.narrow(0, offset, numel).copy_(_partition_of(whole, rank, numel))
+        offset += numel
+    if len(steps) > 1:
+        raise ValueError(f"ZeRO-3 sub-group {sub_group}: the checkpoint's parameters were saved at different steps "
+                         f"{steps}")
+    if steps:
+        optimizer.optimizer.state[master_flat] = {"step": torch.tensor(steps.pop()), **state_flat}
+    bit16_flat = optimizer.fp16_partitioned_groups_flat[sub_group]
+    bit16_flat.data.copy_(master_flat.data)
+    partitions = optimizer.fp16_partitioned_groups[sub_group]
+    for partition, values in zip(partitions, optimizer.unflatten(bit16_flat, partitions)):
+        partition.data = values.data
+
+
+def _partition_of(whole: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
+    """Rank rank's numel elements of whole, flattened and zero-padded to a multiple of numel (ZeRO 3's split)."""
+    piece = whole.reshape(-1)[rank * numel:(rank + 1) * numel]
+    return torch.cat([piece, piece.new_zeros(numel - piece.numel())])
 
 
 def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, Any]]) -> None:

@@ -4,11 +4,11 @@ A model of `deepspeed.moe.layer.MoE` layers with a "moe" section (backend tutel,
 WarmupLR schedule, fp32, no balance loss in the objective) trains 4 steps and saves at ZeRO 0-3: on 2 gloo processes
 at ep_size 2 and 1, and on 1 process. Every checkpoint is loaded with plain engine.load_checkpoint(dir) on 2 processes
 at ep_size 2 and 1 and on 1 process (the 2-process ones), and at another ZeRO stage; ZeRO-3 checkpoints also at
-ZeRO 0-2 (ZERO3), and bf16 ones at ZeRO 1-2 (BF16). Each load either continues as the uninterrupted run in the saved
-layout does (its next step on the same global batch; a probe's outputs, rel 1e-4, exact in the same layout; bf16:
-as near as bf16 allows), with every parameter's moments and fp32 master gathered whole bit-equal to the saved run's,
-or (into ZeRO 3 in another layout) stops with the one-line ValueError naming both layouts, why, and
-load_optimizer_states=False. None is silent.
+ZeRO 0-2 (ZERO3), ZeRO 1-2 ones at ZeRO 3 (INTO_ZERO3), and bf16 ones at ZeRO 1-2 (BF16). Each load continues as the
+uninterrupted run in the saved layout does (its next step on the same global batch; a probe's outputs, rel 1e-4,
+exact in the same layout; bf16: as near as bf16 allows), with every parameter's moments and fp32 master gathered
+whole bit-equal to the saved run's, and its counters and lr as saved; or (ZeRO 0 into ZeRO 3) stops with the
+one-line ValueError naming both layouts, why, and load_optimizer_states=False. None is silent.
 
 The ZeRO-1/2 checkpoints at ep_size 2 consolidate (DeepSpeed's get_fp32_state_dict_from_zero_checkpoint with the hook
 on, and `python -m moe_plugin.integrations.deepspeed.zero_to_fp32`) into every expert whole, equal to the weights
@@ -115,11 +115,13 @@ def _source(directory, stage, world, ep_size):
 
 
 SAVED = {2: ((2, 2), (2, 1), (1, 1)), 1: ((2, 2), (2, 1))}   # (world, ep_size) of the checkpoints each world loads
-RESTAGED = ((0, 1), (1, 2), (2, 0), (3, 2), (2, 3))           # (saved, loaded) ZeRO stage, on 1 process at ep_size 1
+RESTAGED = ((0, 1), (1, 2), (2, 0), (3, 2), (0, 3))           # (saved, loaded) ZeRO stage, on 1 process at ep_size 1
 
 
 # ZeRO 3 checkpoints loaded at ZeRO 0-2: saved (world, ep_size), loaded (ZeRO stage, world, ep_size)
 ZERO3 = (((2, 2), (1, 2, 1)), ((2, 2), (0, 1, 1)), ((2, 1), (2, 2, 2)), ((1, 1), (2, 2, 2)))
+# ZeRO 1-2 checkpoints loaded at ZeRO 3: saved (ZeRO stage, world, ep_size), loaded (world, ep_size)
+INTO_ZERO3 = (((1, 2, 2), (1, 1)), ((2, 2, 2), (1, 1)), ((2, 2, 1), (2, 2)), ((1, 1, 1), (2, 2)))
 # bf16 (ZeRO 1: BF16_Optimizer; ZeRO 2: DeepSpeedZeroOptimizer): (saved, loaded) (ZeRO stage, world, ep_size)
 BF16 = (((2, 2, 2), (2, 2, 1)), ((2, 2, 2), (1, 1, 1)), ((1, 1, 1), (2, 2, 2)))
 
@@ -157,6 +159,15 @@ def _load_and_step(engine, folder, world, rank):
     return _probe(engine)
 
 
+def _load_converted(engine, folder, world, rank, report, case):
+    """Load folder (another layout: converted), keeping the counters, lr and moments as loaded and the next step."""
+    engine.load_checkpoint(folder)
+    report["steps"][case] = (engine.global_steps, engine.global_samples, engine.get_lr())
+    report["moments"][case] = _moments(engine)
+    _step(engine, world, rank, STEPS)
+    report["loaded"][case] = _probe(engine)
+
+
 def layout_worker(rank, world, directory, save):
     """Save at every stage (on 2 processes at ep_size 2 and 1, on 1 at ep_size 1), keeping the moments and the
     uninterrupted run's next step; or load each checkpoint of SAVED at each ep_size, keeping the moments as loaded
@@ -164,7 +175,7 @@ def layout_worker(rank, world, directory, save):
     from helpers.deepspeed import setup_worker
     os.environ["MOE_PLUGIN_KERNELS"] = "torch"
     setup_worker(rank, world)
-    report = {"next": {}, "loaded": {}, "gathered": {}, "moments": {}, "steps": {}, "restaged": {}}
+    report = {"next": {}, "loaded": {}, "gathered": {}, "moments": {}, "steps": {}, "restaged": {}, "lr": {}}
     for stage in STAGES:
         if save:
             for ep_size in ((2, 1) if world == 2 else (1,)):
@@ -175,6 +186,7 @@ def layout_worker(rank, world, directory, save):
                 if stage in (1, 2) and ep_size == 2:
                     report["gathered"][stage] = _gathered(engine)
                 report["moments"][stage, world, ep_size] = _moments(engine)
+                report["lr"][stage, world, ep_size] = engine.get_lr()
                 _step(engine, world, rank, STEPS)
                 report["next"][stage, world, ep_size] = _probe(engine)
             continue
@@ -188,20 +200,19 @@ def layout_worker(rank, world, directory, save):
                     report["loaded"][case] = str(error)
                     continue
                 report["steps"][case] = (engine.global_steps, engine.global_samples, engine.get_lr())
-                if stage < 3:
-                    report["moments"][case] = _moments(engine)
+                report["moments"][case] = _moments(engine)
                 _step(engine, world, rank, STEPS)
                 report["loaded"][case] = _probe(engine)
     bf16_part(rank, world, directory, save, report)
     for (saved_world, saved_ep), (stage, loaded_world, loaded_ep) in ZERO3:
         if not save and loaded_world == world:
-            engine = _engine(stage, loaded_ep, 16 // world)
-            engine.load_checkpoint(_source(directory, 3, saved_world, saved_ep))
             case = "zero3", (saved_world, saved_ep), (stage, loaded_world, loaded_ep)
-            report["steps"][case] = (engine.global_steps, engine.global_samples, engine.get_lr())
-            report["moments"][case] = _moments(engine)
-            _step(engine, world, rank, STEPS)
-            report["loaded"][case] = _probe(engine)
+            _load_converted(_engine(stage, loaded_ep, 16 // world), _source(directory, 3, saved_world, saved_ep),
+                            world, rank, report, case)
+    for saved, (loaded_world, loaded_ep) in INTO_ZERO3:
+        if not save and loaded_world == world:
+            _load_converted(_engine(3, loaded_ep, 16 // world), _source(directory, *saved), world, rank, report,
+                            ("into zero3", saved, (loaded_world, loaded_ep)))
     if world == 1 and not save:
         for saved_stage, stage in RESTAGED:
             folder = _source(directory, saved_stage, 2, 2)
@@ -226,44 +237,41 @@ def _fits(stage, saved_world, saved_ep, loaded_ep, world):
 
 
 @pytest.mark.timeout(900)
-def test_each_load_continues_as_the_saved_layout_or_stops_with_one_line_naming_both(runs):
-    """ZeRO 0-2 load at every other world size and ep_size with the optimizer state converted; ZeRO 3 in the saved
-    layout only, otherwise layout.py's error."""
-    _, want_next, two, one, _, _ = runs
+def test_each_load_continues_as_the_saved_layout(runs):
+    """ZeRO 0-3 load at every other world size and ep_size with the optimizer state converted (ZeRO 3 into ZeRO 3
+    too); DeepSpeed's own load in the saved layout, exact."""
+    _, want_next, two, one, saved_one, saved_two = runs
+    want_lr = {**saved_one[0]["lr"], **saved_two[0]["lr"]}
     checked = []
     for world, report in ((2, two[0]), (1, one[0])):
         for key, got in report["loaded"].items():
-            if key[0] in ("bf16", "zero3"):
+            if key[0] in ("bf16", "zero3", "into zero3"):
                 continue
             stage, saved_world, saved_ep, loaded_ep = key
             case = (f"ZeRO-{stage}, saved on {saved_world} process(es) at ep_size {saved_ep}, loaded on {world} at "
                     f"{loaded_ep}")
-            if stage < 3 or _fits(stage, saved_world, saved_ep, loaded_ep, world):
-                want = want_next[stage, saved_world, saved_ep]
-                assert isinstance(got, torch.Tensor), f"{case}: {got}"
-                rel = ((got - want).norm() / want.norm()).item()
-                exact = _fits(stage, saved_world, saved_ep, loaded_ep, world) and world == saved_world
-                assert rel == 0 if exact else rel < 1e-4, (case, rel)
-                assert report["steps"][stage, saved_world, saved_ep, loaded_ep][:2] == (STEPS, 16 * STEPS), case
-            else:
-                assert isinstance(got, str), f"{case}: loaded"
-                assert "\n" not in got and "load_optimizer_states=False" in got, (case, got)
-                assert "cannot be converted: this run's ZeRO stage is 3 (converted: into 0, 1, 2" in got, (case, got)
-                assert (f"saved with world size {saved_world}, ep_size {saved_ep}, ZeRO stage {stage}, 1 pipeline "
-                        f"stage") in got, (case, got)
-                assert f"this run's world size {world}, ep_size {loaded_ep}, ZeRO stage {stage}" in got, (case, got)
+            want = want_next[stage, saved_world, saved_ep]
+            assert isinstance(got, torch.Tensor), f"{case}: {got}"
+            rel = ((got - want).norm() / want.norm()).item()
+            exact = _fits(stage, saved_world, saved_ep, loaded_ep, world) and world == saved_world
+            assert rel == 0 if exact else rel < 1e-4, (case, rel)
+            assert report["steps"][key] == (STEPS, 16 * STEPS, want_lr[stage, saved_world, saved_ep]), case
             checked.append((world, stage, saved_world, saved_ep, loaded_ep))
     assert len(checked) == len(STAGES) * (3 * 2 + 2), checked
 
 
 @pytest.mark.timeout(900)
-def test_a_checkpoint_loads_at_another_zero_stage_0_to_2_and_zero_3_stops_with_one_line(runs):
-    """Saved on 2 processes at ep_size 2, loaded on 1 at ep_size 1 and another ZeRO stage."""
+def test_a_checkpoint_loads_at_another_zero_stage_and_zero_0_into_zero_3_stops_with_one_line(runs):
+    """Saved on 2 processes at ep_size 2, loaded on 1 at ep_size 1 and another ZeRO stage (into ZeRO 3 from 1 and 2:
+    INTO_ZERO3)."""
     _, want_next, _, one, _, _ = runs
     for (saved_stage, stage), got in one[0]["restaged"].items():
-        if stage == 3:
-            assert isinstance(got, str) and "\n" not in got, (saved_stage, stage, got)
-            assert "cannot be converted: this run's ZeRO stage is 3 (converted: into 0, 1, 2" in got, got
+        if (saved_stage, stage) == (0, 3):
+            assert isinstance(got, str) and "\n" not in got and "load_optimizer_states=False" in got, got
+            assert ("cannot be converted: the saved ZeRO stage is 0 and this run's 3: a ZeRO-0 checkpoint keeps its "
+                    "weights only in its model files") in got, got
+            assert "saved with world size 2, ep_size 2, ZeRO stage 0" in got, got
+            assert "this run's world size 1, ep_size 1, ZeRO stage 3" in got, got
             continue
         want = want_next[saved_stage, 2, 2]
         assert isinstance(got, torch.Tensor), (saved_stage, stage, got)
@@ -283,8 +291,8 @@ def test_each_converted_load_holds_the_saved_moments_and_master_weights_bit_for_
     _, _, two, one, saved_one, saved_two = runs
     saved = {**saved_one[0]["moments"], **saved_two[0]["moments"]}
     cases = [(case, moments) for report in (two[0], one[0]) for case, moments in report["moments"].items()
-             if case[0] not in ("bf16", "zero3")]
-    assert len(cases) == 3 * (3 * 2 + 2), [case for case, _ in cases]
+             if case[0] not in ("bf16", "zero3", "into zero3")]
+    assert len(cases) == len(STAGES) * (3 * 2 + 2), [case for case, _ in cases]
     for (stage, saved_world, saved_ep, loaded_ep), got in cases:
         want = saved[stage, saved_world, saved_ep]
         assert got.keys() == want.keys()
@@ -313,6 +321,31 @@ def test_zero3_checkpoints_load_at_zero_0_to_2_in_another_layout_with_their_stat
         assert steps[:2] == (STEPS, 16 * STEPS), to
         rel = ((probe - want_next[3, saved_world, saved_ep]).norm() / want_next[3, saved_world, saved_ep].norm()).item()
         assert rel < 1e-4, (saved_world, saved_ep, to, rel)
+
+
+@pytest.mark.timeout(900)
+def test_zero_1_and_2_checkpoints_load_at_zero_3_in_another_layout_with_their_state(runs):
+    """ZeRO 1 and 2 saved on 2 processes at ep_size 2 and 1 and on 1 process, loaded at ZeRO 3 at another world size
+    and ep_size (ZeRO 3 into ZeRO 3: test_each_load_continues_as_the_saved_layout): each parameter's fp32 master,
+    exp_avg and exp_avg_sq gathered whole from the ZeRO-3 partitions bit-equal to the saved run's, its counters and
+    lr, and its next step."""
+    _, want_next, two, one, saved_one, saved_two = runs
+    saved = {**saved_one[0]["moments"], **saved_two[0]["moments"]}
+    want_lr = {**saved_one[0]["lr"], **saved_two[0]["lr"]}
+    got = {case: (report["loaded"][case], report["moments"][case], report["steps"][case])
+           for report in (two[0], one[0]) for case in report["loaded"] if case[0] == "into zero3"}
+    assert sorted(got) == sorted(("into zero3", *case) for case in INTO_ZERO3)
+    for (_, from_, to), (probe, moments, steps) in got.items():
+        want = saved[from_]
+        assert moments.keys() == want.keys()
+        for name, state in want.items():
+            assert state.keys() == moments[name].keys() == {"exp_avg", "exp_avg_sq", "fp32"}, name
+            for key, tensor in state.items():
+                assert torch.equal(moments[name][key], tensor), (from_, to, name, key)
+        assert steps[:2] == (STEPS, 16 * STEPS), (from_, to)
+        assert steps[2] == want_lr[from_], (from_, to, steps[2])
+        rel = ((probe - want_next[from_]).norm() / want_next[from_].norm()).item()
+        assert rel < 1e-4, (from_, to, rel)
 
 
 @pytest.mark.timeout(900)
@@ -502,10 +535,16 @@ def test_what_cannot_be_converted_is_named_and_what_can_is_not():
     assert reshard_refusal(base, {**to_one, "zero_stage": 0, "optimizer_names": [[expert]]}) is None
     assert reshard_refusal({**base, "dtype": "bf16"}, {**to_one, "dtype": "bf16", "zero_stage": 1}) is None
     assert reshard_refusal({**base, "zero_stage": 3}, to_one) is None
+    assert reshard_refusal(base, {**to_one, "zero_stage": 3}) is None
+    assert reshard_refusal({**base, "zero_stage": 3}, {**to_one, "zero_stage": 3}) is None
     refused = {
         "the saved ZeRO stage is 3 in bf16 (converted: fp32)": ({**base, "zero_stage": 3, "dtype": "bf16"},
                                                                 {**to_one, "dtype": "bf16"}),
-        "this run's ZeRO stage is 3 (converted: into 0, 1, 2;": (base, {**to_one, "zero_stage": 3}),
+        "this run's ZeRO stage is 3 in bf16 (converted: fp32)": ({**base, "dtype": "bf16"},
+                                                                {**to_one, "zero_stage": 3, "dtype": "bf16"}),
+        "the saved ZeRO stage is 0 and this run's 3": ({**base, "zero_stage": 0, "optimizer_names": [[expert]]},
+                                                       {**to_one, "zero_stage": 3}),
+        "this run's ZeRO stage is 4 (converted: into 0, 1, 2, 3)": (base, {**to_one, "zero_stage": 4}),
         "the saved layout has 2 pipeline stages (converted: 1)": ({**base, "pipeline_stages": 2}, to_one),
         "this run's precision is fp16 (converted: fp32, and bf16 at ZeRO 1 and 2)": (base, {**to_one, "dtype": "fp16"}),
         "the saved precision is fp32, this run's bf16 (converted: the same precision)": (base, {**to_one,
