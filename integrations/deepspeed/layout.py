@@ -13,8 +13,8 @@ anything:
   loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
   reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
   groups' settings);
-- into ZeRO 3 (from 1-3 in fp32): reshard.load_into_zero3 loads everything instead of DeepSpeed;
-- anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 0 into ZeRO 3, pipeline
+- into ZeRO 3 (from 0-3 in fp32): reshard.load_into_zero3 loads everything instead of DeepSpeed;
+- anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 3 in bf16, pipeline
   stages, fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on
   every rank of an expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights

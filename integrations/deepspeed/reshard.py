@@ -1,5 +1,5 @@
 """A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage): at ZeRO
-0-2 from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32; at ZeRO 3 (fp32, no offload) from ZeRO 1-3 in fp32.
+0-2 from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32; at ZeRO 3 (fp32, no offload) from ZeRO 0-3 in fp32.
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -27,10 +27,11 @@ cut from the saved ranks that held them.
 
 Into ZeRO 3 (load_into_zero3), DeepSpeed's own load is not called: each parameter put together as above is cut into
 this rank's ZeRO-3 partition and written into the optimizer's flat sub-group partitions, the weights' partitions set
-to the masters; the rest of the engine's state comes from the saved model file.
+to the masters (ZeRO 0's masters: its weights, from its model files); the rest of the engine's state comes from the
+saved model file.
 
-Not converted (layout.py stops with its error, naming why): ZeRO 0 into ZeRO 3 (its weights are only in its model
-files, under DeepSpeed's native names), ZeRO 3 with offload, ZeRO 3 in bf16/fp16, pipeline stages,
+Not converted (layout.py stops with its error, naming why): ZeRO 3 with offload, ZeRO 3 in bf16/fp16, a ZeRO-0
+checkpoint of Hugging Face blocks into ZeRO 3, pipeline stages,
 fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
 each (their names change with ep_size) when ep_size changes.
 """
@@ -82,9 +83,6 @@ def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[
         if layout["zero_stage"] == 3 and layout.get("dtype") != "fp32":
             return (f"{whose} ZeRO stage is 3 in {layout.get('dtype') or 'an unrecorded precision'} (converted: "
                     f"fp32)")
-    if current["zero_stage"] == 3 and saved["zero_stage"] == 0:
-        return ("the saved ZeRO stage is 0 and this run's 3: a ZeRO-0 checkpoint keeps its weights only in its "
-                "model files, which are not read into ZeRO-3 partitions (converted into ZeRO 3: from ZeRO 1, 2, 3)")
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
         if layout.get("pipeline_stages") != 1:
             return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
@@ -124,12 +122,12 @@ class SavedState:
         self.world, self.ep, self.stage = saved["world_size"], _ep(saved), saved["zero_stage"]
         self._files: Dict[str, Any] = {}
         self._prefix = "bf16_" if saved["dtype"] == "bf16" else ""   # bf16_zero_pp_rank_<r>_...: DeepSpeed's name
+        self.model = self._load("zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3
+                                else "mp_rank_00_model_states.pt")
         if self.stage == 0:
             self._position = {name: (g, i) for g, names in enumerate(saved["optimizer_names"])
                               for i, name in enumerate(names)}
             return
-        self.model = self._load("zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3
-                                else "mp_rank_00_model_states.pt")
         self._group = {name: g for g, shapes in enumerate(self.model["param_shapes"]) for name in shapes}
         self._shape = {name: tuple(shape) for shapes in self.model["param_shapes"] for name, shape in shapes.items()}
         if self.stage == 3:
@@ -160,6 +158,10 @@ class SavedState:
             return optim["optimizer_state_dict"]["param_groups"]
         optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
+
+    def expert_file(self, layer: int, expert: int) -> Dict[str, torch.Tensor]:
+        """Global expert `expert` of MoE layer `layer` (ZeRO 0-2: DeepSpeed's one file per expert, native names)."""
+        return self._load(f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt")
 
     def close(self) -> None:
         """Let go of the mapped files (their pages count in the process's resident memory while mapped)."""
@@ -363,7 +365,7 @@ def _saved_buffer(module: Dict[str, Any], name: str, buffer: torch.Tensor) -> to
 
 def load_into_zero3(engine, folder: str, saved: Dict[str, Any], current: Dict[str, Any],
                     load_lr_scheduler_states: bool = True) -> Dict[str, Any]:
-    """engine.load_checkpoint for a ZeRO-3 engine, from a checkpoint written in layout saved (ZeRO 1-3, fp32), which
+    """engine.load_checkpoint for a ZeRO-3 engine, from a checkpoint written in layout saved (ZeRO 0-3, fp32), which
     reshard_refusal accepted for this run's layout current: DeepSpeed's own load reads only its own layout's
     partitions. Each parameter's fp32 master, exp_avg and exp_avg_sq are cut into this rank's partition of them
     (ceil(numel / ranks) elements over the parameter's partition group, zero-padded at the end) and written into the
@@ -375,6 +377,8 @@ def load_into_zero3(engine, folder: str, saved: Dict[str, Any], current: Dict[st
                          "is not converted (converted: ZeRO 3 without offload)")
     source = SavedState(folder, saved)
     local = _local_state(engine, source, current)
+    if source.stage == 0:
+        local = _with_zero0_masters(engine, local, _zero0_weights(engine, source, current))
     optimizer.checkpoint_event_prologue()   # every parameter partitioned: only ds_tensor holds its values
     for sub_group in range(len(optimizer.fp16_groups)):
         _into_zero3_sub_group(optimizer, sub_group, local)
@@ -389,6 +393,45 @@ def load_into_zero3(engine, folder: str, saved: Dict[str, Any], current: Dict[st
     return client_state
 
 
+def _with_zero0_masters(engine, local, weights: Dict[str, torch.Tensor]):
+    """local with each parameter's master added: a ZeRO-0 run's fp32 weights are its masters."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+
+    def with_master(param: nn.Parameter) -> Dict[str, torch.Tensor]:
+        state = local(param)
+        master = weights[names[id(param)]]
+        if master.shape != state["exp_avg"].shape:
+            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint's model files give "
+                             f"{tuple(master.shape)}, its optimizer state {tuple(state['exp_avg'].shape)}")
+        return {**state, MASTER: _read(master)}
+    return with_master
+
+
+def _zero0_weights(engine, source: SavedState, current: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """This rank's parameters by name (unread: mapped), whole (expert tensors: this rank's experts), from a ZeRO-0
+    checkpoint's model files: the module file (dense weights, the router as gate.wg.weight) and one file per global
+    expert, put back into the parameters' names as the layers' own load_state_dict hook does (native.py)."""
+    from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, _from_native_names
+    from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
+    layers = [module for module in engine.module.modules() if isinstance(module, Zero3MoE)]
+    if len(layers) != len(current["ep_size"]):
+        raise ValueError("a ZeRO-0 checkpoint loads into ZeRO 3 in another layout for DeepSpeed MoE layers "
+                         "(moe_plugin.integrations.deepspeed.MoE, or a \"moe\" section over them) only, not for "
+                         "Hugging Face MoE blocks")
+    state = dict(source.model["module"])
+    ep_rank = _ep_rank(current)
+    experts = ".deepspeed_moe.experts.deepspeed_experts."   # DeepSpeed's key of one expert's tensors
+    for layer_id, layer in enumerate(layers):   # DeepSpeed numbers the MoE layers in module order
+        for i in range(layer.num_local_experts):
+            expert = ep_rank * layer.num_local_experts + i
+            for key, tensor in source.expert_file(layer_id, expert).items():
+                state[key.replace(f"{experts}{expert}.", f"{experts}{i}.")] = tensor
+    for prefix, module in engine.module.named_modules():
+        if isinstance(module, DeepSpeedMoELayer):
+            _from_native_names(module, state, f"{prefix}.")
+    return state
+
+
 def _into_zero3_sub_group(optimizer, sub_group: int, local) -> None:
     """One ZeRO-3 sub-group's flat partitions (masters, each state tensor): its parameters' pieces one after the
     other, each param.partition_numel() long (DeepSpeed's set_grad_positions)."""
@@ -397,8 +440,6 @@ def _into_zero3_sub_group(optimizer, sub_group: int, local) -> None:
     steps, offset = set(), 0
     for param in optimizer.fp16_groups[sub_group]:
         state = local(param)
-        if MASTER not in state:
-            raise ValueError("the checkpoint holds no fp32 master weights for ZeRO 3 to start from")
         steps.add(float(state.pop("step")))
         numel = param.partition_numel()
         rank = optimizer._get_param_partition_rank(param)
