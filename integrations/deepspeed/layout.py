@@ -9,13 +9,13 @@ engine.save_checkpoint writes LAYOUT_FILE into the tag folder (the layout, and w
 files in another one), and engine.load_checkpoint compares it with the current layout before DeepSpeed reads
 anything:
 - the same layout: DeepSpeed loads everything, as without moe_plugin;
-- another world size, ep_size or ZeRO stage, into ZeRO 0-2 (from 0-2 in fp32, 1-2 in bf16, 3 in fp32): DeepSpeed
+- another world size, ep_size or ZeRO stage, into ZeRO 0-2 (from 0-2 in fp32, 1-2 in bf16/fp16, 3 in fp32): DeepSpeed
   loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
   reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
   groups' settings);
 - into ZeRO 3 (from 0-3 in fp32): reshard.load_into_zero3 loads everything instead of DeepSpeed;
 - anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 3 in bf16, pipeline
-  stages, fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on
+  stages, bf16/fp16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on
   every rank of an expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
 to any layout (one file per expert). DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are

@@ -1,5 +1,6 @@
 """A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage): at ZeRO
-0-2 from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32; at ZeRO 3 (fp32, no offload) from ZeRO 0-3 in fp32.
+0-2 from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16 or fp16, ZeRO 3 in fp32; at ZeRO 3 (fp32, no offload) from ZeRO 0-3 in
+fp32.
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -15,8 +16,9 @@ Where the saved pieces are:
 - ZeRO 1/2: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per optimizer group, its flat partition
   of the masters and of each state tensor, and where each parameter's piece sits in it ("param_slice_mappings").
   A dense group is split over all ranks, an expert group over its expert-data-parallel ranks; a parameter is its
-  pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., and their bf16
-  weights (DeepSpeed loads them from the model files) are the masters cast, as at save.
+  pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., fp16 runs in
+  the same files as fp32 ones, beside their loss scaler (the same on every rank); their 16-bit weights (DeepSpeed
+  loads them from the model files) are the masters cast, as at save.
 - ZeRO 3: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per group, its flat partition of the
   masters ("fp32_flat_groups") and of each state tensor: ceil(numel / ranks) elements of each parameter, in the order
   of the rank's model file's "param_shapes", over the ranks "ds_zero_partition_groups" records (all ranks for a dense
@@ -31,9 +33,9 @@ to the masters (ZeRO 0's masters: its weights, from its model files); the rest o
 saved model file.
 
 Not converted (layout.py stops with its error, naming why): ZeRO 3 with offload, ZeRO 3 in bf16/fp16, a ZeRO-0
-checkpoint of Hugging Face blocks into ZeRO 3, pipeline stages,
-fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
-each (their names change with ep_size) when ep_size changes.
+checkpoint of Hugging Face blocks into ZeRO 3, pipeline stages, bf16 or fp16 at ZeRO 0, a change of precision,
+layers of different ep_sizes in one model, experts kept as one module each (their names change with ep_size) when
+ep_size changes.
 """
 from __future__ import annotations
 
@@ -87,11 +89,12 @@ def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[
         if layout.get("pipeline_stages") != 1:
             return f"{whose} layout has {layout.get('pipeline_stages')} pipeline stages (converted: 1)"
         dtype = layout.get("dtype")
-        if dtype not in ("fp32", "bf16"):
-            return f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 at ZeRO 1 and 2)"
-        if dtype == "bf16" and layout.get("zero_stage") == 0:
-            return (f"{whose} precision is bf16 at ZeRO stage 0, where DeepSpeed's FP16_Optimizer keeps its own "
-                    f"unrecorded flat masters (converted: fp32, and bf16 at ZeRO 1 and 2)")
+        if dtype not in ("fp32", "bf16", "fp16"):
+            return (f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 and fp16 at ZeRO 1 "
+                    f"and 2)")
+        if dtype != "fp32" and layout.get("zero_stage") == 0:
+            return (f"{whose} precision is {dtype} at ZeRO stage 0, where DeepSpeed's FP16_Optimizer keeps its own "
+                    f"unrecorded flat masters (converted: fp32, and bf16 and fp16 at ZeRO 1 and 2)")
         if len(set(layout["ep_size"].values())) > 1:
             return f"{whose} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
         if layout.get("zero_stage") == 0 and "optimizer_names" not in layout:
@@ -158,6 +161,11 @@ class SavedState:
             return optim["optimizer_state_dict"]["param_groups"]
         optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
+
+    def loss_scale_state(self) -> Dict[str, Any]:
+        """ZeRO 1/2's loss scaler and what DeepSpeed's own load restores with it (the same on every rank)."""
+        optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        return {key: optim[key] for key in ("loss_scaler", "dynamic_loss_scale", "overflow")}
 
     def expert_file(self, layer: int, expert: int) -> Dict[str, torch.Tensor]:
         """Global expert `expert` of MoE layer `layer` (ZeRO 0-2: DeepSpeed's one file per expert, native names)."""
@@ -273,6 +281,9 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         _into_zero12(optimizer, local)
         _set_group_settings(optimizer.optimizer, source.param_groups())
+        if saved["dtype"] == "fp16":
+            for key, value in source.loss_scale_state().items():
+                setattr(optimizer, key, value)
     elif isinstance(optimizer, torch.optim.Optimizer):
         _set_group_settings(optimizer, source.param_groups())
         for group in optimizer.param_groups:
