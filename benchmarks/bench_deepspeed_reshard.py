@@ -1,8 +1,10 @@
 """A DeepSpeed MoE checkpoint loaded in another layout (its optimizer state converted) against a same-layout load.
 
     python benchmarks/bench_deepspeed_reshard.py [--dim 512] [--hidden 2048] [--experts 8] [--layers 2] [--stage 2]
+        [--into 3]
 
-(--stage 3: saved at ZeRO 3, the converted loads at ZeRO 2; loading into ZeRO 3 in another layout is refused.)
+(--stage: the saved ZeRO stage; --into: the converted loads' ZeRO stage, by default the saved one, or 2 for a
+ZeRO-3 checkpoint.)
 
 The model: integrations/deepspeed/model.py's MoETransformerLM (every block's FFN a "moe" section layer, backend
 tutel, fp32, Adam). It trains one step on 2 gloo processes at ep_size 2 and saves; the checkpoint is then loaded with
@@ -124,13 +126,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
-                        help="the saved ZeRO stage; a ZeRO-3 checkpoint's converted loads are at ZeRO 2")
+                        help="the saved ZeRO stage")
+    parser.add_argument("--into", type=int, choices=(0, 1, 2, 3),
+                        help="the converted loads' ZeRO stage (default: the saved one; 2 for a ZeRO-3 checkpoint)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench_ds_reshard_")
     try:
         folder = os.path.join(root, "ckpt")
         launch(2, args, "save", folder, 2, args.stage)
-        converted = 2 if args.stage == 3 else args.stage
+        converted = args.into if args.into is not None else 2 if args.stage == 3 else args.stage
         size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
         experts = 2 * args.dim * args.hidden * args.experts * args.layers * 4
         print(f"ZeRO-{args.stage}, {args.layers} MoE layers of {args.experts} experts {args.dim} x {args.hidden}: "

@@ -9,18 +9,19 @@ engine.save_checkpoint writes LAYOUT_FILE into the tag folder (the layout, and w
 files in another one), and engine.load_checkpoint compares it with the current layout before DeepSpeed reads
 anything:
 - the same layout: DeepSpeed loads everything, as without moe_plugin;
-- another world size, ep_size or ZeRO stage, into ZeRO 0-2 (from 0-2 in fp32, 1-2 in bf16, 3 in fp32): DeepSpeed
+- another world size, ep_size or ZeRO stage, into ZeRO 0-2 (from 0-2 in fp32, 1-2 in bf16/fp16, 3 in fp32): DeepSpeed
   loads the weights, the LR scheduler and the step counters (from ZeRO 3, whose files hold no whole model,
   reshard.load_zero3_module_state does), and reshard.py converts the optimizer state (masters, moments, step, the
   groups' settings);
+- into ZeRO 3 (from 0-3 in fp32): reshard.load_into_zero3 loads everything instead of DeepSpeed;
 - a PipelineModule at ZeRO 0-1 in fp32 at another number of pipeline stages, data-parallel size per stage or
   ep_size: each stage's first data-parallel rank also writes its stage's record at save (reshard_pipeline.STAGE_FILE),
   each rank compares its own stage's part of the saved layout (reshard_pipeline.this_stage), and
   reshard_pipeline.load_pipeline_checkpoint sets the weights, scheduler, counters and optimizer state from the saved
   stage that held each parameter (DeepSpeed's own load reads the files of its stage number);
-- anything else: one ValueError naming both layouts and why it cannot be converted (into ZeRO 3, pipelines in bf16,
-  fp16, bf16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every rank of an
-  expert-parallel group, so the world size may change there).
+- anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 3 in bf16, pipelines in
+  bf16, bf16/fp16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every
+  rank of an expert-parallel group, so the world size may change there).
 Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
 to any layout (one file per expert). DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are
 refused for MoE models: they do not carry DeepSpeed MoE layers' experts.
@@ -35,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_plugin import MoELayer
-from moe_plugin.integrations.deepspeed.reshard import (load_optimizer_state, load_zero3_module_state, reshard_refusal,
-                                                       save_time_record)
+from moe_plugin.integrations.deepspeed.reshard import (load_into_zero3, load_optimizer_state, load_zero3_module_state,
+                                                       reshard_refusal, save_time_record)
 from moe_plugin.integrations.deepspeed.reshard_pipeline import load_pipeline_checkpoint, this_stage, write_stage_record
 from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
 
@@ -47,7 +48,7 @@ UNIVERSAL_REFUSED = (
     "\"checkpoint\": {\"load_universal\": true} with MoE layers: DeepSpeed's universal checkpoints (ds_to_universal) "
     "do not carry DeepSpeed MoE layers' experts (DeepSpeed issue 5716); remove load_universal and load the regular "
     "checkpoint with engine.load_checkpoint(dir), which converts its optimizer state to this run's layout "
-    "(world size, ep_size, ZeRO stage 0-2)")
+    "(world size, ep_size, ZeRO stage)")
 _WRAPPED = "_moe_plugin_layout_checked"
 
 
@@ -135,6 +136,8 @@ def check_layout_on_load(engine) -> None:
             saved = check_layout(folder, current)
         if saved is not None and saved.get("stages"):
             return load_pipeline_checkpoint(engine, folder, saved, current, load_lr_scheduler_states)
+        if saved is not None and current["zero_stage"] == 3:
+            return folder, load_into_zero3(engine, folder, saved, current, load_lr_scheduler_states)
         if saved is not None and saved["zero_stage"] == 3:
             result = folder, load_zero3_module_state(engine, folder, saved, current, load_lr_scheduler_states)
         else:

@@ -1,5 +1,6 @@
-"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage) at ZeRO
-0-2: from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16, ZeRO 3 in fp32.
+"""A DeepSpeed MoE checkpoint's optimizer state, loaded in another layout (world size, ep_size, ZeRO stage): at ZeRO
+0-2 from ZeRO 0-2 in fp32, ZeRO 1-2 in bf16 or fp16, ZeRO 3 in fp32; at ZeRO 3 (fp32, no offload) from ZeRO 0-3 in
+fp32.
 
 DeepSpeed's own load fits only the saved layout (layout.py). Where the layouts differ, layout.py lets DeepSpeed load
 what moves by itself (the weights, one file per expert; the LR scheduler; global_steps, global_samples,
@@ -15,8 +16,9 @@ Where the saved pieces are:
 - ZeRO 1/2: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per optimizer group, its flat partition
   of the masters and of each state tensor, and where each parameter's piece sits in it ("param_slice_mappings").
   A dense group is split over all ranks, an expert group over its expert-data-parallel ranks; a parameter is its
-  pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., and their bf16
-  weights (DeepSpeed loads them from the model files) are the masters cast, as at save.
+  pieces in rank order. bf16 runs keep the same fp32 masters and moments in bf16_zero_pp_rank_<r>_..., fp16 runs in
+  the same files as fp32 ones, beside their loss scaler (the same on every rank); their 16-bit weights (DeepSpeed
+  loads them from the model files) are the masters cast, as at save.
 - ZeRO 3: each rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt holds, per group, its flat partition of the
   masters ("fp32_flat_groups") and of each state tensor: ceil(numel / ranks) elements of each parameter, in the order
   of the rank's model file's "param_shapes", over the ranks "ds_zero_partition_groups" records (all ranks for a dense
@@ -25,10 +27,15 @@ Where the saved pieces are:
 An expert tensor (stacked, experts first) moves between ep_sizes by whole experts: the current rank's experts are
 cut from the saved ranks that held them.
 
-Not converted (layout.py stops with its error, naming why): into ZeRO 3, ZeRO 3 in bf16/fp16, pipeline stages
-(reshard_pipeline.py converts a PipelineModule's at ZeRO 0-1 in fp32),
-fp16, bf16 at ZeRO 0, a change of precision, layers of different ep_sizes in one model, experts kept as one module
-each (their names change with ep_size) when ep_size changes.
+Into ZeRO 3 (load_into_zero3), DeepSpeed's own load is not called: each parameter put together as above is cut into
+this rank's ZeRO-3 partition and written into the optimizer's flat sub-group partitions, the weights' partitions set
+to the masters (ZeRO 0's masters: its weights, from its model files); the rest of the engine's state comes from the
+saved model file. A PipelineModule's checkpoints convert in reshard_pipeline.py (ZeRO 0-1 in fp32).
+
+Not converted (layout.py stops with its error, naming why): ZeRO 3 with offload, ZeRO 3 in bf16/fp16, a ZeRO-0
+checkpoint of Hugging Face blocks into ZeRO 3, pipelines in bf16, bf16 or fp16 at ZeRO 0, a change of precision,
+layers of different ep_sizes in one model, experts kept as one module each (their names change with ep_size) when
+ep_size changes.
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "save_time_record", "ReadCounter"]
+__all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "load_into_zero3", "save_time_record",
+           "ReadCounter"]
 
 MASTER = "fp32"     # the key of the master weights beside the optimizer's own state keys
 
@@ -69,23 +77,25 @@ def _precision(engine) -> str:
 
 def reshard_refusal(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
     """Why the optimizer state saved in one layout cannot be converted to the other; None when it can."""
-    if current.get("zero_stage") not in (0, 1, 2):
-        return (f"this run's ZeRO stage is {current.get('zero_stage')} (converted: into 0, 1, 2; writing the "
-                f"partitions of a live ZeRO-3 engine is not done)")
+    if current.get("zero_stage") not in (0, 1, 2, 3):
+        return f"this run's ZeRO stage is {current.get('zero_stage')} (converted: into 0, 1, 2, 3)"
     if saved.get("zero_stage") not in (0, 1, 2, 3):
         return f"the saved ZeRO stage is {saved.get('zero_stage')} (converted: 0, 1, 2, 3)"
-    if saved["zero_stage"] == 3 and saved.get("dtype") != "fp32":
-        return f"the saved ZeRO stage is 3 in {saved.get('dtype') or 'an unrecorded precision'} (converted: fp32)"
+    for layout, whose in ((saved, "the saved"), (current, "this run's")):
+        if layout["zero_stage"] == 3 and layout.get("dtype") != "fp32":
+            return (f"{whose} ZeRO stage is 3 in {layout.get('dtype') or 'an unrecorded precision'} (converted: "
+                    f"fp32)")
     for layout, whose in ((saved, "the saved"), (current, "this run's")):
         if layout.get("pipeline_stages") != 1 and not saved.get("stages"):   # stages: reshard_pipeline.this_stage
             return saved.get("pipeline_refusal") or (f"{whose} layout has {layout.get('pipeline_stages')} pipeline "
                                                      f"stages (converted: 1)")
         dtype = layout.get("dtype")
-        if dtype not in ("fp32", "bf16"):
-            return f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 at ZeRO 1 and 2)"
-        if dtype == "bf16" and layout.get("zero_stage") == 0:
-            return (f"{whose} precision is bf16 at ZeRO stage 0, where DeepSpeed's FP16_Optimizer keeps its own "
-                    f"unrecorded flat masters (converted: fp32, and bf16 at ZeRO 1 and 2)")
+        if dtype not in ("fp32", "bf16", "fp16"):
+            return (f"{whose} precision is {dtype or 'not recorded'} (converted: fp32, and bf16 and fp16 at ZeRO 1 "
+                    f"and 2)")
+        if dtype != "fp32" and layout.get("zero_stage") == 0:
+            return (f"{whose} precision is {dtype} at ZeRO stage 0, where DeepSpeed's FP16_Optimizer keeps its own "
+                    f"unrecorded flat masters (converted: fp32, and bf16 and fp16 at ZeRO 1 and 2)")
         if len(set(layout["ep_size"].values())) > 1:
             return f"{whose} MoE layers have different ep_sizes {layout['ep_size']} (converted: one ep_size)"
         if layout.get("zero_stage") == 0 and "optimizer_names" not in layout:
@@ -116,12 +126,12 @@ class SavedState:
         self.world, self.ep, self.stage = saved["world_size"], _ep(saved), saved["zero_stage"]
         self._files: Dict[str, Any] = {}
         self._prefix = "bf16_" if saved["dtype"] == "bf16" else ""   # bf16_zero_pp_rank_<r>_...: DeepSpeed's name
+        self.model = self._load("zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3
+                                else "mp_rank_00_model_states.pt")
         if self.stage == 0:
             self._position = {name: (g, i) for g, names in enumerate(saved["optimizer_names"])
                               for i, name in enumerate(names)}
             return
-        self.model = self._load("zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3
-                                else "mp_rank_00_model_states.pt")
         self._group = {name: g for g, shapes in enumerate(self.model["param_shapes"]) for name in shapes}
         self._shape = {name: tuple(shape) for shapes in self.model["param_shapes"] for name, shape in shapes.items()}
         if self.stage == 3:
@@ -152,6 +162,15 @@ class SavedState:
             return optim["optimizer_state_dict"]["param_groups"]
         optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
         return optim["base_optimizer_state"]["param_groups"]
+
+    def loss_scale_state(self) -> Dict[str, Any]:
+        """ZeRO 1/2's loss scaler and what DeepSpeed's own load restores with it (the same on every rank)."""
+        optim = self._load(f"{self._prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        return {key: optim[key] for key in ("loss_scaler", "dynamic_loss_scale", "overflow")}
+
+    def expert_file(self, layer: int, expert: int) -> Dict[str, torch.Tensor]:
+        """Global expert `expert` of MoE layer `layer` (ZeRO 0-2: DeepSpeed's one file per expert, native names)."""
+        return self._load(f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt")
 
     def close(self) -> None:
         """Let go of the mapped files (their pages count in the process's resident memory while mapped)."""
@@ -258,21 +277,14 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     source = SavedState(folder, saved)
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    ep_size, ep_rank = _ep(current), _ep_rank(current)
-
-    def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
-        state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
-                             ep_size)
-        if tuple(state["exp_avg"].shape) != tuple(param.shape):
-            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint gives {tuple(state['exp_avg'].shape)}"
-                             f", this run holds {tuple(param.shape)}")
-        return state
-
+    local = _local_state(engine, source, current)
     optimizer = engine.optimizer
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         _into_zero12(optimizer, local)
         _set_group_settings(optimizer.optimizer, source.param_groups())
+        if saved["dtype"] == "fp16":
+            for key, value in source.loss_scale_state().items():
+                setattr(optimizer, key, value)
     elif isinstance(optimizer, torch.optim.Optimizer):
         _set_group_settings(optimizer, source.param_groups())
         for group in optimizer.param_groups:
@@ -285,6 +297,23 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     source.close()
     if dist.is_initialized():
         dist.barrier()
+
+
+def _local_state(engine, source: SavedState, current: Dict[str, Any]):
+    """param -> its state tensors (and MASTER, but at ZeRO 0) as the saved run held them, cut for this rank's
+    experts (whole: not yet cut into this rank's ZeRO partition)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    ep_size, ep_rank = _ep(current), _ep_rank(current)
+
+    def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
+        state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0,
+                             ep_size)
+        shape = tuple(getattr(param, "ds_shape", param.shape))   # ZeRO 3: param.shape is (0,)
+        if tuple(state["exp_avg"].shape) != shape:
+            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint gives {tuple(state['exp_avg'].shape)}"
+                             f", this run holds {shape}")
+        return state
+    return local
 
 
 def _ep_rank(current: Dict[str, Any]) -> int:
@@ -307,7 +336,6 @@ def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current:
     master, the buffers, the LR scheduler, global_steps, global_samples, skipped_steps. Returns the client state."""
     source = SavedState(folder, saved)
     ep_size, ep_rank = _ep(current), _ep_rank(current)
-    model = source.model
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             rank = ep_rank if getattr(param, "allreduce", True) is False else 0
@@ -316,15 +344,137 @@ def load_zero3_module_state(engine, folder: str, saved: Dict[str, Any], current:
                 raise ValueError(f"parameter {name!r}: the checkpoint gives {tuple(master.shape)}, this run holds "
                                  f"{tuple(param.shape)}")
             param.copy_(master)
-        buffers = dict(engine.module.named_buffers())
-        for name in model["buffer_names"]:
-            buffers[name].copy_(model["module"][name])
+    client_state = _load_module_state(engine, source.model, load_lr_scheduler_states)
+    source.close()
+    return client_state
+
+
+def _load_module_state(engine, model: Dict[str, Any], load_lr_scheduler_states: bool) -> Dict[str, Any]:
+    """What DeepSpeed's load restores beside the parameters and the optimizer, from the saved model file model:
+    the buffers, the LR scheduler, global_steps, global_samples, skipped_steps. Returns the client state."""
+    buffers = dict(engine.module.named_buffers())
+    with torch.no_grad():
+        for name in model.get("buffer_names", []):
+            buffers[name].copy_(_saved_buffer(model["module"], name, buffers[name]))
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
     engine.global_steps, engine.skipped_steps = model["global_steps"], model["skipped_steps"]
     engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
-    source.close()
     return {key: value for key, value in model.items() if key not in _DEEPSPEED_KEYS}
+
+
+def _saved_buffer(module: Dict[str, Any], name: str, buffer: torch.Tensor) -> torch.Tensor:
+    """Buffer name in a saved module state: at ZeRO 0-2 a layer's balancing bias is written as router.Expert_bias_E
+    when it is on and not at all when it is off (it loads as zeros; native.py's _to_native_names)."""
+    folder, _, leaf = name.rpartition(".")
+    hidden = f"{folder}.{leaf.replace('expert', 'Expert')}" if folder else leaf.replace("expert", "Expert")
+    if name in module or hidden in module:
+        return module[name] if name in module else module[hidden]
+    if leaf == "expert_bias_E":
+        return torch.zeros_like(buffer)
+    raise ValueError(f"buffer {name!r} is not in the checkpoint's model file")
+
+
+def load_into_zero3(engine, folder: str, saved: Dict[str, Any], current: Dict[str, Any],
+                    load_lr_scheduler_states: bool = True) -> Dict[str, Any]:
+    """engine.load_checkpoint for a ZeRO-3 engine, from a checkpoint written in layout saved (ZeRO 0-3, fp32), which
+    reshard_refusal accepted for this run's layout current: DeepSpeed's own load reads only its own layout's
+    partitions. Each parameter's fp32 master, exp_avg and exp_avg_sq are cut into this rank's partition of them
+    (ceil(numel / ranks) elements over the parameter's partition group, zero-padded at the end) and written into the
+    optimizer's flat sub-group partitions, the weights' partitions set to the masters; then the groups' settings,
+    buffers, LR scheduler and counters. Returns the client state."""
+    optimizer = engine.optimizer
+    if optimizer.offload_optimizer or optimizer.offload_param:
+        raise ValueError("loading a checkpoint of another layout into ZeRO 3 with offload_optimizer or offload_param "
+                         "is not converted (converted: ZeRO 3 without offload)")
+    source = SavedState(folder, saved)
+    local = _local_state(engine, source, current)
+    if source.stage == 0:
+        local = _with_zero0_masters(engine, local, _zero0_weights(engine, source, current))
+    optimizer.checkpoint_event_prologue()   # every parameter partitioned: only ds_tensor holds its values
+    for sub_group in range(len(optimizer.fp16_groups)):
+        _into_zero3_sub_group(optimizer, sub_group, local)
+    _set_group_settings(optimizer.optimizer, source.param_groups())
+    client_state = _load_module_state(engine, source.model, load_lr_scheduler_states)
+    source.close()
+    if optimizer.persistent_parameters:   # as DeepSpeed's own load: dropped, then gathered from the new partitions
+        optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
+    optimizer.checkpoint_event_epilogue()
+    if dist.is_initialized():
+        dist.barrier()
+    return client_state
+
+
+def _with_zero0_masters(engine, local, weights: Dict[str, torch.Tensor]):
+    """local with each parameter's master added: a ZeRO-0 run's fp32 weights are its masters."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+
+    def with_master(param: nn.Parameter) -> Dict[str, torch.Tensor]:
+        state = local(param)
+        master = weights[names[id(param)]]
+        if master.shape != state["exp_avg"].shape:
+            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint's model files give "
+                             f"{tuple(master.shape)}, its optimizer state {tuple(state['exp_avg'].shape)}")
+        return {**state, MASTER: _read(master)}
+    return with_master
+
+
+def _zero0_weights(engine, source: SavedState, current: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """This rank's parameters by name (unread: mapped), whole (expert tensors: this rank's experts), from a ZeRO-0
+    checkpoint's model files: the module file (dense weights, the router as gate.wg.weight) and one file per global
+    expert, put back into the parameters' names as the layers' own load_state_dict hook does (native.py)."""
+    from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, _from_native_names
+    from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
+    layers = [module for module in engine.module.modules() if isinstance(module, Zero3MoE)]
+    if len(layers) != len(current["ep_size"]):
+        raise ValueError("a ZeRO-0 checkpoint loads into ZeRO 3 in another layout for DeepSpeed MoE layers "
+                         "(moe_plugin.integrations.deepspeed.MoE, or a \"moe\" section over them) only, not for "
+                         "Hugging Face MoE blocks")
+    state = dict(source.model["module"])
+    ep_rank = _ep_rank(current)
+    experts = ".deepspeed_moe.experts.deepspeed_experts."   # DeepSpeed's key of one expert's tensors
+    for layer_id, layer in enumerate(layers):   # DeepSpeed numbers the MoE layers in module order
+        for i in range(layer.num_local_experts):
+            expert = ep_rank * layer.num_local_experts + i
+            for key, tensor in source.expert_file(layer_id, expert).items():
+                state[key.replace(f"{experts}{expert}.", f"{experts}{i}.")] = tensor
+    for prefix, module in engine.module.named_modules():
+        if isinstance(module, DeepSpeedMoELayer):
+            _from_native_names(module, state, f"{prefix}.")
+    return state
+
+
+def _into_zero3_sub_group(optimizer, sub_group: int, local) -> None:
+    """One ZeRO-3 sub-group's flat partitions (masters, each state tensor): its parameters' pieces one after the
+    other, each param.partition_numel() long (DeepSpeed's set_grad_positions)."""
+    master_flat = optimizer.fp32_partitioned_groups_flat[sub_group]
+    state_flat: Dict[str, torch.Tensor] = {}
+    steps, offset = set(), 0
+    for param in optimizer.fp16_groups[sub_group]:
+        state = local(param)
+        steps.add(float(state.pop("step")))
+        numel = param.partition_numel()
+        rank = optimizer._get_param_partition_rank(param)
+        for key, whole in state.items():
+            flat = master_flat if key == MASTER else state_flat.setdefault(key, torch.zeros_like(master_flat))
+            flat.data.narrow(0, offset, numel).copy_(_partition_of(whole, rank, numel))
+        offset += numel
+    if len(steps) > 1:
+        raise ValueError(f"ZeRO-3 sub-group {sub_group}: the checkpoint's parameters were saved at different steps "
+                         f"{steps}")
+    if steps:
+        optimizer.optimizer.state[master_flat] = {"step": torch.tensor(steps.pop()), **state_flat}
+    bit16_flat = optimizer.fp16_partitioned_groups_flat[sub_group]
+    bit16_flat.data.copy_(master_flat.data)
+    partitions = optimizer.fp16_partitioned_groups[sub_group]
+    for partition, values in zip(partitions, optimizer.unflatten(bit16_flat, partitions)):
+        partition.data = values.data
+
+
+def _partition_of(whole: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
+    """Rank rank's numel elements of whole, flattened and zero-padded to a multiple of numel (ZeRO 3's split)."""
+    piece = whole.reshape(-1)[rank * numel:(rank + 1) * numel]
+    return torch.cat([piece, piece.new_zeros(numel - piece.numel())])
 
 
 def _set_group_settings(optimizer: torch.optim.Optimizer, saved: List[Dict[str, Any]]) -> None:
