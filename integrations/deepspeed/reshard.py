@@ -46,6 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, _from_native_names
+from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
+
 __all__ = ["reshard_refusal", "load_optimizer_state", "load_zero3_module_state", "load_into_zero3", "save_time_record",
            "ReadCounter"]
 
@@ -423,8 +426,6 @@ def _zero0_weights(engine, source: SavedState, current: Dict[str, Any]) -> Dict[
     """This rank's parameters by name (unread: mapped), whole (expert tensors: this rank's experts), from a ZeRO-0
     checkpoint's model files: the module file (dense weights, the router as gate.wg.weight) and one file per global
     expert, put back into the parameters' names as the layers' own load_state_dict hook does (native.py)."""
-    from moe_plugin.integrations.deepspeed.native import DeepSpeedMoELayer, _from_native_names
-    from moe_plugin.integrations.deepspeed.zero3 import Zero3MoE
     layers = [module for module in engine.module.modules() if isinstance(module, Zero3MoE)]
     if len(layers) != len(current["ep_size"]):
         raise ValueError("a ZeRO-0 checkpoint loads into ZeRO 3 in another layout for DeepSpeed MoE layers "
