@@ -134,6 +134,8 @@ def check_layout_on_load(engine) -> None:
         saved, current = None, {**checkpoint_layout(engine), **save_time_record(engine)}
         if load_optimizer_states and not load_module_only and folder is not None:
             saved = check_layout(folder, current)
+        elif folder is not None:
+            check_weights_only(folder, current)
         if saved is not None and saved.get("stages"):
             return load_pipeline_checkpoint(engine, folder, saved, current, load_lr_scheduler_states)
         if saved is not None and current["zero_stage"] == 3:
@@ -160,14 +162,33 @@ def _writer(engine) -> bool:
     return bool(engine.use_node_local_storage()) and int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
+def _saved_layout(folder: str) -> Optional[Dict[str, Any]]:
+    """The layout in folder's LAYOUT_FILE; None without one (written without moe_plugin's engine, or before it)."""
+    path = os.path.join(folder, LAYOUT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_weights_only(folder: str, current: Dict[str, Any]) -> None:
+    """A weights-only load into ZeRO 3 of a ZeRO 0-2 checkpoint, which DeepSpeed's own load fails deep inside (it
+    asks for per-rank ZeRO-3 files the checkpoint lacks): a ValueError naming both layouts and the load that works."""
+    saved = _saved_layout(folder)
+    if saved is None or current["zero_stage"] != 3 or saved.get("zero_stage") == 3:
+        return
+    raise ValueError(f"the checkpoint in {folder} was saved with {describe(saved)}; a weights-only load "
+                     f"(load_optimizer_states=False or load_module_only=True) into this run's {describe(current)} "
+                     f"is not converted: load it with its optimizer state (the default, converted into ZeRO 3), or "
+                     f"at ZeRO stage {saved.get('zero_stage')}")
+
+
 def check_layout(folder: str, current: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """None where DeepSpeed may load the optimizer state in folder (a tag folder holding LAYOUT_FILE) as it is; the
     saved layout where reshard.py converts it to current; otherwise a ValueError naming both layouts and why."""
-    path = os.path.join(folder, LAYOUT_FILE)
-    if not os.path.isfile(path):
+    saved = _saved_layout(folder)
+    if saved is None:
         return None   # written without moe_plugin's engine (or before this check existed): DeepSpeed's own checks
-    with open(path) as f:
-        saved = json.load(f)
     saved = this_stage(folder, saved, current)
     if same(saved, current):
         return None
@@ -176,8 +197,9 @@ def check_layout(folder: str, current: Dict[str, Any]) -> Optional[Dict[str, Any
         return saved
     if fits(saved, current):
         return None
+    weights_only = "" if current["zero_stage"] == 3 and saved.get("zero_stage") != 3 else (
+        "load the weights only with engine.load_checkpoint(..., load_optimizer_states=False) (the optimizer's "
+        "moments and step start over), or ")
     raise ValueError(
         f"the optimizer state in {folder} was saved with {describe(saved)} and does not fit this run's "
-        f"{describe(current)}, and it cannot be converted: {why}; load the weights only with "
-        f"engine.load_checkpoint(..., load_optimizer_states=False) (the optimizer's moments and step start "
-        f"over), or resume with the saved layout")
+        f"{describe(current)}, and it cannot be converted: {why}; {weights_only}resume with the saved layout")

@@ -277,15 +277,22 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     """Set every optimizer state tensor and master weight of this rank's parameters from the checkpoint in folder
     (written in layout saved, which reshard_refusal accepted for this run's layout current), after DeepSpeed loaded
     the weights."""
+    source = SavedState(folder, saved)
+    write_optimizer_state(engine.optimizer, _local_state(engine, source, current), source, saved["dtype"])
+    source.close()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_optimizer_state(optimizer, local, source: SavedState, dtype: str) -> None:
+    """Each parameter's state, local(param) (its master under MASTER), and the saved groups' settings into a ZeRO
+    0-2 optimizer (fp16's loss scaler too)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    source = SavedState(folder, saved)
-    local = _local_state(engine, source, current)
-    optimizer = engine.optimizer
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
         _into_zero12(optimizer, local)
         _set_group_settings(optimizer.optimizer, source.param_groups())
-        if saved["dtype"] == "fp16":
+        if dtype == "fp16":
             for key, value in source.loss_scale_state().items():
                 setattr(optimizer, key, value)
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -297,9 +304,6 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
                 optimizer.state[param] = {key: value.to(param.device) for key, value in state.items()}
     else:
         raise ValueError(f"cannot convert the optimizer state into a {type(optimizer).__name__}")
-    source.close()
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _local_state(engine, source: SavedState, current: Dict[str, Any]):

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_plugin.integrations.deepspeed.reshard import (_DEEPSPEED_KEYS, MASTER, SavedState, _ep, _ep_rank,
-                                                       _into_zero12, _read, _set_group_settings)
+from moe_plugin.integrations.deepspeed.reshard import (_DEEPSPEED_KEYS, SavedState, _ep, _ep_rank, _read,
+                                                       write_optimizer_state)
 
 __all__ = ["STAGE_FILE", "write_stage_record", "this_stage", "load_pipeline_checkpoint"]
 
@@ -184,7 +184,6 @@ def _module_state(engine, source: PipelineState) -> Dict[str, torch.Tensor]:
 
 def _load_optimizer(engine, source: PipelineState, current: Dict[str, Any]) -> None:
     """reshard.load_optimizer_state's conversion, each parameter read from the saved stage that held it."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     names = {id(p): n for n, p in engine.module.named_parameters()}
     ep_size, ep_rank = _ep(current), _ep_rank(current)
 
@@ -195,17 +194,5 @@ def _load_optimizer(engine, source: PipelineState, current: Dict[str, Any]) -> N
                              f", this run holds {tuple(param.shape)}")
         return state
 
-    optimizer = engine.optimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
-        _into_zero12(optimizer, local)
-        _set_group_settings(optimizer.optimizer, source.param_groups())
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        _set_group_settings(optimizer, source.param_groups())
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = local(param)
-                state.pop(MASTER, None)
-                optimizer.state[param] = {key: value.to(param.device) for key, value in state.items()}
-    else:
-        raise ValueError(f"cannot convert a pipeline's optimizer state into a {type(optimizer).__name__}")
+    write_optimizer_state(engine.optimizer, local, source, "fp32")
 

@@ -605,3 +605,25 @@ def test_what_cannot_be_converted_is_named_and_what_can_is_not():
     for reason, (saved, current) in refused.items():
         got = reshard_refusal(saved, current)
         assert got is not None and reason in got, (reason, got)
+
+
+def test_a_weights_only_load_into_zero_3_of_a_zero_0_to_2_checkpoint_names_the_load_that_works(tmp_path):
+    """DeepSpeed's own weights-only load of a ZeRO 0-2 checkpoint into ZeRO 3 fails deep inside (an AssertionError:
+    it asks for per-rank ZeRO-3 files): named before it, in one line; other weights-only loads are DeepSpeed's."""
+    import json
+
+    from moe_plugin.integrations.deepspeed.layout import LAYOUT_FILE, check_weights_only
+    layout = {"world_size": 2, "zero_stage": 2, "pipeline_stages": 1, "ep_size": {"blocks.0.ffn.moe": 2}}
+    (tmp_path / LAYOUT_FILE).write_text(json.dumps(layout))
+    for stage in (0, 1, 2):
+        with pytest.raises(ValueError, match=r"saved with world size 2, ep_size 2, ZeRO stage 2, 1 pipeline stage\(s\); "
+                                             r"a weights-only load .* into this run's world size 1, ep_size 1, ZeRO "
+                                             r"stage 3, 1 pipeline stage\(s\) is not converted: load it with its "
+                                             r"optimizer state \(the default, converted into ZeRO 3\), or at ZeRO "
+                                             r"stage 2"):
+            check_weights_only(str(tmp_path), {**layout, "world_size": 1, "zero_stage": 3,
+                                               "ep_size": {"blocks.0.ffn.moe": 1}})
+        check_weights_only(str(tmp_path), {**layout, "zero_stage": stage})
+    (tmp_path / LAYOUT_FILE).write_text(json.dumps({**layout, "zero_stage": 3}))
+    check_weights_only(str(tmp_path), {**layout, "world_size": 1, "zero_stage": 3})
+    check_weights_only(str(tmp_path / "elsewhere"), {**layout, "zero_stage": 3})     # no layout file: DeepSpeed's
