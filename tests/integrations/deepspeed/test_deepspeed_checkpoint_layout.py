@@ -4,7 +4,8 @@ A model of `deepspeed.moe.layer.MoE` layers with a "moe" section (backend tutel,
 WarmupLR schedule, fp32, no balance loss in the objective) trains 4 steps and saves at ZeRO 0-3: on 2 gloo processes
 at ep_size 2 and 1, and on 1 process. Every checkpoint is loaded with plain engine.load_checkpoint(dir) on 2 processes
 at ep_size 2 and 1 and on 1 process (the 2-process ones), and at another ZeRO stage; ZeRO-3 checkpoints also at
-ZeRO 0-2 (ZERO3), ZeRO 0-2 ones at ZeRO 3 (INTO_ZERO3), and bf16 and fp16 ones at ZeRO 1-2 (HALF_CASES). Each load
+ZeRO 0-2 (ZERO3), ZeRO 0-2 ones at ZeRO 3 (INTO_ZERO3), bf16 and fp16 ones at ZeRO 1-2 (HALF_CASES), and 2-process
+ones on 4 processes at ep_size 4 and 2 (ON_FOUR). Each load
 continues as the uninterrupted run in the saved layout does (its next step on the same global batch; a probe's
 outputs, rel 1e-4, exact in the same layout; bf16/fp16: as near as their arithmetic allows), with every parameter's
 moments and fp32 master gathered whole bit-equal to the saved run's (ZeRO 0: the weights are the masters), and its
@@ -59,9 +60,12 @@ def _engine(stage, ep_size, micro_batch, universal=False, precision="fp32"):
 
 
 def _batches(world, rank, step):
-    """This rank's part of the global batch of a step (8 sequences per rank of 2; on 1 process, both parts)."""
+    """This rank's part of the global batch of a step (8 sequences per rank of 2; on 1 process, both parts; on 4,
+    each rank of 2's part halved)."""
     from moe_plugin.integrations.deepspeed.model import synthetic_batch
     parts = [synthetic_batch(torch.Generator().manual_seed(1000 * step + r), 8, 32, 64) for r in range(2)]
+    if world == 4:
+        return parts[rank // 2][4 * (rank % 2):4 * (rank % 2) + 4]
     return parts[rank] if world == 2 else torch.cat(parts)
 
 
@@ -282,6 +286,38 @@ def test_each_load_continues_as_the_saved_layout(runs):
             assert report["steps"][key] == (STEPS, 16 * STEPS, want_lr[stage, saved_world, saved_ep]), case
             checked.append((world, stage, saved_world, saved_ep, loaded_ep))
     assert len(checked) == len(STAGES) * (3 * 2 + 2), checked
+
+
+# 2-process checkpoints loaded on 4 processes: (saved ZeRO stage, loaded ZeRO stage, loaded ep_size), saved at ep_size 2
+ON_FOUR = ((2, 2, 4), (1, 1, 2), (3, 3, 4))
+
+
+def four_worker(rank, world, directory):
+    """Each ON_FOUR load on 4 processes: its counters and lr as loaded, and its next step."""
+    from helpers.deepspeed import setup_worker
+    os.environ["MOE_PLUGIN_KERNELS"] = "torch"
+    setup_worker(rank, world)
+    report = {}
+    for saved_stage, stage, ep_size in ON_FOUR:
+        engine = _engine(stage, ep_size, 16 // world)
+        engine.load_checkpoint(_source(directory, saved_stage, 2, 2))
+        steps = (engine.global_steps, engine.global_samples, engine.get_lr())
+        _step(engine, world, rank, STEPS)
+        report[saved_stage, stage, ep_size] = steps, _probe(engine)
+    return report
+
+
+@pytest.mark.timeout(900)
+def test_two_process_checkpoints_continue_on_four_processes(runs):
+    """Saved on 2 processes at ep_size 2 (ZeRO 1, 2, 3), loaded on 4 at ep_size 4 or 2: as the saved run goes on."""
+    directory, want_next, _, _, _, saved_two = runs
+    report = run_workers(four_worker, 4, directory, timeout=600)[0]
+    assert sorted(report) == sorted(ON_FOUR)
+    for (saved_stage, stage, ep_size), (steps, got) in report.items():
+        want = want_next[saved_stage, 2, 2]
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-4, (saved_stage, stage, ep_size, rel)
+        assert steps == (STEPS, 16 * STEPS, saved_two[0]["lr"][saved_stage, 2, 2]), (saved_stage, stage, ep_size)
 
 
 @pytest.mark.timeout(900)
