@@ -61,7 +61,7 @@ class Router(nn.Module):
     noise_policy: Optional[str] = None    # a host's router noise in training (NOISE_POLICIES), set by its adapter
     aux_loss_group = None                 # aux_loss_scope "global": the processes counted (None: the world)
     spans_steps = False                   # set by begin_step: the global counts span an optimizer step
-    step_counts_E1: Optional[torch.Tensor] = None    # with spans_steps: the step's counts so far (see begin_step)
+    step_counts_E1: Optional[torch.Tensor] = None    # with spans_steps: the step's counts so far (else None)
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -186,7 +186,7 @@ class Router(nn.Module):
             if self.spans_steps and cfg.aux_loss != "seq" and self.step_counts_E1 is None:
                 self.step_counts_E1 = torch.zeros(cfg.num_experts + 1, dtype=torch.float64, device=probs_TE.device)
             aux = global_balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T,
-                                      self.aux_loss_group, self.step_counts_E1 if self.spans_steps else None)
+                                      self.aux_loss_group, self.step_counts_E1)
         else:
             aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())

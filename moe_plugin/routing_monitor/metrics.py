@@ -238,6 +238,21 @@ def _mean(values: List[float]) -> float:
     return sum(values) / len(values)
 
 
+def _rows_computed(layer: MoELayer, kept_E: torch.Tensor) -> Optional[torch.Tensor]:
+    """[W] float64: the kept rows each ep rank computed in the last forward where that is not by owner: with
+    replicas, as split; with every expert gathered (parallel degree 0), all on the rank that routed them. None
+    otherwise."""
+    split_rows = layer._parallel_stats.get("rank_rows")
+    if split_rows is not None:
+        return torch.tensor(split_rows, dtype=torch.float64).to(kept_E.device)
+    if layer._parallel_stats.get("parallel") == 0:
+        here = layer.groups.layout.ep_rank
+        computed_W = torch.zeros(layer.config.ep_size, dtype=torch.float64, device=kept_E.device)
+        computed_W[here:here + 1] = kept_E.sum()
+        return computed_W
+    return None
+
+
 def _add_forward(window: _Window, layer: MoELayer, args: tuple, kwargs: dict) -> None:
     """Adds this forward's routing to the window: on the device in place (no host synchronization, few ops),
     what the host knows to its numbers."""
@@ -245,15 +260,10 @@ def _add_forward(window: _Window, layer: MoELayer, args: tuple, kwargs: dict) ->
     load_E, kept_E, capacity_factor, fixed, num_tokens, top_k = layer._routing
     window.load_E += load_E
     window.kept_E += kept_E
-    split_rows = layer._parallel_stats.get("rank_rows")
-    if split_rows is not None:      # replicas: this forward's kept rows per rank as split, less as owned
-        owned_W = kept_E.to(torch.float64) @ _shares(cfg.num_experts, cfg.ep_size, kept_E.device)
-        window.moved_W.add_(torch.tensor(split_rows, dtype=torch.float64).to(kept_E.device) - owned_W)
-    elif layer._parallel_stats.get("parallel") == 0:   # every expert gathered: this rank computed its own rows
-        owned_W = kept_E.to(torch.float64) @ _shares(cfg.num_experts, cfg.ep_size, kept_E.device)
-        here = layer.groups.layout.ep_rank
-        window.moved_W.sub_(owned_W)
-        window.moved_W[here:here + 1].add_(kept_E.sum())
+    computed_W = _rows_computed(layer, kept_E)
+    if computed_W is not None:      # this forward's kept rows per rank where computed, less as owned
+        window.moved_W.add_(computed_W - kept_E.to(torch.float64) @ _shares(cfg.num_experts, cfg.ep_size,
+                                                                            kept_E.device))
     if capacity_factor > 0:
         window.host["slots"] += fixed * cfg.num_experts
     elif capacity_factor == 0:
