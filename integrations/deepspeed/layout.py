@@ -22,8 +22,9 @@ anything:
 - anything else: one ValueError naming both layouts and why it cannot be converted (ZeRO 3 in bf16, pipelines in
   bf16, bf16/fp16 at ZeRO 0, ...), unless DeepSpeed's own load fits it (plain ZeRO 0 keeps the whole state on every
   rank of an expert-parallel group, so the world size may change there).
-Weights-only loads (load_optimizer_states=False, load_module_only=True) are not checked: DeepSpeed moves the weights
-to any layout (one file per expert). DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are
+Weights-only loads (load_optimizer_states=False, load_module_only=True) are DeepSpeed's own, which moves the weights
+to any layout (one file per expert) but one: into ZeRO 3 from ZeRO 0-2 it fails deep inside, so check_weights_only
+stops that load first. DeepSpeed's universal checkpoints ("checkpoint": {"load_universal": true}) are
 refused for MoE models: they do not carry DeepSpeed MoE layers' experts.
 """
 from __future__ import annotations
@@ -171,11 +172,17 @@ def _saved_layout(folder: str) -> Optional[Dict[str, Any]]:
         return json.load(f)
 
 
+def _weights_only_fails(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:
+    """Whether DeepSpeed's own weights-only load fails between these layouts: into ZeRO 3 from ZeRO 0-2 (it asks for
+    per-rank ZeRO-3 files the checkpoint lacks)."""
+    return current["zero_stage"] == 3 and saved.get("zero_stage") != 3
+
+
 def check_weights_only(folder: str, current: Dict[str, Any]) -> None:
     """A weights-only load into ZeRO 3 of a ZeRO 0-2 checkpoint, which DeepSpeed's own load fails deep inside (it
     asks for per-rank ZeRO-3 files the checkpoint lacks): a ValueError naming both layouts and the load that works."""
     saved = _saved_layout(folder)
-    if saved is None or current["zero_stage"] != 3 or saved.get("zero_stage") == 3:
+    if saved is None or not _weights_only_fails(saved, current):
         return
     raise ValueError(f"the checkpoint in {folder} was saved with {describe(saved)}; a weights-only load "
                      f"(load_optimizer_states=False or load_module_only=True) into this run's {describe(current)} "
@@ -197,7 +204,7 @@ def check_layout(folder: str, current: Dict[str, Any]) -> Optional[Dict[str, Any
         return saved
     if fits(saved, current):
         return None
-    weights_only = "" if current["zero_stage"] == 3 and saved.get("zero_stage") != 3 else (
+    weights_only = "" if _weights_only_fails(saved, current) else (
         "load the weights only with engine.load_checkpoint(..., load_optimizer_states=False) (the optimizer's "
         "moments and step start over), or ")
     raise ValueError(

@@ -278,7 +278,7 @@ def load_optimizer_state(engine, folder: str, saved: Dict[str, Any], current: Di
     (written in layout saved, which reshard_refusal accepted for this run's layout current), after DeepSpeed loaded
     the weights."""
     source = SavedState(folder, saved)
-    write_optimizer_state(engine.optimizer, _local_state(engine, source, current), source, saved["dtype"])
+    write_optimizer_state(engine.optimizer, local_state(engine, source, current), source, saved["dtype"])
     source.close()
     if dist.is_initialized():
         dist.barrier()
@@ -306,9 +306,10 @@ def write_optimizer_state(optimizer, local, source: SavedState, dtype: str) -> N
         raise ValueError(f"cannot convert the optimizer state into a {type(optimizer).__name__}")
 
 
-def _local_state(engine, source: SavedState, current: Dict[str, Any]):
+def local_state(engine, source, current: Dict[str, Any]):
     """param -> its state tensors (and MASTER, but at ZeRO 0) as the saved run held them, cut for this rank's
-    experts (whole: not yet cut into this rank's ZeRO partition)."""
+    experts (whole: not yet cut into this rank's ZeRO partition). source: a SavedState, or any reader with its
+    local(name, ep_rank, ep_size)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     ep_size, ep_rank = _ep(current), _ep_rank(current)
 
@@ -363,6 +364,12 @@ def _load_module_state(engine, model: Dict[str, Any], load_lr_scheduler_states: 
     with torch.no_grad():
         for name in model.get("buffer_names", []):
             buffers[name].copy_(_saved_buffer(model["module"], name, buffers[name]))
+    return load_engine_state(engine, model, load_lr_scheduler_states)
+
+
+def load_engine_state(engine, model: Dict[str, Any], load_lr_scheduler_states: bool) -> Dict[str, Any]:
+    """The LR scheduler, global_steps, global_samples and skipped_steps from the saved model file model. Returns
+    the client state."""
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
     engine.global_steps, engine.skipped_steps = model["global_steps"], model["skipped_steps"]
@@ -395,7 +402,7 @@ def load_into_zero3(engine, folder: str, saved: Dict[str, Any], current: Dict[st
         raise ValueError("loading a checkpoint of another layout into ZeRO 3 with offload_optimizer or offload_param "
                          "is not converted (converted: ZeRO 3 without offload)")
     source = SavedState(folder, saved)
-    local = _local_state(engine, source, current)
+    local = local_state(engine, source, current)
     if source.stage == 0:
         local = _with_zero0_masters(engine, local, _zero0_weights(engine, source, current))
     optimizer.checkpoint_event_prologue()   # every parameter partitioned: only ds_tensor holds its values

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_plugin.integrations.deepspeed.reshard import (_DEEPSPEED_KEYS, SavedState, _ep, _ep_rank, _read,
+from moe_plugin.integrations.deepspeed.reshard import (SavedState, _read, load_engine_state, local_state,
                                                        write_optimizer_state)
 
 __all__ = ["STAGE_FILE", "write_stage_record", "this_stage", "load_pipeline_checkpoint"]
@@ -149,13 +149,8 @@ def load_pipeline_checkpoint(engine, folder: str, saved: Dict[str, Any], current
     source = PipelineState(folder, saved)
     with torch.no_grad():
         engine.module.load_state_dict(_module_state(engine, source), strict=True)
-    model = source.model_file(0)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
-    engine.global_steps, engine.skipped_steps = model["global_steps"], model["skipped_steps"]
-    engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
-    _load_optimizer(engine, source, current)
-    client = {key: value for key, value in model.items() if key not in _DEEPSPEED_KEYS}
+    client = load_engine_state(engine, source.model_file(0), load_lr_scheduler_states)
+    write_optimizer_state(engine.optimizer, local_state(engine, source, current), source, "fp32")
     source.close()
     if dist.is_initialized():
         dist.barrier()
@@ -180,19 +175,4 @@ def _module_state(engine, source: PipelineState) -> Dict[str, torch.Tensor]:
             state.update({name.replace(f"{prefix}{first + local}.", f"{prefix}{local}."): _read(tensor)
                           for name, tensor in expert.items()})
     return state
-
-
-def _load_optimizer(engine, source: PipelineState, current: Dict[str, Any]) -> None:
-    """reshard.load_optimizer_state's conversion, each parameter read from the saved stage that held it."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    ep_size, ep_rank = _ep(current), _ep_rank(current)
-
-    def local(param: nn.Parameter) -> Dict[str, torch.Tensor]:
-        state = source.local(names[id(param)], ep_rank if getattr(param, "allreduce", True) is False else 0, ep_size)
-        if tuple(state["exp_avg"].shape) != tuple(param.shape):
-            raise ValueError(f"parameter {names[id(param)]!r}: the checkpoint gives {tuple(state['exp_avg'].shape)}"
-                             f", this run holds {tuple(param.shape)}")
-        return state
-
-    write_optimizer_state(engine.optimizer, local, source, "fp32")
 
