@@ -40,9 +40,9 @@ class _UpdatesExpertBias:
     _bias_updates_seen = None
 
     def set_num_updates(self, num_updates):
-        if self._bias_updates_seen is not None and num_updates != self._bias_updates_seen:
-            update_expert_bias(self)
         if num_updates != self._bias_updates_seen:
+            if self._bias_updates_seen is not None:
+                update_expert_bias(self)
             begin_step(self)
         self._bias_updates_seen = num_updates
         super().set_num_updates(num_updates)
