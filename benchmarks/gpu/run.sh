@@ -67,6 +67,7 @@ CUDA_TESTS=(
   tests/one_process/test_node_cuda.py
   tests/core/test_recompute.py
   tests/train/test_train_window.py
+  tests/parallel/test_global_balance_loss_cuda.py
 )
 
 step() {   # step NAME SECONDS COMMAND...

@@ -8,19 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.balance_steps import D, H, build, micro_batches, spanning_reference, spanning_run
 from helpers.compare import relative_error
 from helpers.launch import run_workers
 from moe_plugin import MoEConfig, MoELayer
 from moe_plugin.one_process import fused_route
 from moe_plugin.router import counts_globally
-
-D, H = 6, 8
-
-
-def build(spec, dtype, **more):
-    config = dict(model_dim=D, hidden_size=H, num_experts=spec["E"], top_k=spec["k"], capacity_factor=0.0,
-                  aux_loss=spec["aux"], aux_loss_coef=0.3, **more)
-    return MoELayer(MoEConfig(**config)).to(dtype)
 
 
 def compare_global(rank, world, specs):
@@ -173,51 +166,6 @@ def test_the_hf_swap_keyword_reaches_the_layer():
 
 
 # Counts over an optimizer step's micro-batches (moe_plugin.begin_step, which the hosts call at each step's start)
-
-
-def spanning_reference(layer, xs, ups, world=1):
-    """One process on every process's tokens, by hand: each micro-batch's output term from layer (aux_loss_scope
-    "local", its own balance loss unused) and, as the balance loss of micro-batch i, E * sum_e(the mean router
-    probability of e over micro-batch i's tokens * the fraction of the choices of micro-batches 1..i routed to
-    e). Returns the router's gradient, each micro-batch's input gradient and balance loss (with its coefficient)."""
-    cfg = layer.config
-    weight_ED = layer.router.weight_ED
-    chosen, losses, total, inputs = [], [], 0.0, []
-    for x, up in zip(xs, ups):
-        x = x.clone().requires_grad_()
-        inputs.append(x)
-        probs_TE = torch.softmax(x.reshape(-1, D) @ weight_ED.t(), dim=-1)
-        counted_TX = probs_TE.topk(cfg.top_k).indices[:, :1 if cfg.aux_loss == "gshard" else cfg.top_k]
-        chosen.append(counted_TX)
-        choices_E = torch.nn.functional.one_hot(torch.cat(chosen).reshape(-1), cfg.num_experts).sum(0)
-        fraction_E = choices_E.to(probs_TE.dtype) / choices_E.sum()
-        mean_E = probs_TE.sum(0) / max(len(probs_TE), 1)       # an empty micro-batch adds no term
-        losses.append(cfg.aux_loss_coef * cfg.num_experts * (mean_E * fraction_E).sum())
-        total = total + (layer(x) * up).sum() / world + losses[-1]
-    total.backward()
-    return weight_ED.grad, [x.grad for x in inputs], torch.stack(losses).detach()
-
-
-def spanning_run(layer, xs, ups, checkpointed=False):
-    """begin_step, then each micro-batch's forward and backward (the gradients accumulate): the router's
-    gradient, each micro-batch's input gradient and balance loss."""
-    from torch.utils.checkpoint import checkpoint
-    from moe_plugin import begin_step
-    assert begin_step(layer) == 1
-    grads, losses = [], []
-    for x, up in zip(xs, ups):
-        x = x.clone().requires_grad_()
-        y = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
-        losses.append(layer.aux_loss.detach().clone())
-        ((y * up).sum() + layer.aux_loss).backward()
-        grads.append(x.grad)
-    return layer.router.weight_ED.grad.clone(), grads, torch.stack(losses)
-
-
-def micro_batches(sizes, dtype=torch.float64, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, D, generator=generator, dtype=dtype) for n in sizes]
-    return xs, [torch.randn(x.shape, generator=generator, dtype=dtype) for x in xs]
 
 
 @pytest.mark.parametrize("aux, k, sizes", [("gshard", 2, (7, 3, 12)), ("switch", 3, (5, 1, 9, 4)),
