@@ -61,7 +61,7 @@ class Router(nn.Module):
     noise_policy: Optional[str] = None    # a host's router noise in training (NOISE_POLICIES), set by its adapter
     aux_loss_group = None                 # aux_loss_scope "global": the processes counted (None: the world)
     spans_steps = False                   # set by begin_step: the global counts span an optimizer step
-    step_counts_E1: Optional[torch.Tensor] = None    # with spans_steps: the step's counts so far (else None)
+    step_counts: Optional["StepCounts"] = None       # with spans_steps: the step's counts so far (else None)
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -183,14 +183,19 @@ class Router(nn.Module):
             aux = load_importance_loss(self.scores(clean_TE), logits_TE.gather(1, expert_TK[:, -1:]),
                                        cfg.gate_noise / cfg.num_experts)
         elif counts_globally(self):
-            if self.spans_steps and cfg.aux_loss != "seq" and self.step_counts_E1 is None:
-                self.step_counts_E1 = torch.zeros(cfg.num_experts + 1, dtype=torch.float64, device=probs_TE.device)
+            if self.spans_steps and cfg.aux_loss != "seq" and self.step_counts is None:
+                self.step_counts = StepCounts()
             aux = global_balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T,
-                                      self.aux_loss_group, self.step_counts_E1)
+                                      self.aux_loss_group, self.step_counts)
         else:
             aux = balance_loss(cfg.aux_loss, probs_TE, expert_TK, cfg.num_experts, seq_len, sequence_T)
         z = z_loss(logits_TE) if cfg.z_loss_coef > 0 else logits_TE.new_zeros(())
         return Routes(scores_TE, expert_TK, gate_TK, aux, z)
+
+    @property
+    def step_counts_E1(self) -> Optional[torch.Tensor]:
+        """With spans_steps: the counts of this optimizer step's micro-batches so far (else None)."""
+        return None if self.step_counts is None else self.step_counts.total_E1
 
     def _count(self, expert_TK: torch.Tensor) -> None:
         if self.load_E is None or self.load_E.device != expert_TK.device:
@@ -347,6 +352,35 @@ def _several_processes(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+class StepCounts:
+    """An optimizer step's expert counts so far, over the processes (the last entry their tokens), for one layer's
+    global balance loss; begin_step starts a new one. A forward recomputed during backward (activation
+    checkpointing) weighs by the counts its first forward did, though later micro-batches' forwards may have run in
+    between (a pipeline's 1F1B schedule), and adds nothing: each first forward keeps its own counts and the counts
+    it weighed by until its recompute, found by its own counts (one host synchronization per recompute)."""
+
+    def __init__(self):
+        self.total_E1: Optional[torch.Tensor] = None
+        self._forwards: list = []             # per first forward not yet recomputed: (its counts, the counts it used)
+
+    def join(self, counts_E1: torch.Tensor) -> torch.Tensor:
+        """This forward's counts joined with the step's: the counts its balance loss weighs by."""
+        if torch._C._current_graph_task_id() >= 0:           # a recompute during backward
+            return self._first_forward_of(counts_E1)
+        self.total_E1 = counts_E1 if self.total_E1 is None else self.total_E1 + counts_E1
+        self._forwards.append((counts_E1, self.total_E1))
+        return self.total_E1
+
+    def _first_forward_of(self, counts_E1: torch.Tensor) -> torch.Tensor:
+        if self._forwards:
+            same_F = (torch.stack([own_E1 for own_E1, _ in self._forwards]) == counts_E1).all(1)
+            same = same_F.nonzero().tolist()
+            if same:
+                return self._forwards.pop(same[0][0])[1]
+        # a forward not seen since begin_step (its step began after it): it joins the counts so far
+        return counts_E1 if self.total_E1 is None else self.total_E1
+
+
 def begin_step(model: nn.Module) -> int:
     """Marks the start of an optimizer step for the layers of model with aux_loss_scope "global": from here until
     the next call, their gshard and switch losses count the expert frequencies over this step's micro-batches so
@@ -358,20 +392,18 @@ def begin_step(model: nn.Module) -> int:
     micro-batch counts its own tokens. Returns how many layers now span their steps."""
     routers = [m for m in model.modules() if isinstance(m, Router) and m.config.aux_loss_scope == "global"]
     for router in routers:
-        router.spans_steps, router.step_counts_E1 = True, None
+        router.spans_steps, router.step_counts = True, None
     return len(routers)
 
 
 def global_balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tensor, num_experts: int,
                         seq_len: Optional[int] = None, sequence_T: Optional[torch.Tensor] = None,
-                        group=None, step_E1: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        group=None, step: Optional["StepCounts"] = None) -> torch.Tensor:
     """This process's share of the balance loss counted over every process of group (default: the world): one
     all_reduce of the counts (no gradient through them); every process of group must call it.
 
-    step_E1 (gshard, switch): the counts of the optimizer step's earlier micro-batches over the processes (the
-    last entry their tokens), which this forward's join: C_e and T_all below count them too, except the mean
-    probability's T_all. This forward's counts are added into step_E1, but not in a recompute during backward
-    (activation checkpointing), which saw them once already.
+    step (gshard, switch): the counts of the optimizer step's earlier micro-batches over the processes, which this
+    forward's join (StepCounts.join): C_e and T_all below count them too, except the mean probability's T_all.
 
     gshard, switch: E * sum_e(P * this process's probability sum of e / T_all * C_e / (T_all * K')) with C_e the
     choices of e counted over all processes, T_all their tokens, P the processes, K' 1 (gshard) or K (switch).
@@ -402,10 +434,8 @@ def global_balance_loss(kind: str, probs_TE: torch.Tensor, expert_TK: torch.Tens
     if P > 1:
         dist.all_reduce(counts_E1, group=group)
     tokens = counts_E1[num_experts].clamp(min=1)
-    if step_E1 is not None:
-        if torch._C._current_graph_task_id() < 0:
-            step_E1 += counts_E1
-        counts_E1 = step_E1
+    if step is not None:
+        counts_E1 = step.join(counts_E1)
     scale = num_experts * P / (tokens * counts_E1[num_experts].clamp(min=1) * counted_TX.shape[1])
     weights_E = (counts_E1[:num_experts] * scale).to(probs_TE.dtype)
     return (probs_TE.sum(0) * weights_E).sum()

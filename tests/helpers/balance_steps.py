@@ -57,3 +57,33 @@ def micro_batches(sizes, dtype=torch.float64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     xs = [torch.randn(n, D, generator=generator, dtype=dtype) for n in sizes]
     return xs, [torch.randn(x.shape, generator=generator, dtype=dtype) for x in xs]
+
+
+def one_f_one_b_run(layer, xs, ups, checkpointing="non-reentrant"):
+    """begin_step, then the micro-batches in a pipeline's 1F1B order under activation checkpointing (forward 1,
+    forward 2, backward 1, forward 3, backward 2, ..., the last backward): each recompute runs after a later
+    micro-batch's forward. checkpointing: torch's "non-reentrant" or "reentrant", or "deepspeed" (what a
+    PipelineModule's activation_checkpoint_interval runs). The aux loss is an output of the checkpointed part
+    (reentrant checkpointing runs its forward without grad). Returns what spanning_run does."""
+    from moe_plugin import begin_step
+    if checkpointing == "deepspeed":
+        from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+    else:
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+        def checkpoint(function, x):
+            return torch_checkpoint(function, x, use_reentrant=checkpointing == "reentrant")
+    assert begin_step(layer) == 1
+    inputs, pending, losses = [x.clone().requires_grad_() for x in xs], [], []
+
+    def forward(i):
+        y, aux = checkpoint(lambda x: (layer(x), layer.aux_loss), inputs[i])
+        losses.append(aux.detach().clone())
+        pending.append((y * ups[i]).sum() + aux)
+
+    forward(0)
+    for i in range(1, len(xs)):
+        forward(i)
+        pending.pop(0).backward()
+    pending.pop(0).backward()
+    return layer.router.weight_ED.grad.clone(), [x.grad for x in inputs], torch.stack(losses)
