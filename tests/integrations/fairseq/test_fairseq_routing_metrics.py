@@ -260,7 +260,9 @@ def test_fairseq_alarm_fires_once_per_layer_at_the_set_interval(case, fairseq_me
         return
     if case == "balanced":
         assert warnings == [[]] * 4 and [line["moe/alarm_layers"] for line in lines] == [0] * 4
-        assert all(line["moe/blocks.0/max_load"] < 2 for line in lines)     # balanced indeed
+        # balanced indeed: the collapsed router's is 4.0; these random tokens' busiest expert gave 1.09-1.58 over 10
+        # seeds, and once 2.18 (MOE_TEST_SEED=938268401)
+        assert all(line["moe/blocks.0/max_load"] < 3 for line in lines), [line["moe/blocks.0/max_load"] for line in lines]
         return
     assert [len(w) for w in warnings] == [0, 2, 0, 0]        # at the 2nd log interval, once per layer
     assert [line["moe/alarm_layers"] for line in lines] == [0, 2, 2, 2]
