@@ -16,6 +16,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 try:
@@ -94,7 +95,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     if "moe_plugin.integrations.transformers" in sys.modules:   # loaded wherever a model holds swapped HF blocks
         hf_support().use_deepspeed_blocks(model)
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
-    swap_hf = section is not None and not has_moe
+    stage = _is_pipeline(model)
+    swap_hf = section is not None and not has_moe and not stage
     if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
         hf_support().check_section_for_model(model, section)
         has_moe = True
@@ -104,6 +106,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     use_pipeline_topology(model)
+    if stage and section is not None:
+        check_every_stage_holds_moe(model, has_moe)
     check_ep_sizes(model, section)
     replaced: Dict[int, List[nn.Parameter]] = {}
     if swap_hf:
@@ -204,6 +208,30 @@ def split_client_optimizer(optimizer: torch.optim.Optimizer) -> None:
                          "see. Build the scheduler after initialize (accelerator.prepare), or let DeepSpeed build "
                          "the optimizer (an \"optimizer\" section)")
     optimizer.param_groups[:] = groups
+
+
+def _is_pipeline(model: nn.Module) -> bool:
+    from deepspeed.pipe import PipelineModule
+    return isinstance(model, PipelineModule)
+
+
+def check_every_stage_holds_moe(model: nn.Module, has_moe: bool) -> None:
+    """With a "moe" section, every stage of a PipelineModule must hold an MoE layer: each layer makes process groups
+    that every process joins (torch.distributed), so a stage without one would leave the others waiting forever.
+    A ValueError on every process (the stages' answers gathered first) naming the stages without one."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (int(model.stage_id), has_moe))
+    lacking = sorted({stage for stage, holds in every if not holds})
+    if not lacking:
+        return
+    if len(lacking) == model.num_stages:
+        raise ValueError("the DeepSpeed config has a \"moe\" section, but no stage of the PipelineModule holds a "
+                         "deepspeed.moe.layer.MoE layer: build its MoE blocks with one, or remove the \"moe\" section")
+    raise ValueError(f"pipeline stage(s) {lacking} of the PipelineModule hold no MoE layer, and with a \"moe\" "
+                     f"section every stage must hold one (each MoE layer makes process groups that every process "
+                     f"joins): partition the layers so that each stage holds an MoE block (PipelineModule's "
+                     f"partition_method=\"type:<your MoE block's class name>\", or explicit parts), or use fewer "
+                     f"stages")
 
 
 def count_balance_in_stage(model: nn.Module) -> None:

@@ -93,3 +93,46 @@ def test_a_pipeline_with_moe_stages_equals_the_layers_without_pipelining():
     assert not torch.allclose(reference, without_aux, rtol=1e-4)
     for result in results:
         assert torch.allclose(torch.tensor(result["losses"]), reference, rtol=1e-5), (result["losses"], reference)
+
+
+class DenseBlock(torch.nn.Module):
+    """x + Linear(x): a dense block, as the first layers of DeepSeek-V3."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, inputs):
+        x_BSD, aux_1 = inputs
+        return x_BSD + self.linear(x_BSD), aux_1
+
+
+def dense_stage_worker(rank, world):
+    """2 stages: the embedding and a dense block on stage 0 (no MoE layer), the MoE block and the head on stage 1."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from helpers.deepspeed import setup_worker
+
+    example = load_script("examples/deepspeed/pipeline_moe.py")
+    from moe_plugin.integrations.deepspeed import initialize
+    setup_worker(rank, world)
+    section = {**SECTION, "ep_size": 1}
+    embed, block, head = example.layers(section, blocks=1)
+    specs = [LayerSpec(embed[0], *embed[1]), LayerSpec(DenseBlock, 32), LayerSpec(block[0], *block[1]),
+             LayerSpec(head[0], *head[1])]
+    model = PipelineModule(specs, num_stages=2, loss_fn=example.lm_loss, partition_method="uniform")
+    try:
+        initialize(model=model, config={**CONFIG, "moe": section}, model_parameters=model.parameters())
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_without_an_moe_layer_is_refused_on_every_stage():
+    """Each MoE layer makes process groups that every process joins, so a stage without one would leave the others
+    waiting forever (measured: the step hangs at ZeRO-1's grad norm, and at ZeRO 0 at the next group made): every
+    stage stops at initialize with the same ValueError naming the stage and what to do."""
+    errors = run_workers(dense_stage_worker, 2, timeout=300)
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    assert errors[0].startswith("pipeline stage(s) [0] of the PipelineModule hold no MoE layer"), errors[0]
+    assert "partition_method=\"type:" in errors[0], errors[0]
