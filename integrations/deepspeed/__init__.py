@@ -95,8 +95,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     if "moe_plugin.integrations.transformers" in sys.modules:   # loaded wherever a model holds swapped HF blocks
         hf_support().use_deepspeed_blocks(model)
     has_moe = any(isinstance(m, NativeMoE) for m in model.modules())
-    stage = _is_pipeline(model)
-    swap_hf = section is not None and not has_moe and not stage
+    pipeline = _is_pipeline(model)
+    swap_hf = section is not None and not has_moe and not pipeline
     if swap_hf:   # no DeepSpeed MoE layer: a Hugging Face MoE model, or an error naming what was looked for
         hf_support().check_section_for_model(model, section)
         has_moe = True
@@ -106,7 +106,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer=No
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     use_pipeline_topology(model)
-    if stage and section is not None:
+    if pipeline and section is not None:
         check_every_stage_holds_moe(model, has_moe)
     check_ep_sizes(model, section)
     replaced: Dict[int, List[nn.Parameter]] = {}
@@ -237,8 +237,7 @@ def check_every_stage_holds_moe(model: nn.Module, has_moe: bool) -> None:
 def count_balance_in_stage(model: nn.Module) -> None:
     """A PipelineModule's MoE layers live on one stage: aux_loss_scope "global" counts over that stage's
     data-parallel group (the processes that hold the layer, feeding it different tokens), not the world."""
-    from deepspeed.pipe import PipelineModule
-    if isinstance(model, PipelineModule):
+    if _is_pipeline(model):
         for layer in model.modules():
             if isinstance(layer, MoELayer):
                 layer.router.aux_loss_group = model.mpu().get_data_parallel_group()
@@ -248,7 +247,6 @@ def use_pipeline_topology(model: nn.Module) -> None:
     """A PipelineModule's MoE layers exchange tokens and reduce expert gradients inside their pipeline stage:
     DeepSpeed makes its expert groups follow the pipeline grid (groups.mpu), which its engine sets only after
     initialize has built moe_plugin's layers (and their groups). Set it first, as the engine will."""
-    from deepspeed.pipe import PipelineModule
     from deepspeed.utils import groups
-    if isinstance(model, PipelineModule) and groups.mpu is None:
+    if _is_pipeline(model) and groups.mpu is None:
         groups.mpu = model.mpu()
